@@ -1,0 +1,1 @@
+"""The decode node: pull or recompute the prompt KV, decode, stream tokens, publish."""

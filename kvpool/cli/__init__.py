@@ -1,0 +1,1 @@
+"""The `kvpool` command line (typer). Every subcommand imports its role lazily."""

@@ -1,0 +1,39 @@
+"""Entry point of the `kvpool` console script.
+
+`kvpool --help` must stay fast: nothing here imports torch, grpc or ucxx at module level.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+
+from kvpool.cli.bench import bench_app
+from kvpool.cli.roles import register_role_commands
+
+app = typer.Typer(
+    name="kvpool",
+    help="kvpool: a disaggregated KV-cache pool for LLM serving.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(bench_app, name="bench", help="Benchmarks: each prints a table and writes --json.")
+register_role_commands(app)
+
+
+@app.callback()
+def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Value types shared by every role: block hashes, namespaces, KV layout, locations, clocks.
+
+This module imports nothing from the project; `kvpool.index` depends on it alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import NewType, Protocol
+
+HASH_NBYTES = 16
+"""Length in bytes of a block hash and of a namespace digest (128 bits)."""
+
+BlockHash = NewType("BlockHash", bytes)
+"""A 16-byte chained block hash (see `kvpool.hashing`)."""
+
+NamespaceId = NewType("NamespaceId", bytes)
+"""The 16-byte digest of a `kvpool.hashing.Namespace`: the root of every hash chain."""
+
+_DTYPE_NBYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVLayout:
+    """The layout of one KV block: `[num_layers, 2 (K,V), num_kv_heads, block_size, head_dim]`.
+
+    `dtype` is a torch dtype name without the `torch.` prefix (e.g. "float32", "bfloat16").
+    Raises `ValueError` on a non-positive dimension or an unknown dtype.
+    """
+
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPE_NBYTES:
+            raise ValueError(f"unknown KV dtype {self.dtype!r}; expected one of {sorted(_DTYPE_NBYTES)}")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+
+    @property
+    def dtype_nbytes(self) -> int:
+        return _DTYPE_NBYTES[self.dtype]
+
+    @property
+    def token_nbytes(self) -> int:
+        """Bytes of KV per token over all layers (K and V)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_nbytes
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block: `token_nbytes * block_size`."""
+        return self.token_nbytes * self.block_size
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def fingerprint(self) -> str:
+        """A canonical text form, equal on every node for equal layouts (part of the namespace)."""
+        return f"kv1:{self.dtype}:b{self.block_size}:l{self.num_layers}:h{self.num_kv_heads}:d{self.head_dim}"
+
+    @classmethod
+    def from_fingerprint(cls, text: str) -> KVLayout:
+        """Inverse of `fingerprint()`; raises `ValueError` on malformed text."""
+        parts = text.split(":")
+        if len(parts) != 6 or parts[0] != "kv1":
+            raise ValueError(f"malformed KV layout fingerprint {text!r}")
+        try:
+            return cls(
+                dtype=parts[1],
+                block_size=int(parts[2].removeprefix("b")),
+                num_layers=int(parts[3].removeprefix("l")),
+                num_kv_heads=int(parts[4].removeprefix("h")),
+                head_dim=int(parts[5].removeprefix("d")),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"malformed KV layout fingerprint {text!r}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """One replica of a block: a slot on a store node, valid for one slot generation.
+
+    `local=True` marks a node-local tier copy (visible to the router's peek, never readable by others).
+    """
+
+    node_id: str
+    slot: int
+    generation: int
+    local: bool = False
+
+
+class Clock(Protocol):
+    """Injected time source (milliseconds, monotonic)."""
+
+    def now_ms(self) -> int: ...
+
+
+class MonotonicClock:
+    """Wall-independent monotonic clock in integer milliseconds."""
+
+    def now_ms(self) -> int:
+        return time.monotonic_ns() // 1_000_000
+
+
+class FakeClock:
+    """A clock that moves only when told to (tests, trace replay)."""
+
+    def __init__(self, start_ms: int = 0) -> None:
+        self._now_ms = start_ms
+
+    def now_ms(self) -> int:
+        return self._now_ms
+
+    def advance(self, delta_ms: int) -> None:
+        if delta_ms < 0:
+            raise ValueError("a clock never goes back")
+        self._now_ms += delta_ms
+
+    def set(self, now_ms: int) -> None:
+        if now_ms < self._now_ms:
+            raise ValueError("a clock never goes back")
+        self._now_ms = now_ms

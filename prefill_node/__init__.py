@@ -1,0 +1,1 @@
+"""The prefill node: prefix match, load, compute the suffix, publish."""
