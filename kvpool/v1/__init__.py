@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of proto/kvpool/v1/kvpool.proto."""

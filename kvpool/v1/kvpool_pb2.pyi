@@ -1,0 +1,1125 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class BlockLocation(_message.Message):
+    __slots__ = ("node_id", "slot", "generation", "local")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    slot: int
+    generation: int
+    local: bool
+    def __init__(
+        self,
+        node_id: str | None = ...,
+        slot: int | None = ...,
+        generation: int | None = ...,
+        local: bool | None = ...,
+    ) -> None: ...
+
+class BlockReplicas(_message.Message):
+    __slots__ = ("locations",)
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
+    def __init__(self, locations: _Iterable[BlockLocation | _Mapping] | None = ...) -> None: ...
+
+class NodeEndpoint(_message.Message):
+    __slots__ = ("node_id", "role", "grpc_address", "data_address", "epoch")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    role: str
+    grpc_address: str
+    data_address: str
+    epoch: int
+    def __init__(
+        self,
+        node_id: str | None = ...,
+        role: str | None = ...,
+        grpc_address: str | None = ...,
+        data_address: str | None = ...,
+        epoch: int | None = ...,
+    ) -> None: ...
+
+class NodeLoad(_message.Message):
+    __slots__ = (
+        "queue_len",
+        "recompute_s_per_token",
+        "recompute_s_per_token_ctx",
+        "recompute_overhead_s",
+        "link_alpha_s",
+        "link_beta_bytes_per_s",
+    )
+    QUEUE_LEN_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_S_PER_TOKEN_CTX_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
+    LINK_ALPHA_S_FIELD_NUMBER: _ClassVar[int]
+    LINK_BETA_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    queue_len: int
+    recompute_s_per_token: float
+    recompute_s_per_token_ctx: float
+    recompute_overhead_s: float
+    link_alpha_s: float
+    link_beta_bytes_per_s: float
+    def __init__(
+        self,
+        queue_len: int | None = ...,
+        recompute_s_per_token: float | None = ...,
+        recompute_s_per_token_ctx: float | None = ...,
+        recompute_overhead_s: float | None = ...,
+        link_alpha_s: float | None = ...,
+        link_beta_bytes_per_s: float | None = ...,
+    ) -> None: ...
+
+class SlotRef(_message.Message):
+    __slots__ = ("slot", "generation")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    generation: int
+    def __init__(self, slot: int | None = ..., generation: int | None = ...) -> None: ...
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("node", "protocol_version", "layout_fingerprint", "num_slots", "block_nbytes")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    node: NodeEndpoint
+    protocol_version: int
+    layout_fingerprint: str
+    num_slots: int
+    block_nbytes: int
+    def __init__(
+        self,
+        node: NodeEndpoint | _Mapping | None = ...,
+        protocol_version: int | None = ...,
+        layout_fingerprint: str | None = ...,
+        num_slots: int | None = ...,
+        block_nbytes: int | None = ...,
+    ) -> None: ...
+
+class RegisterNodeResponse(_message.Message):
+    __slots__ = ("heartbeat_interval_ms", "master_epoch", "layout_fingerprint")
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_ms: int
+    master_epoch: int
+    layout_fingerprint: str
+    def __init__(
+        self,
+        heartbeat_interval_ms: int | None = ...,
+        master_epoch: int | None = ...,
+        layout_fingerprint: str | None = ...,
+    ) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "epoch", "freed_slots", "num_used_slots", "load")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FREED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    freed_slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
+    num_used_slots: int
+    load: NodeLoad
+    def __init__(
+        self,
+        node_id: str | None = ...,
+        epoch: int | None = ...,
+        freed_slots: _Iterable[SlotRef | _Mapping] | None = ...,
+        num_used_slots: int | None = ...,
+        load: NodeLoad | _Mapping | None = ...,
+    ) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known", "master_epoch")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    master_epoch: int
+    def __init__(self, known: bool | None = ..., master_epoch: int | None = ...) -> None: ...
+
+class RegisterNamespaceRequest(_message.Message):
+    __slots__ = ("model_id", "weights_version", "layout_fingerprint", "cache_salt", "adapter_digest", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: str | None = ..., value: str | None = ...) -> None: ...
+
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    weights_version: str
+    layout_fingerprint: str
+    cache_salt: str
+    adapter_digest: str
+    extra: _containers.ScalarMap[str, str]
+    def __init__(
+        self,
+        model_id: str | None = ...,
+        weights_version: str | None = ...,
+        layout_fingerprint: str | None = ...,
+        cache_salt: str | None = ...,
+        adapter_digest: str | None = ...,
+        extra: _Mapping[str, str] | None = ...,
+    ) -> None: ...
+
+class RegisterNamespaceResponse(_message.Message):
+    __slots__ = ("namespace", "active_version")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    active_version: str
+    def __init__(self, namespace: bytes | None = ..., active_version: str | None = ...) -> None: ...
+
+class SetModelVersionRequest(_message.Message):
+    __slots__ = ("model_id", "weights_version")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    weights_version: str
+    def __init__(self, model_id: str | None = ..., weights_version: str | None = ...) -> None: ...
+
+class SetModelVersionResponse(_message.Message):
+    __slots__ = ("previous_version", "num_namespaces_invalidated")
+    PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_NAMESPACES_INVALIDATED_FIELD_NUMBER: _ClassVar[int]
+    previous_version: str
+    num_namespaces_invalidated: int
+    def __init__(
+        self, previous_version: str | None = ..., num_namespaces_invalidated: int | None = ...
+    ) -> None: ...
+
+class MatchPrefixRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "count_hit", "lease_ttl_ms", "request_id", "num_prompt_tokens")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    COUNT_HIT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    count_hit: bool
+    lease_ttl_ms: int
+    request_id: str
+    num_prompt_tokens: int
+    def __init__(
+        self,
+        namespace: bytes | None = ...,
+        block_hashes: _Iterable[bytes] | None = ...,
+        count_hit: bool | None = ...,
+        lease_ttl_ms: int | None = ...,
+        request_id: str | None = ...,
+        num_prompt_tokens: int | None = ...,
+    ) -> None: ...
+
+class MatchPrefixResponse(_message.Message):
+    __slots__ = ("num_matched", "replicas", "lease_id", "lease_ttl_ms", "nodes", "request_id")
+    NUM_MATCHED_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    num_matched: int
+    replicas: _containers.RepeatedCompositeFieldContainer[BlockReplicas]
+    lease_id: int
+    lease_ttl_ms: int
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeEndpoint]
+    request_id: str
+    def __init__(
+        self,
+        num_matched: int | None = ...,
+        replicas: _Iterable[BlockReplicas | _Mapping] | None = ...,
+        lease_id: int | None = ...,
+        lease_ttl_ms: int | None = ...,
+        nodes: _Iterable[NodeEndpoint | _Mapping] | None = ...,
+        request_id: str | None = ...,
+    ) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("lease_id", "ttl_ms")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    ttl_ms: int
+    def __init__(self, lease_id: int | None = ..., ttl_ms: int | None = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("ttl_ms",)
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    ttl_ms: int
+    def __init__(self, ttl_ms: int | None = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: int | None = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = (
+        "namespace",
+        "parent_hash",
+        "block_hashes",
+        "num_replicas",
+        "block_nbytes",
+        "recompute_cost_s",
+        "write_lease_ms",
+        "request_id",
+        "writer_node_id",
+    )
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_COST_S_FIELD_NUMBER: _ClassVar[int]
+    WRITE_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WRITER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    parent_hash: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    num_replicas: int
+    block_nbytes: int
+    recompute_cost_s: _containers.RepeatedScalarFieldContainer[float]
+    write_lease_ms: int
+    request_id: str
+    writer_node_id: str
+    def __init__(
+        self,
+        namespace: bytes | None = ...,
+        parent_hash: bytes | None = ...,
+        block_hashes: _Iterable[bytes] | None = ...,
+        num_replicas: int | None = ...,
+        block_nbytes: int | None = ...,
+        recompute_cost_s: _Iterable[float] | None = ...,
+        write_lease_ms: int | None = ...,
+        request_id: str | None = ...,
+        writer_node_id: str | None = ...,
+    ) -> None: ...
+
+class ReservedBlock(_message.Message):
+    __slots__ = ("block_hash", "already_present", "locations")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    already_present: bool
+    locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
+    def __init__(
+        self,
+        block_hash: bytes | None = ...,
+        already_present: bool | None = ...,
+        locations: _Iterable[BlockLocation | _Mapping] | None = ...,
+    ) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservation_id", "blocks", "write_lease_ms", "nodes", "num_replicas_placed")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPLICAS_PLACED_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    blocks: _containers.RepeatedCompositeFieldContainer[ReservedBlock]
+    write_lease_ms: int
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeEndpoint]
+    num_replicas_placed: int
+    def __init__(
+        self,
+        reservation_id: int | None = ...,
+        blocks: _Iterable[ReservedBlock | _Mapping] | None = ...,
+        write_lease_ms: int | None = ...,
+        nodes: _Iterable[NodeEndpoint | _Mapping] | None = ...,
+        num_replicas_placed: int | None = ...,
+    ) -> None: ...
+
+class CommittedBlock(_message.Message):
+    __slots__ = ("block_hash", "checksum", "written")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    checksum: int
+    written: _containers.RepeatedCompositeFieldContainer[BlockLocation]
+    def __init__(
+        self,
+        block_hash: bytes | None = ...,
+        checksum: int | None = ...,
+        written: _Iterable[BlockLocation | _Mapping] | None = ...,
+    ) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("reservation_id", "blocks")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    blocks: _containers.RepeatedCompositeFieldContainer[CommittedBlock]
+    def __init__(
+        self,
+        reservation_id: int | None = ...,
+        blocks: _Iterable[CommittedBlock | _Mapping] | None = ...,
+    ) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("num_committed", "num_existing")
+    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXISTING_FIELD_NUMBER: _ClassVar[int]
+    num_committed: int
+    num_existing: int
+    def __init__(self, num_committed: int | None = ..., num_existing: int | None = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("reservation_id",)
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    def __init__(self, reservation_id: int | None = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RemoveBlocksRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "force")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    force: bool
+    def __init__(
+        self,
+        namespace: bytes | None = ...,
+        block_hashes: _Iterable[bytes] | None = ...,
+        force: bool | None = ...,
+    ) -> None: ...
+
+class RemoveBlocksResponse(_message.Message):
+    __slots__ = ("num_removed",)
+    NUM_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    num_removed: int
+    def __init__(self, num_removed: int | None = ...) -> None: ...
+
+class ReportBadReplicaRequest(_message.Message):
+    __slots__ = ("namespace", "block_hash", "location", "reason")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    block_hash: bytes
+    location: BlockLocation
+    reason: str
+    def __init__(
+        self,
+        namespace: bytes | None = ...,
+        block_hash: bytes | None = ...,
+        location: BlockLocation | _Mapping | None = ...,
+        reason: str | None = ...,
+    ) -> None: ...
+
+class ReportBadReplicaResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReportLocalRequest(_message.Message):
+    __slots__ = ("node_id", "epoch", "namespace", "stored", "removed", "cleared")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    namespace: bytes
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    cleared: bool
+    def __init__(
+        self,
+        node_id: str | None = ...,
+        epoch: int | None = ...,
+        namespace: bytes | None = ...,
+        stored: _Iterable[bytes] | None = ...,
+        removed: _Iterable[bytes] | None = ...,
+        cleared: bool | None = ...,
+    ) -> None: ...
+
+class ReportLocalResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStats(_message.Message):
+    __slots__ = (
+        "node",
+        "alive",
+        "draining",
+        "num_slots",
+        "num_used_slots",
+        "num_blocks",
+        "used_bytes",
+        "load",
+    )
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    node: NodeEndpoint
+    alive: bool
+    draining: bool
+    num_slots: int
+    num_used_slots: int
+    num_blocks: int
+    used_bytes: int
+    load: NodeLoad
+    def __init__(
+        self,
+        node: NodeEndpoint | _Mapping | None = ...,
+        alive: bool | None = ...,
+        draining: bool | None = ...,
+        num_slots: int | None = ...,
+        num_used_slots: int | None = ...,
+        num_blocks: int | None = ...,
+        used_bytes: int | None = ...,
+        load: NodeLoad | _Mapping | None = ...,
+    ) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = (
+        "num_blocks",
+        "used_bytes",
+        "capacity_bytes",
+        "num_live_leases",
+        "num_evictions",
+        "num_match_requests",
+        "requested_tokens",
+        "hit_tokens",
+        "requested_blocks",
+        "hit_blocks",
+        "uptime_s",
+        "nodes",
+        "num_namespaces",
+        "num_reserved_blocks",
+        "num_rereplications",
+        "block_size",
+    )
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MATCH_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REREPLICATIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    num_live_leases: int
+    num_evictions: int
+    num_match_requests: int
+    requested_tokens: int
+    hit_tokens: int
+    requested_blocks: int
+    hit_blocks: int
+    uptime_s: float
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStats]
+    num_namespaces: int
+    num_reserved_blocks: int
+    num_rereplications: int
+    block_size: int
+    def __init__(
+        self,
+        num_blocks: int | None = ...,
+        used_bytes: int | None = ...,
+        capacity_bytes: int | None = ...,
+        num_live_leases: int | None = ...,
+        num_evictions: int | None = ...,
+        num_match_requests: int | None = ...,
+        requested_tokens: int | None = ...,
+        hit_tokens: int | None = ...,
+        requested_blocks: int | None = ...,
+        hit_blocks: int | None = ...,
+        uptime_s: float | None = ...,
+        nodes: _Iterable[NodeStats | _Mapping] | None = ...,
+        num_namespaces: int | None = ...,
+        num_reserved_blocks: int | None = ...,
+        num_rereplications: int | None = ...,
+        block_size: int | None = ...,
+    ) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStats]
+    def __init__(self, nodes: _Iterable[NodeStats | _Mapping] | None = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: str | None = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("num_blocks_to_move",)
+    NUM_BLOCKS_TO_MOVE_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_to_move: int
+    def __init__(self, num_blocks_to_move: int | None = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("fraction", "node_id")
+    FRACTION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    fraction: float
+    node_id: str
+    def __init__(self, fraction: float | None = ..., node_id: str | None = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("num_evicted", "shortfall")
+    NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    SHORTFALL_FIELD_NUMBER: _ClassVar[int]
+    num_evicted: int
+    shortfall: int
+    def __init__(self, num_evicted: int | None = ..., shortfall: int | None = ...) -> None: ...
+
+class InvalidateNamespaceRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    def __init__(self, namespace: bytes | None = ...) -> None: ...
+
+class InvalidateNamespaceResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = (
+        "node",
+        "layout_fingerprint",
+        "num_slots",
+        "block_nbytes",
+        "segment_bytes",
+        "num_used_slots",
+        "num_inflight_transfers",
+        "rss_bytes",
+    )
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFLIGHT_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node: NodeEndpoint
+    layout_fingerprint: str
+    num_slots: int
+    block_nbytes: int
+    segment_bytes: int
+    num_used_slots: int
+    num_inflight_transfers: int
+    rss_bytes: int
+    def __init__(
+        self,
+        node: NodeEndpoint | _Mapping | None = ...,
+        layout_fingerprint: str | None = ...,
+        num_slots: int | None = ...,
+        block_nbytes: int | None = ...,
+        segment_bytes: int | None = ...,
+        num_used_slots: int | None = ...,
+        num_inflight_transfers: int | None = ...,
+        rss_bytes: int | None = ...,
+    ) -> None: ...
+
+class SlotReservation(_message.Message):
+    __slots__ = ("slot", "generation", "namespace", "block_hash", "parent_hash")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    generation: int
+    namespace: bytes
+    block_hash: bytes
+    parent_hash: bytes
+    def __init__(
+        self,
+        slot: int | None = ...,
+        generation: int | None = ...,
+        namespace: bytes | None = ...,
+        block_hash: bytes | None = ...,
+        parent_hash: bytes | None = ...,
+    ) -> None: ...
+
+class ReserveSlotsRequest(_message.Message):
+    __slots__ = ("slots", "write_lease_ms")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[SlotReservation]
+    write_lease_ms: int
+    def __init__(
+        self,
+        slots: _Iterable[SlotReservation | _Mapping] | None = ...,
+        write_lease_ms: int | None = ...,
+    ) -> None: ...
+
+class ReserveSlotsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CommitSlotsRequest(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
+    def __init__(self, slots: _Iterable[SlotRef | _Mapping] | None = ...) -> None: ...
+
+class SlotResult(_message.Message):
+    __slots__ = ("slot", "generation", "ok", "error")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    generation: int
+    ok: bool
+    error: str
+    def __init__(
+        self,
+        slot: int | None = ...,
+        generation: int | None = ...,
+        ok: bool | None = ...,
+        error: str | None = ...,
+    ) -> None: ...
+
+class CommitSlotsResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SlotResult]
+    def __init__(self, results: _Iterable[SlotResult | _Mapping] | None = ...) -> None: ...
+
+class FreeSlotsRequest(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
+    def __init__(self, slots: _Iterable[SlotRef | _Mapping] | None = ...) -> None: ...
+
+class FreedSlot(_message.Message):
+    __slots__ = ("slot", "new_generation", "deferred")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NEW_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    new_generation: int
+    deferred: bool
+    def __init__(
+        self,
+        slot: int | None = ...,
+        new_generation: int | None = ...,
+        deferred: bool | None = ...,
+    ) -> None: ...
+
+class FreeSlotsResponse(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[FreedSlot]
+    def __init__(self, slots: _Iterable[FreedSlot | _Mapping] | None = ...) -> None: ...
+
+class InventoryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InventoryEntry(_message.Message):
+    __slots__ = ("namespace", "block_hash", "parent_hash", "slot", "generation", "checksum", "size_bytes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    block_hash: bytes
+    parent_hash: bytes
+    slot: int
+    generation: int
+    checksum: int
+    size_bytes: int
+    def __init__(
+        self,
+        namespace: bytes | None = ...,
+        block_hash: bytes | None = ...,
+        parent_hash: bytes | None = ...,
+        slot: int | None = ...,
+        generation: int | None = ...,
+        checksum: int | None = ...,
+        size_bytes: int | None = ...,
+    ) -> None: ...
+
+class InventoryResponse(_message.Message):
+    __slots__ = ("entries", "epoch")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[InventoryEntry]
+    epoch: int
+    def __init__(
+        self,
+        entries: _Iterable[InventoryEntry | _Mapping] | None = ...,
+        epoch: int | None = ...,
+    ) -> None: ...
+
+class CopyBlock(_message.Message):
+    __slots__ = ("src", "dst", "checksum")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    src: SlotRef
+    dst: SlotRef
+    checksum: int
+    def __init__(
+        self,
+        src: SlotRef | _Mapping | None = ...,
+        dst: SlotRef | _Mapping | None = ...,
+        checksum: int | None = ...,
+    ) -> None: ...
+
+class CopyBlocksRequest(_message.Message):
+    __slots__ = ("src_data_address", "blocks")
+    SRC_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    src_data_address: str
+    blocks: _containers.RepeatedCompositeFieldContainer[CopyBlock]
+    def __init__(
+        self,
+        src_data_address: str | None = ...,
+        blocks: _Iterable[CopyBlock | _Mapping] | None = ...,
+    ) -> None: ...
+
+class CopyBlocksResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SlotResult]
+    def __init__(self, results: _Iterable[SlotResult | _Mapping] | None = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "has_seed", "max_tokens", "stop_token_ids")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    has_seed: bool
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(
+        self,
+        temperature: float | None = ...,
+        top_p: float | None = ...,
+        top_k: int | None = ...,
+        seed: int | None = ...,
+        has_seed: bool | None = ...,
+        max_tokens: int | None = ...,
+        stop_token_ids: _Iterable[int] | None = ...,
+    ) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "publish", "use_cache")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    USE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    cache_salt: str
+    publish: bool
+    use_cache: bool
+    def __init__(
+        self,
+        request_id: str | None = ...,
+        token_ids: _Iterable[int] | None = ...,
+        sampling: SamplingParams | _Mapping | None = ...,
+        cache_salt: str | None = ...,
+        publish: bool | None = ...,
+        use_cache: bool | None = ...,
+    ) -> None: ...
+
+class PrefillStats(_message.Message):
+    __slots__ = (
+        "num_prompt_tokens",
+        "num_matched_tokens",
+        "num_reused_tokens",
+        "num_pulled_tokens",
+        "num_local_tokens",
+        "pulled_bytes",
+        "decision",
+        "match_s",
+        "pull_s",
+        "compute_s",
+        "ttft_s",
+        "predicted_pull_s",
+        "predicted_recompute_s",
+        "num_failed_blocks",
+    )
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOCAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    MATCH_S_FIELD_NUMBER: _ClassVar[int]
+    PULL_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_PULL_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_prompt_tokens: int
+    num_matched_tokens: int
+    num_reused_tokens: int
+    num_pulled_tokens: int
+    num_local_tokens: int
+    pulled_bytes: int
+    decision: str
+    match_s: float
+    pull_s: float
+    compute_s: float
+    ttft_s: float
+    predicted_pull_s: float
+    predicted_recompute_s: float
+    num_failed_blocks: int
+    def __init__(
+        self,
+        num_prompt_tokens: int | None = ...,
+        num_matched_tokens: int | None = ...,
+        num_reused_tokens: int | None = ...,
+        num_pulled_tokens: int | None = ...,
+        num_local_tokens: int | None = ...,
+        pulled_bytes: int | None = ...,
+        decision: str | None = ...,
+        match_s: float | None = ...,
+        pull_s: float | None = ...,
+        compute_s: float | None = ...,
+        ttft_s: float | None = ...,
+        predicted_pull_s: float | None = ...,
+        predicted_recompute_s: float | None = ...,
+        num_failed_blocks: int | None = ...,
+    ) -> None: ...
+
+class PrefillFirstToken(_message.Message):
+    __slots__ = ("token_id", "block_hashes", "stats")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    stats: PrefillStats
+    def __init__(
+        self,
+        token_id: int | None = ...,
+        block_hashes: _Iterable[bytes] | None = ...,
+        stats: PrefillStats | _Mapping | None = ...,
+    ) -> None: ...
+
+class PrefillPublished(_message.Message):
+    __slots__ = ("status", "num_blocks", "num_existing", "publish_s", "error")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXISTING_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    num_blocks: int
+    num_existing: int
+    publish_s: float
+    error: str
+    def __init__(
+        self,
+        status: str | None = ...,
+        num_blocks: int | None = ...,
+        num_existing: int | None = ...,
+        publish_s: float | None = ...,
+        error: str | None = ...,
+    ) -> None: ...
+
+class PrefillEvent(_message.Message):
+    __slots__ = ("first_token", "published")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    first_token: PrefillFirstToken
+    published: PrefillPublished
+    def __init__(
+        self,
+        first_token: PrefillFirstToken | _Mapping | None = ...,
+        published: PrefillPublished | _Mapping | None = ...,
+    ) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = (
+        "request_id",
+        "token_ids",
+        "first_token",
+        "block_hashes",
+        "sampling",
+        "cache_salt",
+        "prompt_committed",
+        "publish",
+        "use_cache",
+    )
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    USE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    sampling: SamplingParams
+    cache_salt: str
+    prompt_committed: bool
+    publish: bool
+    use_cache: bool
+    def __init__(
+        self,
+        request_id: str | None = ...,
+        token_ids: _Iterable[int] | None = ...,
+        first_token: int | None = ...,
+        block_hashes: _Iterable[bytes] | None = ...,
+        sampling: SamplingParams | _Mapping | None = ...,
+        cache_salt: str | None = ...,
+        prompt_committed: bool | None = ...,
+        publish: bool | None = ...,
+        use_cache: bool | None = ...,
+    ) -> None: ...
+
+class DecodeStats(_message.Message):
+    __slots__ = (
+        "num_prompt_tokens",
+        "num_reused_tokens",
+        "num_pulled_tokens",
+        "pulled_bytes",
+        "decision",
+        "load_s",
+        "decode_s",
+        "num_generated",
+        "finish_reason",
+        "num_published_blocks",
+    )
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PUBLISHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_prompt_tokens: int
+    num_reused_tokens: int
+    num_pulled_tokens: int
+    pulled_bytes: int
+    decision: str
+    load_s: float
+    decode_s: float
+    num_generated: int
+    finish_reason: str
+    num_published_blocks: int
+    def __init__(
+        self,
+        num_prompt_tokens: int | None = ...,
+        num_reused_tokens: int | None = ...,
+        num_pulled_tokens: int | None = ...,
+        pulled_bytes: int | None = ...,
+        decision: str | None = ...,
+        load_s: float | None = ...,
+        decode_s: float | None = ...,
+        num_generated: int | None = ...,
+        finish_reason: str | None = ...,
+        num_published_blocks: int | None = ...,
+    ) -> None: ...
+
+class DecodeEvent(_message.Message):
+    __slots__ = ("token_ids", "finished", "stats")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: bool
+    stats: DecodeStats
+    def __init__(
+        self,
+        token_ids: _Iterable[int] | None = ...,
+        finished: bool | None = ...,
+        stats: DecodeStats | _Mapping | None = ...,
+    ) -> None: ...
