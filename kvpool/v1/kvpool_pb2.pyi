@@ -1,10 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -18,19 +16,13 @@ class BlockLocation(_message.Message):
     slot: int
     generation: int
     local: bool
-    def __init__(
-        self,
-        node_id: str | None = ...,
-        slot: int | None = ...,
-        generation: int | None = ...,
-        local: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., local: _Optional[bool] = ...) -> None: ...
 
 class BlockReplicas(_message.Message):
     __slots__ = ("locations",)
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
-    def __init__(self, locations: _Iterable[BlockLocation | _Mapping] | None = ...) -> None: ...
+    def __init__(self, locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
 
 class NodeEndpoint(_message.Message):
     __slots__ = ("node_id", "role", "grpc_address", "data_address", "epoch")
@@ -44,24 +36,10 @@ class NodeEndpoint(_message.Message):
     grpc_address: str
     data_address: str
     epoch: int
-    def __init__(
-        self,
-        node_id: str | None = ...,
-        role: str | None = ...,
-        grpc_address: str | None = ...,
-        data_address: str | None = ...,
-        epoch: int | None = ...,
-    ) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., data_address: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = (
-        "queue_len",
-        "recompute_s_per_token",
-        "recompute_s_per_token_ctx",
-        "recompute_overhead_s",
-        "link_alpha_s",
-        "link_beta_bytes_per_s",
-    )
+    __slots__ = ("queue_len", "recompute_s_per_token", "recompute_s_per_token_ctx", "recompute_overhead_s", "link_alpha_s", "link_beta_bytes_per_s")
     QUEUE_LEN_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_S_PER_TOKEN_CTX_FIELD_NUMBER: _ClassVar[int]
@@ -74,15 +52,7 @@ class NodeLoad(_message.Message):
     recompute_overhead_s: float
     link_alpha_s: float
     link_beta_bytes_per_s: float
-    def __init__(
-        self,
-        queue_len: int | None = ...,
-        recompute_s_per_token: float | None = ...,
-        recompute_s_per_token_ctx: float | None = ...,
-        recompute_overhead_s: float | None = ...,
-        link_alpha_s: float | None = ...,
-        link_beta_bytes_per_s: float | None = ...,
-    ) -> None: ...
+    def __init__(self, queue_len: _Optional[int] = ..., recompute_s_per_token: _Optional[float] = ..., recompute_s_per_token_ctx: _Optional[float] = ..., recompute_overhead_s: _Optional[float] = ..., link_alpha_s: _Optional[float] = ..., link_beta_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class SlotRef(_message.Message):
     __slots__ = ("slot", "generation")
@@ -90,7 +60,7 @@ class SlotRef(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     slot: int
     generation: int
-    def __init__(self, slot: int | None = ..., generation: int | None = ...) -> None: ...
+    def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("node", "protocol_version", "layout_fingerprint", "num_slots", "block_nbytes")
@@ -104,14 +74,7 @@ class RegisterNodeRequest(_message.Message):
     layout_fingerprint: str
     num_slots: int
     block_nbytes: int
-    def __init__(
-        self,
-        node: NodeEndpoint | _Mapping | None = ...,
-        protocol_version: int | None = ...,
-        layout_fingerprint: str | None = ...,
-        num_slots: int | None = ...,
-        block_nbytes: int | None = ...,
-    ) -> None: ...
+    def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., protocol_version: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., num_slots: _Optional[int] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("heartbeat_interval_ms", "master_epoch", "layout_fingerprint")
@@ -121,12 +84,7 @@ class RegisterNodeResponse(_message.Message):
     heartbeat_interval_ms: int
     master_epoch: int
     layout_fingerprint: str
-    def __init__(
-        self,
-        heartbeat_interval_ms: int | None = ...,
-        master_epoch: int | None = ...,
-        layout_fingerprint: str | None = ...,
-    ) -> None: ...
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., master_epoch: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "epoch", "freed_slots", "num_used_slots", "load")
@@ -140,14 +98,7 @@ class HeartbeatRequest(_message.Message):
     freed_slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
     num_used_slots: int
     load: NodeLoad
-    def __init__(
-        self,
-        node_id: str | None = ...,
-        epoch: int | None = ...,
-        freed_slots: _Iterable[SlotRef | _Mapping] | None = ...,
-        num_used_slots: int | None = ...,
-        load: NodeLoad | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., freed_slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., num_used_slots: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known", "master_epoch")
@@ -155,7 +106,7 @@ class HeartbeatResponse(_message.Message):
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     known: bool
     master_epoch: int
-    def __init__(self, known: bool | None = ..., master_epoch: int | None = ...) -> None: ...
+    def __init__(self, known: _Optional[bool] = ..., master_epoch: _Optional[int] = ...) -> None: ...
 
 class RegisterNamespaceRequest(_message.Message):
     __slots__ = ("model_id", "weights_version", "layout_fingerprint", "cache_salt", "adapter_digest", "extra")
@@ -165,8 +116,7 @@ class RegisterNamespaceRequest(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: str
-        def __init__(self, key: str | None = ..., value: str | None = ...) -> None: ...
-
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -179,15 +129,7 @@ class RegisterNamespaceRequest(_message.Message):
     cache_salt: str
     adapter_digest: str
     extra: _containers.ScalarMap[str, str]
-    def __init__(
-        self,
-        model_id: str | None = ...,
-        weights_version: str | None = ...,
-        layout_fingerprint: str | None = ...,
-        cache_salt: str | None = ...,
-        adapter_digest: str | None = ...,
-        extra: _Mapping[str, str] | None = ...,
-    ) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., weights_version: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., cache_salt: _Optional[str] = ..., adapter_digest: _Optional[str] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterNamespaceResponse(_message.Message):
     __slots__ = ("namespace", "active_version")
@@ -195,7 +137,7 @@ class RegisterNamespaceResponse(_message.Message):
     ACTIVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     active_version: str
-    def __init__(self, namespace: bytes | None = ..., active_version: str | None = ...) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ..., active_version: _Optional[str] = ...) -> None: ...
 
 class SetModelVersionRequest(_message.Message):
     __slots__ = ("model_id", "weights_version")
@@ -203,7 +145,7 @@ class SetModelVersionRequest(_message.Message):
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weights_version: str
-    def __init__(self, model_id: str | None = ..., weights_version: str | None = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., weights_version: _Optional[str] = ...) -> None: ...
 
 class SetModelVersionResponse(_message.Message):
     __slots__ = ("previous_version", "num_namespaces_invalidated")
@@ -211,9 +153,7 @@ class SetModelVersionResponse(_message.Message):
     NUM_NAMESPACES_INVALIDATED_FIELD_NUMBER: _ClassVar[int]
     previous_version: str
     num_namespaces_invalidated: int
-    def __init__(
-        self, previous_version: str | None = ..., num_namespaces_invalidated: int | None = ...
-    ) -> None: ...
+    def __init__(self, previous_version: _Optional[str] = ..., num_namespaces_invalidated: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
     __slots__ = ("namespace", "block_hashes", "count_hit", "lease_ttl_ms", "request_id", "num_prompt_tokens")
@@ -229,15 +169,7 @@ class MatchPrefixRequest(_message.Message):
     lease_ttl_ms: int
     request_id: str
     num_prompt_tokens: int
-    def __init__(
-        self,
-        namespace: bytes | None = ...,
-        block_hashes: _Iterable[bytes] | None = ...,
-        count_hit: bool | None = ...,
-        lease_ttl_ms: int | None = ...,
-        request_id: str | None = ...,
-        num_prompt_tokens: int | None = ...,
-    ) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., count_hit: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
     __slots__ = ("num_matched", "replicas", "lease_id", "lease_ttl_ms", "nodes", "request_id")
@@ -253,15 +185,7 @@ class MatchPrefixResponse(_message.Message):
     lease_ttl_ms: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeEndpoint]
     request_id: str
-    def __init__(
-        self,
-        num_matched: int | None = ...,
-        replicas: _Iterable[BlockReplicas | _Mapping] | None = ...,
-        lease_id: int | None = ...,
-        lease_ttl_ms: int | None = ...,
-        nodes: _Iterable[NodeEndpoint | _Mapping] | None = ...,
-        request_id: str | None = ...,
-    ) -> None: ...
+    def __init__(self, num_matched: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[BlockReplicas, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "ttl_ms")
@@ -269,36 +193,26 @@ class RenewLeaseRequest(_message.Message):
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     ttl_ms: int
-    def __init__(self, lease_id: int | None = ..., ttl_ms: int | None = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class RenewLeaseResponse(_message.Message):
     __slots__ = ("ttl_ms",)
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     ttl_ms: int
-    def __init__(self, ttl_ms: int | None = ...) -> None: ...
+    def __init__(self, ttl_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id",)
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: int | None = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = (
-        "namespace",
-        "parent_hash",
-        "block_hashes",
-        "num_replicas",
-        "block_nbytes",
-        "recompute_cost_s",
-        "write_lease_ms",
-        "request_id",
-        "writer_node_id",
-    )
+    __slots__ = ("namespace", "parent_hash", "block_hashes", "num_replicas", "block_nbytes", "recompute_cost_s", "write_lease_ms", "request_id", "writer_node_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -317,18 +231,7 @@ class ReserveRequest(_message.Message):
     write_lease_ms: int
     request_id: str
     writer_node_id: str
-    def __init__(
-        self,
-        namespace: bytes | None = ...,
-        parent_hash: bytes | None = ...,
-        block_hashes: _Iterable[bytes] | None = ...,
-        num_replicas: int | None = ...,
-        block_nbytes: int | None = ...,
-        recompute_cost_s: _Iterable[float] | None = ...,
-        write_lease_ms: int | None = ...,
-        request_id: str | None = ...,
-        writer_node_id: str | None = ...,
-    ) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_replicas: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., recompute_cost_s: _Optional[_Iterable[float]] = ..., write_lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., writer_node_id: _Optional[str] = ...) -> None: ...
 
 class ReservedBlock(_message.Message):
     __slots__ = ("block_hash", "already_present", "locations")
@@ -338,12 +241,7 @@ class ReservedBlock(_message.Message):
     block_hash: bytes
     already_present: bool
     locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
-    def __init__(
-        self,
-        block_hash: bytes | None = ...,
-        already_present: bool | None = ...,
-        locations: _Iterable[BlockLocation | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, block_hash: _Optional[bytes] = ..., already_present: _Optional[bool] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "blocks", "write_lease_ms", "nodes", "num_replicas_placed")
@@ -357,14 +255,7 @@ class ReserveResponse(_message.Message):
     write_lease_ms: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeEndpoint]
     num_replicas_placed: int
-    def __init__(
-        self,
-        reservation_id: int | None = ...,
-        blocks: _Iterable[ReservedBlock | _Mapping] | None = ...,
-        write_lease_ms: int | None = ...,
-        nodes: _Iterable[NodeEndpoint | _Mapping] | None = ...,
-        num_replicas_placed: int | None = ...,
-    ) -> None: ...
+    def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[ReservedBlock, _Mapping]]] = ..., write_lease_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., num_replicas_placed: _Optional[int] = ...) -> None: ...
 
 class CommittedBlock(_message.Message):
     __slots__ = ("block_hash", "checksum", "written")
@@ -374,12 +265,7 @@ class CommittedBlock(_message.Message):
     block_hash: bytes
     checksum: int
     written: _containers.RepeatedCompositeFieldContainer[BlockLocation]
-    def __init__(
-        self,
-        block_hash: bytes | None = ...,
-        checksum: int | None = ...,
-        written: _Iterable[BlockLocation | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, block_hash: _Optional[bytes] = ..., checksum: _Optional[int] = ..., written: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_id", "blocks")
@@ -387,11 +273,7 @@ class CommitRequest(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     blocks: _containers.RepeatedCompositeFieldContainer[CommittedBlock]
-    def __init__(
-        self,
-        reservation_id: int | None = ...,
-        blocks: _Iterable[CommittedBlock | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[CommittedBlock, _Mapping]]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("num_committed", "num_existing")
@@ -399,13 +281,13 @@ class CommitResponse(_message.Message):
     NUM_EXISTING_FIELD_NUMBER: _ClassVar[int]
     num_committed: int
     num_existing: int
-    def __init__(self, num_committed: int | None = ..., num_existing: int | None = ...) -> None: ...
+    def __init__(self, num_committed: _Optional[int] = ..., num_existing: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("reservation_id",)
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
-    def __init__(self, reservation_id: int | None = ...) -> None: ...
+    def __init__(self, reservation_id: _Optional[int] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()
@@ -419,18 +301,13 @@ class RemoveBlocksRequest(_message.Message):
     namespace: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     force: bool
-    def __init__(
-        self,
-        namespace: bytes | None = ...,
-        block_hashes: _Iterable[bytes] | None = ...,
-        force: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class RemoveBlocksResponse(_message.Message):
     __slots__ = ("num_removed",)
     NUM_REMOVED_FIELD_NUMBER: _ClassVar[int]
     num_removed: int
-    def __init__(self, num_removed: int | None = ...) -> None: ...
+    def __init__(self, num_removed: _Optional[int] = ...) -> None: ...
 
 class ReportBadReplicaRequest(_message.Message):
     __slots__ = ("namespace", "block_hash", "location", "reason")
@@ -442,13 +319,7 @@ class ReportBadReplicaRequest(_message.Message):
     block_hash: bytes
     location: BlockLocation
     reason: str
-    def __init__(
-        self,
-        namespace: bytes | None = ...,
-        block_hash: bytes | None = ...,
-        location: BlockLocation | _Mapping | None = ...,
-        reason: str | None = ...,
-    ) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ..., location: _Optional[_Union[BlockLocation, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReportBadReplicaResponse(_message.Message):
     __slots__ = ()
@@ -468,15 +339,7 @@ class ReportLocalRequest(_message.Message):
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
     cleared: bool
-    def __init__(
-        self,
-        node_id: str | None = ...,
-        epoch: int | None = ...,
-        namespace: bytes | None = ...,
-        stored: _Iterable[bytes] | None = ...,
-        removed: _Iterable[bytes] | None = ...,
-        cleared: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., namespace: _Optional[bytes] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., cleared: _Optional[bool] = ...) -> None: ...
 
 class ReportLocalResponse(_message.Message):
     __slots__ = ()
@@ -487,16 +350,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = (
-        "node",
-        "alive",
-        "draining",
-        "num_slots",
-        "num_used_slots",
-        "num_blocks",
-        "used_bytes",
-        "load",
-    )
+    __slots__ = ("node", "alive", "draining", "num_slots", "num_used_slots", "num_blocks", "used_bytes", "load")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -513,37 +367,10 @@ class NodeStats(_message.Message):
     num_blocks: int
     used_bytes: int
     load: NodeLoad
-    def __init__(
-        self,
-        node: NodeEndpoint | _Mapping | None = ...,
-        alive: bool | None = ...,
-        draining: bool | None = ...,
-        num_slots: int | None = ...,
-        num_used_slots: int | None = ...,
-        num_blocks: int | None = ...,
-        used_bytes: int | None = ...,
-        load: NodeLoad | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., alive: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_slots: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = (
-        "num_blocks",
-        "used_bytes",
-        "capacity_bytes",
-        "num_live_leases",
-        "num_evictions",
-        "num_match_requests",
-        "requested_tokens",
-        "hit_tokens",
-        "requested_blocks",
-        "hit_blocks",
-        "uptime_s",
-        "nodes",
-        "num_namespaces",
-        "num_reserved_blocks",
-        "num_rereplications",
-        "block_size",
-    )
+    __slots__ = ("num_blocks", "used_bytes", "capacity_bytes", "num_live_leases", "num_evictions", "num_match_requests", "requested_tokens", "hit_tokens", "requested_blocks", "hit_blocks", "uptime_s", "nodes", "num_namespaces", "num_reserved_blocks", "num_rereplications", "block_size")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -576,25 +403,7 @@ class StatsResponse(_message.Message):
     num_reserved_blocks: int
     num_rereplications: int
     block_size: int
-    def __init__(
-        self,
-        num_blocks: int | None = ...,
-        used_bytes: int | None = ...,
-        capacity_bytes: int | None = ...,
-        num_live_leases: int | None = ...,
-        num_evictions: int | None = ...,
-        num_match_requests: int | None = ...,
-        requested_tokens: int | None = ...,
-        hit_tokens: int | None = ...,
-        requested_blocks: int | None = ...,
-        hit_blocks: int | None = ...,
-        uptime_s: float | None = ...,
-        nodes: _Iterable[NodeStats | _Mapping] | None = ...,
-        num_namespaces: int | None = ...,
-        num_reserved_blocks: int | None = ...,
-        num_rereplications: int | None = ...,
-        block_size: int | None = ...,
-    ) -> None: ...
+    def __init__(self, num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_live_leases: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_match_requests: _Optional[int] = ..., requested_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., requested_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., num_rereplications: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
@@ -604,19 +413,19 @@ class ListNodesResponse(_message.Message):
     __slots__ = ("nodes",)
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStats]
-    def __init__(self, nodes: _Iterable[NodeStats | _Mapping] | None = ...) -> None: ...
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("node_id",)
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: str | None = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
     __slots__ = ("num_blocks_to_move",)
     NUM_BLOCKS_TO_MOVE_FIELD_NUMBER: _ClassVar[int]
     num_blocks_to_move: int
-    def __init__(self, num_blocks_to_move: int | None = ...) -> None: ...
+    def __init__(self, num_blocks_to_move: _Optional[int] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("fraction", "node_id")
@@ -624,7 +433,7 @@ class EvictRequest(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     fraction: float
     node_id: str
-    def __init__(self, fraction: float | None = ..., node_id: str | None = ...) -> None: ...
+    def __init__(self, fraction: _Optional[float] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("num_evicted", "shortfall")
@@ -632,13 +441,13 @@ class EvictResponse(_message.Message):
     SHORTFALL_FIELD_NUMBER: _ClassVar[int]
     num_evicted: int
     shortfall: int
-    def __init__(self, num_evicted: int | None = ..., shortfall: int | None = ...) -> None: ...
+    def __init__(self, num_evicted: _Optional[int] = ..., shortfall: _Optional[int] = ...) -> None: ...
 
 class InvalidateNamespaceRequest(_message.Message):
     __slots__ = ("namespace",)
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
-    def __init__(self, namespace: bytes | None = ...) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ...) -> None: ...
 
 class InvalidateNamespaceResponse(_message.Message):
     __slots__ = ()
@@ -649,16 +458,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = (
-        "node",
-        "layout_fingerprint",
-        "num_slots",
-        "block_nbytes",
-        "segment_bytes",
-        "num_used_slots",
-        "num_inflight_transfers",
-        "rss_bytes",
-    )
+    __slots__ = ("node", "layout_fingerprint", "num_slots", "block_nbytes", "segment_bytes", "num_used_slots", "num_inflight_transfers", "rss_bytes")
     NODE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -675,17 +475,7 @@ class GetInfoResponse(_message.Message):
     num_used_slots: int
     num_inflight_transfers: int
     rss_bytes: int
-    def __init__(
-        self,
-        node: NodeEndpoint | _Mapping | None = ...,
-        layout_fingerprint: str | None = ...,
-        num_slots: int | None = ...,
-        block_nbytes: int | None = ...,
-        segment_bytes: int | None = ...,
-        num_used_slots: int | None = ...,
-        num_inflight_transfers: int | None = ...,
-        rss_bytes: int | None = ...,
-    ) -> None: ...
+    def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., num_slots: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_inflight_transfers: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
 
 class SlotReservation(_message.Message):
     __slots__ = ("slot", "generation", "namespace", "block_hash", "parent_hash")
@@ -699,14 +489,7 @@ class SlotReservation(_message.Message):
     namespace: bytes
     block_hash: bytes
     parent_hash: bytes
-    def __init__(
-        self,
-        slot: int | None = ...,
-        generation: int | None = ...,
-        namespace: bytes | None = ...,
-        block_hash: bytes | None = ...,
-        parent_hash: bytes | None = ...,
-    ) -> None: ...
+    def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., namespace: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
 
 class ReserveSlotsRequest(_message.Message):
     __slots__ = ("slots", "write_lease_ms")
@@ -714,11 +497,7 @@ class ReserveSlotsRequest(_message.Message):
     WRITE_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     slots: _containers.RepeatedCompositeFieldContainer[SlotReservation]
     write_lease_ms: int
-    def __init__(
-        self,
-        slots: _Iterable[SlotReservation | _Mapping] | None = ...,
-        write_lease_ms: int | None = ...,
-    ) -> None: ...
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotReservation, _Mapping]]] = ..., write_lease_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveSlotsResponse(_message.Message):
     __slots__ = ()
@@ -728,7 +507,7 @@ class CommitSlotsRequest(_message.Message):
     __slots__ = ("slots",)
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
-    def __init__(self, slots: _Iterable[SlotRef | _Mapping] | None = ...) -> None: ...
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ...) -> None: ...
 
 class SlotResult(_message.Message):
     __slots__ = ("slot", "generation", "ok", "error")
@@ -740,25 +519,19 @@ class SlotResult(_message.Message):
     generation: int
     ok: bool
     error: str
-    def __init__(
-        self,
-        slot: int | None = ...,
-        generation: int | None = ...,
-        ok: bool | None = ...,
-        error: str | None = ...,
-    ) -> None: ...
+    def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class CommitSlotsResponse(_message.Message):
     __slots__ = ("results",)
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SlotResult]
-    def __init__(self, results: _Iterable[SlotResult | _Mapping] | None = ...) -> None: ...
+    def __init__(self, results: _Optional[_Iterable[_Union[SlotResult, _Mapping]]] = ...) -> None: ...
 
 class FreeSlotsRequest(_message.Message):
     __slots__ = ("slots",)
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
-    def __init__(self, slots: _Iterable[SlotRef | _Mapping] | None = ...) -> None: ...
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ...) -> None: ...
 
 class FreedSlot(_message.Message):
     __slots__ = ("slot", "new_generation", "deferred")
@@ -768,18 +541,13 @@ class FreedSlot(_message.Message):
     slot: int
     new_generation: int
     deferred: bool
-    def __init__(
-        self,
-        slot: int | None = ...,
-        new_generation: int | None = ...,
-        deferred: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, slot: _Optional[int] = ..., new_generation: _Optional[int] = ..., deferred: _Optional[bool] = ...) -> None: ...
 
 class FreeSlotsResponse(_message.Message):
     __slots__ = ("slots",)
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     slots: _containers.RepeatedCompositeFieldContainer[FreedSlot]
-    def __init__(self, slots: _Iterable[FreedSlot | _Mapping] | None = ...) -> None: ...
+    def __init__(self, slots: _Optional[_Iterable[_Union[FreedSlot, _Mapping]]] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
     __slots__ = ()
@@ -801,16 +569,7 @@ class InventoryEntry(_message.Message):
     generation: int
     checksum: int
     size_bytes: int
-    def __init__(
-        self,
-        namespace: bytes | None = ...,
-        block_hash: bytes | None = ...,
-        parent_hash: bytes | None = ...,
-        slot: int | None = ...,
-        generation: int | None = ...,
-        checksum: int | None = ...,
-        size_bytes: int | None = ...,
-    ) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., checksum: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
     __slots__ = ("entries", "epoch")
@@ -818,11 +577,7 @@ class InventoryResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[InventoryEntry]
     epoch: int
-    def __init__(
-        self,
-        entries: _Iterable[InventoryEntry | _Mapping] | None = ...,
-        epoch: int | None = ...,
-    ) -> None: ...
+    def __init__(self, entries: _Optional[_Iterable[_Union[InventoryEntry, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class CopyBlock(_message.Message):
     __slots__ = ("src", "dst", "checksum")
@@ -832,12 +587,7 @@ class CopyBlock(_message.Message):
     src: SlotRef
     dst: SlotRef
     checksum: int
-    def __init__(
-        self,
-        src: SlotRef | _Mapping | None = ...,
-        dst: SlotRef | _Mapping | None = ...,
-        checksum: int | None = ...,
-    ) -> None: ...
+    def __init__(self, src: _Optional[_Union[SlotRef, _Mapping]] = ..., dst: _Optional[_Union[SlotRef, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class CopyBlocksRequest(_message.Message):
     __slots__ = ("src_data_address", "blocks")
@@ -845,17 +595,13 @@ class CopyBlocksRequest(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     src_data_address: str
     blocks: _containers.RepeatedCompositeFieldContainer[CopyBlock]
-    def __init__(
-        self,
-        src_data_address: str | None = ...,
-        blocks: _Iterable[CopyBlock | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, src_data_address: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CopyBlock, _Mapping]]] = ...) -> None: ...
 
 class CopyBlocksResponse(_message.Message):
     __slots__ = ("results",)
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SlotResult]
-    def __init__(self, results: _Iterable[SlotResult | _Mapping] | None = ...) -> None: ...
+    def __init__(self, results: _Optional[_Iterable[_Union[SlotResult, _Mapping]]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "has_seed", "max_tokens", "stop_token_ids")
@@ -873,16 +619,7 @@ class SamplingParams(_message.Message):
     has_seed: bool
     max_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(
-        self,
-        temperature: float | None = ...,
-        top_p: float | None = ...,
-        top_k: int | None = ...,
-        seed: int | None = ...,
-        has_seed: bool | None = ...,
-        max_tokens: int | None = ...,
-        stop_token_ids: _Iterable[int] | None = ...,
-    ) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "publish", "use_cache")
@@ -898,33 +635,10 @@ class PrefillRequest(_message.Message):
     cache_salt: str
     publish: bool
     use_cache: bool
-    def __init__(
-        self,
-        request_id: str | None = ...,
-        token_ids: _Iterable[int] | None = ...,
-        sampling: SamplingParams | _Mapping | None = ...,
-        cache_salt: str | None = ...,
-        publish: bool | None = ...,
-        use_cache: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., publish: _Optional[bool] = ..., use_cache: _Optional[bool] = ...) -> None: ...
 
 class PrefillStats(_message.Message):
-    __slots__ = (
-        "num_prompt_tokens",
-        "num_matched_tokens",
-        "num_reused_tokens",
-        "num_pulled_tokens",
-        "num_local_tokens",
-        "pulled_bytes",
-        "decision",
-        "match_s",
-        "pull_s",
-        "compute_s",
-        "ttft_s",
-        "predicted_pull_s",
-        "predicted_recompute_s",
-        "num_failed_blocks",
-    )
+    __slots__ = ("num_prompt_tokens", "num_matched_tokens", "num_reused_tokens", "num_pulled_tokens", "num_local_tokens", "pulled_bytes", "decision", "match_s", "pull_s", "compute_s", "ttft_s", "predicted_pull_s", "predicted_recompute_s", "num_failed_blocks")
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -953,23 +667,7 @@ class PrefillStats(_message.Message):
     predicted_pull_s: float
     predicted_recompute_s: float
     num_failed_blocks: int
-    def __init__(
-        self,
-        num_prompt_tokens: int | None = ...,
-        num_matched_tokens: int | None = ...,
-        num_reused_tokens: int | None = ...,
-        num_pulled_tokens: int | None = ...,
-        num_local_tokens: int | None = ...,
-        pulled_bytes: int | None = ...,
-        decision: str | None = ...,
-        match_s: float | None = ...,
-        pull_s: float | None = ...,
-        compute_s: float | None = ...,
-        ttft_s: float | None = ...,
-        predicted_pull_s: float | None = ...,
-        predicted_recompute_s: float | None = ...,
-        num_failed_blocks: int | None = ...,
-    ) -> None: ...
+    def __init__(self, num_prompt_tokens: _Optional[int] = ..., num_matched_tokens: _Optional[int] = ..., num_reused_tokens: _Optional[int] = ..., num_pulled_tokens: _Optional[int] = ..., num_local_tokens: _Optional[int] = ..., pulled_bytes: _Optional[int] = ..., decision: _Optional[str] = ..., match_s: _Optional[float] = ..., pull_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., predicted_pull_s: _Optional[float] = ..., predicted_recompute_s: _Optional[float] = ..., num_failed_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillFirstToken(_message.Message):
     __slots__ = ("token_id", "block_hashes", "stats")
@@ -979,12 +677,7 @@ class PrefillFirstToken(_message.Message):
     token_id: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     stats: PrefillStats
-    def __init__(
-        self,
-        token_id: int | None = ...,
-        block_hashes: _Iterable[bytes] | None = ...,
-        stats: PrefillStats | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., stats: _Optional[_Union[PrefillStats, _Mapping]] = ...) -> None: ...
 
 class PrefillPublished(_message.Message):
     __slots__ = ("status", "num_blocks", "num_existing", "publish_s", "error")
@@ -998,14 +691,7 @@ class PrefillPublished(_message.Message):
     num_existing: int
     publish_s: float
     error: str
-    def __init__(
-        self,
-        status: str | None = ...,
-        num_blocks: int | None = ...,
-        num_existing: int | None = ...,
-        publish_s: float | None = ...,
-        error: str | None = ...,
-    ) -> None: ...
+    def __init__(self, status: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_existing: _Optional[int] = ..., publish_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
     __slots__ = ("first_token", "published")
@@ -1013,24 +699,10 @@ class PrefillEvent(_message.Message):
     PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     first_token: PrefillFirstToken
     published: PrefillPublished
-    def __init__(
-        self,
-        first_token: PrefillFirstToken | _Mapping | None = ...,
-        published: PrefillPublished | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., published: _Optional[_Union[PrefillPublished, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = (
-        "request_id",
-        "token_ids",
-        "first_token",
-        "block_hashes",
-        "sampling",
-        "cache_salt",
-        "prompt_committed",
-        "publish",
-        "use_cache",
-    )
+    __slots__ = ("request_id", "token_ids", "first_token", "block_hashes", "sampling", "cache_salt", "prompt_committed", "publish", "use_cache")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -1049,32 +721,10 @@ class DecodeRequest(_message.Message):
     prompt_committed: bool
     publish: bool
     use_cache: bool
-    def __init__(
-        self,
-        request_id: str | None = ...,
-        token_ids: _Iterable[int] | None = ...,
-        first_token: int | None = ...,
-        block_hashes: _Iterable[bytes] | None = ...,
-        sampling: SamplingParams | _Mapping | None = ...,
-        cache_salt: str | None = ...,
-        prompt_committed: bool | None = ...,
-        publish: bool | None = ...,
-        use_cache: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prompt_committed: _Optional[bool] = ..., publish: _Optional[bool] = ..., use_cache: _Optional[bool] = ...) -> None: ...
 
 class DecodeStats(_message.Message):
-    __slots__ = (
-        "num_prompt_tokens",
-        "num_reused_tokens",
-        "num_pulled_tokens",
-        "pulled_bytes",
-        "decision",
-        "load_s",
-        "decode_s",
-        "num_generated",
-        "finish_reason",
-        "num_published_blocks",
-    )
+    __slots__ = ("num_prompt_tokens", "num_reused_tokens", "num_pulled_tokens", "pulled_bytes", "decision", "load_s", "decode_s", "num_generated", "finish_reason", "num_published_blocks")
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -1095,19 +745,7 @@ class DecodeStats(_message.Message):
     num_generated: int
     finish_reason: str
     num_published_blocks: int
-    def __init__(
-        self,
-        num_prompt_tokens: int | None = ...,
-        num_reused_tokens: int | None = ...,
-        num_pulled_tokens: int | None = ...,
-        pulled_bytes: int | None = ...,
-        decision: str | None = ...,
-        load_s: float | None = ...,
-        decode_s: float | None = ...,
-        num_generated: int | None = ...,
-        finish_reason: str | None = ...,
-        num_published_blocks: int | None = ...,
-    ) -> None: ...
+    def __init__(self, num_prompt_tokens: _Optional[int] = ..., num_reused_tokens: _Optional[int] = ..., num_pulled_tokens: _Optional[int] = ..., pulled_bytes: _Optional[int] = ..., decision: _Optional[str] = ..., load_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., num_generated: _Optional[int] = ..., finish_reason: _Optional[str] = ..., num_published_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("token_ids", "finished", "stats")
@@ -1117,9 +755,4 @@ class DecodeEvent(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     stats: DecodeStats
-    def __init__(
-        self,
-        token_ids: _Iterable[int] | None = ...,
-        finished: bool | None = ...,
-        stats: DecodeStats | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., stats: _Optional[_Union[DecodeStats, _Mapping]] = ...) -> None: ...
