@@ -1,0 +1,95 @@
+"""Leaf-only eviction for `RadixIndex` (SGLang's heap over evictable leaves, with lazy invalidation).
+
+A heap entry `(key, seq, row)` is valid while `heap_seq[row] == seq` and the row is still an evictable
+leaf (alive, no children, no lock, no live lease, namespace active). Evicting a leaf may turn its parent
+into one, which is pushed then, so the tree stays prefix-closed: after every eviction each resident
+block's parent is resident.
+
+Per node (`node_id` given; the master's watermarks): first drop that node's replica of unprotected
+blocks that keep a pool replica on another node (not an eviction, no leaf needed; least recently used
+first), then evict leaves holding a replica there, in policy order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpool.index import validate as v
+from kvpool.index.results import DroppedBlock, EvictResult
+
+if TYPE_CHECKING:
+    from kvpool.index.radix import RadixIndex
+
+
+def evict(index: RadixIndex, num_blocks: int, node_id: str | None) -> EvictResult:
+    """Raises `InvalidArgument` on a negative `num_blocks`. Expired leases are dropped first."""
+    v.check_count(num_blocks, "num_blocks")
+    index.expire_leases()
+    if node_id is None:
+        dropped = _evict_leaves(index, num_blocks, None)
+        return EvictResult(dropped, len(dropped), num_blocks - len(dropped))
+    dropped = _drop_spare_replicas(index, num_blocks, node_id)
+    freed = len(dropped)
+    if freed < num_blocks:
+        evicted = _evict_leaves(index, num_blocks - freed, node_id)
+        dropped.extend(evicted)
+        freed += sum(1 for d in evicted for loc in d.locations if loc.node_id == node_id)
+    return EvictResult(dropped, freed, max(0, num_blocks - freed))
+
+
+def _evict_leaves(index: RadixIndex, budget: int, node_id: str | None) -> list[DroppedBlock]:
+    """Pop evictable leaves in key order; with `node_id`, only those with a replica on that node count
+    (`budget` then counts that node's slots); the others go back into the heap unchanged."""
+    c, heap, dropped = index._c, index._heap, []
+    skipped: list[tuple[float, int, int]] = []
+    freed = 0
+    while heap and freed < budget:
+        entry = heapq.heappop(heap)
+        key, seq, row = entry
+        if c.heap_seq[row] != seq or not index._evictable(row):
+            continue
+        if node_id is not None:
+            on_node = sum(1 for loc in c.locations[row] if loc.node_id == node_id)
+            if not on_node:
+                skipped.append(entry)
+                continue
+            freed += on_node
+        else:
+            freed += 1
+        c.heap_seq[row] = -1
+        index.policy.on_evict(key)
+        index.num_evictions += 1
+        dropped.append(index._drop_row(row, "evict"))
+    for entry in skipped:
+        heapq.heappush(heap, entry)
+    return dropped
+
+
+def _drop_spare_replicas(index: RadixIndex, budget: int, node_id: str) -> list[DroppedBlock]:
+    c = index._c
+    candidates = [
+        row
+        for row in index._space.rows_on(node_id)
+        if c.lock_ref[row] == 0
+        and c.num_leases[row] == 0
+        and any(loc.node_id != node_id and not loc.local for loc in c.locations[row])
+    ]
+    if not candidates:
+        return []
+    rows = np.array(candidates, dtype=np.int64)
+    order = rows[np.lexsort((rows, c.last_access_ms[rows]))]
+    dropped: list[DroppedBlock] = []
+    for row in order.tolist():
+        if len(dropped) >= budget:
+            break
+        block_hash = c.hashes[row]
+        assert block_hash is not None
+        for loc in c.locations[row]:
+            if loc.node_id == node_id and len(dropped) < budget:
+                index._remove_location_row(row, loc)
+                ns = index._ns_ids[int(c.ns_slot[row])]
+                dropped.append(DroppedBlock(ns, block_hash, (loc,), "replica"))
+    return dropped

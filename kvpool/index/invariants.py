@@ -1,0 +1,89 @@
+"""`RadixIndex.check_invariants`: a full, slow consistency check (tests run it after every mutation)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from kvpool.index.columns import NO_ROW
+from kvpool.types import HASH_NBYTES
+
+if TYPE_CHECKING:
+    from kvpool.index.radix import RadixIndex
+
+
+def _fail(message: str) -> None:
+    raise RuntimeError(f"radix index invariant broken: {message}")
+
+
+def check_invariants(index: RadixIndex) -> None:
+    c = index._c
+    alive = [int(r) for r in c.alive_rows()]
+    if len(alive) != c.num_alive:
+        _fail(f"num_alive {c.num_alive} != {len(alive)} alive rows")
+    mapped = 0
+    for slot, rows_map in enumerate(index._ns_rows):
+        for h, row in rows_map.items():
+            mapped += 1
+            if not c.alive[row] or c.hashes[row] != h or c.ns_slot[row] != slot:
+                _fail(f"namespace slot {slot} maps {h.hex()} to a wrong row {row}")
+    if mapped != len(alive):
+        _fail(f"{mapped} mapped hashes for {len(alive)} rows")
+    for slot, ns in enumerate(index._ns_ids):
+        active = index._ns_active.get(ns) == slot
+        if active != index._ns_valid[slot]:
+            _fail(f"namespace slot {slot} validity disagrees with the active map")
+        if not active and index._ns_rows[slot] and slot not in index._pending:
+            _fail(f"invalidated namespace slot {slot} holds blocks but is not pending reclamation")
+    pins: Counter[int] = Counter()
+    for lease in index._leases.live.values():
+        for row, gen in zip(lease.rows.tolist(), lease.gens.tolist(), strict=True):
+            if c.alive[row] and c.gen[row] == gen:
+                pins[row] += 1
+    slots: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    heap_seqs = {seq for _, seq, _ in index._heap}
+    for row in alive:
+        block_hash = c.hashes[row]
+        if block_hash is None or len(block_hash) != HASH_NBYTES:
+            _fail(f"row {row} has no valid hash")
+        parent = int(c.parent[row])
+        if parent != NO_ROW and (not c.alive[parent] or c.ns_slot[parent] != c.ns_slot[row]):
+            _fail(f"row {row}: parent {parent} is not resident in the same namespace (not prefix-closed)")
+        children = c.children(row)
+        if len(children) != c.num_children[row] or any(int(c.parent[ch]) != row for ch in children):
+            _fail(f"row {row}: child links disagree with num_children {c.num_children[row]}")
+        if c.lock_ref[row] < 0:
+            _fail(f"row {row}: negative lock_ref")
+        if c.num_leases[row] != pins[row]:
+            _fail(f"row {row}: num_leases {c.num_leases[row]} but {pins[row]} live leases pin it")
+        if not c.locations[row]:
+            _fail(f"row {row} has no replica")
+        for loc in c.locations[row]:
+            slots[loc.node_id] += 1
+            nbytes[loc.node_id] += int(c.size_bytes[row])
+            if row not in index._space.rows_on(loc.node_id):
+                _fail(f"row {row} missing from node {loc.node_id}'s rows")
+        if index._evictable(row) and int(c.heap_seq[row]) not in heap_seqs:
+            _fail(f"evictable leaf row {row} has no heap entry")
+    _check_depth(index, alive)
+    for node in index._space.nodes():
+        if index.num_blocks_on_node(node) != slots[node] or index.bytes_on_node(node) != nbytes[node]:
+            _fail(
+                f"node {node}: accounting {index.num_blocks_on_node(node)} slots / "
+                f"{index.bytes_on_node(node)} B, actual {slots[node]} / {nbytes[node]}"
+            )
+        for row in index._space.rows_on(node):
+            if not c.alive[row] or all(loc.node_id != node for loc in c.locations[row]):
+                _fail(f"node {node} lists row {row} without a replica there")
+
+
+def _check_depth(index: RadixIndex, alive: list[int]) -> None:
+    c, limit = index._c, len(alive) + 1
+    for row in alive:
+        steps, up = 0, row
+        while up != NO_ROW:
+            up = int(c.parent[up])
+            steps += 1
+            if steps > limit:
+                _fail(f"row {row}: parent links form a cycle")

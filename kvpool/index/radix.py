@@ -1,0 +1,509 @@
+"""The global radix index: a tree of blocks per namespace, with leases, locks and leaf-only eviction.
+
+Keys follow SGLang's `radix_cache.py` idea (a path from the root is a token sequence at block
+granularity) with kvpool's chained 16-byte block hashes: a block hash names its whole prefix, so the tree
+is a dict from hash to row plus parent links (struct-of-arrays, see `columns.py`). A pure data
+structure: no I/O, time only from the injected `Clock`. Not thread-safe: the master serialises calls.
+
+Complexities: `match_prefix` O(matched blocks) (vectorised); `insert` O(blocks); `evict` O(log n) per
+block; `invalidate_namespace` O(1) (reclamation happens in `reclaim_invalidated` steps).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvpool.errors import FailedPrecondition, InvalidArgument, LeaseExpired, NotFound
+from kvpool.index import validate as v
+from kvpool.index.columns import NO_ROW, Columns
+from kvpool.index.leases import Lease, LeaseTable
+from kvpool.index.policies import DEFAULT_POLICY, BlockStats, EvictionPolicy, make_policy
+from kvpool.index.results import BlockInfo, DroppedBlock, EvictResult, InsertResult, MatchResult
+from kvpool.index.space import NodeSpace
+from kvpool.types import BlockHash, Clock, Location, NamespaceId
+
+_REBASE_EXPONENT = 512.0
+"""Decayed-hit weights are 2**((t - epoch)/half_life); past this exponent the epoch moves to now."""
+
+
+class RadixIndex:
+    """See the module docstring and DESIGN.md "Matching, counting, leases"."""
+
+    def __init__(self, *, clock: Clock, policy: str | EvictionPolicy = DEFAULT_POLICY) -> None:
+        self._clock = clock
+        self.policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
+        self._c = Columns()
+        self._leases = LeaseTable()
+        self._space = NodeSpace()
+        self._ns_active: dict[NamespaceId, int] = {}
+        self._ns_ids: list[NamespaceId] = []
+        self._ns_rows: list[dict[BlockHash, int]] = []
+        self._ns_valid: list[bool] = []
+        self._pending: list[int] = []
+        self._reclaim_work: dict[int, list[tuple[int, int]]] = {}
+        self._heap: list[tuple[float, int, int]] = []
+        self._seq = 0
+        self._decay_epoch_ms = clock.now_ms()
+        self.num_evictions = 0
+        self.num_lookup_blocks = 0
+        """Blocks asked for by counted matches (`count_hit=True`)."""
+        self.num_hit_blocks = 0
+        """Blocks matched by counted matches."""
+
+    # ---- namespaces -------------------------------------------------------------------------------
+    def register_namespace(self, ns: NamespaceId) -> None:
+        """Make `ns` accept inserts (idempotent). After an invalidation this starts a fresh, empty tree."""
+        v.check_hash(ns, "ns")
+        if ns in self._ns_active:
+            return
+        self._ns_active[ns] = len(self._ns_ids)
+        self._ns_ids.append(ns)
+        self._ns_rows.append({})
+        self._ns_valid.append(True)
+
+    def invalidate_namespace(self, ns: NamespaceId) -> None:
+        """O(1): every lookup under `ns` misses from now on; its blocks wait for `reclaim_invalidated`.
+        Unknown namespaces are ignored (idempotent)."""
+        slot = self._ns_active.pop(ns, None)
+        if slot is None:
+            return
+        self._ns_valid[slot] = False
+        self._pending.append(slot)
+
+    def reclaim_invalidated(self, max_blocks: int = 1024) -> list[DroppedBlock]:
+        """Drop up to `max_blocks` blocks of invalidated namespaces, leaves first (the tree stays
+        prefix-closed); leased or locked blocks wait until they are released. Returns what was dropped,
+        with the slots to free."""
+        v.check_count(max_blocks, "max_blocks")
+        self.expire_leases()
+        c, dropped = self._c, list[DroppedBlock]()
+        for slot in list(self._pending):
+            rows_map = self._ns_rows[slot]
+            work = self._reclaim_work.get(slot)
+            if not work:
+                work = [(r, int(c.gen[r])) for r in rows_map.values() if c.num_children[r] == 0]
+                self._reclaim_work[slot] = work
+            blocked: list[tuple[int, int]] = []
+            while work and len(dropped) < max_blocks:
+                row, gen = work.pop()
+                if not c.alive[row] or c.gen[row] != gen or c.ns_slot[row] != slot or c.num_children[row]:
+                    continue
+                if c.num_leases[row] or c.lock_ref[row]:
+                    blocked.append((row, gen))
+                    continue
+                parent = int(c.parent[row])
+                dropped.append(self._drop_row(row, "invalidate"))
+                if parent != NO_ROW and c.num_children[parent] == 0:
+                    work.append((parent, int(c.gen[parent])))
+            work.extend(blocked)
+            if not rows_map:
+                self._pending.remove(slot)
+                self._reclaim_work.pop(slot, None)
+            if len(dropped) >= max_blocks:
+                break
+        return dropped
+
+    @property
+    def num_invalidated_blocks(self) -> int:
+        """Blocks of invalidated namespaces still resident (awaiting reclamation)."""
+        return sum(len(self._ns_rows[slot]) for slot in self._pending)
+
+    # ---- match / insert ---------------------------------------------------------------------------
+    def match_prefix(
+        self, ns: NamespaceId, block_hashes: Sequence[BlockHash], *, count_hit: bool, lease_ttl_ms: int
+    ) -> MatchResult:
+        """The longest run of leading `block_hashes` present under `ns`, with each block's replicas.
+
+        `count_hit=True` bumps hit counters and recency; `count_hit=False` with `lease_ttl_ms > 0` bumps
+        recency only; `count_hit=False, lease_ttl_ms=0` is a peek (changes nothing). With
+        `lease_ttl_ms > 0` and a non-empty match, a lease pins the matched blocks. Unknown or invalidated
+        namespaces match nothing. Raises `InvalidArgument` on a negative `lease_ttl_ms`.
+        """
+        if lease_ttl_ms < 0:
+            raise InvalidArgument(f"lease_ttl_ms must be >= 0, got {lease_ttl_ms}")
+        slot = self._ns_active.get(ns)
+        if count_hit:
+            self.num_lookup_blocks += len(block_hashes)
+        if slot is None or not block_hashes:
+            return MatchResult(0, [], None, 0)
+        rows = list(map(self._ns_rows[slot].get, block_hashes))
+        try:
+            n = rows.index(None)
+        except ValueError:
+            n = len(rows)
+        if n == 0:
+            return MatchResult(0, [], None, 0)
+        c = self._c
+        idx = np.array(rows[:n], dtype=np.int64)
+        parents = c.parent[idx]
+        if parents[0] != NO_ROW:
+            return MatchResult(0, [], None, 0)
+        if n > 1:
+            broken = np.flatnonzero(parents[1:] != idx[:-1])
+            if broken.size:
+                n = int(broken[0]) + 1
+                idx = idx[:n]
+        if count_hit:
+            self.num_hit_blocks += n
+            c.hit_count[idx] += 1
+            if self.policy.half_life_ms is not None:
+                c.decayed[idx] += self._hit_weight()
+        lease_id, expiry_ms = None, 0
+        if count_hit or lease_ttl_ms > 0:
+            now = self._clock.now_ms()
+            c.last_access_ms[idx] = now
+            if lease_ttl_ms > 0:
+                self.expire_leases()
+                c.num_leases[idx] += 1
+                expiry_ms = now + lease_ttl_ms
+                lease_id = self._leases.grant(expiry_ms, idx, c.gen[idx])
+            else:
+                self._push(int(idx[-1]))
+        locs = c.locations
+        return MatchResult(n, [locs[r] for r in rows[:n]], lease_id, expiry_ms)  # type: ignore[index]
+
+    def insert(
+        self,
+        ns: NamespaceId,
+        block_hashes: Sequence[BlockHash],
+        *,
+        parent: BlockHash | None,
+        locations: Sequence[Sequence[Location]],
+        size_bytes: Sequence[int] | int,
+        recompute_cost_s: Sequence[float] | float = 0.0,
+    ) -> InsertResult:
+        """Insert the chain `block_hashes` below `parent` (None: the namespace root). Idempotent: blocks
+        already present keep their statistics and gain any new `locations` as replicas.
+
+        Raises (before changing anything): `InvalidArgument` for an unregistered namespace, a hash that
+        is not 16 bytes, a repeated hash, mismatched lengths, a non-positive size, a new block without a
+        location, or a block already present under a different parent; `NotFound` when `parent` is absent.
+        """
+        slot = self._ns_active.get(ns)
+        if slot is None:
+            raise InvalidArgument(f"namespace {bytes(ns).hex()} is not registered (or was invalidated)")
+        n = len(block_hashes)
+        hashes = v.check_hashes(block_hashes)
+        sizes = v.per_block_sizes(size_bytes, n)
+        costs = v.per_block_costs(recompute_cost_s, n)
+        locs = v.per_block_locations(locations, n)
+        rows_map, c = self._ns_rows[slot], self._c
+        prev = NO_ROW
+        if parent is not None:
+            got = rows_map.get(v.check_hash(parent, "parent"))
+            if got is None:
+                raise NotFound(f"parent block {parent.hex()} is not in the index")
+            prev = got
+        num_existing, expected = 0, prev
+        for h in hashes:
+            row = rows_map.get(h)
+            if row is None:
+                break
+            if c.parent[row] != expected:
+                raise InvalidArgument(f"block_hashes[{num_existing}] is already present under another parent")
+            expected, num_existing = row, num_existing + 1
+        for i in range(num_existing, n):
+            if hashes[i] in rows_map:
+                raise InvalidArgument(f"block_hashes[{i}] is already present under another parent")
+            if not locs[i]:
+                raise InvalidArgument(f"locations[{i}] is empty: a new block needs a replica")
+        for i in range(num_existing):
+            row = rows_map[hashes[i]]
+            for loc in locs[i]:
+                self._add_location_row(row, loc)
+        now = self._clock.now_ms()
+        prev = expected
+        for i in range(num_existing, n):
+            row = c.alloc()
+            c.ns_slot[row] = slot
+            c.last_access_ms[row] = now
+            c.size_bytes[row] = sizes[i]
+            c.recompute_cost_s[row] = costs[i]
+            c.hashes[row] = hashes[i]
+            c.link_child(prev, row)
+            rows_map[hashes[i]] = row
+            for loc in locs[i]:
+                self._add_location_row(row, loc)
+            prev = row
+        if n > num_existing:
+            self._push(prev)
+        return InsertResult(num_existing, n - num_existing)
+
+    def lookup(self, ns: NamespaceId, block_hash: BlockHash) -> BlockInfo | None:
+        """A snapshot of one block of an active namespace, or None."""
+        slot = self._ns_active.get(ns)
+        row = None if slot is None else self._ns_rows[slot].get(block_hash)
+        if row is None:
+            return None
+        c = self._c
+        parent = int(c.parent[row])
+        return BlockInfo(
+            ns=ns,
+            block_hash=block_hash,
+            parent=None if parent == NO_ROW else c.hashes[parent],
+            locations=c.locations[row],
+            size_bytes=int(c.size_bytes[row]),
+            recompute_cost_s=float(c.recompute_cost_s[row]),
+            hit_count=int(c.hit_count[row]),
+            last_access_ms=int(c.last_access_ms[row]),
+            num_leases=int(c.num_leases[row]),
+            lock_ref=int(c.lock_ref[row]),
+            num_children=int(c.num_children[row]),
+        )
+
+    # ---- replicas ---------------------------------------------------------------------------------
+    def add_location(self, ns: NamespaceId, block_hash: BlockHash, location: Location) -> None:
+        """Record one more replica (idempotent). Raises `NotFound` for an absent block."""
+        self._add_location_row(self._row(ns, block_hash), location)
+
+    def remove_location(
+        self, ns: NamespaceId, block_hash: BlockHash, location: Location
+    ) -> list[DroppedBlock]:
+        """Forget one replica (its slot is gone). A block left without replicas is dropped with its
+        descendants ("orphan", even under a lease: the bytes are gone). Raises `NotFound` for an absent
+        block or location. Blocks of invalidated namespaces awaiting reclamation are included."""
+        row = self._row(ns, block_hash, include_invalidated=True)
+        if location not in self._c.locations[row]:
+            raise NotFound(f"block {block_hash.hex()} has no replica at {location}")
+        self._remove_location_row(row, location)
+        if self._c.locations[row]:
+            return []
+        return self._drop_subtree(row, "orphan")
+
+    def remove_node(self, node_id: str) -> list[DroppedBlock]:
+        """A store node died: forget all its replicas; blocks left without any are dropped with their
+        descendants (reason "orphan", with the replicas elsewhere that must be freed)."""
+        c, orphans = self._c, []
+        for row in sorted(self._space.rows_on(node_id)):
+            for loc in c.locations[row]:
+                if loc.node_id == node_id:
+                    self._remove_location_row(row, loc)
+            if not c.locations[row]:
+                orphans.append(row)
+        self._space.forget(node_id)
+        dropped: list[DroppedBlock] = []
+        for row in orphans:
+            if c.alive[row]:
+                dropped.extend(self._drop_subtree(row, "orphan"))
+        return dropped
+
+    def num_blocks_on_node(self, node_id: str) -> int:
+        """Slots (replicas) the index places on `node_id`."""
+        return self._space.num_slots(node_id)
+
+    def bytes_on_node(self, node_id: str) -> int:
+        return self._space.num_bytes(node_id)
+
+    # ---- leases and locks -------------------------------------------------------------------------
+    def renew_lease(self, lease_id: int, ttl_ms: int) -> int:
+        """Extend a live lease to now + `ttl_ms`; returns the new expiry. Raises `InvalidArgument`
+        (ttl_ms <= 0), `LeaseExpired` (it already ended by expiry), `NotFound` (never granted/released)."""
+        if ttl_ms <= 0:
+            raise InvalidArgument(f"ttl_ms must be > 0, got {ttl_ms}")
+        self.expire_leases()
+        if lease_id not in self._leases.live:
+            if self._leases.was_expired(lease_id):
+                raise LeaseExpired(f"lease {lease_id} expired")
+            raise NotFound(f"no lease {lease_id}")
+        expiry_ms = self._clock.now_ms() + ttl_ms
+        self._leases.renew(lease_id, expiry_ms)
+        return expiry_ms
+
+    def release_lease(self, lease_id: int) -> None:
+        """End a lease now. A lease that already expired is a no-op; an unknown or already released
+        one raises `NotFound`."""
+        try:
+            lease = self._leases.pop(lease_id)
+        except KeyError:
+            if self._leases.was_expired(lease_id):
+                return
+            raise NotFound(f"no lease {lease_id}") from None
+        self._unpin(lease)
+
+    def expire_leases(self) -> int:
+        """Drop every lease past its expiry; returns how many ended (also done lazily)."""
+        ended = self._leases.pop_expired(self._clock.now_ms())
+        for lease in ended:
+            self._unpin(lease)
+        return len(ended)
+
+    @property
+    def num_live_leases(self) -> int:
+        self.expire_leases()
+        return len(self._leases.live)
+
+    @property
+    def num_leases_expired(self) -> int:
+        """Leases reclaimed by expiry rather than released (B13's metric)."""
+        return self._leases.num_expired
+
+    def lock(self, ns: NamespaceId, block_hashes: Sequence[BlockHash]) -> None:
+        """Pin the chain `block_hashes` and every ancestor of its first block (SGLang's `inc_lock_ref`
+        up to the root). Raises `NotFound` (absent block) or `InvalidArgument` (not a chain)."""
+        rows = self._chain_rows(ns, block_hashes)
+        self._c.lock_ref[rows] += 1
+
+    def unlock(self, ns: NamespaceId, block_hashes: Sequence[BlockHash]) -> None:
+        """Undo one `lock` of the same chain. Raises `FailedPrecondition` if any block is not locked
+        (nothing changes then)."""
+        rows = self._chain_rows(ns, block_hashes)
+        c = self._c
+        if rows.size and (c.lock_ref[rows] <= 0).any():
+            raise FailedPrecondition("unlock of a block that is not locked")
+        c.lock_ref[rows] -= 1
+        for row in rows[(c.lock_ref[rows] == 0) & (c.num_children[rows] == 0)]:
+            self._push(int(row))
+
+    # ---- eviction ---------------------------------------------------------------------------------
+    def evict(self, num_blocks: int, *, node_id: str | None = None) -> EvictResult:
+        """Free up to `num_blocks` blocks (or, with `node_id`, slots on that node); see `eviction.py`."""
+        from kvpool.index.eviction import evict
+
+        return evict(self, num_blocks, node_id)
+
+    @property
+    def num_blocks(self) -> int:
+        """Resident blocks, including those of invalidated namespaces not yet reclaimed."""
+        return self._c.num_alive
+
+    @property
+    def num_protected_blocks(self) -> int:
+        """Blocks under a live lease or a lock (never evicted, nor their ancestors)."""
+        self.expire_leases()
+        c, live = self._c, self._c.alive
+        return int(np.count_nonzero(live & ((c.lock_ref > 0) | (c.num_leases > 0))))
+
+    @property
+    def num_unprotected_blocks(self) -> int:
+        """`num_blocks - num_protected_blocks` (evictable once their descendants go)."""
+        return self.num_blocks - self.num_protected_blocks
+
+    def check_invariants(self) -> None:
+        """Raise `RuntimeError` on any broken invariant (tests call this after every mutation)."""
+        from kvpool.index.invariants import check_invariants
+
+        check_invariants(self)
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _row(self, ns: NamespaceId, block_hash: BlockHash, *, include_invalidated: bool = False) -> int:
+        slot = self._ns_active.get(ns)
+        row = None if slot is None else self._ns_rows[slot].get(block_hash)
+        if row is None and include_invalidated:
+            for pending in self._pending:
+                if self._ns_ids[pending] == ns:
+                    row = self._ns_rows[pending].get(block_hash)
+                    if row is not None:
+                        break
+        if row is None:
+            raise NotFound(f"block {bytes(block_hash).hex()} is not in namespace {bytes(ns).hex()}")
+        return row
+
+    def _chain_rows(self, ns: NamespaceId, block_hashes: Sequence[BlockHash]) -> np.ndarray:
+        rows = [self._row(ns, h) for h in block_hashes]
+        c = self._c
+        for i in range(1, len(rows)):
+            if c.parent[rows[i]] != rows[i - 1]:
+                raise InvalidArgument(f"block_hashes[{i}] is not a child of block_hashes[{i - 1}]")
+        if rows:
+            up = int(c.parent[rows[0]])
+            while up != NO_ROW:
+                rows.append(up)
+                up = int(c.parent[up])
+        return np.array(rows, dtype=np.int64)
+
+    def _hit_weight(self) -> float:
+        half_life_ms = self.policy.half_life_ms
+        assert half_life_ms is not None
+        now = self._clock.now_ms()
+        exponent = (now - self._decay_epoch_ms) / half_life_ms
+        if exponent > _REBASE_EXPONENT:
+            self._c.decayed *= 2.0**-exponent
+            self._decay_epoch_ms, exponent = now, 0.0
+        return float(2.0**exponent)
+
+    def _stats(self, row: int) -> BlockStats:
+        c = self._c
+        last_ms = int(c.last_access_ms[row])
+        decayed = 0.0
+        half_life_ms = self.policy.half_life_ms
+        if half_life_ms is not None:
+            decayed = float(c.decayed[row]) * 2.0 ** (-(last_ms - self._decay_epoch_ms) / half_life_ms)
+        hit_count = int(c.hit_count[row])
+        block_hash = c.hashes[row]
+        assert block_hash is not None
+        return BlockStats(
+            block_hash=block_hash,
+            hit_count=hit_count,
+            last_access_ms=last_ms,
+            decayed_hits=decayed,
+            size_bytes=int(c.size_bytes[row]),
+            recompute_cost_s=float(c.recompute_cost_s[row]),
+        )
+
+    def _evictable(self, row: int) -> bool:
+        c = self._c
+        return bool(
+            c.alive[row]
+            and c.num_children[row] == 0
+            and c.lock_ref[row] == 0
+            and c.num_leases[row] == 0
+            and self._ns_valid[c.ns_slot[row]]
+        )
+
+    def _push(self, row: int) -> None:
+        """(Re)enter an evictable leaf into the eviction heap with its current key."""
+        if not self._evictable(row):
+            return
+        self._seq += 1
+        self._c.heap_seq[row] = self._seq
+        heapq.heappush(self._heap, (self.policy.key(self._stats(row)), self._seq, row))
+        if len(self._heap) > 2 * self._c.num_alive + 1024:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        heap = self._heap
+        self._heap = [
+            entry for entry in heap if self._c.heap_seq[entry[2]] == entry[1] and self._evictable(entry[2])
+        ]
+        heapq.heapify(self._heap)
+
+    def _unpin(self, lease: Lease) -> None:
+        c = self._c
+        rows = lease.rows[(c.gen[lease.rows] == lease.gens) & c.alive[lease.rows]]
+        c.num_leases[rows] -= 1
+        for row in rows[(c.num_leases[rows] == 0) & (c.num_children[rows] == 0)]:
+            self._push(int(row))
+
+    def _add_location_row(self, row: int, loc: Location) -> None:
+        c = self._c
+        if loc in c.locations[row]:
+            return
+        c.locations[row] = (*c.locations[row], loc)
+        self._space.add(loc.node_id, row, int(c.size_bytes[row]))
+
+    def _remove_location_row(self, row: int, loc: Location) -> None:
+        c = self._c
+        c.locations[row] = tuple(x for x in c.locations[row] if x != loc)
+        still_there = any(x.node_id == loc.node_id for x in c.locations[row])
+        self._space.remove(loc.node_id, row, int(c.size_bytes[row]), still_there)
+
+    def _drop_row(self, row: int, reason: str) -> DroppedBlock:
+        """Remove a childless row from every structure; its parent may become an evictable leaf."""
+        c = self._c
+        slot, block_hash, locs = int(c.ns_slot[row]), c.hashes[row], c.locations[row]
+        assert block_hash is not None
+        for loc in locs:
+            self._remove_location_row(row, loc)
+        del self._ns_rows[slot][block_hash]
+        parent = int(c.parent[row])
+        c.unlink_child(row)
+        c.free(row)
+        if parent != NO_ROW:
+            self._push(parent)
+        return DroppedBlock(self._ns_ids[slot], block_hash, locs, reason)
+
+    def _drop_subtree(self, row: int, reason: str) -> list[DroppedBlock]:
+        return [self._drop_row(r, reason) for r in self._c.subtree_postorder(row)]

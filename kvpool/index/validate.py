@@ -1,0 +1,61 @@
+"""Argument checks for the radix index: raise `InvalidArgument` naming the argument, before any change."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from kvpool.errors import InvalidArgument
+from kvpool.types import HASH_NBYTES, BlockHash, Location
+
+
+def check_hash(value: object, what: str) -> BlockHash:
+    if not isinstance(value, bytes) or len(value) != HASH_NBYTES:
+        got = f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
+        raise InvalidArgument(f"{what} must be {HASH_NBYTES} bytes, got {got}")
+    return BlockHash(value)
+
+
+def check_hashes(values: Sequence[object], what: str = "block_hashes") -> list[BlockHash]:
+    out = [check_hash(v, f"{what}[{i}]") for i, v in enumerate(values)]
+    if len(set(out)) != len(out):
+        raise InvalidArgument(f"{what} repeats a block hash (a chain cannot contain a cycle)")
+    return out
+
+
+def check_count(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"{what} must be a non-negative int, got {value!r}")
+    return value
+
+
+def per_block_sizes(value: Sequence[int] | int, n: int) -> list[int]:
+    values = [value] * n if isinstance(value, int) else list(value)
+    if len(values) != n:
+        raise InvalidArgument(f"size_bytes has {len(values)} entries for {n} blocks")
+    for i, v in enumerate(values):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise InvalidArgument(f"size_bytes[{i}] must be a positive int, got {v!r}")
+    return values
+
+
+def per_block_costs(value: Sequence[float] | float, n: int) -> list[float]:
+    values = [float(value)] * n if isinstance(value, int | float) else [float(v) for v in value]
+    if len(values) != n:
+        raise InvalidArgument(f"recompute_cost_s has {len(values)} entries for {n} blocks")
+    for i, v in enumerate(values):
+        if not math.isfinite(v) or v < 0:
+            raise InvalidArgument(f"recompute_cost_s[{i}] must be finite and >= 0, got {v!r}")
+    return values
+
+
+def per_block_locations(value: Sequence[Sequence[Location]], n: int) -> list[tuple[Location, ...]]:
+    if len(value) != n:
+        raise InvalidArgument(f"locations has {len(value)} entries for {n} blocks")
+    out: list[tuple[Location, ...]] = []
+    for i, locs in enumerate(value):
+        for loc in locs:
+            if not isinstance(loc, Location):
+                raise InvalidArgument(f"locations[{i}] holds {type(loc).__name__}, not a Location")
+        out.append(tuple(dict.fromkeys(locs)))
+    return out
