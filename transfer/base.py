@@ -1,0 +1,170 @@
+"""Values and seams of the transport: block requests, per-block results, link estimates, protocols.
+
+Depends on nothing in the project (stdlib, numpy, xxhash only).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import xxhash
+
+
+class TransferError(Exception):
+    """Moving a block's bytes failed (peer died, deadline passed, refused, checksum mismatch)."""
+
+
+def checksum(data: memoryview | bytes | bytearray | np.ndarray) -> int:
+    """xxh3_64 of the bytes of `data` (a C-contiguous buffer), as an unsigned int."""
+    return xxhash.xxh3_64_intdigest(as_bytes_view(data))
+
+
+def as_bytes_view(data: memoryview | bytes | bytearray | np.ndarray) -> memoryview:
+    """A flat, byte-typed view of a C-contiguous buffer (no copy). Raises `ValueError` otherwise."""
+    view = memoryview(data)  # type: ignore[arg-type]
+    if not view.c_contiguous:
+        raise ValueError("block buffers must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRead:
+    """Read `nbytes` from `slot`, valid only while the slot is at `generation`."""
+
+    slot: int
+    generation: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWrite:
+    """Write `data` into a reserved `slot` at `generation`; `checksum` is xxh3_64 of `data`."""
+
+    slot: int
+    generation: int
+    data: memoryview | bytes | np.ndarray
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockResult:
+    """The outcome of one block: `checksum` is the verified checksum when `ok`, `error` says why not."""
+
+    ok: bool
+    checksum: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LinkEstimate:
+    """Calibrated cost of moving `n` bytes to/from a peer: `alpha_s + n / beta_bytes_per_s`."""
+
+    alpha_s: float
+    beta_bytes_per_s: float
+    samples: int = 0
+
+    def predict_s(self, nbytes: int) -> float:
+        return self.alpha_s + nbytes / self.beta_bytes_per_s if self.beta_bytes_per_s > 0 else math.inf
+
+
+class LinkTracker:
+    """Per-peer link estimates: set by the connect probe, EWMA-updated by real transfers. Thread-safe."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self._weight = weight
+        self._lock = threading.Lock()
+        self._links: dict[str, LinkEstimate] = {}
+
+    def get(self, peer: str) -> LinkEstimate | None:
+        with self._lock:
+            return self._links.get(peer)
+
+    def set(self, peer: str, alpha_s: float, beta_bytes_per_s: float) -> LinkEstimate:
+        with self._lock:
+            est = LinkEstimate(alpha_s, beta_bytes_per_s, 1)
+            self._links[peer] = est
+            return est
+
+    def observe(self, peer: str, nbytes: int, elapsed_s: float) -> None:
+        """Fold one real transfer (`nbytes` in `elapsed_s`) into the bandwidth estimate."""
+        if nbytes <= 0 or elapsed_s <= 0:
+            return
+        with self._lock:
+            old = self._links.get(peer)
+            if old is None:
+                self._links[peer] = LinkEstimate(0.0, nbytes / elapsed_s, 1)
+                return
+            beta = nbytes / max(elapsed_s - old.alpha_s, elapsed_s * 0.1)
+            w = self._weight
+            self._links[peer] = LinkEstimate(
+                old.alpha_s, (1 - w) * old.beta_bytes_per_s + w * beta, old.samples + 1
+            )
+
+
+class Transport(Protocol):
+    """Moves whole blocks between this process and a `BlockServer` at `peer` ("host:port").
+
+    Every call has a deadline: a dead or stalled peer makes every unfinished block fail within `timeout_s`
+    (never a hang) and the transport stays usable for other peers (and for that peer once it is back).
+    """
+
+    def read_blocks(
+        self, peer: str, reads: Sequence[BlockRead], out: Sequence[memoryview], *, timeout_s: float
+    ) -> list[BlockResult]:
+        """Fill `out[i]` (caller-owned, `reads[i].nbytes` long) with block i and verify its checksum.
+
+        One result per read; a failed block's `out[i]` holds unspecified bytes.
+        """
+        ...
+
+    def write_blocks(self, peer: str, writes: Sequence[BlockWrite], *, timeout_s: float) -> list[BlockResult]:
+        """Send each block; the server verifies `checksum` against the bytes that landed. One result per write."""
+        ...
+
+    def link(self, peer: str) -> LinkEstimate:
+        """The link estimate to `peer` (connects and probes it when not known yet)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class BlockHandler(Protocol):
+    """The store side of the data plane; a `BlockServer` calls it for every block it moves.
+
+    `begin_*` marks the slot in flight (a free order is deferred until the matching `end_*`); every
+    successful `begin_*` is followed by exactly one `end_*`, whatever happens to the transfer.
+    """
+
+    def begin_read(self, slot: int, generation: int, nbytes: int) -> tuple[memoryview, int]:
+        """The committed block's bytes and its stored checksum; raises if stale, unknown or uncommitted."""
+        ...
+
+    def end_read(self, slot: int) -> None: ...
+
+    def begin_write(self, slot: int, generation: int, nbytes: int) -> memoryview:
+        """The reserved slot's buffer to receive into; raises if not reserved at `generation`."""
+        ...
+
+    def end_write(self, slot: int, generation: int, checksum: int, ok: bool) -> None:
+        """The transfer ended (`ok`: all bytes landed): verify `checksum`; raise on mismatch."""
+        ...
+
+
+class BlockServer(Protocol):
+    """Serves a `BlockHandler` to remote transports."""
+
+    def start(self) -> int:
+        """Start serving; returns the bound port."""
+        ...
+
+    def stop(self) -> None: ...
+
+
+def validate_batch(nreads: int, nout: int) -> None:
+    if nreads != nout:
+        raise ValueError(f"{nreads} reads but {nout} output buffers")
