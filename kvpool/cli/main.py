@@ -11,6 +11,7 @@ import typer
 
 from kvpool.cli.bench import bench_app
 from kvpool.cli.roles import register_role_commands
+from kvpool.cli.serving_cmd import register_serving_commands
 
 app = typer.Typer(
     name="kvpool",
@@ -21,6 +22,7 @@ app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench", help="Benchmarks: each prints a table and writes --json.")
 register_role_commands(app)
+register_serving_commands(app)
 
 
 @app.callback()

@@ -1,4 +1,4 @@
-"""Role commands (`kvpool demo`, `master`, `store`, `prefill`, `decode`, `admin`), imported on use."""
+"""`kvpool demo`: the main job, imported on use."""
 
 from __future__ import annotations
 
@@ -10,10 +10,23 @@ import typer
 def register_role_commands(app: typer.Typer) -> None:
     @app.command()
     def demo(
-        trace: Path | None = typer.Option(None, help="Mooncake-format JSONL trace to hash."),
         json_out: Path | None = typer.Option(None, "--json", help="Write the summary JSON here."),
+        trace: Path | None = typer.Option(
+            None, help="Mooncake-format conversation trace (default: shared or shipped)."
+        ),
+        trace_block_tokens: int = typer.Option(64, help="Tokens per trace block (the trace's are 512)."),
+        conversations: int = typer.Option(4, help="Chat conversations to replay."),
+        questions: int = typer.Option(5, help="Questions per RAG document."),
+        max_tokens: int = typer.Option(12, help="Tokens to generate per request."),
+        device: str = typer.Option("cpu", help="torch device for the serving nodes."),
+        model: str | None = typer.Option(None, help="HF model directory (default: the embedded model)."),
     ) -> None:
-        """Run the main job on real input (for now: hash a shipped trace's prompts)."""
-        from kvpool.bench.trace_hash import run_trace_hash
+        """Start a local cluster of real processes and serve RAG + multi-turn chat through the pool."""
+        from kvpool.demo.run import run_demo
 
-        run_trace_hash(trace, json_out)
+        summary = run_demo(
+            json_out=json_out, trace=trace, trace_block_tokens=trace_block_tokens, num_conversations=conversations,
+            questions_per_doc=questions, max_tokens=max_tokens, device=device, model_dir=model,
+        )  # fmt: skip
+        if not summary["greedy_equal"]:
+            raise typer.Exit(1)

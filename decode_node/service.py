@@ -1,0 +1,75 @@
+"""The decode node's gRPC service: `Decode(handoff) → stream of tokens`, batched per decode step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+
+from decode_node.scheduler import DecodeJob, DecodeScheduler, is_done
+from kvpool.errors import InvalidArgument
+from kvpool.hashing import hash_blocks
+from kvpool.rpc.status import rpc_errors
+from kvpool.serving.common import validate_tokens
+from kvpool.serving.runtime import NodeRuntime, sampling_from_proto
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class DecodeService(pb_grpc.DecodeServicer):
+    def __init__(self, rt: NodeRuntime, scheduler: DecodeScheduler) -> None:
+        self.rt = rt
+        self.scheduler = scheduler
+
+    @rpc_errors
+    def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeEvent]:  # noqa: N802
+        rt = self.rt
+        prompt = validate_tokens(
+            request.token_ids, vocab_size=rt.runner.vocab_size, max_tokens=rt.settings.max_prompt_tokens
+        )
+        if request.first_token >= rt.runner.vocab_size:
+            raise InvalidArgument(f"first_token {request.first_token} is outside the vocabulary")
+        params = sampling_from_proto(request.sampling)
+        ns = rt.namespace(request.cache_salt)
+        if request.block_hashes:
+            ours = hash_blocks(ns, prompt, rt.runner.layout.block_size)
+            if list(request.block_hashes) != ours:
+                raise InvalidArgument("block_hashes do not match the prompt under this node's namespace")
+        job = DecodeJob(
+            request_id=request.request_id or f"dec-{id(request):x}",
+            ns=ns,
+            prompt=prompt,
+            first_token=int(request.first_token),
+            params=params,
+            prompt_committed=request.prompt_committed,
+            publish=request.publish,
+            use_cache=request.use_cache,
+        )
+        self.scheduler.submit(job)
+        while True:
+            item = job.out.get()
+            if is_done(item):
+                break
+            if not context.is_active():
+                break
+            yield pb.DecodeEvent(token_ids=item)
+        if job.error is not None:
+            raise job.error
+        s = job.stats
+        yield pb.DecodeEvent(
+            finished=True,
+            stats=pb.DecodeStats(
+                num_prompt_tokens=len(prompt),
+                num_reused_tokens=s.get("num_reused_tokens", 0),
+                num_pulled_tokens=s.get("num_pulled_tokens", 0),
+                pulled_bytes=s.get("pulled_bytes", 0),
+                decision=s.get("decision", "none"),
+                load_s=s.get("load_s", 0.0),
+                decode_s=s.get("decode_s", 0.0),
+                num_generated=s.get("num_generated", 1),
+                finish_reason=s.get("finish_reason", ""),
+            ),
+        )

@@ -1,0 +1,42 @@
+"""`kvpool prefill` and `kvpool decode`: run a serving node (imports torch only when started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register_serving_commands(app: typer.Typer) -> None:
+    for role in ("prefill", "decode"):
+        _register(app, role)
+
+
+def _register(app: typer.Typer, role: str) -> None:
+    def command(
+        master: str = typer.Option(None, help="master host:port"),
+        listen: str = typer.Option(None, help="address to bind (default 127.0.0.1)"),
+        port: int = typer.Option(None, help="gRPC port (0 = ephemeral)"),
+        node_id: str = typer.Option(None, help="node id (default: role-host-port)"),
+        model: str = typer.Option(None, help="HF model directory (default: the embedded synthetic model)"),
+        device: str = typer.Option(None, help="torch device: cpu, cuda, cuda:1 ..."),
+        block_size: int = typer.Option(None, help="tokens per KV block"),
+        local_tier_bytes: int = typer.Option(None, help="node-local tier capacity in bytes (0 = off)"),
+        replicas: int = typer.Option(None, help="replicas per published block"),
+        config: Path = typer.Option(None, help="TOML config file"),
+    ) -> None:
+        from kvpool.config import load_config
+        from kvpool.serving.common import ServingSettings
+
+        settings = load_config(
+            ServingSettings, config, master=master, bind_host=listen, port=port, node_id=node_id, model=model,
+            device=device, block_size=block_size, local_tier_bytes=local_tier_bytes, num_replicas=replicas,
+        )  # fmt: skip
+        if role == "prefill":
+            from prefill_node.main import main
+        else:
+            from decode_node.main import main
+        main(settings)
+
+    command.__doc__ = f"Run a {role} node."
+    app.command(name=role)(command)

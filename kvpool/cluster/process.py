@@ -1,0 +1,131 @@
+"""Start one kvpool role as a child process and wait for its `KVPOOL_READY {json}` line.
+
+Every role command prints exactly one `KVPOOL_READY <json>` line on stdout when it serves (its bound
+addresses in the JSON), so a parent never guesses ports. Children die with their parent on Linux
+(`PR_SET_PDEATHSIG`), so a killed launcher leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "KVPOOL_READY "
+_PR_SET_PDEATHSIG = 1
+
+
+def print_ready(info: dict[str, Any]) -> None:
+    """Announce that this process serves: one machine-readable line on stdout, flushed."""
+    sys.stdout.write(READY_PREFIX + json.dumps(info, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class RoleProcess:
+    """A running role process (`kvpool <role> …`). Its output goes to `log_path`, prefixed by name."""
+
+    def __init__(
+        self, name: str, args: Sequence[str], *, log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.args = list(args)
+        self.log_path = log_path
+        self.info: dict[str, Any] = {}
+        cmd = [sys.executable, "-m", "kvpool.cli.main", *self.args]
+        child_env = dict(os.environ if env is None else env)
+        child_env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=child_env,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        self._ready: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._pump = threading.Thread(target=self._pump_output, name=f"log-{name}", daemon=True)
+        self._pump.start()
+
+    def _pump_output(self) -> None:
+        assert self.proc.stdout is not None
+        out: IO[str]
+        with self.log_path.open("a") as out:
+            for line in self.proc.stdout:
+                if line.startswith(READY_PREFIX):
+                    try:
+                        self._ready.put(json.loads(line[len(READY_PREFIX) :]))
+                    except json.JSONDecodeError:
+                        self._ready.put(None)
+                out.write(f"[{self.name}] {line}")
+                out.flush()
+        self._ready.put(None)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Block until the READY line arrives; `RuntimeError` with the log tail if the child dies or stalls."""
+        try:
+            info = self._ready.get(timeout=timeout_s)
+        except queue.Empty:
+            info = None
+        if info is None:
+            self.stop()
+            raise RuntimeError(f"{self.name} did not become ready:\n{self.log_tail()}")
+        self.info = info
+        return info
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        try:
+            return "".join(self.log_path.read_text().splitlines(keepends=True)[-num_lines:])
+        except OSError:
+            return "(no log)"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """kill -9 (fault injection)."""
+        if self.alive:
+            self.proc.kill()
+        self.proc.wait()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`."""
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._pump.join(timeout=2.0)
+
+
+def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll `predicate()` until true or `timeout_s` passes; returns the last result."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)

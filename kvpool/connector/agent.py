@@ -1,0 +1,105 @@
+"""A serving node's link to the master: registration, heartbeats with load, namespace registration.
+
+When the master answers a heartbeat with `known=false` (it restarted, or declared us dead) the agent
+re-registers the node and every namespace it uses, so the master's soft state comes back (DESIGN:
+"a master restarted from nothing rebuilds its index from the store nodes' inventories and the nodes'
+re-registered namespaces").
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.hashing import Namespace
+from kvpool.types import NamespaceId
+
+log = logging.getLogger(__name__)
+
+
+class NodeAgent:
+    """Registers `node` (a dict of NodeEndpoint fields) and heartbeats every interval in a thread.
+
+    `load_fn` returns the node's current load (a dict of NodeLoad fields) for each heartbeat;
+    `on_heartbeat` runs after each successful one (e.g. to flush local-tier events).
+    """
+
+    def __init__(
+        self,
+        master: Any,
+        *,
+        node_id: str,
+        role: str,
+        grpc_address: str,
+        layout_fingerprint: str,
+        load_fn: Callable[[], dict[str, Any]] | None = None,
+        on_heartbeat: Callable[[int], None] | None = None,
+    ) -> None:
+        self.master = master
+        self.node_id = node_id
+        self.role = role
+        self.grpc_address = grpc_address
+        self.layout_fingerprint = layout_fingerprint
+        self.epoch = secrets.randbits(63) or 1
+        self.load_fn = load_fn
+        self.on_heartbeat = on_heartbeat
+        self.heartbeat_interval_s = 1.0
+        self._namespaces: dict[NamespaceId, Namespace] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def register(self) -> None:
+        resp = self.master.register_node(
+            node_id=self.node_id, role=self.role, grpc_address=self.grpc_address, data_address="",
+            epoch=self.epoch, layout_fingerprint=self.layout_fingerprint,
+        )  # fmt: skip
+        interval_ms = getattr(resp, "heartbeat_interval_ms", 0) or 1000
+        self.heartbeat_interval_s = interval_ms / 1000.0
+        with self._lock:
+            namespaces = list(self._namespaces.values())
+        for ns in namespaces:
+            self.master.register_namespace(ns)
+
+    def namespace(self, ns: Namespace) -> NamespaceId:
+        """Register `ns` with the master once; return its digest (checked against the master's)."""
+        digest = ns.digest()
+        with self._lock:
+            known = digest in self._namespaces
+        if not known:
+            remote = self.master.register_namespace(ns)
+            if remote != digest:
+                raise RuntimeError("the master computed another namespace digest: hashing versions differ")
+            with self._lock:
+                self._namespaces[digest] = ns
+        return digest
+
+    def forget_namespaces(self) -> None:
+        with self._lock:
+            self._namespaces.clear()
+
+    def start(self) -> None:
+        self.register()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.node_id}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval_s):
+            try:
+                load = self.load_fn() if self.load_fn else {}
+                known = self.master.heartbeat(self.node_id, self.epoch, load=load)
+                if not known:
+                    log.warning("master does not know %s (restarted?): re-registering", self.node_id)
+                    self.register()
+                if self.on_heartbeat is not None:
+                    self.on_heartbeat(self.epoch)
+            except Exception as exc:  # noqa: BLE001 - keep heartbeating through master outages
+                log.warning("heartbeat failed: %s", exc)

@@ -1,0 +1,254 @@
+"""Load a prompt's cached prefix into the model and publish new full blocks (prefill and decode).
+
+`load_prefix` (data flow steps 2-3 of DESIGN.md):
+  1. The reusable span is at most `(len(tokens) - 1) // block_size` blocks: a fully cached prompt still
+     computes its last token (field case B06); the partial tail is never reused.
+  2. `MatchPrefix` (counting the hit or not, with a read lease) gives the pool's matched run; the
+     node-local tier gives its own leading run.
+  3. The cost model picks k leading blocks to reuse (local ones cost ~0; pool ones `α + bytes/β`).
+  4. Local blocks are copied from the tier; pool blocks are pulled over the transport from a replica,
+     checksum and generation verified. A failed block is retried once on another replica (or the same);
+     if it fails again only the blocks before it are reused, the bad replica is reported to the master
+     (so the next lookup does not offer it: B18), and the rest is recomputed.
+  5. The lease is released in every case (B13).
+`publish` (step 5): reserve → write → commit through the pool client, off the TTFT path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvpool.connector.local_tier import LocalTier
+from kvpool.connector.pull import pull_blocks
+from kvpool.cost import LinkEstimate, RecomputeModel, decide_reuse
+from kvpool.types import BlockHash, NamespaceId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoadStats:
+    """What one load did; units in names. `decision` is "none" | "local" | "pull" | "recompute"."""
+
+    num_prompt_tokens: int = 0
+    num_matched_tokens: int = 0
+    num_reused_tokens: int = 0
+    num_pulled_tokens: int = 0
+    num_local_tokens: int = 0
+    num_pool_blocks: int = 0
+    pulled_bytes: int = 0
+    num_failed_blocks: int = 0
+    decision: str = "none"
+    match_s: float = 0.0
+    pull_s: float = 0.0
+    predicted_pull_s: float = 0.0
+    predicted_recompute_s: float = 0.0
+    reason: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class LoadedPrefix:
+    """The reused blocks' bytes (uint8, `block_nbytes` each, in chain order) and the load's stats."""
+
+    blocks: list[np.ndarray] = field(default_factory=list)
+    stats: LoadStats = field(default_factory=LoadStats)
+
+
+class KVConnector:
+    """Pool + local tier access for one node. Thread-safe as far as its clients are.
+
+    Args:
+        master: a `kvpool.client.MasterClient`.
+        pool: a `kvpool.client.PoolClient` (publishes: reserve, write, commit).
+        transport: a `transfer.Transport` (pulls).
+        block_size, block_nbytes: the KV layout's figures.
+        recompute: the calibrated recompute model of this node's runner.
+        local_tier: the node-local tier (may have capacity 0).
+        lease_ttl_ms: read lease for pulls; pull_timeout_s: deadline per pull batch.
+    """
+
+    def __init__(
+        self,
+        *,
+        master: Any,
+        pool: Any,
+        transport: Any,
+        node_id: str,
+        block_size: int,
+        block_nbytes: int,
+        recompute: RecomputeModel,
+        local_tier: LocalTier,
+        num_replicas: int = 1,
+        lease_ttl_ms: int = 10_000,
+        pull_timeout_s: float = 10.0,
+        margin: float = 0.1,
+    ) -> None:
+        self.master = master
+        self.pool = pool
+        self.transport = transport
+        self.node_id = node_id
+        self.block_size = block_size
+        self.block_nbytes = block_nbytes
+        self.recompute = recompute
+        self.local_tier = local_tier
+        self.num_replicas = num_replicas
+        self.lease_ttl_ms = lease_ttl_ms
+        self.pull_timeout_s = pull_timeout_s
+        self.margin = margin
+
+    def max_reusable_blocks(self, num_tokens: int) -> int:
+        """Blocks that may be reused for a prompt of `num_tokens`: the last token is always computed."""
+        return max(0, (num_tokens - 1) // self.block_size)
+
+    def link_to_pool(self, addresses: Sequence[str]) -> LinkEstimate | None:
+        """The slowest calibrated link among the stores we would pull from (conservative)."""
+        links = [self.transport.link(a) for a in set(addresses)]
+        links = [lk for lk in links if lk is not None]
+        if not links:
+            return None
+        return min(links, key=lambda lk: lk.beta_bytes_per_s)
+
+    def load_prefix(
+        self,
+        ns: NamespaceId,
+        tokens: Sequence[int],
+        hashes: Sequence[BlockHash],
+        *,
+        count_hit: bool,
+        request_id: str = "",
+        use_cache: bool = True,
+    ) -> LoadedPrefix:
+        """Fetch the reusable leading blocks of a prompt (see the module docstring). Never raises for a
+        pool failure: a failed load falls back to recompute of exactly the missing span."""
+        stats = LoadStats(num_prompt_tokens=len(tokens))
+        out = LoadedPrefix(stats=stats)
+        max_blocks = min(self.max_reusable_blocks(len(tokens)), len(hashes))
+        if not use_cache or max_blocks == 0:
+            return out
+        candidates = list(hashes[:max_blocks])
+        t0 = time.perf_counter()
+        try:
+            match = self.master.match(
+                ns, candidates, count_hit=count_hit, lease_ttl_ms=self.lease_ttl_ms,
+                num_prompt_tokens=len(tokens), request_id=request_id,
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the master being down means recompute, not failure
+            log.warning("[%s] match failed, recomputing: %s", request_id, exc)
+            stats.match_s = time.perf_counter() - t0
+            match = None
+        stats.match_s = time.perf_counter() - t0
+        num_pool = match.num_matched if match is not None else 0
+        stats.num_pool_blocks = num_pool
+        num_local = self.local_tier.leading_run(ns, candidates)
+        stats.num_matched_tokens = max(num_pool, num_local) * self.block_size
+        try:
+            self._load(ns, candidates, match, num_pool, num_local, out, request_id)
+        finally:
+            if match is not None and match.lease_id:
+                try:
+                    self.master.release_lease(match.lease_id)
+                except Exception as exc:  # noqa: BLE001 - the lease expires on its own
+                    log.warning("[%s] release_lease failed: %s", request_id, exc)
+        stats.num_reused_tokens = len(out.blocks) * self.block_size
+        return out
+
+    def _load(
+        self,
+        ns: NamespaceId,
+        candidates: list[BlockHash],
+        match: Any,
+        num_pool: int,
+        num_local: int,
+        out: LoadedPrefix,
+        request_id: str,
+    ) -> None:
+        stats = out.stats
+        num_hit = max(num_pool, num_local)
+        if num_hit == 0:
+            return
+        addresses = [match.data_addresses[loc.node_id] for reps in match.replicas for loc in reps
+                     if not loc.local and loc.node_id in match.data_addresses] if match else []  # fmt: skip
+        link = self.link_to_pool(addresses) if num_pool > num_local else None
+        decision = decide_reuse(
+            num_hit_blocks=num_hit,
+            num_local_blocks=num_local,
+            block_size=self.block_size,
+            prompt_len=stats.num_prompt_tokens,
+            block_nbytes=self.block_nbytes,
+            link=link,
+            recompute=self.recompute,
+            margin=self.margin,
+        )
+        stats.predicted_pull_s = decision.predicted_load_s
+        stats.predicted_recompute_s = decision.predicted_recompute_all_s
+        stats.reason = decision.reason
+        k = decision.num_load_blocks
+        if k == 0:
+            stats.decision = "recompute"
+            return
+        num_from_local = min(k, num_local)
+        for h in candidates[:num_from_local]:
+            block = self.local_tier.get(ns, h)
+            if block is None:  # evicted between the run check and now
+                break
+            out.blocks.append(block)
+        stats.num_local_tokens = len(out.blocks) * self.block_size
+        stats.decision = "local"
+        if len(out.blocks) < k and match is not None:
+            stats.decision = "pull"
+            t0 = time.perf_counter()
+            start = len(out.blocks)
+            pulled, failed = pull_blocks(
+                self.transport, self.master, ns, candidates, match.replicas, match.data_addresses,
+                start=start, end=min(k, num_pool), block_nbytes=self.block_nbytes,
+                timeout_s=self.pull_timeout_s, request_id=request_id,
+            )  # fmt: skip
+            stats.pull_s = time.perf_counter() - t0
+            stats.num_failed_blocks = failed
+            out.blocks.extend(pulled)
+            stats.num_pulled_tokens = len(pulled) * self.block_size
+            stats.pulled_bytes = sum(b.nbytes for b in pulled)
+            for h, block in zip(candidates[start:], pulled, strict=False):
+                self.local_tier.put(ns, h, block)
+
+    def publish(
+        self,
+        ns: NamespaceId,
+        hashes: Sequence[BlockHash],
+        blocks: Sequence[np.ndarray],
+        *,
+        start_block: int,
+        recompute_cost_s: Sequence[float] | None = None,
+        request_id: str = "",
+    ) -> tuple[int, int]:
+        """Publish blocks `start_block..` of a chain (`blocks[i]` is block `start_block + i`).
+
+        Returns (num committed, num already present). Raises a `KVPoolError` on failure (the caller
+        reports `publish_failed`); a partial failure aborts the reservation, so nothing half-visible.
+        """
+        for i, block in enumerate(blocks):
+            self.local_tier.put(ns, hashes[start_block + i], block)
+        if not blocks:
+            return 0, 0
+        parent = hashes[start_block - 1] if start_block > 0 else None
+        return self.pool.put_blocks(
+            ns, parent, list(hashes[start_block : start_block + len(blocks)]), list(blocks),
+            num_replicas=self.num_replicas, recompute_cost_s=recompute_cost_s, request_id=request_id,
+        )  # fmt: skip
+
+    def report_local_events(self, epoch: int) -> None:
+        """Send queued local-tier stored/removed events to the master (best effort)."""
+        for ns, stored, removed in self.local_tier.drain_events():
+            try:
+                self.master.report_local(self.node_id, epoch, ns, stored=stored, removed=removed)
+            except Exception as exc:  # noqa: BLE001 - the master learns again on the next event
+                log.debug("report_local failed: %s", exc)

@@ -1,0 +1,102 @@
+"""Pull a matched run of blocks from store nodes over the transport (checksums verified by it).
+
+Rules (field cases B17, B18): every read names the slot generation from the match, so a slot reused
+after a lease expired answers an error, never someone else's bytes; a failed block is retried once on
+another replica (the same one if there is no other); the result is the leading run of blocks that
+arrived intact, and blocks after the first failure are discarded even if they arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from kvpool.types import BlockHash, Location, NamespaceId
+
+log = logging.getLogger(__name__)
+
+
+def _pick(replicas: Sequence[Location], addresses: dict[str, str], skip: set[Location]) -> Location | None:
+    usable = [loc for loc in replicas if not loc.local and loc.node_id in addresses]
+    fresh = [loc for loc in usable if loc not in skip]
+    if fresh:
+        return fresh[0]
+    return usable[0] if usable else None
+
+
+def pull_blocks(
+    transport: Any,
+    master: Any,
+    ns: NamespaceId,
+    hashes: Sequence[BlockHash],
+    replicas: Sequence[Sequence[Location]],
+    addresses: dict[str, str],
+    *,
+    start: int,
+    end: int,
+    block_nbytes: int,
+    timeout_s: float,
+    request_id: str = "",
+) -> tuple[list[np.ndarray], int]:
+    """Read blocks `start..end` of a match. Returns (leading run of intact blocks, num failed reads).
+
+    `transport` implements `transfer.Transport`; `master` is a `MasterClient` (bad replicas are reported).
+    """
+    from transfer import BlockRead
+
+    if end <= start:
+        return [], 0
+    buffers = {i: np.empty(block_nbytes, dtype=np.uint8) for i in range(start, end)}
+    done: dict[int, bool] = {}
+    tried: dict[int, set[Location]] = defaultdict(set)
+    num_failed = 0
+    pending = list(range(start, end))
+    for _attempt in range(2):
+        by_peer: dict[str, list[tuple[int, Location]]] = defaultdict(list)
+        for i in pending:
+            loc = _pick(replicas[i], addresses, tried[i])
+            if loc is None:
+                continue
+            tried[i].add(loc)
+            by_peer[addresses[loc.node_id]].append((i, loc))
+
+        def read(peer: str, items: list[tuple[int, Location]]) -> list[tuple[int, Location, Any]]:
+            reads = [
+                BlockRead(slot=loc.slot, generation=loc.generation, nbytes=block_nbytes) for _, loc in items
+            ]
+            outs = [memoryview(buffers[i]) for i, _ in items]
+            try:
+                results = transport.read_blocks(peer, reads, outs, timeout_s=timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a failed batch is a failed block each
+                log.warning("[%s] pull from %s failed: %s", request_id, peer, exc)
+                return [(i, loc, None) for i, loc in items]
+            return [(i, loc, res) for (i, loc), res in zip(items, results, strict=True)]
+
+        with ThreadPoolExecutor(max_workers=max(1, len(by_peer))) as pool:
+            batches = list(pool.map(lambda kv: read(*kv), by_peer.items()))
+        pending = []
+        for batch in batches:
+            for i, loc, res in batch:
+                if res is not None and res.ok:
+                    done[i] = True
+                    continue
+                num_failed += 1
+                pending.append(i)
+                reason = res.error if res is not None else "transfer failed"
+                try:
+                    master.report_bad_replica(ns, hashes[i], loc, reason)
+                except Exception as exc:  # noqa: BLE001 - best effort
+                    log.debug("report_bad_replica failed: %s", exc)
+        if not pending:
+            break
+    run: list[np.ndarray] = []
+    for i in range(start, end):
+        if not done.get(i):
+            break
+        run.append(buffers[i])
+    return run, num_failed

@@ -1,0 +1,1 @@
+"""`kvpool demo`: a local cluster of real processes serving a RAG and a multi-turn chat workload."""

@@ -1,0 +1,1 @@
+"""Pieces shared by the serving nodes (prefill and decode): settings, request validation, sampling seeds."""

@@ -1,0 +1,50 @@
+"""Settings and request helpers shared by the prefill and decode nodes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from kvpool.config import KVPoolSettings
+from kvpool.errors import InvalidArgument
+
+
+class ServingSettings(KVPoolSettings):
+    """Settings of a serving node (env `KVPOOL_<FIELD>`, or a TOML file, or CLI flags)."""
+
+    master: str = Field(default="127.0.0.1:50051", description="master host:port")
+    port: int = Field(default=0, ge=0, le=65535, description="gRPC port (0 = ephemeral)")
+    node_id: str = ""
+    model: str | None = Field(default=None, description="HF model directory; None = the embedded model")
+    device: str = "cpu"
+    block_size: int = Field(default=64, gt=0)
+    local_tier_bytes: int = Field(default=256 * 1024 * 1024, ge=0, description="node-local tier capacity")
+    num_replicas: int = Field(default=1, ge=1)
+    lease_ttl_ms: int = Field(default=10_000, gt=0)
+    pull_timeout_s: float = Field(default=10.0, gt=0)
+    max_prompt_tokens: int = Field(default=32_768, gt=0)
+    max_batch_size: int = Field(default=8, gt=0)
+    cost_margin: float = Field(default=0.1, ge=0.0)
+
+
+def validate_tokens(token_ids: Sequence[int], *, vocab_size: int, max_tokens: int) -> list[int]:
+    """A prompt's token ids as a list; `InvalidArgument` when empty, too long or out of the vocabulary."""
+    tokens = list(token_ids)
+    if not tokens:
+        raise InvalidArgument("token_ids must not be empty")
+    if len(tokens) > max_tokens:
+        raise InvalidArgument(f"prompt has {len(tokens)} tokens; the limit is {max_tokens}")
+    bad = next((t for t in tokens if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"token id {bad} is outside the model's vocabulary of {vocab_size}")
+    return tokens
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed for output position `step` of a request seeded with `seed`.
+
+    Position-derived, so the same request samples the same tokens whether its prompt KV was reused or
+    recomputed and wherever its first token was sampled (prefill) or the rest (decode).
+    """
+    return (seed * 1_000_003 + step * 7_919 + 1) % (2**63 - 1)

@@ -1,0 +1,124 @@
+"""What a serving node holds: the model runner, its calibration, pool clients, the connector, the agent.
+
+Built once at node start-up by `NodeRuntime.start`; shared by the prefill and decode servicers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.connector.agent import NodeAgent
+from kvpool.connector.connector import KVConnector
+from kvpool.connector.local_tier import LocalTier
+from kvpool.serving.common import ServingSettings
+from kvpool.types import NamespaceId
+
+log = logging.getLogger(__name__)
+
+
+def sampling_from_proto(msg: Any) -> Any:
+    """`kvpool.v1.SamplingParams` → `kvpool.model.SamplingParams` (validated: `InvalidArgument`)."""
+    from kvpool.model import SamplingParams
+
+    return SamplingParams(
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p) if msg.top_p else 1.0,
+        top_k=int(msg.top_k),
+        seed=int(msg.seed) if msg.has_seed else None,
+        max_tokens=int(msg.max_tokens) if msg.max_tokens else 16,
+        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+    )
+
+
+def make_step_generator(params: Any, step: int) -> Any:
+    """A generator for output position `step` (None for greedy); see `kvpool.serving.common.step_seed`."""
+    if params.greedy:
+        return None
+    import random
+
+    import torch
+
+    from kvpool.serving.common import step_seed
+
+    seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+    return torch.Generator(device="cpu").manual_seed(step_seed(seed, step))
+
+
+@dataclass
+class NodeRuntime:
+    settings: ServingSettings
+    runner: Any
+    recompute: Any
+    master: Any
+    pool: Any
+    transport: Any
+    connector: KVConnector
+    agent: NodeAgent | None
+    model_lock: threading.Lock
+    role: str
+
+    @classmethod
+    def start(cls, settings: ServingSettings, *, role: str, grpc_address_fn: Any = None) -> NodeRuntime:
+        """Load the model, calibrate, connect to the master and the pool. `agent` starts later (`attach`)."""
+        from kvpool.client import MasterClient, PoolClient
+        from kvpool.model import ModelRunner, calibrate_recompute
+        from transfer import UcxTransport
+
+        runner = ModelRunner.load(settings.model, device=settings.device, block_size=settings.block_size)
+        if runner.synthetic:
+            log.info("model %s: SYNTHETIC weights (embedded demo model, random but fixed)", runner.model_id)
+        recompute = calibrate_recompute(runner)
+        master = MasterClient(settings.master)
+        transport = UcxTransport()
+        pool = PoolClient(master, transport)
+        connector = KVConnector(
+            master=master,
+            pool=pool,
+            transport=transport,
+            node_id=settings.node_id,
+            block_size=runner.layout.block_size,
+            block_nbytes=runner.layout.block_nbytes,
+            recompute=recompute,
+            local_tier=LocalTier(settings.local_tier_bytes),
+            num_replicas=settings.num_replicas,
+            lease_ttl_ms=settings.lease_ttl_ms,
+            pull_timeout_s=settings.pull_timeout_s,
+            margin=settings.cost_margin,
+        )
+        return cls(
+            settings, runner, recompute, master, pool, transport, connector, None, threading.Lock(), role
+        )
+
+    def attach_agent(self, grpc_address: str, load_fn: Any) -> None:
+        self.agent = NodeAgent(
+            self.master,
+            node_id=self.settings.node_id,
+            role=self.role,
+            grpc_address=grpc_address,
+            layout_fingerprint=self.runner.layout.fingerprint(),
+            load_fn=load_fn,
+            on_heartbeat=self.connector.report_local_events,
+        )
+        self.agent.start()
+
+    def namespace(self, cache_salt: str) -> NamespaceId:
+        """The namespace digest for this model and tenant salt (registered with the master once)."""
+        ns = self.runner.namespace(cache_salt=cache_salt)
+        if self.agent is None:
+            return ns.digest()
+        return self.agent.namespace(ns)
+
+    def load_info(self) -> dict[str, Any]:
+        """Calibration figures for heartbeats (`NodeLoad` fields)."""
+        return self.recompute.as_load() if hasattr(self.recompute, "as_load") else {}
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.stop()
+        try:
+            self.transport.close()
+        finally:
+            self.master.close()

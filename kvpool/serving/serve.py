@@ -1,0 +1,53 @@
+"""Run a serving node (prefill or decode) until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.cluster.process import print_ready
+from kvpool.rpc.server import start_server
+from kvpool.serving.common import ServingSettings
+from kvpool.serving.runtime import NodeRuntime
+
+log = logging.getLogger(__name__)
+
+
+def serve_node(
+    settings: ServingSettings,
+    *,
+    role: str,
+    build: Callable[[NodeRuntime], tuple[list[tuple[Any, Any, str]], Callable[[], int], Callable[[], None]]],
+) -> None:
+    """Start the runtime, the gRPC server (`build` returns its registrations, a queue-length function and a
+    stop hook), register with the master, print the READY line, and block until a stop signal."""
+    if not settings.node_id:
+        import socket
+
+        settings = settings.model_copy(
+            update={"node_id": f"{role}-{socket.gethostname()}-{settings.port or 'auto'}"}
+        )
+    rt = NodeRuntime.start(settings, role=role)
+    registrations, queue_len, on_stop = build(rt)
+    server = start_server(registrations, host=settings.bind_host, port=settings.port)
+    address = f"{settings.bind_host}:{server.port}"
+
+    def load() -> dict[str, Any]:
+        return {"queue_len": queue_len(), **rt.load_info()}
+
+    rt.attach_agent(address, load)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print_ready({"node_id": settings.node_id, "role": role, "grpc_address": address,
+                 "model_id": rt.runner.model_id, "synthetic": rt.runner.synthetic})  # fmt: skip
+    try:
+        stop.wait()
+    finally:
+        log.info("%s %s stopping", role, settings.node_id)
+        server.stop(1.0)
+        on_stop()
+        rt.close()

@@ -1,0 +1,24 @@
+"""`kvpool prefill`: run a prefill node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.serving.common import ServingSettings
+from kvpool.serving.runtime import NodeRuntime
+from kvpool.serving.serve import serve_node
+
+
+def main(settings: ServingSettings) -> None:
+    def build(rt: NodeRuntime) -> tuple[list[tuple[Any, Any, str]], Any, Any]:
+        from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+        from prefill_node.service import PrefillService
+
+        service = PrefillService(rt)
+        return (
+            [(pb_grpc.add_PrefillServicer_to_server, service, "kvpool.v1.Prefill")],
+            lambda: service.queue_len,
+            lambda: None,
+        )
+
+    serve_node(settings, role="prefill", build=build)

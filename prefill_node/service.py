@@ -1,0 +1,135 @@
+"""The prefill node's gRPC service: `Prefill(request) → stream (first_token, published)`.
+
+Per request (DESIGN.md data flow, steps 2-5): hash the prompt's full blocks → load the reusable prefix
+(match with a counted hit and a read lease, node-local tier first, pull when the cost model says so) →
+compute only the rest (at least the last prompt token) → sample the first token and send it at once →
+then publish the new full blocks two-phase and send `committed` (or `publish_failed`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from kvpool.hashing import hash_blocks
+from kvpool.rpc.status import rpc_errors
+from kvpool.serving.common import validate_tokens
+from kvpool.serving.runtime import NodeRuntime, make_step_generator, sampling_from_proto
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class PrefillService(pb_grpc.PrefillServicer):
+    def __init__(self, rt: NodeRuntime) -> None:
+        self.rt = rt
+        self._queue_len = 0
+        self._queue_lock = threading.Lock()
+        self.num_requests = 0
+
+    @property
+    def queue_len(self) -> int:
+        return self._queue_len
+
+    @rpc_errors
+    def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> Iterator[pb.PrefillEvent]:  # noqa: N802
+        rt = self.rt
+        t_start = time.perf_counter()
+        rid = request.request_id or f"req-{id(request):x}"
+        tokens = validate_tokens(
+            request.token_ids, vocab_size=rt.runner.vocab_size, max_tokens=rt.settings.max_prompt_tokens
+        )
+        params = sampling_from_proto(request.sampling)
+        ns = rt.namespace(request.cache_salt)
+        block_size = rt.runner.layout.block_size
+        hashes = hash_blocks(ns, tokens, block_size)
+        with self._queue_lock:
+            self._queue_len += 1
+        try:
+            with rt.model_lock:
+                loaded = rt.connector.load_prefix(
+                    ns, tokens, hashes, count_hit=True, request_id=rid, use_cache=request.use_cache
+                )
+                stats = loaded.stats
+                t_compute = time.perf_counter()
+                prefix = rt.runner.prefix_from_blocks(loaded.blocks) if loaded.blocks else None
+                logits, full = rt.runner.prefill_prompt(tokens, prefix)
+                first = _sample(logits, params)
+                compute_s = time.perf_counter() - t_compute
+        finally:
+            with self._queue_lock:
+                self._queue_len -= 1
+        self.num_requests += 1
+        ttft_s = time.perf_counter() - t_start
+        log.info(
+            "[%s] prompt=%d reused=%d (%s) ttft=%.3fs",
+            rid,
+            len(tokens),
+            stats.num_reused_tokens,
+            stats.decision,
+            ttft_s,
+        )
+        yield pb.PrefillEvent(
+            first_token=pb.PrefillFirstToken(
+                token_id=first,
+                block_hashes=list(hashes),
+                stats=pb.PrefillStats(
+                    num_prompt_tokens=len(tokens),
+                    num_matched_tokens=stats.num_matched_tokens,
+                    num_reused_tokens=stats.num_reused_tokens,
+                    num_pulled_tokens=stats.num_pulled_tokens,
+                    num_local_tokens=stats.num_local_tokens,
+                    pulled_bytes=stats.pulled_bytes,
+                    decision=stats.decision,
+                    match_s=stats.match_s,
+                    pull_s=stats.pull_s,
+                    compute_s=compute_s,
+                    ttft_s=ttft_s,
+                    predicted_pull_s=stats.predicted_pull_s,
+                    predicted_recompute_s=stats.predicted_recompute_s,
+                    num_failed_blocks=stats.num_failed_blocks,
+                ),
+            )
+        )
+        yield pb.PrefillEvent(published=self._publish(request, ns, hashes, full, stats, rid))
+
+    def _publish(
+        self, request: Any, ns: bytes, hashes: list, full: Any, stats: Any, rid: str
+    ) -> pb.PrefillPublished:
+        """Publish the full blocks the pool does not hold yet (off the TTFT path)."""
+        if not request.publish or not hashes:
+            return pb.PrefillPublished(status="skipped")
+        rt = self.rt
+        start = stats.num_pool_blocks if request.use_cache else 0
+        t0 = time.perf_counter()
+        try:
+            blocks = rt.runner.blocks_from_prefix(full, start, len(hashes))
+            cost = [
+                rt.recompute.block_cost_s(i, rt.runner.layout.block_size) for i in range(start, len(hashes))
+            ]
+            committed, existing = rt.connector.publish(
+                ns, hashes, blocks, start_block=start, recompute_cost_s=cost, request_id=rid
+            )
+        except Exception as exc:  # noqa: BLE001 - publish failure never fails the request
+            log.warning("[%s] publish failed: %s", rid, exc)
+            return pb.PrefillPublished(
+                status="publish_failed", error=str(exc), publish_s=time.perf_counter() - t0
+            )
+        return pb.PrefillPublished(
+            status="committed",
+            num_blocks=committed,
+            num_existing=existing + start,
+            publish_s=time.perf_counter() - t0,
+        )
+
+
+def _sample(logits: Any, params: Any) -> int:
+    from kvpool.model import sample_next
+
+    return sample_next(logits, params, make_step_generator(params, 0))
