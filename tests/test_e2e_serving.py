@@ -1,0 +1,140 @@
+"""End to end through real processes: master, 2 store nodes, a prefill and a decode node on 127.0.0.1.
+
+Field cases: B06 (fully cached prompt), B18 (partial load failure), B27 (cold == warm for fp32 CPU).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("torch")
+
+from kvpool.cluster.local import LocalCluster, LocalClusterSpec  # noqa: E402
+from kvpool.demo.orchestrator import Orchestrator, Sampling  # noqa: E402
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def runner():  # type: ignore[no-untyped-def]
+    from kvpool.model import ModelRunner
+
+    return ModelRunner.load(None, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def cluster(runner) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
+    spec = LocalClusterSpec(
+        layout=runner.layout.fingerprint(),
+        block_size=BLOCK,
+        segment_size="64MiB",
+        heartbeat_timeout_ms=30_000,
+        # no node-local tier: every hit is a real pull over UCX from the store nodes
+        extra_env={"KVPOOL_LOCAL_TIER_BYTES": "0"},
+    )
+    with LocalCluster(spec) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def orch(cluster: LocalCluster) -> Iterator[Orchestrator]:
+    o = Orchestrator(cluster.prefill_addresses[0], cluster.decode_addresses[0], timeout_s=120)
+    yield o
+    o.close()
+
+
+def _prompt(seed: int, n: int, vocab: int = 256) -> list[int]:
+    import numpy as np
+
+    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, size=n)]
+
+
+def test_greedy_with_hits_equals_without(orch: Orchestrator) -> None:
+    shared = _prompt(1, 8 * BLOCK)
+    prompts = [shared + _prompt(100 + i, 5 + i) for i in range(20)]
+    sampling = Sampling(max_tokens=6)
+    num_hits = 0
+    for i, prompt in enumerate(prompts):
+        warm = orch.run(prompt, sampling=sampling, request_id=f"g{i}")
+        cold = orch.run(prompt, sampling=sampling, use_cache=False, publish=False, request_id=f"g{i}-cold")
+        assert warm.publish_status == "committed"
+        assert cold.prefill["num_reused_tokens"] == 0
+        assert warm.tokens == cold.tokens, f"prompt {i}"
+        num_hits += warm.prefill["num_reused_tokens"] > 0
+        # decode always reuses the committed prompt blocks (pulled: no local tier here)
+        assert (
+            warm.decode["num_reused_tokens"] == (len(prompt) - 1) // BLOCK * BLOCK
+            or warm.decode["decision"] == "recompute"
+        )
+    assert num_hits >= 19  # every prompt after the first hits the shared prefix
+    # a fully cached prompt still computes its last token (B06)
+    again = orch.run(prompts[0][: 8 * BLOCK], sampling=sampling, request_id="full")
+    assert again.prefill["num_reused_tokens"] == 7 * BLOCK
+
+
+def test_seeded_temperature_same_warm_and_cold(orch: Orchestrator) -> None:
+    prompt = _prompt(7, 6 * BLOCK + 3)
+    s = Sampling(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=8)
+    orch.run(prompt, sampling=s, request_id="t-publish")
+    warm = orch.run(prompt, sampling=s, request_id="t-warm")
+    cold = orch.run(prompt, sampling=s, use_cache=False, publish=False, request_id="t-cold")
+    assert warm.prefill["num_reused_tokens"] == 6 * BLOCK
+    assert warm.tokens == cold.tokens
+
+
+def test_sampling_params_do_not_change_hits(orch: Orchestrator) -> None:
+    prompt = _prompt(8, 5 * BLOCK + 1)
+    orch.run(prompt, sampling=Sampling(max_tokens=2), request_id="s-publish")
+    a = orch.run(prompt, sampling=Sampling(max_tokens=2), request_id="s-a")
+    b = orch.run(prompt, sampling=Sampling(temperature=1.3, seed=5, max_tokens=3), request_id="s-b")
+    assert a.prefill["num_matched_tokens"] == b.prefill["num_matched_tokens"] == 5 * BLOCK
+    assert a.prefill["num_reused_tokens"] == b.prefill["num_reused_tokens"]
+
+
+def test_second_chat_turn_hits_first_answer(orch: Orchestrator) -> None:
+    turn1 = _prompt(9, 3 * BLOCK + 5)
+    first = orch.run(turn1, sampling=Sampling(max_tokens=2 * BLOCK), request_id="chat-1")
+    assert len(first.tokens) == 2 * BLOCK
+    turn2 = turn1 + first.tokens + _prompt(10, 7)
+    # decode publishes prompt + answer after it finishes: allow it a moment
+    deadline = time.monotonic() + 10
+    while True:
+        second = orch.run(turn2, sampling=Sampling(max_tokens=2), publish=False, request_id="chat-2")
+        if second.prefill["num_reused_tokens"] > len(turn1) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    # the reuse reaches into the first turn's answer, not just its prompt
+    assert second.prefill["num_reused_tokens"] >= (len(turn1) + len(first.tokens) - 1) // BLOCK * BLOCK
+    assert second.prefill["num_reused_tokens"] > len(turn1)
+
+
+def test_failed_pull_reuses_exactly_the_blocks_before(
+    cluster: LocalCluster, orch: Orchestrator, runner
+) -> None:  # type: ignore[no-untyped-def]
+    from kvpool.client import MasterClient
+    from kvpool.hashing import hash_blocks
+
+    prompt = _prompt(11, 10 * BLOCK + 2)
+    sampling = Sampling(max_tokens=5)
+    reference = orch.run(prompt, sampling=sampling, use_cache=False, publish=False, request_id="f-ref")
+    orch.run(prompt, sampling=sampling, request_id="f-publish")
+    ns = runner.namespace().digest()
+    hashes = hash_blocks(ns, prompt, BLOCK)
+    master = MasterClient(cluster.master_address)
+    try:
+        match = master.match(ns, hashes, count_hit=False, lease_ttl_ms=0)
+    finally:
+        master.close()
+    assert match.num_matched == 10
+    owners = [reps[0].node_id for reps in match.replicas]
+    victim = owners[0] if len(set(owners)) == 1 else next(o for o in owners if o != owners[0])
+    k = owners.index(victim)
+    store = next(p for p in cluster.stores if p.info["node_id"] == victim)
+    store.kill()
+    result = orch.run(prompt, sampling=sampling, publish=False, request_id="f-after-kill")
+    assert result.prefill["num_reused_tokens"] == k * BLOCK
+    assert result.prefill["num_failed_blocks"] >= 1
+    assert result.tokens == reference.tokens
