@@ -12,6 +12,7 @@ import typer
 from kvpool.cli.bench import bench_app
 from kvpool.cli.roles import register_role_commands
 from kvpool.cli.serving_cmd import register_serving_commands
+from kvpool.cli.store_cmd import register_store_command
 
 app = typer.Typer(
     name="kvpool",
@@ -23,6 +24,7 @@ app = typer.Typer(
 app.add_typer(bench_app, name="bench", help="Benchmarks: each prints a table and writes --json.")
 register_role_commands(app)
 register_serving_commands(app)
+register_store_command(app)
 
 
 @app.callback()

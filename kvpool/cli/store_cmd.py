@@ -1,0 +1,57 @@
+"""`kvpool store`: run a store node (imports grpc/ucxx only when the command runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register_store_command(app: typer.Typer) -> None:
+    @app.command()
+    def store(
+        master: str | None = typer.Option(None, help="Master HOST:PORT (omit: standalone)."),
+        listen: str | None = typer.Option(None, help="Bind/advertise host (default 127.0.0.1)."),
+        grpc_port: int | None = typer.Option(None, help="gRPC control port (0: ephemeral)."),
+        data_port: int | None = typer.Option(None, help="UCX data port (0: ephemeral)."),
+        segment_size: str | None = typer.Option(None, help="Segment size, e.g. 256MiB, 4GiB."),
+        layout: str | None = typer.Option(
+            None, help="KV layout fingerprint, e.g. kv1:float32:b64:l4:h2:d32."
+        ),
+        node_id: str | None = typer.Option(None, help="Node id (default store-<host>-<pid>)."),
+        pin_memory: str | None = typer.Option(None, help="auto | on | off (pinned host memory)."),
+        config: Path | None = typer.Option(None, help="TOML config file."),
+    ) -> None:
+        """Run a store node; prints `KVPOOL_READY {json}` on stdout when serving. SIGTERM/SIGINT stop it."""
+        import json
+        import signal
+        import sys
+
+        from kvpool.config import load_config
+        from kvpool.store.node import StoreNode
+        from kvpool.store.settings import StoreSettings
+
+        settings = load_config(
+            StoreSettings,
+            config,
+            master=master,
+            bind_host=listen,
+            grpc_port=grpc_port,
+            data_port=data_port,
+            segment_size=segment_size,
+            layout=layout,
+            node_id=node_id,
+            pin_memory=pin_memory,
+        )
+        node = StoreNode(settings)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: node.request_stop())
+        node.start()
+        print("KVPOOL_READY " + json.dumps(node.ready_info()), flush=True)
+        try:
+            node.wait()
+        finally:
+            node.stop()
+        if node.fatal:
+            print(f"store node stopped: {node.fatal}", file=sys.stderr)
+            raise typer.Exit(2)

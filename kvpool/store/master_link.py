@@ -1,0 +1,129 @@
+"""Registration with the master and heartbeats (standalone when no master is configured)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from kvpool.errors import FailedPrecondition, InvalidArgument
+from kvpool.rpc import PROTOCOL_VERSION
+from kvpool.rpc.server import channel
+from kvpool.rpc.status import raise_from_rpc_error
+from kvpool.store.slots import SlotTable
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class MasterLink:
+    """Registers the node with `master_address` and heartbeats every interval from a daemon thread.
+
+    Each heartbeat carries the deferred frees and reclaimed reservations done since the last one
+    (`freed_slots`, put back when the heartbeat fails) and the used-slot count. A `known=false` answer
+    re-registers. A registration the master refuses for good (layout or protocol mismatch) calls
+    `on_fatal(message)`. With `master_address` empty, `start()` does nothing (standalone mode).
+    """
+
+    def __init__(
+        self,
+        master_address: str,
+        *,
+        endpoint: Callable[[], pb.NodeEndpoint],
+        layout_fingerprint: str,
+        table: SlotTable,
+        heartbeat_interval_ms: int = 1000,
+        rpc_timeout_s: float = 5.0,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
+        self.address = master_address
+        self._endpoint = endpoint
+        self._layout = layout_fingerprint
+        self._table = table
+        self.interval_ms = heartbeat_interval_ms
+        self._timeout_s = rpc_timeout_s
+        self._on_fatal = on_fatal
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.registered = threading.Event()
+        self.master_epoch = 0
+        self.num_heartbeats = 0
+
+    def start(self) -> None:
+        if not self.address:
+            log.info("no master configured: standalone store")
+            return
+        self._thread = threading.Thread(target=self._run, name="kvpool-master-link", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._timeout_s + 1.0)
+
+    def _run(self) -> None:
+        with channel(self.address) as ch:
+            stub = pb_grpc.MasterStub(ch)
+            backoff_s = 0.1
+            while not self._stop.is_set():
+                try:
+                    if not self.registered.is_set():
+                        self._register(stub)
+                    else:
+                        self._heartbeat(stub)
+                    backoff_s = 0.1
+                    wait_s = self.interval_ms / 1000
+                except (FailedPrecondition, InvalidArgument) as exc:
+                    log.error("the master refused this store node: %s", exc)
+                    if self._on_fatal is not None:
+                        self._on_fatal(str(exc))
+                    return
+                except Exception as exc:  # noqa: BLE001 - keep trying: the master may come back
+                    log.warning("master %s: %s (retrying in %.1f s)", self.address, exc, backoff_s)
+                    wait_s, backoff_s = backoff_s, min(backoff_s * 2, 5.0)
+                self._stop.wait(wait_s)
+
+    def _register(self, stub: pb_grpc.MasterStub) -> None:
+        req = pb.RegisterNodeRequest(
+            node=self._endpoint(),
+            protocol_version=PROTOCOL_VERSION,
+            layout_fingerprint=self._layout,
+            num_slots=self._table.num_slots,
+            block_nbytes=self._table.block_nbytes,
+        )
+        try:
+            resp = stub.RegisterNode(req, timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            raise_from_rpc_error(exc, f"RegisterNode at {self.address}")
+        if resp.layout_fingerprint and resp.layout_fingerprint != self._layout:
+            raise FailedPrecondition(
+                f"master layout {resp.layout_fingerprint} != store layout {self._layout}"
+            )
+        if resp.heartbeat_interval_ms:
+            self.interval_ms = int(resp.heartbeat_interval_ms)
+        self.master_epoch = resp.master_epoch
+        self.registered.set()
+        log.info("registered with master %s (epoch %d)", self.address, resp.master_epoch)
+
+    def _heartbeat(self, stub: pb_grpc.MasterStub) -> None:
+        freed = self._table.drain_freed()
+        node = self._endpoint()
+        req = pb.HeartbeatRequest(
+            node_id=node.node_id,
+            epoch=node.epoch,
+            freed_slots=[pb.SlotRef(slot=s, generation=g) for s, g in freed],
+            num_used_slots=self._table.num_used,
+        )
+        try:
+            resp = stub.Heartbeat(req, timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            self._table.requeue_freed(freed)
+            raise_from_rpc_error(exc, f"Heartbeat to {self.address}")
+        self.num_heartbeats += 1
+        if not resp.known:
+            log.warning("master %s does not know this node: re-registering", self.address)
+            # the re-registration's inventory covers these frees: resending them could free a slot twice
+            self.registered.clear()

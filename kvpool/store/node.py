@@ -1,0 +1,180 @@
+"""A running store node: segment + slot table, the UCX block server, the gRPC `Store` service, the
+write-lease reaper and the master link. `StoreNode(settings).start()`; `.stop()` ends everything."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+from typing import Any
+
+from kvpool.errors import KVPoolError
+from kvpool.rpc.server import GrpcServer, start_server
+from kvpool.store.master_link import MasterLink
+from kvpool.store.segment import Segment
+from kvpool.store.service import StoreServicer
+from kvpool.store.settings import StoreSettings
+from kvpool.store.slots import SlotTable
+from kvpool.types import Clock
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class StoreNode:
+    def __init__(self, settings: StoreSettings, *, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self.node_id = settings.node_id or f"store-{socket.gethostname()}-{os.getpid()}"
+        self.epoch = secrets.randbits(63) or 1
+        self.layout = settings.kv_layout
+        self.segment = Segment(
+            settings.segment_bytes, self.layout.block_nbytes, pin_memory=settings.pin_memory
+        )
+        self.table = SlotTable(self.segment, clock)
+        self.host = settings.advertise_host or settings.bind_host
+        self._data: Any = None
+        self._grpc: GrpcServer | None = None
+        self._transport: Any = None
+        self._transport_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.fatal: str | None = None
+        self._reaper = threading.Thread(target=self._reap, name="kvpool-store-reaper", daemon=True)
+        self.master = MasterLink(
+            settings.master,
+            endpoint=self.endpoint,
+            layout_fingerprint=self.layout.fingerprint(),
+            table=self.table,
+            heartbeat_interval_ms=settings.heartbeat_interval_ms,
+            on_fatal=self._on_fatal,
+        )
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self._grpc.port if self._grpc else 0}"
+
+    @property
+    def data_address(self) -> str:
+        return f"{self.host}:{self._data.port if self._data else 0}"
+
+    def endpoint(self) -> pb.NodeEndpoint:
+        return pb.NodeEndpoint(
+            node_id=self.node_id,
+            role="store",
+            grpc_address=self.grpc_address,
+            data_address=self.data_address,
+            epoch=self.epoch,
+        )
+
+    def start(self) -> None:
+        from transfer import UcxBlockServer
+
+        self._data = UcxBlockServer(
+            self.table, self.host, self.settings.data_port, send_timeout_s=self.settings.transfer_timeout_s
+        )
+        self._data.start()
+        servicer = StoreServicer(
+            self.table,
+            endpoint=self.endpoint,
+            layout_fingerprint=self.layout.fingerprint(),
+            epoch=self.epoch,
+            copy=self.copy_blocks,
+            max_batch_slots=self.settings.max_batch_slots,
+            inflight=lambda: self.table.num_inflight,
+        )
+        self._grpc = start_server(
+            [(pb_grpc.add_StoreServicer_to_server, servicer, "kvpool.v1.Store")],
+            host=self.settings.bind_host,
+            port=self.settings.grpc_port,
+            max_workers=self.settings.max_workers,
+        )
+        self._reaper.start()
+        self.master.start()
+        log.info("store %s: grpc %s, data %s", self.node_id, self.grpc_address, self.data_address)
+
+    def ready_info(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "grpc_address": self.grpc_address,
+            "data_address": self.data_address,
+            "epoch": self.epoch,
+            "num_slots": self.table.num_slots,
+            "block_nbytes": self.table.block_nbytes,
+            "layout": self.layout.fingerprint(),
+            "pid": os.getpid(),
+        }
+
+    def wait(self) -> None:
+        """Block until `stop()` (or a fatal master refusal)."""
+        self._stop.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.master.stop()
+        if self._grpc is not None:
+            self._grpc.stop(0.5)
+        if self._data is not None:
+            self._data.stop()
+        if self._transport is not None:
+            self._transport.close()
+
+    def request_stop(self) -> None:
+        """Ask `wait()` to return (signal-handler safe)."""
+        self._stop.set()
+
+    def _on_fatal(self, message: str) -> None:
+        self.fatal = message
+        self._stop.set()
+
+    def _reap(self) -> None:
+        while not self._stop.wait(self.settings.reap_interval_ms / 1000):
+            try:
+                n = self.table.reap_expired()
+                if n:
+                    log.info("reclaimed %d reservations whose write lease expired", n)
+            except Exception:  # noqa: BLE001 - the reaper never dies
+                log.exception("reaper failed")
+
+    def transport(self) -> Any:
+        with self._transport_lock:
+            if self._transport is None:
+                from transfer import UcxTransport
+
+                self._transport = UcxTransport(endpoints_per_peer=self.settings.endpoints_per_peer)
+            return self._transport
+
+    def copy_blocks(
+        self, src_address: str, blocks: list[tuple[int, int, int, int, int]]
+    ) -> list[tuple[int, int, str]]:
+        """Pull blocks from the store at `src_address` into reserved slots here (re-replication)."""
+        from transfer import BlockRead
+
+        nbytes = self.table.block_nbytes
+        errors = [""] * len(blocks)
+        began: list[int] = []
+        reads, outs = [], []
+        for i, (src_slot, src_gen, dst_slot, dst_gen, _) in enumerate(blocks):
+            try:
+                outs.append(self.table.begin_write(dst_slot, dst_gen, nbytes))
+            except KVPoolError as exc:
+                errors[i] = f"{type(exc).__name__}: {exc}"
+                continue
+            began.append(i)
+            reads.append(BlockRead(src_slot, src_gen, nbytes))
+        results = []
+        if reads:
+            results = self.transport().read_blocks(
+                src_address, reads, outs, timeout_s=self.settings.transfer_timeout_s
+            )
+        for i, res in zip(began, results, strict=True):
+            _, _, dst_slot, dst_gen, expected = blocks[i]
+            try:
+                self.table.end_write(dst_slot, dst_gen, expected or res.checksum, res.ok)
+            except KVPoolError as exc:
+                errors[i] = f"{type(exc).__name__}: {exc}"
+                continue
+            if not res.ok:
+                errors[i] = res.error or "transfer failed"
+        return [(b[2], b[3], e) for b, e in zip(blocks, errors, strict=True)]

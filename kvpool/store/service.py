@@ -1,0 +1,145 @@
+"""The gRPC `Store` servicer: validates every request and maps it onto the slot table (proto stops here)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import psutil
+
+from kvpool.errors import InvalidArgument, ResourceExhausted
+from kvpool.rpc.status import rpc_errors
+from kvpool.store.slots import Reservation, SlotTable
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+INVENTORY_CHUNK = 1024
+"""Entries per streamed `InventoryResponse`."""
+
+CopyFn = Callable[[str, list[tuple[int, int, int, int, int]]], list[tuple[int, int, str]]]
+"""(src data address, [(src slot, src gen, dst slot, dst gen, checksum)]) -> [(dst slot, dst gen, error)]."""
+
+
+class StoreServicer(pb_grpc.StoreServicer):
+    def __init__(
+        self,
+        table: SlotTable,
+        *,
+        endpoint: Callable[[], pb.NodeEndpoint],
+        layout_fingerprint: str,
+        epoch: int,
+        copy: CopyFn,
+        max_batch_slots: int,
+        inflight: Callable[[], int],
+    ) -> None:
+        self._table = table
+        self._endpoint = endpoint
+        self._layout = layout_fingerprint
+        self._epoch = epoch
+        self._copy = copy
+        self._max = max_batch_slots
+        self._inflight = inflight
+        self._proc = psutil.Process()
+
+    def _check_batch(self, n: int) -> None:
+        if n > self._max:
+            raise ResourceExhausted(f"{n} slots in one request; at most {self._max}")
+
+    @rpc_errors
+    def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.GetInfoResponse:
+        t = self._table
+        return pb.GetInfoResponse(
+            node=self._endpoint(),
+            layout_fingerprint=self._layout,
+            num_slots=t.num_slots,
+            block_nbytes=t.block_nbytes,
+            segment_bytes=t.segment.nbytes,
+            num_used_slots=t.num_used,
+            num_inflight_transfers=self._inflight(),
+            rss_bytes=self._proc.memory_info().rss,
+        )
+
+    @rpc_errors
+    def ReserveSlots(
+        self, request: pb.ReserveSlotsRequest, context: grpc.ServicerContext
+    ) -> pb.ReserveSlotsResponse:
+        self._check_batch(len(request.slots))
+        self._table.reserve(
+            [
+                Reservation(s.slot, s.generation, s.namespace, s.block_hash, s.parent_hash)
+                for s in request.slots
+            ],
+            request.write_lease_ms,
+        )
+        return pb.ReserveSlotsResponse()
+
+    @rpc_errors
+    def CommitSlots(
+        self, request: pb.CommitSlotsRequest, context: grpc.ServicerContext
+    ) -> pb.CommitSlotsResponse:
+        self._check_batch(len(request.slots))
+        results = self._table.commit((s.slot, s.generation) for s in request.slots)
+        return pb.CommitSlotsResponse(
+            results=[pb.SlotResult(slot=s, generation=g, ok=not e, error=e) for s, g, e in results]
+        )
+
+    @rpc_errors
+    def FreeSlots(self, request: pb.FreeSlotsRequest, context: grpc.ServicerContext) -> pb.FreeSlotsResponse:
+        self._check_batch(len(request.slots))
+        for s in request.slots:  # all-or-nothing on malformed input
+            if s.slot >= self._table.num_slots:
+                raise InvalidArgument(f"slot {s.slot} out of range [0, {self._table.num_slots})")
+        freed = self._table.free((s.slot, s.generation) for s in request.slots)
+        return pb.FreeSlotsResponse(
+            slots=[
+                pb.FreedSlot(slot=f.slot, new_generation=f.new_generation, deferred=f.deferred) for f in freed
+            ]
+        )
+
+    @rpc_errors
+    def Inventory(self, request: pb.InventoryRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        items = self._table.inventory()
+        for start in range(0, max(len(items), 1), INVENTORY_CHUNK):
+            yield pb.InventoryResponse(
+                epoch=self._epoch,
+                entries=[
+                    pb.InventoryEntry(
+                        namespace=i.namespace,
+                        block_hash=i.block_hash,
+                        parent_hash=i.parent_hash,
+                        slot=i.slot,
+                        generation=i.generation,
+                        checksum=i.checksum,
+                        size_bytes=i.size_bytes,
+                    )
+                    for i in items[start : start + INVENTORY_CHUNK]
+                ],
+            )
+
+    @rpc_errors
+    def CopyBlocks(
+        self, request: pb.CopyBlocksRequest, context: grpc.ServicerContext
+    ) -> pb.CopyBlocksResponse:
+        self._check_batch(len(request.blocks))
+        host, sep, port = request.src_data_address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise InvalidArgument(f"src_data_address must be HOST:PORT, got {request.src_data_address!r}")
+        for b in request.blocks:
+            if b.dst.slot >= self._table.num_slots:
+                raise InvalidArgument(
+                    f"destination slot {b.dst.slot} out of range [0, {self._table.num_slots})"
+                )
+        results = self._copy(
+            request.src_data_address,
+            [
+                (b.src.slot, b.src.generation, b.dst.slot, b.dst.generation, b.checksum)
+                for b in request.blocks
+            ],
+        )
+        return pb.CopyBlocksResponse(
+            results=[pb.SlotResult(slot=s, generation=g, ok=not e, error=e) for s, g, e in results]
+        )

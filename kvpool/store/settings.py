@@ -1,0 +1,73 @@
+"""Store node settings (defaults < TOML < `KVPOOL_*` env < CLI flags)."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import field_validator
+
+from kvpool.config import KVPoolSettings
+from kvpool.types import KVLayout
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3}
+_UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "t": 1000**4, "tb": 1000**4}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from `4GiB`, `256MiB`, `1.5GB`, `4096` (binary units with `i`, decimal without)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"malformed size {text!r} (e.g. 256MiB, 4GiB, 1048576)")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return value
+
+
+class StoreSettings(KVPoolSettings):
+    """Everything `kvpool store` can be told. Times in ms unless named `_s`."""
+
+    node_id: str = ""  # empty: store-<host>-<pid>
+    master: str = ""  # HOST:PORT of the master; empty: standalone
+    grpc_port: int = 0
+    data_port: int = 0
+    advertise_host: str = ""  # the host put in grpc/data addresses; empty: bind_host
+    segment_size: str = "256MiB"
+    layout: str = "kv1:float32:b64:l4:h2:d32"
+    pin_memory: str = "auto"  # auto (when CUDA is present) | on | off
+    heartbeat_interval_ms: int = 1000  # until the master says otherwise
+    reap_interval_ms: int = 100  # how often expired write leases are reclaimed
+    max_batch_slots: int = 8192  # per control RPC
+    endpoints_per_peer: int = 2
+    transfer_timeout_s: float = 30.0
+    max_workers: int = 16
+
+    @field_validator("layout")
+    @classmethod
+    def _layout(cls, value: str) -> str:
+        KVLayout.from_fingerprint(value)
+        return value
+
+    @field_validator("segment_size")
+    @classmethod
+    def _size(cls, value: str) -> str:
+        parse_size(value)
+        return value
+
+    @field_validator("pin_memory")
+    @classmethod
+    def _pin(cls, value: str) -> str:
+        if value not in ("auto", "on", "off"):
+            raise ValueError("pin_memory is auto, on or off")
+        return value
+
+    @property
+    def segment_bytes(self) -> int:
+        return parse_size(self.segment_size)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout.from_fingerprint(self.layout)

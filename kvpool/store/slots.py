@@ -1,0 +1,323 @@
+"""The slot table: per-slot state, generation, write lease, checksum and in-flight transfers.
+
+A slot is FREE -> RESERVED (by the master, under a write lease) -> WRITTEN (bytes landed, checksum
+verified) -> COMMITTED (visible to reads) -> FREE again, and every return to FREE bumps its generation.
+Every read and write names the generation it expects; a mismatch raises `StaleGeneration`, so nobody ever
+sees another block's bytes. A free order for a slot with a transfer in flight is deferred until the last
+transfer ends; deferred frees and reclaimed (expired) reservations are reported through `drain_freed()`.
+
+Slots start at generation 1. A reservation of a FREE slot may name a generation above the current one
+(the slot jumps forward: a master that lost track after a restart stays safe); never one below.
+Implements `transfer.BlockHandler`. Thread-safe (one lock; the checksum of a write is computed outside it).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvpool.errors import (
+    AlreadyExists,
+    ChecksumMismatch,
+    FailedPrecondition,
+    InvalidArgument,
+    LeaseExpired,
+    StaleGeneration,
+)
+from kvpool.store.segment import Segment
+from kvpool.types import HASH_NBYTES, Clock, MonotonicClock
+
+FIRST_GENERATION = 1
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    RESERVED = 1
+    WRITTEN = 2
+    COMMITTED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    slot: int
+    generation: int
+    namespace: bytes
+    block_hash: bytes
+    parent_hash: bytes = b""
+
+
+@dataclass(slots=True)
+class _Meta:
+    namespace: bytes
+    block_hash: bytes
+    parent_hash: bytes
+    lease_expiry_ms: int
+    checksum: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryItem:
+    namespace: bytes
+    block_hash: bytes
+    parent_hash: bytes
+    slot: int
+    generation: int
+    checksum: int
+    size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class FreeResult:
+    slot: int
+    new_generation: int
+    deferred: bool
+
+
+class SlotTable:
+    """The store's slots over one `Segment`; `clock` decides write-lease expiry."""
+
+    def __init__(self, segment: Segment, clock: Clock | None = None) -> None:
+        self.segment = segment
+        self.block_nbytes = segment.block_nbytes
+        self.num_slots = segment.num_slots
+        self._clock = clock or MonotonicClock()
+        self._lock = threading.Lock()
+        n = self.num_slots
+        self._gen = np.full(n, FIRST_GENERATION, dtype=np.uint64)
+        self._state = np.zeros(n, dtype=np.uint8)
+        self._readers = np.zeros(n, dtype=np.int32)
+        self._writing = np.zeros(n, dtype=np.bool_)
+        self._meta: dict[int, _Meta] = {}  # non-FREE slots only
+        self._free_pending: set[int] = set()
+        self._freed: list[tuple[int, int]] = []  # (slot, new generation) not yet reported
+        self._num_used = 0
+        self.num_inflight = 0
+
+    # ---------------------------------------------------------------- helpers (lock held)
+
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise InvalidArgument(f"slot {slot} out of range [0, {self.num_slots})")
+
+    def _check_gen(self, slot: int, generation: int) -> None:
+        current = int(self._gen[slot])
+        if generation != current:
+            raise StaleGeneration(f"slot {slot} is at generation {current}, not {generation}")
+
+    def _check_nbytes(self, nbytes: int) -> None:
+        if nbytes != self.block_nbytes:
+            raise InvalidArgument(
+                f"block size {nbytes} B does not match this store's layout ({self.block_nbytes} B)"
+            )
+
+    def _in_flight(self, slot: int) -> bool:
+        return bool(self._readers[slot] > 0 or self._writing[slot])
+
+    def _release(self, slot: int) -> int:
+        """Free `slot` now: bump its generation. Returns the new generation."""
+        if self._state[slot] != SlotState.FREE:
+            self._num_used -= 1
+        self._state[slot] = SlotState.FREE
+        self._meta.pop(slot, None)
+        self._free_pending.discard(slot)
+        self._gen[slot] += 1
+        return int(self._gen[slot])
+
+    def _maybe_finish_free(self, slot: int) -> None:
+        if slot in self._free_pending and not self._in_flight(slot):
+            self._freed.append((slot, self._release(slot)))
+
+    # ---------------------------------------------------------------- control plane (master)
+
+    def reserve(self, reservations: Sequence[Reservation], write_lease_ms: int) -> None:
+        """Reserve every slot or none (raises naming the first bad one)."""
+        if write_lease_ms <= 0:
+            raise InvalidArgument("write_lease_ms must be positive")
+        seen: set[int] = set()
+        for r in reservations:
+            self._check_slot(r.slot)
+            if r.slot in seen:
+                raise InvalidArgument(f"slot {r.slot} named twice")
+            seen.add(r.slot)
+            if len(r.namespace) != HASH_NBYTES or len(r.block_hash) != HASH_NBYTES:
+                raise InvalidArgument(f"namespace and block hash must be {HASH_NBYTES} bytes (slot {r.slot})")
+            if len(r.parent_hash) not in (0, HASH_NBYTES):
+                raise InvalidArgument(f"parent hash must be empty or {HASH_NBYTES} bytes (slot {r.slot})")
+        with self._lock:
+            expiry = self._clock.now_ms() + write_lease_ms
+            for r in reservations:
+                state, current = self._state[r.slot], int(self._gen[r.slot])
+                if state == SlotState.FREE and r.slot not in self._free_pending:
+                    if r.generation < current:
+                        raise StaleGeneration(f"slot {r.slot} is at generation {current}, not {r.generation}")
+                    continue
+                meta = self._meta.get(r.slot)
+                same = meta is not None and r.generation == current and meta.block_hash == r.block_hash
+                if not (same and state == SlotState.RESERVED):  # a repeated order renews the lease
+                    raise FailedPrecondition(
+                        f"slot {r.slot} is {SlotState(state).name} at generation {current}, cannot reserve"
+                    )
+            for r in reservations:
+                if self._state[r.slot] == SlotState.FREE:
+                    self._gen[r.slot] = r.generation
+                    self._state[r.slot] = SlotState.RESERVED
+                    self._num_used += 1
+                self._meta[r.slot] = _Meta(r.namespace, r.block_hash, r.parent_hash, expiry)
+
+    def commit(self, refs: Iterable[tuple[int, int]]) -> list[tuple[int, int, str]]:
+        """Make WRITTEN slots COMMITTED. Per slot: (slot, generation, error or "")."""
+        out = []
+        with self._lock:
+            for slot, gen in refs:
+                try:
+                    self._check_slot(slot)
+                    self._check_gen(slot, gen)
+                    state = self._state[slot]
+                    if slot in self._free_pending:
+                        raise FailedPrecondition(f"slot {slot} is being freed")
+                    if state == SlotState.WRITTEN:
+                        self._state[slot] = SlotState.COMMITTED
+                    elif state != SlotState.COMMITTED:  # committed already: idempotent
+                        raise FailedPrecondition(f"slot {slot} is {SlotState(state).name}, not written")
+                    out.append((slot, gen, ""))
+                except (InvalidArgument, FailedPrecondition) as exc:
+                    out.append((slot, gen, f"{type(exc).__name__}: {exc}"))
+        return out
+
+    def free(self, refs: Iterable[tuple[int, int]]) -> list[FreeResult]:
+        """Free slots (deferred while a transfer is in flight). Idempotent: a slot no longer at the named
+        generation is left alone and its current generation returned."""
+        out = []
+        with self._lock:
+            for slot, gen in refs:
+                self._check_slot(slot)
+                current = int(self._gen[slot])
+                if gen != current or self._state[slot] == SlotState.FREE:
+                    out.append(FreeResult(slot, current, False))
+                elif self._in_flight(slot):
+                    self._free_pending.add(slot)
+                    out.append(FreeResult(slot, current + 1, True))
+                else:
+                    out.append(FreeResult(slot, self._release(slot), False))
+        return out
+
+    def reap_expired(self) -> int:
+        """Reclaim reservations (RESERVED or WRITTEN) whose write lease passed. Returns how many."""
+        n = 0
+        with self._lock:
+            now = self._clock.now_ms()
+            for slot, meta in list(self._meta.items()):
+                state = self._state[slot]
+                if state in (SlotState.RESERVED, SlotState.WRITTEN) and meta.lease_expiry_ms <= now:
+                    if self._in_flight(slot):
+                        self._free_pending.add(slot)
+                    else:
+                        self._freed.append((slot, self._release(slot)))
+                        n += 1
+        return n
+
+    def drain_freed(self) -> list[tuple[int, int]]:
+        """(slot, new generation) of deferred frees and reclaimed reservations since the last call."""
+        with self._lock:
+            out, self._freed = self._freed, []
+        return out
+
+    def requeue_freed(self, freed: Sequence[tuple[int, int]]) -> None:
+        """Put back what `drain_freed` returned when it could not be reported."""
+        with self._lock:
+            self._freed[:0] = list(freed)
+
+    def inventory(self) -> list[InventoryItem]:
+        with self._lock:
+            return [
+                InventoryItem(
+                    m.namespace,
+                    m.block_hash,
+                    m.parent_hash,
+                    s,
+                    int(self._gen[s]),
+                    m.checksum,
+                    self.block_nbytes,
+                )
+                for s, m in sorted(self._meta.items())
+                if self._state[s] == SlotState.COMMITTED and s not in self._free_pending
+            ]
+
+    @property
+    def num_used(self) -> int:
+        return self._num_used
+
+    def state(self, slot: int) -> tuple[SlotState, int]:
+        """(state, generation) of one slot (tests, admin)."""
+        with self._lock:
+            self._check_slot(slot)
+            return SlotState(int(self._state[slot])), int(self._gen[slot])
+
+    # ---------------------------------------------------------------- data plane (transfer.BlockHandler)
+
+    def begin_read(self, slot: int, generation: int, nbytes: int) -> tuple[memoryview, int]:
+        with self._lock:
+            self._check_slot(slot)
+            self._check_nbytes(nbytes)
+            self._check_gen(slot, generation)
+            if slot in self._free_pending:
+                raise StaleGeneration(f"slot {slot} generation {generation} is being freed")
+            if self._state[slot] != SlotState.COMMITTED:
+                raise FailedPrecondition(
+                    f"slot {slot} is {SlotState(int(self._state[slot])).name}, not committed"
+                )
+            self._readers[slot] += 1
+            self.num_inflight += 1
+            return self.segment.slot_view(slot), self._meta[slot].checksum
+
+    def end_read(self, slot: int) -> None:
+        with self._lock:
+            if self._readers[slot] <= 0:
+                return
+            self._readers[slot] -= 1
+            self.num_inflight -= 1
+            self._maybe_finish_free(slot)
+
+    def begin_write(self, slot: int, generation: int, nbytes: int) -> memoryview:
+        with self._lock:
+            self._check_slot(slot)
+            self._check_nbytes(nbytes)
+            self._check_gen(slot, generation)
+            state = self._state[slot]
+            if state in (SlotState.WRITTEN, SlotState.COMMITTED):
+                raise AlreadyExists(
+                    f"slot {slot} generation {generation} is {SlotState(int(state)).name} already"
+                )
+            if state != SlotState.RESERVED or slot in self._free_pending:
+                raise FailedPrecondition(f"slot {slot} is not reserved")
+            if self._writing[slot]:
+                raise FailedPrecondition(f"slot {slot} is being written by another transfer")
+            if self._meta[slot].lease_expiry_ms <= self._clock.now_ms():
+                raise LeaseExpired(f"the write lease of slot {slot} expired")
+            self._writing[slot] = True
+            self.num_inflight += 1
+            return self.segment.slot_view(slot)
+
+    def end_write(self, slot: int, generation: int, checksum: int, ok: bool) -> None:
+        got = xxhash.xxh3_64_intdigest(self.segment.slot_view(slot)) if ok else 0
+        with self._lock:
+            if not self._writing[slot]:
+                return
+            self._writing[slot] = False
+            self.num_inflight -= 1
+            try:
+                if slot in self._free_pending or int(self._gen[slot]) != generation:
+                    raise StaleGeneration(f"slot {slot} was freed during the write")
+                if not ok:
+                    return  # stays RESERVED: the writer may retry within its lease
+                if got != checksum:
+                    raise ChecksumMismatch(f"slot {slot}: bytes hash to {got:#x}, writer said {checksum:#x}")
+                self._state[slot] = SlotState.WRITTEN
+                self._meta[slot].checksum = checksum
+            finally:
+                self._maybe_finish_free(slot)
