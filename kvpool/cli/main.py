@@ -10,6 +10,7 @@ import logging
 import typer
 
 from kvpool.cli.bench import bench_app
+from kvpool.cli.master_cmd import register_master_command
 from kvpool.cli.roles import register_role_commands
 from kvpool.cli.serving_cmd import register_serving_commands
 from kvpool.cli.store_cmd import register_store_command
@@ -25,6 +26,7 @@ app.add_typer(bench_app, name="bench", help="Benchmarks: each prints a table and
 register_role_commands(app)
 register_serving_commands(app)
 register_store_command(app)
+register_master_command(app)
 
 
 @app.callback()

@@ -1,0 +1,60 @@
+"""`kvpool master`: run the master; prints `KVPOOL_READY {"grpc_address": ...}` once serving."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import typer
+
+
+def register_master_command(app: typer.Typer) -> None:
+    @app.command()
+    def master(
+        listen: str | None = typer.Option(None, help="Bind host (default 127.0.0.1)."),
+        port: int | None = typer.Option(None, help="gRPC port (0: ephemeral)."),
+        layout: str | None = typer.Option(None, help="The pool's KV layout, e.g. kv1:float32:b64:l4:h2:d32."),
+        heartbeat_timeout_ms: int | None = typer.Option(None, help="A node silent this long is dead."),
+        heartbeat_interval_ms: int | None = typer.Option(None, help="Interval told to nodes."),
+        high_watermark: float | None = typer.Option(None, help="Per store node: evict above this fill."),
+        low_watermark: float | None = typer.Option(None, help="...down to this fill."),
+        replicas: int | None = typer.Option(None, help="Default replicas per block."),
+        policy: str | None = typer.Option(None, help="Eviction policy (lru, lfu, fwlru, cost)."),
+        rebuild_grace_ms: int | None = typer.Option(
+            None, help="Unclaimed inventory blocks are freed after this."
+        ),
+        config: Path | None = typer.Option(None, help="TOML config file."),
+    ) -> None:
+        """Run the master (index, placement, leases, node registry)."""
+        from kvpool.config import load_config
+        from kvpool.master import MasterSettings, serve
+
+        try:
+            settings = load_config(
+                MasterSettings,
+                config,
+                bind_host=listen,
+                port=port,
+                layout=layout,
+                heartbeat_timeout_ms=heartbeat_timeout_ms,
+                heartbeat_interval_ms=heartbeat_interval_ms,
+                high_watermark=high_watermark,
+                low_watermark=low_watermark,
+                replicas=replicas,
+                policy=policy,
+                rebuild_grace_ms=rebuild_grace_ms,
+            )
+            server = serve(settings)
+        except Exception as exc:  # noqa: BLE001 - one clear line, no traceback
+            typer.echo(f"kvpool master: {exc}", err=True)
+            raise typer.Exit(2) from None
+        print("KVPOOL_READY " + json.dumps({"grpc_address": server.address}), flush=True)
+        done = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: done.set())
+        done.wait()
+        server.stop()
+        sys.stdout.flush()

@@ -1,0 +1,140 @@
+"""Proto <-> client values (the only place in `kvpool.client` that touches proto messages)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.client.types import (
+    CommitBlock,
+    Match,
+    NodeInfo,
+    NodeLoad,
+    NodeStatus,
+    PoolStats,
+    Reservation,
+    ReservedBlock,
+)
+from kvpool.types import Location
+from kvpool.v1 import kvpool_pb2 as pb
+
+
+def location(loc: Any) -> Location:
+    return Location(loc.node_id, loc.slot, loc.generation, loc.local)
+
+
+def location_pb(loc: Location) -> pb.BlockLocation:
+    return pb.BlockLocation(node_id=loc.node_id, slot=loc.slot, generation=loc.generation, local=loc.local)
+
+
+def node_info(n: Any) -> NodeInfo:
+    return NodeInfo(n.node_id, n.role, n.grpc_address, n.data_address, n.epoch)
+
+
+def endpoint_pb(n: NodeInfo) -> pb.NodeEndpoint:
+    return pb.NodeEndpoint(
+        node_id=n.node_id,
+        role=n.role,
+        grpc_address=n.grpc_address,
+        data_address=n.data_address,
+        epoch=n.epoch,
+    )
+
+
+def load_pb(ld: NodeLoad) -> pb.NodeLoad:
+    return pb.NodeLoad(
+        queue_len=ld.queue_len,
+        recompute_s_per_token=ld.recompute_s_per_token,
+        recompute_s_per_token_ctx=ld.recompute_s_per_token_ctx,
+        recompute_overhead_s=ld.recompute_overhead_s,
+        link_alpha_s=ld.link_alpha_s,
+        link_beta_bytes_per_s=ld.link_beta_bytes_per_s,
+    )
+
+
+def match_pb(
+    namespace: bytes,
+    block_hashes: Sequence[bytes],
+    count_hit: bool,
+    lease_ttl_ms: int,
+    num_prompt_tokens: int,
+    request_id: str,
+) -> pb.MatchPrefixRequest:
+    return pb.MatchPrefixRequest(
+        namespace=namespace,
+        block_hashes=list(block_hashes),
+        count_hit=count_hit,
+        lease_ttl_ms=lease_ttl_ms,
+        request_id=request_id,
+        num_prompt_tokens=num_prompt_tokens,
+    )
+
+
+def match(resp: Any) -> Match:
+    return Match(
+        num_matched=resp.num_matched,
+        replicas=[tuple(location(x) for x in r.locations) for r in resp.replicas],
+        lease_id=resp.lease_id or None,
+        nodes={n.node_id: node_info(n) for n in resp.nodes},
+    )
+
+
+def reservation(resp: Any) -> Reservation:
+    return Reservation(
+        reservation_id=resp.reservation_id,
+        blocks=[
+            ReservedBlock(bytes(b.block_hash), b.already_present, tuple(location(x) for x in b.locations))
+            for b in resp.blocks
+        ],
+        write_lease_ms=resp.write_lease_ms,
+        nodes={n.node_id: node_info(n) for n in resp.nodes},
+        num_replicas_placed=resp.num_replicas_placed,
+    )
+
+
+def commit_block_pb(b: CommitBlock) -> pb.CommittedBlock:
+    return pb.CommittedBlock(
+        block_hash=b.block_hash, checksum=b.checksum, written=[location_pb(x) for x in b.written]
+    )
+
+
+def node_status(n: Any) -> NodeStatus:
+    ld = n.load
+    return NodeStatus(
+        node=node_info(n.node),
+        alive=n.alive,
+        draining=n.draining,
+        num_slots=n.num_slots,
+        num_used_slots=n.num_used_slots,
+        num_blocks=n.num_blocks,
+        used_bytes=n.used_bytes,
+        load=NodeLoad(
+            ld.queue_len,
+            ld.recompute_s_per_token,
+            ld.recompute_s_per_token_ctx,
+            ld.recompute_overhead_s,
+            ld.link_alpha_s,
+            ld.link_beta_bytes_per_s,
+        ),
+    )
+
+
+def stats(r: Any) -> PoolStats:
+    return PoolStats(
+        num_blocks=r.num_blocks,
+        used_bytes=r.used_bytes,
+        capacity_bytes=r.capacity_bytes,
+        num_live_leases=r.num_live_leases,
+        num_evictions=r.num_evictions,
+        num_match_requests=r.num_match_requests,
+        requested_tokens=r.requested_tokens,
+        hit_tokens=r.hit_tokens,
+        requested_blocks=r.requested_blocks,
+        hit_blocks=r.hit_blocks,
+        uptime_s=r.uptime_s,
+        num_namespaces=r.num_namespaces,
+        num_reserved_blocks=r.num_reserved_blocks,
+        num_rereplications=r.num_rereplications,
+        block_size=r.block_size,
+        nodes=[node_status(n) for n in r.nodes],
+    )

@@ -1,0 +1,298 @@
+"""`MasterClient`: typed calls to the master. Every call has a deadline; errors are `kvpool.errors`.
+
+Idempotent calls are retried (a few times, short backoff) when the master is `Unavailable`; calls whose
+repetition would change state twice (reserve, counted matches, evict, drain, remove) are not.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from kvpool.client import convert as cv
+from kvpool.client.types import (
+    CommitBlock,
+    CommitResult,
+    Match,
+    NodeInfo,
+    NodeLoad,
+    NodeStatus,
+    PoolStats,
+    Registration,
+    Reservation,
+)
+from kvpool.errors import DeadlineExceeded, Unavailable
+from kvpool.rpc.server import channel
+from kvpool.rpc.status import raise_from_rpc_error
+from kvpool.types import Location
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+_RETRIES = 3
+
+
+class MasterClient:
+    """A channel to the master at `address` ("host:port"); thread-safe; `close()` when done."""
+
+    def __init__(self, address: str, *, timeout_s: float = 5.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = channel(address)
+        self._stub = pb_grpc.MasterStub(self._channel)
+
+    def __enter__(self) -> MasterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, name: str, request: Any, *, retry: bool = False, timeout_s: float | None = None) -> Any:
+        method: Callable[..., Any] = getattr(self._stub, name)
+        attempts = _RETRIES if retry else 1
+        for attempt in range(attempts):
+            try:
+                return method(request, timeout=timeout_s or self.timeout_s)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
+                    time.sleep(0.05 * 2**attempt)
+                    continue
+                raise_from_rpc_error(exc, f"{name} at master {self.address}")
+        raise Unavailable(f"{name} at master {self.address}: no answer")  # pragma: no cover
+
+    # ---- nodes ------------------------------------------------------------------------------------
+    def register_node(
+        self,
+        node: NodeInfo,
+        *,
+        protocol_version: int,
+        layout_fingerprint: str,
+        num_slots: int = 0,
+        block_nbytes: int = 0,
+    ) -> Registration:
+        req = pb.RegisterNodeRequest(
+            node=cv.endpoint_pb(node),
+            protocol_version=protocol_version,
+            layout_fingerprint=layout_fingerprint,
+            num_slots=num_slots,
+            block_nbytes=block_nbytes,
+        )
+        resp = self._call("RegisterNode", req, retry=True)
+        return Registration(resp.heartbeat_interval_ms, resp.master_epoch, resp.layout_fingerprint)
+
+    def heartbeat(
+        self,
+        node_id: str,
+        epoch: int,
+        *,
+        freed_slots: Sequence[tuple[int, int]] = (),
+        num_used_slots: int = 0,
+        load: NodeLoad | None = None,
+    ) -> bool:
+        """False: the master does not know this node/epoch; register again."""
+        req = pb.HeartbeatRequest(
+            node_id=node_id,
+            epoch=epoch,
+            freed_slots=[pb.SlotRef(slot=s, generation=g) for s, g in freed_slots],
+            num_used_slots=num_used_slots,
+            load=cv.load_pb(load or NodeLoad()),
+        )
+        return bool(self._call("Heartbeat", req, retry=True).known)
+
+    def list_nodes(self) -> list[NodeStatus]:
+        return [cv.node_status(n) for n in self._call("ListNodes", pb.ListNodesRequest(), retry=True).nodes]
+
+    def drain(self, node_id: str) -> int:
+        return int(self._call("Drain", pb.DrainRequest(node_id=node_id)).num_blocks_to_move)
+
+    # ---- namespaces -------------------------------------------------------------------------------
+    def register_namespace(
+        self,
+        model_id: str,
+        weights_version: str,
+        layout_fingerprint: str,
+        *,
+        cache_salt: str = "",
+        adapter_digest: str = "",
+        extra: Mapping[str, str] | None = None,
+    ) -> tuple[bytes, str]:
+        """Returns (namespace digest, the model's active version)."""
+        req = pb.RegisterNamespaceRequest(
+            model_id=model_id,
+            weights_version=weights_version,
+            layout_fingerprint=layout_fingerprint,
+            cache_salt=cache_salt,
+            adapter_digest=adapter_digest,
+            extra=dict(extra or {}),
+        )
+        resp = self._call("RegisterNamespace", req, retry=True)
+        return bytes(resp.namespace), resp.active_version
+
+    def set_model_version(self, model_id: str, weights_version: str) -> tuple[str, int]:
+        """Returns (previous version, namespaces invalidated)."""
+        req = pb.SetModelVersionRequest(model_id=model_id, weights_version=weights_version)
+        resp = self._call("SetModelVersion", req, retry=True)
+        return resp.previous_version, int(resp.num_namespaces_invalidated)
+
+    def invalidate(self, namespace: bytes) -> None:
+        self._call("InvalidateNamespace", pb.InvalidateNamespaceRequest(namespace=namespace), retry=True)
+
+    # ---- match and leases -------------------------------------------------------------------------
+    def match(
+        self,
+        namespace: bytes,
+        block_hashes: Sequence[bytes],
+        *,
+        count_hit: bool = False,
+        lease_ttl_ms: int = 0,
+        num_prompt_tokens: int = 0,
+        request_id: str = "",
+    ) -> Match:
+        req = cv.match_pb(namespace, block_hashes, count_hit, lease_ttl_ms, num_prompt_tokens, request_id)
+        peek = not count_hit and lease_ttl_ms == 0
+        return cv.match(self._call("MatchPrefix", req, retry=peek))
+
+    def match_stream(self) -> MatchStream:
+        """A bidirectional stream for many matches at a lower per-call cost (one caller thread)."""
+        return MatchStream(self._stub, self.address)
+
+    def renew_lease(self, lease_id: int, ttl_ms: int) -> int:
+        return int(
+            self._call(
+                "RenewLease", pb.RenewLeaseRequest(lease_id=lease_id, ttl_ms=ttl_ms), retry=True
+            ).ttl_ms
+        )
+
+    def release_lease(self, lease_id: int) -> None:
+        self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
+
+    # ---- publish ----------------------------------------------------------------------------------
+    def reserve(
+        self,
+        namespace: bytes,
+        parent: bytes | None,
+        block_hashes: Sequence[bytes],
+        *,
+        num_replicas: int = 0,
+        block_nbytes: int = 0,
+        recompute_cost_s: Sequence[float] = (),
+        write_lease_ms: int = 0,
+        writer_node_id: str = "",
+        request_id: str = "",
+    ) -> Reservation:
+        req = pb.ReserveRequest(
+            namespace=namespace,
+            parent_hash=parent or b"",
+            block_hashes=list(block_hashes),
+            num_replicas=num_replicas,
+            block_nbytes=block_nbytes,
+            recompute_cost_s=list(recompute_cost_s),
+            write_lease_ms=write_lease_ms,
+            request_id=request_id,
+            writer_node_id=writer_node_id,
+        )
+        return cv.reservation(self._call("Reserve", req))
+
+    def commit(self, reservation_id: int, blocks: Sequence[CommitBlock]) -> CommitResult:
+        req = pb.CommitRequest(reservation_id=reservation_id, blocks=[cv.commit_block_pb(b) for b in blocks])
+        resp = self._call("Commit", req, retry=True)
+        return CommitResult(resp.num_committed, resp.num_existing)
+
+    def abort(self, reservation_id: int) -> None:
+        self._call("Abort", pb.AbortRequest(reservation_id=reservation_id), retry=True)
+
+    def remove(self, namespace: bytes, block_hashes: Sequence[bytes], *, force: bool = False) -> int:
+        req = pb.RemoveBlocksRequest(namespace=namespace, block_hashes=list(block_hashes), force=force)
+        return int(self._call("RemoveBlocks", req).num_removed)
+
+    def report_bad_replica(
+        self, namespace: bytes, block_hash: bytes, location: Location, reason: str
+    ) -> None:
+        req = pb.ReportBadReplicaRequest(
+            namespace=namespace, block_hash=block_hash, location=cv.location_pb(location), reason=reason
+        )
+        self._call("ReportBadReplica", req, retry=True)
+
+    def report_local(
+        self,
+        node_id: str,
+        epoch: int,
+        namespace: bytes = b"",
+        *,
+        stored: Sequence[bytes] = (),
+        removed: Sequence[bytes] = (),
+        cleared: bool = False,
+    ) -> None:
+        req = pb.ReportLocalRequest(
+            node_id=node_id,
+            epoch=epoch,
+            namespace=namespace,
+            stored=list(stored),
+            removed=list(removed),
+            cleared=cleared,
+        )
+        self._call("ReportLocal", req, retry=True)
+
+    # ---- admin ------------------------------------------------------------------------------------
+    def stats(self) -> PoolStats:
+        return cv.stats(self._call("Stats", pb.StatsRequest(), retry=True))
+
+    def evict(self, fraction: float, node_id: str = "") -> tuple[int, int]:
+        """Returns (evicted, shortfall)."""
+        resp = self._call("Evict", pb.EvictRequest(fraction=fraction, node_id=node_id))
+        return int(resp.num_evicted), int(resp.shortfall)
+
+
+class MatchStream:
+    """Matches over one `MatchPrefixStream` call: one request in flight at a time. `close()` when done."""
+
+    def __init__(self, stub: pb_grpc.MasterStub, address: str) -> None:
+        self._address = address
+        self._requests: queue.SimpleQueue[pb.MatchPrefixRequest | None] = queue.SimpleQueue()
+        self._responses: Iterator[pb.MatchPrefixResponse] = stub.MatchPrefixStream(self._iter())
+
+    def _iter(self) -> Iterator[pb.MatchPrefixRequest]:
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            yield item
+
+    def match(
+        self,
+        namespace: bytes,
+        block_hashes: Sequence[bytes],
+        *,
+        count_hit: bool = False,
+        lease_ttl_ms: int = 0,
+        num_prompt_tokens: int = 0,
+    ) -> Match:
+        self._requests.put(
+            cv.match_pb(namespace, block_hashes, count_hit, lease_ttl_ms, num_prompt_tokens, "")
+        )
+        try:
+            return cv.match(next(self._responses))
+        except grpc.RpcError as exc:
+            raise_from_rpc_error(exc, f"MatchPrefixStream at master {self._address}")
+        except StopIteration:
+            raise DeadlineExceeded("match stream ended") from None
+
+    def close(self) -> None:
+        self._requests.put(None)
+        cancel = getattr(self._responses, "cancel", None)
+        if cancel is not None:
+            cancel()
+
+    def __enter__(self) -> MatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

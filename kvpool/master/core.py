@@ -1,0 +1,421 @@
+"""The master's state and logic, proto-free and thread-safe (one lock; store calls happen outside it).
+
+`Master` owns the radix index, the node registry, namespaces and counters. Publishing lives in
+`publish.py`, background work (dead nodes, watermarks, frees, re-replication, rebuild) in `maintenance.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvpool.index.radix import RadixIndex
+from kvpool.index.results import DroppedBlock, MatchResult
+from kvpool.master.namespaces import NamespaceRegistry
+from kvpool.master.nodes import NodeLoadInfo, NodeRecord
+from kvpool.master.settings import MasterSettings
+from kvpool.master.stores import StoreCalls
+from kvpool.rpc import PROTOCOL_VERSION
+from kvpool.types import HASH_NBYTES, BlockHash, Clock, Location, MonotonicClock, NamespaceId
+
+log = logging.getLogger(__name__)
+
+ROLES = ("store", "prefill", "decode", "router")
+BlockKey = tuple[bytes, bytes]  # (namespace, block hash)
+
+
+@dataclass
+class Counters:
+    num_match_requests: int = 0
+    requested_tokens: int = 0
+    hit_tokens: int = 0
+    requested_blocks: int = 0
+    hit_blocks: int = 0
+    num_rereplications: int = 0
+    num_evictions: int = 0
+    num_bad_replicas: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    checksum: int
+    target_replicas: int
+
+
+@dataclass
+class MasterState:
+    """Mutable bookkeeping beside the index (all under `Master.lock`)."""
+
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    free_q: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # node -> (slot, gen) to free
+    node_blocks: dict[str, set[BlockKey]] = field(default_factory=dict)  # store replicas (may be stale)
+    meta: dict[BlockKey, BlockMeta] = field(default_factory=dict)
+    to_adopt: set[str] = field(default_factory=set)  # store nodes whose inventory must be read
+    under_replicated: set[BlockKey] = field(default_factory=set)
+
+
+def check_hash(value: bytes, what: str) -> bytes:
+    if len(value) != HASH_NBYTES:
+        raise InvalidArgument(f"{what} must be {HASH_NBYTES} bytes, got {len(value)}")
+    return value
+
+
+class Master:
+    """See the module docstring. Every public method validates its input and raises `kvpool.errors`."""
+
+    def __init__(
+        self, settings: MasterSettings, *, clock: Clock | None = None, stores: StoreCalls | None = None
+    ) -> None:
+        self.settings = settings
+        self.layout = settings.kv_layout
+        self.clock = clock or MonotonicClock()
+        self.lock = threading.RLock()
+        self.index = RadixIndex(clock=self.clock, policy=settings.policy)
+        self.namespaces = NamespaceRegistry(self.layout)
+        self.st = MasterState()
+        self.counters = Counters()
+        self.stores = stores or StoreCalls(settings.store_timeout_s)
+        self.master_epoch = time.time_ns()
+        self.fresh_generation = self.master_epoch // 1000
+        """Generation given to free slots of an adopted store: above any generation an earlier master
+        used (stores accept a reservation that jumps a free slot's generation forward)."""
+        self.started_ms = self.clock.now_ms()
+        self.wake = threading.Event()
+        from kvpool.master.publish import Publisher
+
+        self.publisher = Publisher(self)
+
+    # ---- nodes ------------------------------------------------------------------------------------
+    def register_node(
+        self,
+        *,
+        node_id: str,
+        role: str,
+        grpc_address: str,
+        data_address: str,
+        epoch: int,
+        protocol_version: int,
+        layout_fingerprint: str,
+        num_slots: int,
+        block_nbytes: int,
+    ) -> None:
+        """Add or refresh a node. A new epoch replaces everything the node had (B22)."""
+        if not node_id:
+            raise InvalidArgument("node_id must be non-empty")
+        if role not in ROLES:
+            raise InvalidArgument(f"role must be one of {ROLES}, got {role!r}")
+        if protocol_version != PROTOCOL_VERSION:
+            raise FailedPrecondition(f"protocol version {protocol_version} != master's {PROTOCOL_VERSION}")
+        if layout_fingerprint != self.layout.fingerprint():
+            raise FailedPrecondition(
+                f"layout {layout_fingerprint!r} does not match the pool's {self.layout.fingerprint()!r}"
+            )
+        if role == "store":
+            if not 0 < num_slots <= 1 << 32:
+                raise InvalidArgument(f"a store node needs 0 < num_slots <= 2**32, got {num_slots}")
+            if block_nbytes != self.layout.block_nbytes:
+                raise FailedPrecondition(
+                    f"block_nbytes {block_nbytes} != layout's {self.layout.block_nbytes}"
+                )
+            if not data_address:
+                raise InvalidArgument("a store node needs a data_address")
+        with self.lock:
+            old = self.st.nodes.get(node_id)
+            now = self.clock.now_ms()
+            if old is not None and old.epoch == epoch and old.alive and old.role == role:
+                old.grpc_address, old.data_address, old.last_seen_ms = grpc_address, data_address, now
+                return
+            if old is not None:
+                log.info("node %s re-registers (epoch %d -> %d)", node_id, old.epoch, epoch)
+                self._forget_node(old)
+            rec = NodeRecord(node_id, role, grpc_address, data_address, epoch, num_slots, block_nbytes, now)
+            rec.ready = role != "store"
+            self.st.nodes[node_id] = rec
+            if role == "store":
+                self.st.to_adopt.add(node_id)
+                self.wake.set()
+            log.info("node %s (%s) registered, epoch %d", node_id, role, epoch)
+
+    def heartbeat(
+        self,
+        node_id: str,
+        epoch: int,
+        freed_slots: Sequence[tuple[int, int]],
+        num_used_slots: int,
+        load: NodeLoadInfo,
+    ) -> bool:
+        """Returns False ("re-register") for an unknown node, an old epoch, or a node declared dead."""
+        with self.lock:
+            rec = self.st.nodes.get(node_id)
+            if rec is None or rec.epoch != epoch or not rec.alive:
+                return False
+            rec.last_seen_ms = self.clock.now_ms()
+            rec.num_used_slots_reported = num_used_slots
+            rec.load = load
+            for slot, gen in freed_slots:
+                if slot in rec.pending_free:
+                    rec.give_back(slot, gen)
+            return True
+
+    def node(self, node_id: str) -> NodeRecord:
+        rec = self.st.nodes.get(node_id)
+        if rec is None:
+            raise NotFound(f"unknown node {node_id!r}")
+        return rec
+
+    def _forget_node(self, rec: NodeRecord) -> None:
+        """Drop everything a node had in the index (dead, or restarted under a new epoch)."""
+        rec.alive = False
+        self.on_dropped(self.index.remove_node(rec.node_id))
+        self.st.free_q.pop(rec.node_id, None)
+        lost = self.st.node_blocks.pop(rec.node_id, set())
+        self.st.under_replicated.update(k for k in lost if k in self.st.meta)
+        self.st.to_adopt.discard(rec.node_id)
+        if rec.is_store:
+            self.publisher.forget_node(rec.node_id)
+
+    def declare_dead(self, rec: NodeRecord) -> None:
+        log.warning("node %s missed heartbeats: dead, its replicas leave the index", rec.node_id)
+        self._forget_node(rec)
+
+    # ---- drops and frees --------------------------------------------------------------------------
+    def on_dropped(self, dropped: Sequence[DroppedBlock]) -> None:
+        """Blocks (or replicas) left the index: queue a free order for each store slot they held."""
+        for d in dropped:
+            key = (bytes(d.ns), bytes(d.block_hash))
+            if d.reason != "replica":
+                self.st.meta.pop(key, None)
+            for loc in d.locations:
+                if not loc.local:
+                    self.st.node_blocks.get(loc.node_id, set()).discard(key)
+                    self.queue_free(loc)
+        if dropped:
+            self.wake.set()
+
+    def queue_free(self, loc: Location) -> None:
+        rec = self.st.nodes.get(loc.node_id)
+        if rec is not None and rec.alive and rec.is_store:
+            self.st.free_q.setdefault(loc.node_id, []).append((loc.slot, loc.generation))
+
+    def note_replicas(self, ns: bytes, block_hash: bytes, locations: Sequence[Location]) -> None:
+        for loc in locations:
+            if not loc.local:
+                self.st.node_blocks.setdefault(loc.node_id, set()).add((ns, block_hash))
+
+    def flush_frees(self, only: str | None = None) -> int:
+        """Send queued free orders (outside the lock); acknowledged slots return to the free lists."""
+        with self.lock:
+            if only is None:
+                work, self.st.free_q = self.st.free_q, {}
+            else:
+                work = {only: self.st.free_q.pop(only, [])}
+            targets = {n: (self.st.nodes[n].grpc_address, self.st.nodes[n].epoch) for n in work if work[n]}
+        done = 0
+        for node_id, (address, epoch) in targets.items():
+            slots = work[node_id]
+            try:
+                answers = self.stores.free(address, slots)
+                failed = False
+            except Exception as exc:  # noqa: BLE001 - a store down: retried while it lives
+                log.warning("FreeSlots on %s failed: %s", node_id, exc)
+                answers, failed = [], True
+            with self.lock:
+                rec = self.st.nodes.get(node_id)
+                if rec is None or rec.epoch != epoch or not rec.alive:
+                    continue
+                if failed:
+                    self.st.free_q.setdefault(node_id, []).extend(slots)
+                    continue
+                for slot, new_gen, deferred in answers:
+                    if deferred:
+                        rec.pending_free[slot] = new_gen
+                    else:
+                        rec.give_back(slot, new_gen)
+                        done += 1
+        return done
+
+    # ---- namespaces -------------------------------------------------------------------------------
+    def register_namespace(
+        self,
+        *,
+        model_id: str,
+        weights_version: str,
+        layout_fingerprint: str,
+        cache_salt: str,
+        adapter_digest: str,
+        extra: dict[str, str],
+    ) -> tuple[bytes, str]:
+        with self.lock:
+            record, _ = self.namespaces.register(
+                model_id=model_id,
+                weights_version=weights_version,
+                layout_fingerprint=layout_fingerprint,
+                cache_salt=cache_salt,
+                adapter_digest=adapter_digest,
+                extra=extra,
+            )
+            if self.namespaces.is_active(record.digest):
+                self.index.register_namespace(record.digest)
+            self.wake.set()  # blocks from store inventories may now be claimed
+            return bytes(record.digest), self.namespaces.active_version(model_id)
+
+    def set_model_version(self, model_id: str, weights_version: str) -> tuple[str, int]:
+        """Activate a version: the others' namespaces become unreachable at once (B28)."""
+        with self.lock:
+            previous, off, on = self.namespaces.set_version(model_id, weights_version)
+            for digest in off:
+                self.index.invalidate_namespace(NamespaceId(digest))
+            for digest in on:
+                self.index.register_namespace(NamespaceId(digest))
+            self.wake.set()
+            log.info(
+                "model %s: version %r -> %r (%d namespaces off)",
+                model_id,
+                previous,
+                weights_version,
+                len(off),
+            )
+            return previous, len(off)
+
+    def invalidate_namespace(self, ns: bytes) -> None:
+        check_hash(ns, "namespace")
+        with self.lock:
+            self.namespaces.invalidate(ns)
+            self.index.invalidate_namespace(NamespaceId(ns))
+            self.wake.set()
+
+    # ---- matching and leases ----------------------------------------------------------------------
+    def match(
+        self,
+        ns: bytes,
+        block_hashes: Sequence[bytes],
+        *,
+        count_hit: bool,
+        lease_ttl_ms: int,
+        num_prompt_tokens: int,
+    ) -> tuple[MatchResult, list[NodeRecord]]:
+        """The matched prefix and the records of the nodes its replicas name."""
+        check_hash(ns, "namespace")
+        if len(block_hashes) > self.settings.max_batch_blocks:
+            raise InvalidArgument(
+                f"{len(block_hashes)} hashes exceed the limit {self.settings.max_batch_blocks}"
+            )
+        for i, h in enumerate(block_hashes):
+            if len(h) != HASH_NBYTES:
+                raise InvalidArgument(f"block_hashes[{i}] must be {HASH_NBYTES} bytes, got {len(h)}")
+        if not 0 <= lease_ttl_ms <= self.settings.max_lease_ttl_ms:
+            raise InvalidArgument(f"lease_ttl_ms must be in [0, {self.settings.max_lease_ttl_ms}]")
+        hashes = [BlockHash(h) for h in block_hashes]
+        with self.lock:
+            res = self.index.match_prefix(
+                NamespaceId(ns), hashes, count_hit=count_hit, lease_ttl_ms=lease_ttl_ms
+            )
+            if count_hit:
+                c, bs = self.counters, self.layout.block_size
+                prompt = num_prompt_tokens or len(hashes) * bs
+                c.num_match_requests += 1
+                c.requested_tokens += prompt
+                c.hit_tokens += min(res.num_matched * bs, prompt)
+                c.requested_blocks += len(hashes)
+                c.hit_blocks += res.num_matched
+            names = {loc.node_id for locs in res.locations for loc in locs}
+            nodes = [self.st.nodes[n] for n in names if n in self.st.nodes]
+        return res, nodes
+
+    def renew_lease(self, lease_id: int, ttl_ms: int) -> int:
+        if not 0 < ttl_ms <= self.settings.max_lease_ttl_ms:
+            raise InvalidArgument(f"ttl_ms must be in (0, {self.settings.max_lease_ttl_ms}]")
+        with self.lock:
+            self.index.renew_lease(lease_id, ttl_ms)
+        return ttl_ms
+
+    def release_lease(self, lease_id: int) -> None:
+        if lease_id <= 0:
+            raise InvalidArgument("lease_id must be > 0")
+        with self.lock:
+            self.index.release_lease(lease_id)
+
+    # ---- replicas reported by readers and local tiers ---------------------------------------------
+    def remove_blocks(self, ns: bytes, block_hashes: Sequence[bytes], force: bool) -> int:
+        check_hash(ns, "namespace")
+        for i, h in enumerate(block_hashes):
+            check_hash(h, f"block_hashes[{i}]")
+        num = 0
+        with self.lock:
+            for h in block_hashes:
+                info = self.index.lookup(NamespaceId(ns), BlockHash(h))
+                if info is None:
+                    continue
+                if info.num_leases and not force:
+                    raise FailedPrecondition(f"block {h.hex()} is leased (use force to break the lease)")
+                if info.num_leases:
+                    log.warning("forced remove of leased block %s breaks its lease", h.hex())
+                dropped: list[DroppedBlock] = []
+                for loc in info.locations:
+                    try:
+                        dropped.extend(self.index.remove_location(NamespaceId(ns), BlockHash(h), loc))
+                    except NotFound:
+                        continue
+                    self.st.node_blocks.get(loc.node_id, set()).discard((ns, h))
+                    if not loc.local:
+                        self.queue_free(loc)
+                self.on_dropped(dropped)
+                num += sum(1 for d in dropped if d.reason != "replica")
+        return num
+
+    def report_bad_replica(self, ns: bytes, block_hash: bytes, loc: Location, reason: str) -> None:
+        """Drop one replica a reader could not read, so the next lookup does not offer it (B18)."""
+        check_hash(ns, "namespace")
+        check_hash(block_hash, "block_hash")
+        with self.lock:
+            try:
+                dropped = self.index.remove_location(NamespaceId(ns), BlockHash(block_hash), loc)
+            except NotFound:
+                return  # already gone: idempotent
+            log.warning("bad replica %s of %s: %s", loc, block_hash.hex(), reason)
+            self.counters.num_bad_replicas += 1
+            self.st.node_blocks.get(loc.node_id, set()).discard((ns, block_hash))
+            if not loc.local:
+                self.queue_free(loc)
+            self.on_dropped(dropped)
+            if not dropped and (ns, block_hash) in self.st.meta:
+                self.st.under_replicated.add((ns, block_hash))
+            self.wake.set()
+
+    def report_local(
+        self,
+        node_id: str,
+        epoch: int,
+        ns: bytes,
+        stored: Sequence[bytes],
+        removed: Sequence[bytes],
+        cleared: bool,
+    ) -> None:
+        """Node-local tier events become `local` locations; `cleared` purges the node's (B22)."""
+        if ns or stored or removed:
+            check_hash(ns, "namespace")
+        for i, h in enumerate([*stored, *removed]):
+            check_hash(h, f"block hash {i}")
+        with self.lock:
+            rec = self.node(node_id)
+            if rec.epoch != epoch or not rec.alive:
+                raise FailedPrecondition(f"node {node_id} epoch {epoch} is not current: re-register")
+            if rec.is_store:
+                raise FailedPrecondition("store nodes have no local tier")
+            if cleared:
+                self.on_dropped(self.index.remove_node(node_id))
+            loc = Location(node_id, 0, 0, local=True)
+            for h in removed:
+                try:
+                    self.on_dropped(self.index.remove_location(NamespaceId(ns), BlockHash(h), loc))
+                except NotFound:
+                    continue
+            for h in stored:
+                try:
+                    self.index.add_location(NamespaceId(ns), BlockHash(h), loc)
+                except NotFound:
+                    continue  # not in the pool index: nothing to annotate

@@ -1,0 +1,271 @@
+"""Background work of the master, one thread, one `tick()` at a time.
+
+Each tick: dead-node detection (heartbeat timeout), lease and write-lease expiry, store inventories to
+adopt (master restart / store restart), orphaned inventory blocks claimed once their namespace is
+registered (parent first) or freed after the grace period, watermark eviction per store node,
+reclamation of invalidated namespaces, free orders, and re-replication (also what `Drain` needs).
+Store calls happen outside the master's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvpool.errors import KVPoolError
+from kvpool.master.core import BlockKey, BlockMeta
+from kvpool.master.stores import InventoryItem, SlotOrder
+from kvpool.types import BlockHash, Location, NamespaceId
+
+if TYPE_CHECKING:
+    from kvpool.master.core import Master
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Orphan:
+    parent: bytes
+    locations: list[Location]
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class _CopyJob:
+    key: BlockKey
+    parent: bytes
+    src: Location
+    src_data_address: str
+    dst: Location
+    dst_address: str
+    checksum: int
+
+
+class Maintenance:
+    def __init__(self, master: Master) -> None:
+        self.m = master
+        self.orphans: dict[bytes, dict[bytes, _Orphan]] = {}
+        self.orphan_since_ms: dict[bytes, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvpool-master-maint", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.m.wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.m.wake.wait(self.m.settings.tick_ms / 1000)
+            self.m.wake.clear()
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("master maintenance tick failed")
+
+    def tick(self) -> None:
+        m = self.m
+        with m.lock:
+            now = m.clock.now_ms()
+            for rec in list(m.st.nodes.values()):
+                if rec.alive and now - rec.last_seen_ms > m.settings.heartbeat_timeout_ms:
+                    m.declare_dead(rec)
+            m.index.expire_leases()
+            m.publisher.expire(now)
+            adopt = [(n, m.st.nodes[n].grpc_address, m.st.nodes[n].epoch) for n in m.st.to_adopt]
+            m.st.to_adopt.clear()
+        for node_id, address, epoch in adopt:
+            self._adopt(node_id, address, epoch)
+        with m.lock:
+            self._claim_orphans(m.clock.now_ms())
+            self._watermarks()
+            m.on_dropped(m.index.reclaim_invalidated(m.settings.reclaim_batch_blocks))
+        m.flush_frees()
+        self._rereplicate()
+
+    # ---- inventories (restart recovery) -----------------------------------------------------------
+    def _adopt(self, node_id: str, address: str, epoch: int) -> None:
+        m = self.m
+        try:
+            items: list[InventoryItem] = list(m.stores.inventory(address))
+        except KVPoolError as exc:
+            log.warning("inventory of %s failed (%s): retrying", node_id, exc)
+            with m.lock:
+                rec = m.st.nodes.get(node_id)
+                if rec is not None and rec.epoch == epoch and rec.alive:
+                    m.st.to_adopt.add(node_id)
+            return
+        with m.lock:
+            rec = m.st.nodes.get(node_id)
+            if rec is None or rec.epoch != epoch or not rec.alive:
+                return
+            rec.reset_slots({it.slot for it in items}, m.fresh_generation)
+            rec.ready = True
+            now = m.clock.now_ms()
+            for it in items:
+                per_ns = self.orphans.setdefault(it.namespace, {})
+                self.orphan_since_ms.setdefault(it.namespace, now)
+                o = per_ns.setdefault(it.block_hash, _Orphan(it.parent_hash, [], it.checksum))
+                o.locations.append(Location(node_id, it.slot, it.generation))
+            log.info("store %s adopted: %d blocks in its inventory", node_id, len(items))
+
+    def _claim_orphans(self, now_ms: int) -> None:
+        """Under the lock: insert inventory blocks of active namespaces parent-first; free the rest."""
+        m = self.m
+        for ns in list(self.orphans):
+            entries = self.orphans[ns]
+            live = {n for n, r in m.st.nodes.items() if r.alive}
+            for o in entries.values():
+                o.locations = [loc for loc in o.locations if loc.node_id in live]
+            if m.namespaces.is_active(ns):
+                self._insert_parent_first(ns, entries)
+            expired = now_ms - self.orphan_since_ms.get(ns, now_ms) > m.settings.rebuild_grace_ms
+            if entries and (expired or (m.namespaces.is_known(ns) and not m.namespaces.is_active(ns))):
+                log.info("freeing %d unclaimed inventory blocks of namespace %s", len(entries), ns.hex())
+                for o in entries.values():
+                    for loc in o.locations:
+                        m.queue_free(loc)
+                entries.clear()
+            if not entries:
+                del self.orphans[ns]
+                self.orphan_since_ms.pop(ns, None)
+
+    def _insert_parent_first(self, ns: bytes, entries: dict[bytes, _Orphan]) -> None:
+        m, nsid = self.m, NamespaceId(ns)
+        children: dict[bytes, list[bytes]] = defaultdict(list)
+        for h, o in entries.items():
+            children[o.parent].append(h)
+        frontier = [
+            h
+            for h, o in entries.items()
+            if not o.parent
+            or m.index.lookup(nsid, BlockHash(o.parent)) is not None
+            or m.index.lookup(nsid, BlockHash(h)) is not None
+        ]
+        while frontier:
+            h = frontier.pop()
+            if h not in entries:
+                continue
+            o = entries.pop(h)
+            if not o.locations:
+                continue
+            try:
+                m.index.insert(
+                    nsid,
+                    [BlockHash(h)],
+                    parent=BlockHash(o.parent) if o.parent else None,
+                    locations=[o.locations],
+                    size_bytes=m.layout.block_nbytes,
+                )
+            except KVPoolError as exc:
+                log.warning("inventory block %s not claimed: %s", h.hex(), exc)
+                for loc in o.locations:
+                    m.queue_free(loc)
+                continue
+            m.note_replicas(ns, h, o.locations)
+            key = (ns, h)
+            m.st.meta.setdefault(key, BlockMeta(o.checksum, m.settings.replicas))
+            if len(o.locations) < m.settings.replicas:
+                m.st.under_replicated.add(key)
+            frontier.extend(children.get(h, []))
+
+    # ---- watermarks -------------------------------------------------------------------------------
+    def _watermarks(self) -> None:
+        m, s = self.m, self.m.settings
+        for rec in m.st.nodes.values():
+            if not (rec.is_store and rec.alive and rec.ready) or rec.used_fraction <= s.high_watermark:
+                continue
+            want = rec.num_allocated - int(s.low_watermark * rec.num_slots)
+            res = m.index.evict(want, node_id=rec.node_id)
+            m.counters.num_evictions += sum(1 for d in res.dropped if d.reason != "replica")
+            m.on_dropped(res.dropped)
+            log.info("node %s above its high watermark: freed %d slots", rec.node_id, res.num_freed_on_node)
+
+    # ---- re-replication and drain -----------------------------------------------------------------
+    def _rereplicate(self) -> None:
+        m = self.m
+        jobs: list[_CopyJob] = []
+        with m.lock:
+            keys = list(m.st.under_replicated)[: m.settings.rereplicate_batch_blocks]
+            for key in keys:
+                job, keep = self._plan(key)
+                if not keep:
+                    m.st.under_replicated.discard(key)
+                if job is not None:
+                    jobs.append(job)
+        for job in jobs:
+            self._copy(job)
+
+    def _plan(self, key: BlockKey) -> tuple[_CopyJob | None, bool]:
+        """Under the lock: (a copy to make, whether the key stays queued)."""
+        m = self.m
+        info = m.index.lookup(NamespaceId(key[0]), BlockHash(key[1]))
+        meta = m.st.meta.get(key)
+        if info is None or meta is None:
+            return None, False
+        nodes = m.st.nodes
+        store_locs = [
+            x for x in info.locations if not x.local and x.node_id in nodes and nodes[x.node_id].alive
+        ]
+        good = [x for x in store_locs if not nodes[x.node_id].draining]
+        draining = [x for x in store_locs if nodes[x.node_id].draining]
+        if len(good) >= meta.target_replicas or (
+            good and not draining and len(good) >= self._max_placeable()
+        ):
+            for loc in draining:
+                m.on_dropped(m.index.remove_location(NamespaceId(key[0]), BlockHash(key[1]), loc))
+                m.queue_free(loc)
+            return None, False
+        if not store_locs:
+            return None, False
+        have = {x.node_id for x in store_locs}
+        dsts = [n for n in nodes.values() if n.placeable and n.node_id not in have and n.free]
+        if not dsts:
+            return None, bool(draining)
+        dst_node = max(dsts, key=lambda n: len(n.free))
+        dst = dst_node.take(1)[0]
+        src = store_locs[0]
+        job = _CopyJob(
+            key,
+            bytes(info.parent or b""),
+            src,
+            nodes[src.node_id].data_address,
+            dst,
+            dst_node.grpc_address,
+            meta.checksum,
+        )
+        return job, True
+
+    def _max_placeable(self) -> int:
+        return sum(1 for n in self.m.st.nodes.values() if n.placeable)
+
+    def _copy(self, job: _CopyJob) -> None:
+        m = self.m
+        ns, h = job.key
+        try:
+            order = SlotOrder(job.dst.slot, job.dst.generation, ns, h, job.parent)
+            m.stores.reserve(job.dst_address, [order], m.settings.default_write_lease_ms)
+            errs = m.stores.copy(job.dst_address, job.src_data_address, [(job.src, job.dst, job.checksum)])
+            err = errs.get((job.dst.slot, job.dst.generation), "")
+            if not err:
+                err = m.stores.commit(job.dst_address, [job.dst]).get((job.dst.slot, job.dst.generation), "")
+        except KVPoolError as exc:
+            err = str(exc)
+        with m.lock:
+            present = m.index.lookup(NamespaceId(ns), BlockHash(h)) is not None
+            if err or not present:
+                if err:
+                    log.warning("re-replication of %s to %s failed: %s", h.hex(), job.dst.node_id, err)
+                m.queue_free(job.dst)
+                return
+            m.index.add_location(NamespaceId(ns), BlockHash(h), job.dst)
+            m.note_replicas(ns, h, [job.dst])
+            m.counters.num_rereplications += 1

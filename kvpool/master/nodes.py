@@ -1,0 +1,84 @@
+"""The node registry's records: endpoints, epochs, liveness and each store node's slot free list.
+
+The master is the one allocator of slots: a slot is free for placement only after the store acknowledged
+its free order (with the slot's new generation), so a reader holding an old (slot, generation) can never
+see another block's bytes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvpool.types import Location
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLoadInfo:
+    """Load and calibration a node reports with its heartbeats."""
+
+    queue_len: int = 0
+    recompute_s_per_token: float = 0.0
+    recompute_s_per_token_ctx: float = 0.0
+    recompute_overhead_s: float = 0.0
+    link_alpha_s: float = 0.0
+    link_beta_bytes_per_s: float = 0.0
+
+
+@dataclass(slots=True)
+class NodeRecord:
+    """One registered node (any role). Mutated only under the master's lock."""
+
+    node_id: str
+    role: str
+    grpc_address: str
+    data_address: str
+    epoch: int
+    num_slots: int = 0
+    block_nbytes: int = 0
+    last_seen_ms: int = 0
+    alive: bool = True
+    draining: bool = False
+    ready: bool = False  # store: its inventory was adopted, slots may be placed
+    num_used_slots_reported: int = 0
+    load: NodeLoadInfo = field(default_factory=NodeLoadInfo)
+    free: deque[tuple[int, int]] = field(default_factory=deque)  # (slot, generation), acknowledged
+    pending_free: dict[int, int] = field(default_factory=dict)  # slot -> generation ordered freed
+    free_set: set[int] = field(default_factory=set)  # the slots in `free` (no slot handed out twice)
+
+    @property
+    def is_store(self) -> bool:
+        return self.role == "store"
+
+    @property
+    def placeable(self) -> bool:
+        return self.is_store and self.alive and self.ready and not self.draining
+
+    @property
+    def num_allocated(self) -> int:
+        """Slots holding a block or a reservation, or waiting for a free acknowledgement."""
+        return self.num_slots - len(self.free)
+
+    @property
+    def used_fraction(self) -> float:
+        return self.num_allocated / self.num_slots if self.num_slots else 0.0
+
+    def take(self, n: int) -> list[Location]:
+        """Allocate `n` free slots (caller checked `len(free) >= n`)."""
+        out = [Location(self.node_id, *self.free.popleft()) for _ in range(n)]
+        self.free_set.difference_update(loc.slot for loc in out)
+        return out
+
+    def give_back(self, slot: int, generation: int) -> None:
+        """A slot is free at `generation` (never handed out twice)."""
+        self.pending_free.pop(slot, None)
+        if slot in self.free_set or not 0 <= slot < self.num_slots:
+            return
+        self.free_set.add(slot)
+        self.free.append((slot, generation))
+
+    def reset_slots(self, used: set[int], generation_of_free: int) -> None:
+        """Start over from an inventory: every slot not in `used` is free at `generation_of_free`."""
+        self.pending_free.clear()
+        self.free = deque((s, generation_of_free) for s in range(self.num_slots) if s not in used)
+        self.free_set = {s for s, _ in self.free}

@@ -1,0 +1,387 @@
+"""Two-phase publish: `reserve` places new blocks on store slots, `commit` makes written ones visible.
+
+Placement: each new block gets `num_replicas` distinct placeable store nodes, the ones with the most free
+slots first (capacity-aware spread); fewer only when fewer nodes exist. When the nodes are full, the
+master evicts on them (and waits for the stores' free acknowledgements) before answering
+`ResourceExhausted`. A block becomes visible only after `Store.CommitSlots` succeeded for a replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvpool.errors import (
+    InvalidArgument,
+    KVPoolError,
+    LeaseExpired,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    VersionFenced,
+)
+from kvpool.master.core import BlockMeta, check_hash
+from kvpool.master.nodes import NodeRecord
+from kvpool.master.stores import SlotOrder
+from kvpool.types import BlockHash, Location, NamespaceId
+
+if TYPE_CHECKING:
+    from kvpool.master.core import Master
+
+log = logging.getLogger(__name__)
+
+MAX_REPLICAS = 8
+_DONE_KEEP = 4096
+
+
+@dataclass
+class Reservation:
+    rid: int
+    ns: bytes
+    parent: bytes | None
+    hashes: list[bytes]
+    locations: list[list[Location]]  # empty for blocks already present
+    costs: list[float]
+    target: int
+    expiry_ms: int
+    committing: bool = False
+    aborted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveOutcome:
+    rid: int
+    hashes: list[bytes]
+    present: list[bool]
+    locations: list[list[Location]]
+    write_lease_ms: int
+    nodes: list[NodeRecord]
+    num_replicas_placed: int
+
+
+@dataclass(frozen=True, slots=True)
+class CommitBlock:
+    block_hash: bytes
+    checksum: int
+    written: list[Location] = field(default_factory=list)
+
+
+class Publisher:
+    def __init__(self, master: Master) -> None:
+        self.m = master
+        self.reservations: dict[int, Reservation] = {}
+        self.done: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self.next_rid = 1
+
+    # ---- reserve ----------------------------------------------------------------------------------
+    def reserve(
+        self,
+        ns: bytes,
+        parent: bytes,
+        hashes: Sequence[bytes],
+        *,
+        num_replicas: int,
+        block_nbytes: int,
+        costs: Sequence[float],
+        write_lease_ms: int,
+    ) -> ReserveOutcome:
+        m, s = self.m, self.m.settings
+        check_hash(ns, "namespace")
+        if parent:
+            check_hash(parent, "parent_hash")
+        if not hashes:
+            raise InvalidArgument("block_hashes is empty")
+        if len(hashes) > s.max_batch_blocks:
+            raise InvalidArgument(f"{len(hashes)} blocks exceed the batch limit {s.max_batch_blocks}")
+        for i, h in enumerate(hashes):
+            check_hash(h, f"block_hashes[{i}]")
+        if len(set(hashes)) != len(hashes) or parent in hashes:
+            raise InvalidArgument("block_hashes repeats a hash")
+        num_replicas = num_replicas or s.replicas
+        if not 1 <= num_replicas <= MAX_REPLICAS:
+            raise InvalidArgument(f"num_replicas must be in [1, {MAX_REPLICAS}]")
+        if block_nbytes and block_nbytes != m.layout.block_nbytes:
+            raise InvalidArgument(f"block_nbytes {block_nbytes} != the pool's {m.layout.block_nbytes}")
+        if costs and len(costs) != len(hashes):
+            raise InvalidArgument(f"{len(costs)} recompute costs for {len(hashes)} blocks")
+        if any(not math.isfinite(c) or c < 0 for c in costs):
+            raise InvalidArgument("recompute_cost_s must be finite and >= 0")
+        write_lease_ms = write_lease_ms or s.default_write_lease_ms
+        if not 0 < write_lease_ms <= s.max_write_lease_ms:
+            raise InvalidArgument(f"write_lease_ms must be in (0, {s.max_write_lease_ms}]")
+        for attempt in range(2):
+            with m.lock:
+                self._check_ns(ns)
+                if parent and m.index.lookup(NamespaceId(ns), BlockHash(parent)) is None:
+                    raise NotFound(f"parent block {parent.hex()} is not in the pool")
+                present = [m.index.lookup(NamespaceId(ns), BlockHash(h)) is not None for h in hashes]
+                num_new = len(hashes) - sum(present)
+                if num_new == 0:
+                    return ReserveOutcome(
+                        0, list(hashes), present, [[] for _ in hashes], write_lease_ms, [], 0
+                    )
+                nodes = [n for n in m.st.nodes.values() if n.placeable]
+                k = min(num_replicas, len(nodes))
+                if k == 0:
+                    raise ResourceExhausted("no store node can take blocks")
+                shortfall = num_new * k - sum(min(len(n.free), num_new) for n in nodes)
+                if shortfall <= 0:
+                    r = self._place(
+                        ns, parent, hashes, present, nodes, k, costs, write_lease_ms, num_replicas
+                    )
+                    break
+                if attempt == 1:
+                    raise ResourceExhausted(
+                        f"no room for {num_new} blocks x {k} replicas (short {shortfall})"
+                    )
+                evict_on = self._make_room(nodes, num_new, shortfall)
+            for node_id in evict_on:
+                m.flush_frees(only=node_id)
+        self._send_reservations(r, write_lease_ms)
+        with m.lock:
+            nodes_used = {loc.node_id for locs in r.locations for loc in locs}
+            records = [m.st.nodes[n] for n in nodes_used if n in m.st.nodes]
+        return ReserveOutcome(r.rid, r.hashes, present, r.locations, write_lease_ms, records, k)
+
+    def _check_ns(self, ns: bytes) -> None:
+        if not self.m.namespaces.is_known(ns):
+            raise NotFound(f"unknown namespace {ns.hex()}: register it first")
+        if not self.m.namespaces.is_active(ns):
+            raise VersionFenced(f"namespace {ns.hex()} is not of its model's active version")
+
+    def _make_room(self, nodes: list[NodeRecord], num_new: int, shortfall: int) -> list[str]:
+        touched = []
+        for n in sorted(nodes, key=lambda n: len(n.free)):
+            if shortfall <= 0:
+                break
+            want = min(num_new - len(n.free), shortfall)
+            if want <= 0:
+                continue
+            res = self.m.index.evict(want, node_id=n.node_id)
+            self.m.counters.num_evictions += len([d for d in res.dropped if d.reason != "replica"])
+            self.m.on_dropped(res.dropped)
+            shortfall -= res.num_freed_on_node
+            touched.append(n.node_id)
+        return touched
+
+    def _place(
+        self,
+        ns: bytes,
+        parent: bytes,
+        hashes: Sequence[bytes],
+        present: list[bool],
+        nodes: list[NodeRecord],
+        k: int,
+        costs: Sequence[float],
+        write_lease_ms: int,
+        target: int,
+    ) -> Reservation:
+        locations: list[list[Location]] = []
+        for is_present in present:
+            if is_present:
+                locations.append([])
+                continue
+            chosen = sorted(nodes, key=lambda n: -len(n.free))[:k]
+            locations.append([n.take(1)[0] for n in chosen])
+        rid = self.next_rid
+        self.next_rid += 1
+        r = Reservation(
+            rid,
+            ns,
+            parent or None,
+            list(hashes),
+            locations,
+            list(costs) or [0.0] * len(hashes),
+            target,
+            self.m.clock.now_ms() + write_lease_ms,
+        )
+        self.reservations[rid] = r
+        return r
+
+    def _send_reservations(self, r: Reservation, write_lease_ms: int) -> None:
+        m = self.m
+        by_node: dict[str, list[SlotOrder]] = {}
+        prev = r.parent or b""
+        for h, locs in zip(r.hashes, r.locations, strict=True):
+            for loc in locs:
+                by_node.setdefault(loc.node_id, []).append(SlotOrder(loc.slot, loc.generation, r.ns, h, prev))
+            prev = h
+        failed = []
+        for node_id, orders in by_node.items():
+            with m.lock:
+                address = m.st.nodes[node_id].grpc_address
+            try:
+                m.stores.reserve(address, orders, write_lease_ms)
+            except KVPoolError as exc:
+                log.warning("ReserveSlots on %s failed: %s", node_id, exc)
+                failed.append(node_id)
+        if not failed:
+            return
+        with m.lock:
+            for locs in r.locations:
+                for loc in [x for x in locs if x.node_id in failed]:
+                    locs.remove(loc)
+                    m.queue_free(loc)
+            if any(
+                not locs for locs, h in zip(r.locations, r.hashes, strict=True) if not self._present(r, h)
+            ):
+                self._drop(r)
+                raise Unavailable(f"store nodes {failed} refused the reservation")
+
+    def _present(self, r: Reservation, h: bytes) -> bool:
+        return self.m.index.lookup(NamespaceId(r.ns), BlockHash(h)) is not None
+
+    def _drop(self, r: Reservation) -> None:
+        """Under the lock: forget a reservation and free every slot it holds."""
+        self.reservations.pop(r.rid, None)
+        for locs in r.locations:
+            for loc in locs:
+                self.m.queue_free(loc)
+        self.m.wake.set()
+
+    # ---- commit / abort ---------------------------------------------------------------------------
+    def commit(self, rid: int, blocks: Sequence[CommitBlock]) -> tuple[int, int]:
+        """Make the written blocks visible; idempotent (a repeat returns the first answer)."""
+        m = self.m
+        if rid <= 0:
+            raise InvalidArgument("reservation_id must be > 0")
+        with m.lock:
+            if rid in self.done:
+                return self.done[rid]
+            r = self.reservations.get(rid)
+            if r is None:
+                raise NotFound(f"no reservation {rid} (expired, aborted or never made)")
+            if r.committing:
+                raise InvalidArgument(f"reservation {rid} is being committed")
+            written: dict[bytes, tuple[int, set[Location]]] = {}
+            index_of = {h: i for i, h in enumerate(r.hashes)}
+            for b in blocks:
+                i = index_of.get(b.block_hash)
+                if i is None:
+                    raise InvalidArgument(f"block {b.block_hash.hex()} is not in reservation {rid}")
+                bad = [loc for loc in b.written if loc not in r.locations[i]]
+                if bad:
+                    raise InvalidArgument(f"block {b.block_hash.hex()}: {bad[0]} was not reserved for it")
+                written[b.block_hash] = (b.checksum, set(b.written))
+            if not m.namespaces.is_active(r.ns):
+                self._drop(r)
+                raise VersionFenced(f"namespace {r.ns.hex()} was fenced: commit refused")
+            if m.clock.now_ms() > r.expiry_ms:
+                self._drop(r)
+                raise LeaseExpired(f"write lease of reservation {rid} expired")
+            r.committing = True
+            by_node: dict[str, list[Location]] = {}
+            for _, wlocs in written.values():
+                for loc in wlocs:
+                    by_node.setdefault(loc.node_id, []).append(loc)
+            addresses = {n: m.st.nodes[n].grpc_address for n in by_node if n in m.st.nodes}
+        ok: set[Location] = set()
+        for node_id, node_locs in by_node.items():
+            try:
+                errs = m.stores.commit(addresses[node_id], node_locs)
+            except (KVPoolError, KeyError) as exc:
+                log.warning("CommitSlots on %s failed: %s", node_id, exc)
+                continue
+            ok.update(loc for loc in node_locs if not errs.get((loc.slot, loc.generation)))
+        with m.lock:
+            return self._finish(r, written, ok)
+
+    def _finish(
+        self, r: Reservation, written: dict[bytes, tuple[int, set[Location]]], ok: set[Location]
+    ) -> tuple[int, int]:
+        m = self.m
+        self._drop_quiet(r)
+        if r.aborted or not m.namespaces.is_active(r.ns):
+            self._free_all(r)
+            raise VersionFenced(f"namespace {r.ns.hex()} was fenced during the commit")
+        ns = NamespaceId(r.ns)
+        chain: list[BlockHash] = []
+        chain_locs: list[list[Location]] = []
+        for i, h in enumerate(r.hashes):
+            got = [loc for loc in r.locations[i] if loc in ok and loc in written.get(h, (0, set()))[1]]
+            if not got and m.index.lookup(ns, BlockHash(h)) is None:
+                break
+            chain.append(BlockHash(h))
+            chain_locs.append(got)
+        used = {loc for locs in chain_locs for loc in locs}
+        for locs in r.locations:
+            for loc in locs:
+                if loc not in used:
+                    m.queue_free(loc)
+        if not chain:
+            result = (0, 0)
+        else:
+            try:
+                res = m.index.insert(
+                    ns,
+                    chain,
+                    parent=BlockHash(r.parent) if r.parent else None,
+                    locations=chain_locs,
+                    size_bytes=m.layout.block_nbytes,
+                    recompute_cost_s=r.costs[: len(chain)],
+                )
+            except KVPoolError:
+                for loc in used:
+                    m.queue_free(loc)
+                m.wake.set()
+                raise
+            for h, locs in zip(chain, chain_locs, strict=True):
+                key = (r.ns, bytes(h))
+                m.note_replicas(r.ns, bytes(h), locs)
+                if key not in m.st.meta and locs:
+                    m.st.meta[key] = BlockMeta(written[bytes(h)][0], r.target)
+                info = m.index.lookup(ns, h)
+                if info is not None and r.target > 1 and len(info.locations) < r.target:
+                    m.st.under_replicated.add(key)
+            result = (res.num_inserted, res.num_existing)
+        self.done[r.rid] = result
+        while len(self.done) > _DONE_KEEP:
+            self.done.popitem(last=False)
+        m.wake.set()
+        return result
+
+    def _drop_quiet(self, r: Reservation) -> None:
+        self.reservations.pop(r.rid, None)
+
+    def _free_all(self, r: Reservation) -> None:
+        for locs in r.locations:
+            for loc in locs:
+                self.m.queue_free(loc)
+        self.m.wake.set()
+
+    def abort(self, rid: int) -> None:
+        """Free a reservation's slots; idempotent for reservations already finished."""
+        if rid <= 0:
+            raise InvalidArgument("reservation_id must be > 0")
+        with self.m.lock:
+            if rid >= self.next_rid:
+                raise NotFound(f"no reservation {rid}")
+            r = self.reservations.get(rid)
+            if r is None:
+                return
+            if r.committing:
+                r.aborted = True
+                return
+            self._drop(r)
+            self.done[rid] = (0, 0)
+
+    def expire(self, now_ms: int) -> int:
+        """Under the lock: drop reservations past their write lease (their slots are freed)."""
+        late = [r for r in self.reservations.values() if not r.committing and r.expiry_ms < now_ms]
+        for r in late:
+            self._drop(r)
+        return len(late)
+
+    def forget_node(self, node_id: str) -> None:
+        """Under the lock: a node is gone; its reserved slots vanish with it."""
+        for r in self.reservations.values():
+            for locs in r.locations:
+                locs[:] = [loc for loc in locs if loc.node_id != node_id]
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return sum(len(locs) for r in self.reservations.values() for locs in r.locations)

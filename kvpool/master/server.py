@@ -1,0 +1,48 @@
+"""Start a master: the gRPC service plus its background maintenance thread."""
+
+from __future__ import annotations
+
+import logging
+
+from kvpool.master.core import Master
+from kvpool.master.maintenance import Maintenance
+from kvpool.master.service import MasterServicer
+from kvpool.master.settings import MasterSettings
+from kvpool.rpc.server import GrpcServer, start_server
+from kvpool.types import Clock
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class MasterServer:
+    """A running master; `address` is "host:port". The caller owns it and calls `stop()` once."""
+
+    def __init__(self, master: Master, grpc_server: GrpcServer, maintenance: Maintenance, host: str) -> None:
+        self.master = master
+        self.grpc = grpc_server
+        self.maintenance = maintenance
+        self.address = f"{host}:{grpc_server.port}"
+
+    def wait(self) -> None:
+        self.grpc.wait()
+
+    def stop(self) -> None:
+        self.maintenance.stop()
+        self.grpc.stop(0.5)
+        self.master.stores.close()
+
+
+def serve(settings: MasterSettings, *, clock: Clock | None = None) -> MasterServer:
+    """Start the service on `settings.bind_host:settings.port` (0 = ephemeral) and its maintenance."""
+    master = Master(settings, clock=clock)
+    maintenance = Maintenance(master)
+    grpc_server = start_server(
+        [(pb_grpc.add_MasterServicer_to_server, MasterServicer(master), "kvpool.v1.Master")],
+        host=settings.bind_host,
+        port=settings.port,
+        max_workers=settings.max_workers,
+    )
+    maintenance.start()
+    log.info("master on %s:%d (layout %s)", settings.bind_host, grpc_server.port, settings.layout)
+    return MasterServer(master, grpc_server, maintenance, settings.bind_host)

@@ -1,0 +1,285 @@
+"""The `kvpool.v1.Master` gRPC servicer: proto in, `Master` call, proto out (proto stops here)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from kvpool.errors import InvalidArgument
+from kvpool.index.results import MatchResult
+from kvpool.master.core import Master
+from kvpool.master.nodes import NodeLoadInfo, NodeRecord
+from kvpool.master.ops import admin_evict, drain
+from kvpool.master.publish import CommitBlock
+from kvpool.rpc.status import rpc_errors
+from kvpool.types import Location
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+MAX_ID_LEN = 256
+
+
+def endpoint(rec: NodeRecord) -> pb.NodeEndpoint:
+    return pb.NodeEndpoint(
+        node_id=rec.node_id,
+        role=rec.role,
+        grpc_address=rec.grpc_address,
+        data_address=rec.data_address,
+        epoch=rec.epoch,
+    )
+
+
+def _loc(loc: pb.BlockLocation) -> Location:
+    return Location(loc.node_id, loc.slot, loc.generation, loc.local)
+
+
+def _pb_loc(loc: Location) -> pb.BlockLocation:
+    return pb.BlockLocation(node_id=loc.node_id, slot=loc.slot, generation=loc.generation, local=loc.local)
+
+
+def _short(value: str, what: str) -> str:
+    if len(value) > MAX_ID_LEN:
+        raise InvalidArgument(f"{what} is longer than {MAX_ID_LEN} characters")
+    return value
+
+
+def node_stats(m: Master, rec: NodeRecord) -> pb.NodeStats:
+    ld = rec.load
+    return pb.NodeStats(
+        node=endpoint(rec),
+        alive=rec.alive,
+        draining=rec.draining,
+        num_slots=rec.num_slots,
+        num_used_slots=rec.num_allocated if rec.is_store else 0,
+        num_blocks=m.index.num_blocks_on_node(rec.node_id),
+        used_bytes=m.index.bytes_on_node(rec.node_id),
+        load=pb.NodeLoad(
+            queue_len=ld.queue_len,
+            recompute_s_per_token=ld.recompute_s_per_token,
+            recompute_s_per_token_ctx=ld.recompute_s_per_token_ctx,
+            recompute_overhead_s=ld.recompute_overhead_s,
+            link_alpha_s=ld.link_alpha_s,
+            link_beta_bytes_per_s=ld.link_beta_bytes_per_s,
+        ),
+    )
+
+
+class MasterServicer(pb_grpc.MasterServicer):
+    def __init__(self, master: Master) -> None:
+        self.m = master
+
+    @rpc_errors
+    def RegisterNode(
+        self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterNodeResponse:
+        n = request.node
+        self.m.register_node(
+            node_id=_short(n.node_id, "node_id"),
+            role=n.role,
+            grpc_address=_short(n.grpc_address, "grpc_address"),
+            data_address=_short(n.data_address, "data_address"),
+            epoch=n.epoch,
+            protocol_version=request.protocol_version,
+            layout_fingerprint=request.layout_fingerprint,
+            num_slots=request.num_slots,
+            block_nbytes=request.block_nbytes,
+        )
+        return pb.RegisterNodeResponse(
+            heartbeat_interval_ms=self.m.settings.heartbeat_interval_ms,
+            master_epoch=self.m.master_epoch,
+            layout_fingerprint=self.m.layout.fingerprint(),
+        )
+
+    @rpc_errors
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        ld = request.load
+        values = [ld.recompute_s_per_token, ld.recompute_s_per_token_ctx, ld.recompute_overhead_s]
+        values += [ld.link_alpha_s, ld.link_beta_bytes_per_s]
+        if any(not math.isfinite(x) or x < 0 for x in values):
+            raise InvalidArgument("load figures must be finite and >= 0")
+        load = NodeLoadInfo(ld.queue_len, *values)
+        freed = [(s.slot, s.generation) for s in request.freed_slots]
+        known = self.m.heartbeat(request.node_id, request.epoch, freed, request.num_used_slots, load)
+        return pb.HeartbeatResponse(known=known, master_epoch=self.m.master_epoch)
+
+    @rpc_errors
+    def RegisterNamespace(
+        self, request: pb.RegisterNamespaceRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterNamespaceResponse:
+        if len(request.extra) > 64:
+            raise InvalidArgument("at most 64 extra namespace keys")
+        digest, active = self.m.register_namespace(
+            model_id=_short(request.model_id, "model_id"),
+            weights_version=_short(request.weights_version, "weights_version"),
+            layout_fingerprint=request.layout_fingerprint,
+            cache_salt=_short(request.cache_salt, "cache_salt"),
+            adapter_digest=_short(request.adapter_digest, "adapter_digest"),
+            extra=dict(request.extra),
+        )
+        return pb.RegisterNamespaceResponse(namespace=digest, active_version=active)
+
+    @rpc_errors
+    def SetModelVersion(
+        self, request: pb.SetModelVersionRequest, context: grpc.ServicerContext
+    ) -> pb.SetModelVersionResponse:
+        previous, n = self.m.set_model_version(
+            _short(request.model_id, "model_id"), _short(request.weights_version, "weights_version")
+        )
+        return pb.SetModelVersionResponse(previous_version=previous, num_namespaces_invalidated=n)
+
+    def _match(self, request: pb.MatchPrefixRequest) -> pb.MatchPrefixResponse:
+        res, nodes = self.m.match(
+            request.namespace,
+            request.block_hashes,
+            count_hit=request.count_hit,
+            lease_ttl_ms=request.lease_ttl_ms,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+        return match_response(res, nodes, request.request_id)
+
+    @rpc_errors
+    def MatchPrefix(
+        self, request: pb.MatchPrefixRequest, context: grpc.ServicerContext
+    ) -> pb.MatchPrefixResponse:
+        return self._match(request)
+
+    @rpc_errors
+    def MatchPrefixStream(
+        self, request_iterator: Iterator[pb.MatchPrefixRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.MatchPrefixResponse]:
+        for request in request_iterator:
+            yield self._match(request)
+
+    @rpc_errors
+    def RenewLease(
+        self, request: pb.RenewLeaseRequest, context: grpc.ServicerContext
+    ) -> pb.RenewLeaseResponse:
+        return pb.RenewLeaseResponse(ttl_ms=self.m.renew_lease(request.lease_id, request.ttl_ms))
+
+    @rpc_errors
+    def ReleaseLease(
+        self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseLeaseResponse:
+        self.m.release_lease(request.lease_id)
+        return pb.ReleaseLeaseResponse()
+
+    @rpc_errors
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        out = self.m.publisher.reserve(
+            request.namespace,
+            request.parent_hash,
+            list(request.block_hashes),
+            num_replicas=request.num_replicas,
+            block_nbytes=request.block_nbytes,
+            costs=list(request.recompute_cost_s),
+            write_lease_ms=request.write_lease_ms,
+        )
+        return pb.ReserveResponse(
+            reservation_id=out.rid,
+            blocks=[
+                pb.ReservedBlock(block_hash=h, already_present=p, locations=[_pb_loc(x) for x in locs])
+                for h, p, locs in zip(out.hashes, out.present, out.locations, strict=True)
+            ],
+            write_lease_ms=out.write_lease_ms,
+            nodes=[endpoint(n) for n in out.nodes],
+            num_replicas_placed=out.num_replicas_placed,
+        )
+
+    @rpc_errors
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        blocks = [CommitBlock(b.block_hash, b.checksum, [_loc(x) for x in b.written]) for b in request.blocks]
+        committed, existing = self.m.publisher.commit(request.reservation_id, blocks)
+        return pb.CommitResponse(num_committed=committed, num_existing=existing)
+
+    @rpc_errors
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        self.m.publisher.abort(request.reservation_id)
+        return pb.AbortResponse()
+
+    @rpc_errors
+    def RemoveBlocks(
+        self, request: pb.RemoveBlocksRequest, context: grpc.ServicerContext
+    ) -> pb.RemoveBlocksResponse:
+        n = self.m.remove_blocks(request.namespace, list(request.block_hashes), request.force)
+        return pb.RemoveBlocksResponse(num_removed=n)
+
+    @rpc_errors
+    def ReportBadReplica(
+        self, request: pb.ReportBadReplicaRequest, context: grpc.ServicerContext
+    ) -> pb.ReportBadReplicaResponse:
+        self.m.report_bad_replica(
+            request.namespace, request.block_hash, _loc(request.location), request.reason
+        )
+        return pb.ReportBadReplicaResponse()
+
+    @rpc_errors
+    def ReportLocal(
+        self, request: pb.ReportLocalRequest, context: grpc.ServicerContext
+    ) -> pb.ReportLocalResponse:
+        self.m.report_local(
+            request.node_id,
+            request.epoch,
+            request.namespace,
+            list(request.stored),
+            list(request.removed),
+            request.cleared,
+        )
+        return pb.ReportLocalResponse()
+
+    @rpc_errors
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        m, c = self.m, self.m.counters
+        with m.lock:
+            stores = [n for n in m.st.nodes.values() if n.is_store and n.alive]
+            return pb.StatsResponse(
+                num_blocks=m.index.num_blocks,
+                used_bytes=sum(m.index.bytes_on_node(n.node_id) for n in stores),
+                capacity_bytes=sum(n.num_slots * n.block_nbytes for n in stores),
+                num_live_leases=m.index.num_live_leases,
+                num_evictions=c.num_evictions,
+                num_match_requests=c.num_match_requests,
+                requested_tokens=c.requested_tokens,
+                hit_tokens=c.hit_tokens,
+                requested_blocks=c.requested_blocks,
+                hit_blocks=c.hit_blocks,
+                uptime_s=(m.clock.now_ms() - m.started_ms) / 1000,
+                nodes=[node_stats(m, n) for n in m.st.nodes.values()],
+                num_namespaces=len(m.namespaces),
+                num_reserved_blocks=m.publisher.num_reserved_blocks,
+                num_rereplications=c.num_rereplications,
+                block_size=m.layout.block_size,
+            )
+
+    @rpc_errors
+    def ListNodes(self, request: pb.ListNodesRequest, context: grpc.ServicerContext) -> pb.ListNodesResponse:
+        with self.m.lock:
+            return pb.ListNodesResponse(nodes=[node_stats(self.m, n) for n in self.m.st.nodes.values()])
+
+    @rpc_errors
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
+        return pb.DrainResponse(num_blocks_to_move=drain(self.m, request.node_id))
+
+    @rpc_errors
+    def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
+        evicted, shortfall = admin_evict(self.m, request.fraction, request.node_id)
+        return pb.EvictResponse(num_evicted=evicted, shortfall=shortfall)
+
+    @rpc_errors
+    def InvalidateNamespace(
+        self, request: pb.InvalidateNamespaceRequest, context: grpc.ServicerContext
+    ) -> pb.InvalidateNamespaceResponse:
+        self.m.invalidate_namespace(request.namespace)
+        return pb.InvalidateNamespaceResponse()
+
+
+def match_response(res: MatchResult, nodes: Sequence[NodeRecord], request_id: str) -> pb.MatchPrefixResponse:
+    return pb.MatchPrefixResponse(
+        num_matched=res.num_matched,
+        replicas=[pb.BlockReplicas(locations=[_pb_loc(x) for x in locs]) for locs in res.locations],
+        lease_id=res.lease_id or 0,
+        lease_ttl_ms=0,
+        nodes=[endpoint(n) for n in nodes],
+        request_id=request_id,
+    )

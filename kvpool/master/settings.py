@@ -1,0 +1,53 @@
+"""Master settings (defaults < TOML < `KVPOOL_*` env < CLI flags)."""
+
+from __future__ import annotations
+
+from pydantic import field_validator, model_validator
+
+from kvpool.config import KVPoolSettings
+from kvpool.types import KVLayout
+
+
+class MasterSettings(KVPoolSettings):
+    """Everything `kvpool master` can be told. Times in ms unless named `_s`."""
+
+    port: int = 50051
+    layout: str = "kv1:float32:b64:l4:h2:d32"
+    heartbeat_interval_ms: int = 500
+    heartbeat_timeout_ms: int = 3000
+    high_watermark: float = 0.9
+    low_watermark: float = 0.8
+    replicas: int = 1
+    policy: str = "fwlru"
+    max_batch_blocks: int = 8192
+    max_lease_ttl_ms: int = 600_000
+    default_write_lease_ms: int = 30_000
+    max_write_lease_ms: int = 600_000
+    rebuild_grace_ms: int = 30_000
+    tick_ms: int = 100
+    reclaim_batch_blocks: int = 4096
+    rereplicate_batch_blocks: int = 256
+    store_timeout_s: float = 5.0
+    max_workers: int = 16
+
+    @field_validator("layout")
+    @classmethod
+    def _layout(cls, value: str) -> str:
+        KVLayout.from_fingerprint(value)
+        return value
+
+    @model_validator(mode="after")
+    def _ranges(self) -> MasterSettings:
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
+        if self.replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        if self.heartbeat_timeout_ms <= self.heartbeat_interval_ms:
+            raise ValueError("heartbeat_timeout_ms must exceed heartbeat_interval_ms")
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in [0, 65535]")
+        return self
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout.from_fingerprint(self.layout)

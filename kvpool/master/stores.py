@@ -1,0 +1,150 @@
+"""The master's calls to store nodes' control services (never made under the master's lock).
+
+Each call has a deadline; gRPC failures become `kvpool.errors` (`Unavailable`, `FailedPrecondition`...).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvpool.rpc.server import channel
+from kvpool.rpc.status import raise_from_rpc_error
+from kvpool.types import Location
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+
+@dataclass(frozen=True, slots=True)
+class SlotOrder:
+    """One slot reservation for a block: the slot, and the block it will hold."""
+
+    slot: int
+    generation: int
+    namespace: bytes
+    block_hash: bytes
+    parent_hash: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryItem:
+    namespace: bytes
+    block_hash: bytes
+    parent_hash: bytes
+    slot: int
+    generation: int
+    checksum: int
+    size_bytes: int
+
+
+class StoreCalls:
+    """One channel per store gRPC address, reused; thread-safe."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.StoreStub]] = {}
+
+    def _stub(self, address: str) -> pb_grpc.StoreStub:
+        with self._lock:
+            entry = self._stubs.get(address)
+            if entry is None:
+                ch = channel(address)
+                entry = (ch, pb_grpc.StoreStub(ch))
+                self._stubs[address] = entry
+            return entry[1]
+
+    def forget(self, address: str) -> None:
+        with self._lock:
+            entry = self._stubs.pop(address, None)
+        if entry is not None:
+            entry[0].close()
+
+    def close(self) -> None:
+        with self._lock:
+            entries, self._stubs = list(self._stubs.values()), {}
+        for ch, _ in entries:
+            ch.close()
+
+    def reserve(self, address: str, orders: Sequence[SlotOrder], write_lease_ms: int) -> None:
+        req = pb.ReserveSlotsRequest(
+            slots=[
+                pb.SlotReservation(
+                    slot=o.slot,
+                    generation=o.generation,
+                    namespace=o.namespace,
+                    block_hash=o.block_hash,
+                    parent_hash=o.parent_hash,
+                )
+                for o in orders
+            ],
+            write_lease_ms=write_lease_ms,
+        )
+        try:
+            self._stub(address).ReserveSlots(req, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise_from_rpc_error(exc, f"ReserveSlots on {address}")
+
+    def commit(self, address: str, slots: Sequence[Location]) -> dict[tuple[int, int], str]:
+        """Commit slots; returns {(slot, generation): error} for the ones that failed ("" = ok)."""
+        req = pb.CommitSlotsRequest(slots=[pb.SlotRef(slot=s.slot, generation=s.generation) for s in slots])
+        try:
+            resp = self._stub(address).CommitSlots(req, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise_from_rpc_error(exc, f"CommitSlots on {address}")
+        out = {(s.slot, s.generation): "no result" for s in slots}
+        for r in resp.results:
+            out[(r.slot, r.generation)] = "" if r.ok else (r.error or "refused")
+        return out
+
+    def free(self, address: str, slots: Sequence[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+        """Order slots freed; returns (slot, new_generation, deferred) per slot the store answered."""
+        req = pb.FreeSlotsRequest(slots=[pb.SlotRef(slot=s, generation=g) for s, g in slots])
+        try:
+            resp = self._stub(address).FreeSlots(req, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise_from_rpc_error(exc, f"FreeSlots on {address}")
+        return [(f.slot, f.new_generation, f.deferred) for f in resp.slots]
+
+    def inventory(self, address: str) -> Iterator[InventoryItem]:
+        try:
+            for resp in self._stub(address).Inventory(pb.InventoryRequest(), timeout=self.timeout_s * 4):
+                for e in resp.entries:
+                    yield InventoryItem(
+                        e.namespace,
+                        e.block_hash,
+                        e.parent_hash,
+                        e.slot,
+                        e.generation,
+                        e.checksum,
+                        e.size_bytes,
+                    )
+        except grpc.RpcError as exc:
+            raise_from_rpc_error(exc, f"Inventory of {address}")
+
+    def copy(
+        self, address: str, src_data_address: str, blocks: Sequence[tuple[Location, Location, int]]
+    ) -> dict[tuple[int, int], str]:
+        """Have the store at `address` pull (src, dst, checksum) blocks; {(dst slot, gen): error}."""
+        req = pb.CopyBlocksRequest(
+            src_data_address=src_data_address,
+            blocks=[
+                pb.CopyBlock(
+                    src=pb.SlotRef(slot=s.slot, generation=s.generation),
+                    dst=pb.SlotRef(slot=d.slot, generation=d.generation),
+                    checksum=c,
+                )
+                for s, d, c in blocks
+            ],
+        )
+        try:
+            resp = self._stub(address).CopyBlocks(req, timeout=self.timeout_s * 2)
+        except grpc.RpcError as exc:
+            raise_from_rpc_error(exc, f"CopyBlocks on {address}")
+        out = {(d.slot, d.generation): "no result" for _, d, _ in blocks}
+        for r in resp.results:
+            out[(r.slot, r.generation)] = "" if r.ok else (r.error or "refused")
+        return out
