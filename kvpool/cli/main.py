@@ -9,6 +9,7 @@ import logging
 
 import typer
 
+from kvpool.cli.admin import admin_app
 from kvpool.cli.bench import bench_app
 from kvpool.cli.master_cmd import register_master_command
 from kvpool.cli.roles import register_role_commands
@@ -27,6 +28,7 @@ register_role_commands(app)
 register_serving_commands(app)
 register_store_command(app)
 register_master_command(app)
+app.add_typer(admin_app, name="admin")
 
 
 @app.callback()

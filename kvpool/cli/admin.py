@@ -1,0 +1,268 @@
+"""`kvpool admin --master HOST:PORT …`: operate a live pool over gRPC.
+
+Rich tables for people, `--json` on every command, a non-zero exit on failure, and one clear line (no
+stack trace) when the master is down or refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+admin_app = typer.Typer(no_args_is_help=True, help="Operate a live pool (status, nodes, stats, versions...).")
+
+
+class _Ctx:
+    master: str = "127.0.0.1:50051"
+    timeout_s: float = 5.0
+
+
+@admin_app.callback()
+def _admin(
+    master: str = typer.Option("127.0.0.1:50051", "--master", help="Master HOST:PORT."),
+    timeout_s: float = typer.Option(5.0, "--timeout", help="Deadline per call (s)."),
+) -> None:
+    _Ctx.master, _Ctx.timeout_s = master, timeout_s
+
+
+def _run(fn: Callable[[Any], Any], as_json: bool, render: Callable[[Any], None]) -> None:
+    """Call `fn(client)`; print JSON or a table; one line and exit 1 on any kvpool error."""
+    from kvpool.client import MasterClient
+    from kvpool.errors import KVPoolError
+
+    try:
+        with MasterClient(_Ctx.master, timeout_s=_Ctx.timeout_s) as client:
+            result = fn(client)
+    except KVPoolError as exc:
+        typer.echo(f"kvpool admin: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except ValueError as exc:
+        typer.echo(f"kvpool admin: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps(_plain(result), indent=2, sort_keys=True))
+    else:
+        render(result)
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, bytes):
+        return value.hex()
+    return value
+
+
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*[str(x) for x in r])
+    Console().print(table)
+
+
+def _kv(title: str, data: dict[str, Any]) -> None:
+    _table(title, ["key", "value"], [[k, v] for k, v in data.items()])
+
+
+JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
+
+
+@admin_app.command()
+def status(as_json: bool = JSON) -> None:
+    """Pool summary: nodes alive, blocks, fill, hit rate."""
+
+    def fn(c: Any) -> dict[str, Any]:
+        s = c.stats()
+        stores = [n for n in s.nodes if n.node.role == "store"]
+        return {
+            "master": _Ctx.master,
+            "nodes_alive": sum(1 for n in s.nodes if n.alive),
+            "nodes": len(s.nodes),
+            "store_nodes": len(stores),
+            "num_blocks": s.num_blocks,
+            "used_bytes": s.used_bytes,
+            "capacity_bytes": s.capacity_bytes,
+            "fill": round(s.used_bytes / s.capacity_bytes, 4) if s.capacity_bytes else 0.0,
+            "hit_rate": round(s.hit_rate, 4),
+            "num_live_leases": s.num_live_leases,
+            "uptime_s": round(s.uptime_s, 1),
+        }
+
+    _run(fn, as_json, lambda r: _kv("kvpool status", r))
+
+
+@admin_app.command()
+def nodes(as_json: bool = JSON) -> None:
+    """Registered nodes with liveness, fill and blocks."""
+    cols = ["node", "role", "alive", "draining", "grpc", "data", "used/slots", "blocks", "queue"]
+
+    def render(ns: Any) -> None:
+        rows = [
+            [
+                n.node.node_id,
+                n.node.role,
+                n.alive,
+                n.draining,
+                n.node.grpc_address,
+                n.node.data_address,
+                f"{n.num_used_slots}/{n.num_slots}",
+                n.num_blocks,
+                n.load.queue_len,
+            ]
+            for n in ns
+        ]
+        _table("nodes", cols, rows)
+
+    _run(lambda c: c.list_nodes(), as_json, render)
+
+
+@admin_app.command()
+def stats(as_json: bool = JSON) -> None:
+    """All pool counters (hit tokens and requested tokens, evictions, leases...)."""
+
+    def render(s: Any) -> None:
+        data = {k: v for k, v in _plain(s).items() if k != "nodes"}
+        data["hit_rate"] = round(s.hit_rate, 4)
+        _kv("kvpool stats", data)
+
+    _run(lambda c: c.stats(), as_json, render)
+
+
+@admin_app.command()
+def match(
+    tokens: str = typer.Argument(..., help="Comma-separated token ids."),
+    namespace: str = typer.Option("", help="Namespace digest (32 hex chars)."),
+    model: str = typer.Option("", help="Model id (with --version) instead of --namespace."),
+    version: str = typer.Option("", help="Weights version."),
+    layout: str = typer.Option("", help="KV layout fingerprint (with --model)."),
+    salt: str = typer.Option("", help="Cache salt (with --model)."),
+    as_json: bool = JSON,
+) -> None:
+    """Peek how many leading blocks of a token sequence are in the pool (no counters, no lease)."""
+    from kvpool.hashing import hash_blocks, parse_hash
+    from kvpool.types import KVLayout
+
+    def fn(c: Any) -> dict[str, Any]:
+        ids = [int(t) for t in tokens.replace(" ", "").split(",") if t]
+        if namespace:
+            ns = parse_hash(namespace, "namespace")
+        elif model and version and layout:
+            ns, _ = c.register_namespace(model, version, layout, cache_salt=salt)
+        else:
+            raise ValueError("give --namespace, or --model, --version and --layout")
+        block_size = c.stats().block_size
+        if layout:
+            block_size = KVLayout.from_fingerprint(layout).block_size
+        hashes = hash_blocks(ns, ids, block_size)
+        m = c.match(ns, hashes)
+        return {
+            "namespace": ns.hex(),
+            "num_blocks": len(hashes),
+            "num_matched": m.num_matched,
+            "matched_tokens": m.num_matched * block_size,
+            "replicas": [
+                [f"{x.node_id}:{x.slot}" + (" (local)" if x.local else "") for x in r] for r in m.replicas
+            ],
+        }
+
+    _run(fn, as_json, lambda r: _kv("match", r))
+
+
+@admin_app.command("set-version")
+def set_version(
+    model: str = typer.Option(..., "--model", help="Model id."),
+    version: str = typer.Option(..., "--version", help="Weights version to activate."),
+    as_json: bool = JSON,
+) -> None:
+    """Activate a weights version: every other version of the model becomes unreachable."""
+
+    def fn(c: Any) -> dict[str, Any]:
+        previous, n = c.set_model_version(model, version)
+        return {"model": model, "previous_version": previous, "version": version, "namespaces_invalidated": n}
+
+    _run(fn, as_json, lambda r: _kv("set-version", r))
+
+
+@admin_app.command()
+def invalidate(
+    namespace: str = typer.Option(..., "--namespace", help="Namespace digest (32 hex chars)."),
+    as_json: bool = JSON,
+) -> None:
+    """Make one namespace unreachable now (its blocks are reclaimed in the background)."""
+    from kvpool.hashing import parse_hash
+
+    def fn(c: Any) -> dict[str, Any]:
+        c.invalidate(parse_hash(namespace, "namespace"))
+        return {"namespace": namespace, "invalidated": True}
+
+    _run(fn, as_json, lambda r: _kv("invalidate", r))
+
+
+@admin_app.command()
+def evict(
+    fraction: float = typer.Option(..., "--fraction", help="Fraction of resident blocks, in (0, 1]."),
+    node: str = typer.Option("", "--node", help="Only this store node's slots."),
+    as_json: bool = JSON,
+) -> None:
+    """Evict a fraction of the unleased leaf blocks by the eviction policy."""
+
+    def fn(c: Any) -> dict[str, Any]:
+        n, short = c.evict(fraction, node)
+        return {"fraction": fraction, "node": node, "num_evicted": n, "shortfall": short}
+
+    _run(fn, as_json, lambda r: _kv("evict", r))
+
+
+@admin_app.command()
+def drain(node: str = typer.Argument(..., help="Store node id."), as_json: bool = JSON) -> None:
+    """Stop placing on a node; its blocks are copied elsewhere, then its slots freed."""
+    _run(
+        lambda c: {"node": node, "num_blocks_to_move": c.drain(node)},
+        as_json,
+        lambda r: _kv("drain", r),
+    )
+
+
+@admin_app.command()
+def economics(
+    model_params: float = typer.Option(..., "--model-params", help="Model parameters, e.g. 8e9."),
+    window_s: float = typer.Option(2.0, "--window", help="Measure counters over this many seconds."),
+    as_json: bool = JSON,
+) -> None:
+    """Hit tokens/s and prefill FLOP/s saved (2·params per token), measured from live counters."""
+    import time
+
+    if model_params <= 0 or window_s <= 0:
+        typer.echo("kvpool admin: --model-params and --window must be > 0", err=True)
+        raise typer.Exit(2)
+
+    def fn(c: Any) -> dict[str, Any]:
+        a = c.stats()
+        time.sleep(window_s)
+        b = c.stats()
+        hit_tps = (b.hit_tokens - a.hit_tokens) / window_s
+        req_tps = (b.requested_tokens - a.requested_tokens) / window_s
+        return {
+            "window_s": window_s,
+            "hit_tokens_per_s": round(hit_tps, 2),
+            "requested_tokens_per_s": round(req_tps, 2),
+            "hit_rate_window": round(hit_tps / req_tps, 4) if req_tps else 0.0,
+            "flop_per_s_saved": 2.0 * model_params * hit_tps,
+            "hit_tokens_total": b.hit_tokens,
+            "flop_saved_total": 2.0 * model_params * b.hit_tokens,
+        }
+
+    _run(fn, as_json, lambda r: _kv("economics", r))
