@@ -1,0 +1,209 @@
+"""Slot table unit tests (no processes): states, generations, leases, deferred frees, sizes (B14, B16, B17, B23)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvpool.errors import (
+    AlreadyExists,
+    ChecksumMismatch,
+    FailedPrecondition,
+    InvalidArgument,
+    LeaseExpired,
+    StaleGeneration,
+)
+from kvpool.store import Segment, SlotState, SlotTable, parse_size
+from kvpool.store.slots import Reservation
+from kvpool.types import FakeClock
+from transfer import BlockRead, BlockWrite, LoopbackBlockServer, LoopbackTransport, checksum
+
+NB = 4096
+NS = b"n" * 16
+
+
+def _h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+@pytest.fixture
+def table() -> tuple[SlotTable, FakeClock]:
+    clock = FakeClock(1000)
+    return SlotTable(Segment(8 * NB, NB, pin_memory="off"), clock), clock
+
+
+def _put(t: SlotTable, slot: int, data: bytes, gen: int = 1, commit: bool = True) -> None:
+    t.reserve([Reservation(slot, gen, NS, _h(slot))], 1000)
+    t.begin_write(slot, gen, NB)[:] = data
+    t.end_write(slot, gen, checksum(data), True)
+    if commit:
+        assert t.commit([(slot, gen)]) == [(slot, gen, "")]
+
+
+def test_parse_size() -> None:
+    assert parse_size("256MiB") == 256 << 20
+    assert parse_size("4GiB") == 4 << 30
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("4096") == 4096
+    for bad in ("", "12XB", "-1", "0"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_two_phase_write_and_read(table: tuple[SlotTable, FakeClock]) -> None:
+    t, _ = table
+    data = np.random.default_rng(0).integers(0, 256, NB, dtype=np.uint8).tobytes()
+    t.reserve([Reservation(3, 1, NS, _h(3))], 1000)
+    with pytest.raises(FailedPrecondition, match="not committed"):
+        t.begin_read(3, 1, NB)  # reserved: invisible
+    t.begin_write(3, 1, NB)[:] = data
+    t.end_write(3, 1, checksum(data), True)
+    assert t.state(3) == (SlotState.WRITTEN, 1)
+    with pytest.raises(FailedPrecondition):
+        t.begin_read(3, 1, NB)  # written, not committed: invisible
+    assert t.commit([(3, 1), (3, 1)]) == [(3, 1, ""), (3, 1, "")]  # idempotent
+    view, cs = t.begin_read(3, 1, NB)
+    assert bytes(view) == data and cs == checksum(data)
+    t.end_read(3)
+    with pytest.raises(AlreadyExists):
+        t.begin_write(3, 1, NB)
+    [item] = t.inventory()
+    assert (item.slot, item.generation, item.checksum, item.block_hash) == (3, 1, cs, _h(3))
+
+
+def test_commit_errors_per_slot(table: tuple[SlotTable, FakeClock]) -> None:
+    t, _ = table
+    t.reserve([Reservation(0, 1, NS, _h(0))], 1000)
+    res = t.commit([(0, 1), (1, 1), (0, 2), (99, 1)])
+    assert [e.split(":")[0] for _, _, e in res] == [
+        "FailedPrecondition",
+        "FailedPrecondition",
+        "StaleGeneration",
+        "InvalidArgument",
+    ]
+
+
+def test_writer_checksum_must_match(table: tuple[SlotTable, FakeClock]) -> None:
+    t, _ = table
+    t.reserve([Reservation(1, 1, NS, _h(1))], 1000)
+    t.begin_write(1, 1, NB)[:] = b"x" * NB
+    with pytest.raises(ChecksumMismatch):
+        t.end_write(1, 1, checksum(b"y" * NB), True)
+    assert t.state(1) == (SlotState.RESERVED, 1)  # may retry within the lease
+    t.begin_write(1, 1, NB)[:] = b"y" * NB
+    t.end_write(1, 1, checksum(b"y" * NB), True)
+    assert t.state(1) == (SlotState.WRITTEN, 1)
+
+
+def test_reservation_expires_and_is_reclaimed(table: tuple[SlotTable, FakeClock]) -> None:
+    t, clock = table
+    t.reserve([Reservation(2, 1, NS, _h(2))], 100)
+    _put(t, 4, b"a" * NB)
+    clock.advance(99)
+    assert t.reap_expired() == 0
+    clock.advance(1)
+    with pytest.raises(LeaseExpired):
+        t.begin_write(2, 1, NB)
+    assert t.reap_expired() == 1
+    assert t.state(2) == (SlotState.FREE, 2)
+    assert t.drain_freed() == [(2, 2)]
+    assert t.state(4) == (SlotState.COMMITTED, 1)  # committed blocks have no write lease
+    with pytest.raises(StaleGeneration):
+        t.reserve([Reservation(2, 1, NS, _h(2))], 100)
+    t.reserve([Reservation(2, 2, NS, _h(2))], 100)
+
+
+def test_reserve_is_all_or_nothing_and_validated(table: tuple[SlotTable, FakeClock]) -> None:
+    t, _ = table
+    _put(t, 0, b"a" * NB)
+    with pytest.raises(FailedPrecondition):
+        t.reserve([Reservation(1, 1, NS, _h(1)), Reservation(0, 1, NS, _h(9))], 100)
+    assert t.state(1) == (SlotState.FREE, 1)
+    with pytest.raises(InvalidArgument, match="out of range"):
+        t.reserve([Reservation(8, 1, NS, _h(1))], 100)
+    with pytest.raises(InvalidArgument, match="twice"):
+        t.reserve([Reservation(1, 1, NS, _h(1)), Reservation(1, 1, NS, _h(1))], 100)
+    with pytest.raises(InvalidArgument, match="16 bytes"):
+        t.reserve([Reservation(1, 1, NS, b"short")], 100)
+    with pytest.raises(InvalidArgument):
+        t.reserve([Reservation(1, 1, NS, _h(1))], 0)
+    t.reserve([Reservation(1, 5, NS, _h(1))], 100)  # a generation ahead: the slot jumps forward
+    assert t.state(1) == (SlotState.RESERVED, 5)
+
+
+def test_free_during_read_is_deferred_b14_b16(table: tuple[SlotTable, FakeClock]) -> None:
+    t, _ = table
+    data = bytes(range(256)) * (NB // 256)
+    _put(t, 5, data)
+    view, cs = t.begin_read(5, 1, NB)  # a reader holds the slot
+    [f] = t.free([(5, 1)])
+    assert f.deferred and f.new_generation == 2
+    assert t.free([(5, 1)])[0].deferred  # repeated order: still deferred, not doubled
+    with pytest.raises(StaleGeneration):
+        t.begin_read(5, 1, NB)  # new reads are refused at once
+    with pytest.raises(FailedPrecondition):
+        t.reserve([Reservation(5, 2, NS, _h(5))], 100)  # not reusable before the read ends
+    assert t.inventory() == []
+    assert bytes(view) == data and checksum(view) == cs  # the reader sees intact bytes
+    assert t.drain_freed() == []
+    t.end_read(5)
+    assert t.state(5) == (SlotState.FREE, 2)
+    assert t.drain_freed() == [(5, 2)]
+    assert t.num_used == 0
+    # idempotent: an already-freed slot answers its current generation
+    assert t.free([(5, 1)])[0] == type(f)(5, 2, False)
+
+
+def test_free_during_write_is_deferred(table: tuple[SlotTable, FakeClock]) -> None:
+    t, _ = table
+    t.reserve([Reservation(6, 1, NS, _h(6))], 1000)
+    buf = t.begin_write(6, 1, NB)
+    assert t.free([(6, 1)])[0].deferred
+    buf[:] = b"z" * NB
+    with pytest.raises(StaleGeneration):
+        t.end_write(6, 1, checksum(b"z" * NB), True)
+    assert t.state(6) == (SlotState.FREE, 2)
+
+
+def test_stale_generation_read_refused_b17(table: tuple[SlotTable, FakeClock]) -> None:
+    t, _ = table
+    _put(t, 7, b"o" * NB)
+    t.free([(7, 1)])
+    _put(t, 7, b"n" * NB, gen=2)
+    with pytest.raises(StaleGeneration):
+        t.begin_read(7, 1, NB)  # the old reader never gets the new block's bytes
+
+
+def test_block_size_checked_against_layout_b23(table: tuple[SlotTable, FakeClock]) -> None:
+    t, _ = table
+    _put(t, 0, b"a" * NB)
+    with pytest.raises(InvalidArgument, match="layout"):
+        t.begin_read(0, 1, NB // 2)  # e.g. an fp8 consumer of a bf16 producer
+    t.reserve([Reservation(1, 1, NS, _h(1))], 1000)
+    with pytest.raises(InvalidArgument, match="layout"):
+        t.begin_write(1, 1, NB * 2)
+
+
+def test_loopback_transport_round_trip(table: tuple[SlotTable, FakeClock]) -> None:
+    t, _ = table
+    server = LoopbackBlockServer(t)
+    server.start()
+    tr = LoopbackTransport()
+    rng = np.random.default_rng(1)
+    blocks = [rng.integers(0, 256, NB, dtype=np.uint8) for _ in range(4)]
+    t.reserve([Reservation(i, 1, NS, _h(i)) for i in range(4)], 1000)
+    res = tr.write_blocks(
+        server.address, [BlockWrite(i, 1, b, checksum(b)) for i, b in enumerate(blocks)], timeout_s=1
+    )
+    assert all(r.ok for r in res)
+    t.commit([(i, 1) for i in range(4)])
+    out = [memoryview(bytearray(NB)) for _ in range(5)]
+    res = tr.read_blocks(
+        server.address, [BlockRead(i, 1, NB) for i in range(4)] + [BlockRead(4, 1, NB)], out, timeout_s=1
+    )
+    assert [r.ok for r in res] == [True] * 4 + [False]
+    assert all(bytes(out[i]) == blocks[i].tobytes() for i in range(4))
+    t.segment.array[0] ^= 0xFF  # flip a byte in the segment
+    [bad] = tr.read_blocks(server.address, [BlockRead(0, 1, NB)], out[:1], timeout_s=1)
+    assert not bad.ok and "checksum" in bad.error
+    server.stop()
