@@ -1,13 +1,14 @@
 """Leaf-only eviction for `RadixIndex` (SGLang's heap over evictable leaves, with lazy invalidation).
 
-A heap entry `(key, seq, row)` is valid while `heap_seq[row] == seq` and the row is still an evictable
+A heap entry `(key, last_access_ms, seq, row)` is valid while `heap_seq[row] == seq` and the row is still an evictable
 leaf (alive, no children, no lock, no live lease, namespace active). Evicting a leaf may turn its parent
 into one, which is pushed then, so the tree stays prefix-closed: after every eviction each resident
 block's parent is resident.
 
 Per node (`node_id` given; the master's watermarks): first drop that node's replica of unprotected
-blocks that keep a pool replica on another node (not an eviction, no leaf needed; least recently used
-first), then evict leaves holding a replica there, in policy order.
+blocks of active namespaces that keep a pool replica on another node (not an eviction, no leaf
+needed; least recently used first), then evict leaves holding a replica there, in policy order. A leaf
+with several replicas on the node frees them all, so `num_freed_on_node` may pass the request.
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ def _evict_leaves(index: RadixIndex, budget: int, node_id: str | None) -> list[D
     """Pop evictable leaves in key order; with `node_id`, only those with a replica on that node count
     (`budget` then counts that node's slots); the others go back into the heap unchanged."""
     c, heap, dropped = index._c, index._heap, []
-    skipped: list[tuple[float, int, int]] = []
+    skipped: list[tuple[float, int, int, int]] = []
     freed = 0
     while heap and freed < budget:
         entry = heapq.heappop(heap)
-        key, seq, row = entry
+        key, _, seq, row = entry
         if c.heap_seq[row] != seq or not index._evictable(row):
             continue
         if node_id is not None:
@@ -75,6 +76,7 @@ def _drop_spare_replicas(index: RadixIndex, budget: int, node_id: str) -> list[D
         for row in index._space.rows_on(node_id)
         if c.lock_ref[row] == 0
         and c.num_leases[row] == 0
+        and index._ns_valid[c.ns_slot[row]]
         and any(loc.node_id != node_id and not loc.local for loc in c.locations[row])
     ]
     if not candidates:

@@ -42,7 +42,7 @@ def check_invariants(index: RadixIndex) -> None:
                 pins[row] += 1
     slots: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
-    heap_seqs = {seq for _, seq, _ in index._heap}
+    heap_seqs = {entry[2] for entry in index._heap}
     for row in alive:
         block_hash = c.hashes[row]
         if block_hash is None or len(block_hash) != HASH_NBYTES:

@@ -6,7 +6,7 @@ tiny strategy classes these follow). A key must therefore depend only on the blo
 and the policy's own state, never on the time of the question.
 
 - `lru`: last access time.
-- `lfu`: hit count (ties: earlier push first, i.e. least recently touched).
+- `lfu`: hit count (the index breaks ties of any policy by last access, least recent first).
 - `fwlru`: LRU weighted by hit frequency with exponential decay:
   `last_access_ms + boost_ms * log2(1 + decayed_hits)`, where `decayed_hits` is the hit count decayed
   with half-life `half_life_ms` as of the last access. The default until the eviction research issue.

@@ -44,7 +44,7 @@ class RadixIndex:
         self._ns_valid: list[bool] = []
         self._pending: list[int] = []
         self._reclaim_work: dict[int, list[tuple[int, int]]] = {}
-        self._heap: list[tuple[float, int, int]] = []
+        self._heap: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._decay_epoch_ms = clock.now_ms()
         self.num_evictions = 0
@@ -454,12 +454,14 @@ class RadixIndex:
         )
 
     def _push(self, row: int) -> None:
-        """(Re)enter an evictable leaf into the eviction heap with its current key."""
+        """(Re)enter an evictable leaf into the eviction heap: `(key, last_access_ms, seq, row)`, so equal
+        keys go least recently used first, then in push order."""
         if not self._evictable(row):
             return
         self._seq += 1
         self._c.heap_seq[row] = self._seq
-        heapq.heappush(self._heap, (self.policy.key(self._stats(row)), self._seq, row))
+        stats = self._stats(row)
+        heapq.heappush(self._heap, (self.policy.key(stats), stats.last_access_ms, self._seq, row))
         if len(self._heap) > 2 * self._c.num_alive + 1024:
             self._rebuild_heap()
 

@@ -1,0 +1,277 @@
+"""`kvpool bench trace`: replay a Mooncake-format JSONL trace through the real `RadixIndex`.
+
+Trace semantics (see `../shared/traces/README.md`, Mooncake FAST'25): each hash id is one 512-token
+block (the last one of a request possibly partial) and names its whole prefix. Per request: match its
+blocks (`count_hit=True`, no lease), count the leading run of resident blocks as hit tokens (capped at
+`input_length`), insert the missing blocks, then evict down to the capacity. Capacity is a fraction of
+the trace's unique blocks. Token prefix-hit rate = hit tokens / input tokens.
+
+Time: the index clock follows the trace timestamps (ms), moved on by at least 1 ms per request so the
+requests of one quantised bucket keep their order. `opt` (Belady) is fed each block's next use
+(the index of the next request holding it) before the request touches it.
+Block size in bytes and recompute cost (for `cost`) follow a nominal 8B dense model (Llama-3-8B
+shapes, bf16 KV): 128 KiB per token; recompute = tokens * (2*params + 2*layers*d_model*context) FLOP
+at 400 TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpool.errors import InvalidArgument
+from kvpool.index import POLICY_NAMES, BeladyPolicy, RadixIndex, make_policy
+from kvpool.types import BlockHash, FakeClock, Location, NamespaceId
+
+TRACE_BLOCK_TOKENS = 512
+KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+"""Llama-3-8B: 32 layers x (K,V) x 8 KV heads x head_dim 128 x bf16."""
+_PARAMS, _LAYERS, _D_MODEL, _FLOP_PER_S = 8.0e9, 32, 4096, 400.0e12
+_NS = NamespaceId(b"trace-replay-ns\x00")
+_SIM_LOCATION = Location("sim", 0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    timestamp_ms: int
+    input_length: int
+    hash_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    name: str
+    requests: tuple[TraceRequest, ...]
+    num_unique_blocks: int
+
+
+def load_trace(path: Path) -> Trace:
+    """Parse a JSONL trace; raises `InvalidArgument` naming the file and line of any malformed record."""
+    requests: list[TraceRequest] = []
+    unique: set[int] = set()
+    with path.open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            requests.append(_parse_line(path, lineno, line))
+            unique.update(requests[-1].hash_ids)
+    if not requests:
+        raise InvalidArgument(f"{path}: no trace records")
+    return Trace(path.stem, tuple(requests), len(unique))
+
+
+def _parse_line(path: Path, lineno: int, line: str) -> TraceRequest:
+    where = f"{path}:{lineno}"
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{where}: not JSON ({exc.msg})") from None
+    if not isinstance(rec, dict):
+        raise InvalidArgument(f"{where}: a record must be a JSON object")
+    for key in ("timestamp", "input_length", "hash_ids"):
+        if key not in rec:
+            raise InvalidArgument(f"{where}: missing {key!r}")
+    ts, n_in, ids = rec["timestamp"], rec["input_length"], rec["hash_ids"]
+    if not isinstance(ts, int) or isinstance(ts, bool) or ts < 0:
+        raise InvalidArgument(f"{where}: timestamp must be a non-negative int, got {ts!r}")
+    if not isinstance(n_in, int) or isinstance(n_in, bool) or n_in <= 0:
+        raise InvalidArgument(f"{where}: input_length must be a positive int, got {n_in!r}")
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+    ):
+        raise InvalidArgument(f"{where}: hash_ids must be a list of non-negative ints")
+    if len(ids) != math.ceil(n_in / TRACE_BLOCK_TOKENS):
+        raise InvalidArgument(
+            f"{where}: {len(ids)} hash_ids for input_length {n_in} (expected ceil({n_in}/{TRACE_BLOCK_TOKENS}))"
+        )
+    if len(set(ids)) != len(ids):
+        raise InvalidArgument(f"{where}: hash_ids repeats an id")
+    return TraceRequest(ts, n_in, tuple(ids))
+
+
+def _next_uses(trace: Trace) -> list[list[float]]:
+    """`out[i][j]`: index of the next request after i that holds block j of request i (inf: none)."""
+    seen: dict[int, float] = {}
+    out: list[list[float]] = [[] for _ in trace.requests]
+    for i in range(len(trace.requests) - 1, -1, -1):
+        ids = trace.requests[i].hash_ids
+        out[i] = [seen.get(b, math.inf) for b in ids]
+        for b in ids:
+            seen[b] = float(i)
+    return out
+
+
+def _block_hash(hash_id: int) -> BlockHash:
+    return BlockHash(hash_id.to_bytes(16, "big"))
+
+
+def replay(
+    trace: Trace,
+    policy_name: str,
+    capacity_blocks: int,
+    *,
+    next_uses: list[list[float]] | None = None,
+    on_request: Callable[[], None] | None = None,
+) -> float:
+    """Replay `trace` through a fresh index with `capacity_blocks`; returns the token prefix-hit rate."""
+    if capacity_blocks < 0:
+        raise InvalidArgument(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    policy = make_policy(policy_name)
+    oracle = policy if isinstance(policy, BeladyPolicy) else None
+    if oracle is not None and next_uses is None:
+        next_uses = _next_uses(trace)
+    clock = FakeClock(0)
+    index = RadixIndex(clock=clock, policy=policy)
+    index.register_namespace(_NS)
+    hit_tokens = input_tokens = 0
+    now_ms = -1
+    for i, req in enumerate(trace.requests):
+        now_ms = max(req.timestamp_ms, now_ms + 1)
+        clock.set(now_ms)
+        hashes = [_block_hash(b) for b in req.hash_ids]
+        if oracle is not None and next_uses is not None:
+            for block_hash, next_use in zip(hashes, next_uses[i], strict=True):
+                oracle.set_next_use(block_hash, next_use)
+        matched = index.match_prefix(_NS, hashes, count_hit=True, lease_ttl_ms=0).num_matched
+        hit_tokens += min(matched * TRACE_BLOCK_TOKENS, req.input_length)
+        input_tokens += req.input_length
+        if matched < len(hashes):
+            _insert_rest(index, hashes, matched, req.input_length)
+        over = index.num_blocks - capacity_blocks
+        if over > 0:
+            index.evict(over)
+        if on_request is not None:
+            on_request()
+    return hit_tokens / input_tokens if input_tokens else 0.0
+
+
+def _insert_rest(index: RadixIndex, hashes: list[BlockHash], start: int, input_length: int) -> None:
+    tokens = [
+        min(TRACE_BLOCK_TOKENS, input_length - j * TRACE_BLOCK_TOKENS) for j in range(start, len(hashes))
+    ]
+    costs = [
+        t * (2 * _PARAMS + 2 * _LAYERS * _D_MODEL * (j * TRACE_BLOCK_TOKENS + t / 2)) / _FLOP_PER_S
+        for j, t in zip(range(start, len(hashes)), tokens, strict=True)
+    ]
+    index.insert(
+        _NS,
+        hashes[start:],
+        parent=hashes[start - 1] if start else None,
+        locations=[(_SIM_LOCATION,)] * len(tokens),
+        size_bytes=[t * KV_BYTES_PER_TOKEN for t in tokens],
+        recompute_cost_s=costs,
+    )
+
+
+def parse_policies(text: str) -> list[str]:
+    """Comma-separated policy names (`POLICY_NAMES` or "default"); raises `InvalidArgument`."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    for name in names:
+        if name != "default" and name not in POLICY_NAMES:
+            raise InvalidArgument(
+                f"--policies: unknown policy {name!r}; expected {', '.join(POLICY_NAMES)}, default"
+            )
+    if not names:
+        raise InvalidArgument("--policies: no policy given")
+    return names
+
+
+def parse_fractions(text: str) -> list[float]:
+    """Comma-separated capacity fractions, each in (0, 1]; raises `InvalidArgument` naming the bad one."""
+    out: list[float] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            frac = float(part)
+        except ValueError:
+            raise InvalidArgument(f"--capacity-frac: {part!r} is not a number") from None
+        if not 0.0 < frac <= 1.0 or not math.isfinite(frac):
+            raise InvalidArgument(f"--capacity-frac: {part} must be in (0, 1]")
+        out.append(frac)
+    if not out:
+        raise InvalidArgument("--capacity-frac: no fraction given")
+    return out
+
+
+def run_trace_bench(
+    traces: Sequence[Path],
+    fractions: Sequence[float],
+    policies: Sequence[str],
+    json_out: Path | None,
+    plot_out: Path | None,
+    *,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Replay every trace x policy x capacity; print a table; write the report (and plot)."""
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from kvpool.bench.report import write_report
+
+    loaded = [load_trace(p) for p in traces]
+    total = sum(len(t.requests) for t in loaded) * len(fractions) * len(policies)
+    records: list[dict[str, Any]] = []
+    with tqdm(total=total, unit="req", disable=not progress, desc="trace replay") as bar:
+        for trace in loaded:
+            next_uses = _next_uses(trace) if any(make_policy(p).name == "opt" for p in policies) else None
+            for policy in policies:
+                for frac in fractions:
+                    capacity = max(1, round(frac * trace.num_unique_blocks))
+                    rate = replay(trace, policy, capacity, next_uses=next_uses, on_request=bar.update)
+                    records.append(
+                        {
+                            "trace": trace.name,
+                            "policy": policy,
+                            "capacity_frac": frac,
+                            "capacity_blocks": capacity,
+                            "token_hit_rate": round(rate, 4),
+                        }
+                    )
+    table = Table(title="kvpool bench trace: token prefix-hit rate")
+    table.add_column("trace")
+    table.add_column("policy")
+    for frac in fractions:
+        table.add_column(f"{frac:.0%}", justify="right")
+    for trace in loaded:
+        for policy in policies:
+            rates = [
+                r["token_hit_rate"] for r in records if r["trace"] == trace.name and r["policy"] == policy
+            ]
+            table.add_row(trace.name, policy, *(f"{x:.3f}" for x in rates))
+    Console().print(table)
+    summary = {"traces": [t.name for t in loaded], "default_policy": make_policy("default").name}
+    if plot_out is not None:
+        _plot(records, plot_out)
+    return write_report(json_out, "trace", records, summary)
+
+
+def _plot(records: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["trace"] for r in records})
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        for policy in dict.fromkeys(r["policy"] for r in records):
+            pts = [
+                (r["capacity_frac"], r["token_hit_rate"])
+                for r in records
+                if r["trace"] == name and r["policy"] == policy
+            ]
+            ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=policy)
+        ax.set_xscale("log")
+        ax.set_xlabel("capacity (% of the trace's unique blocks)")
+        ax.set_ylabel("token prefix-hit rate")
+        ax.set_title(name)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
