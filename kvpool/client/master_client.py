@@ -9,7 +9,7 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -25,7 +25,14 @@ from kvpool.client.types import (
     Registration,
     Reservation,
 )
-from kvpool.errors import DeadlineExceeded, Unavailable
+from kvpool.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    LeaseExpired,
+    StaleGeneration,
+    Unavailable,
+    VersionFenced,
+)
 from kvpool.rpc.server import channel
 from kvpool.rpc.status import raise_from_rpc_error
 from kvpool.types import Location
@@ -34,6 +41,25 @@ from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 _RETRIES = 3
+
+
+_REFINED: list[tuple[str, type[FailedPrecondition]]] = [
+    ("fenced", VersionFenced),
+    ("expired", LeaseExpired),
+    ("generation", StaleGeneration),
+]
+
+
+def _raise(exc: grpc.RpcError, what: str) -> NoReturn:
+    """Like `raise_from_rpc_error`, recovering the FAILED_PRECONDITION subclasses from the message."""
+    try:
+        raise_from_rpc_error(exc, what)
+    except FailedPrecondition as err:
+        text = str(err).lower()
+        for word, cls in _REFINED:
+            if word in text:
+                raise cls(str(err)) from None
+        raise
 
 
 class MasterClient:
@@ -65,7 +91,7 @@ class MasterClient:
                 if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
                     time.sleep(0.05 * 2**attempt)
                     continue
-                raise_from_rpc_error(exc, f"{name} at master {self.address}")
+                _raise(exc, f"{name} at master {self.address}")
         raise Unavailable(f"{name} at master {self.address}: no answer")  # pragma: no cover
 
     # ---- nodes ------------------------------------------------------------------------------------
@@ -281,7 +307,7 @@ class MatchStream:
         try:
             return cv.match(next(self._responses))
         except grpc.RpcError as exc:
-            raise_from_rpc_error(exc, f"MatchPrefixStream at master {self._address}")
+            _raise(exc, f"MatchPrefixStream at master {self._address}")
         except StopIteration:
             raise DeadlineExceeded("match stream ended") from None
 

@@ -151,7 +151,7 @@ class Publisher:
         if not self.m.namespaces.is_known(ns):
             raise NotFound(f"unknown namespace {ns.hex()}: register it first")
         if not self.m.namespaces.is_active(ns):
-            raise VersionFenced(f"namespace {ns.hex()} is not of its model's active version")
+            raise VersionFenced(f"namespace {ns.hex()} is fenced: not of its model's active version")
 
     def _make_room(self, nodes: list[NodeRecord], num_new: int, shortfall: int) -> list[str]:
         touched = []

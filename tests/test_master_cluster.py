@@ -1,0 +1,186 @@
+"""A real master and two real store nodes on 127.0.0.1: publish, match, read back, versions, leases, admin."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from kvpool.cli.main import app
+from kvpool.client import MasterClient, PoolClient
+from kvpool.errors import VersionFenced
+from kvpool.hashing import hash_blocks
+from kvpool.master.procs import LAYOUT, Proc, start_master, start_store
+from kvpool.types import KVLayout
+
+LAY = KVLayout.from_fingerprint(LAYOUT)
+transfer = pytest.importorskip("transfer")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Proc, list[Proc]]]:
+    if transfer.ucx_available() is not None:
+        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    master = start_master("--heartbeat-timeout-ms", "3000")
+    stores: list[Proc] = []
+    try:
+        stores = [start_store(master.grpc_address, f"s{i}") for i in range(2)]
+        wait_stores(master.grpc_address, 2)
+        yield master, stores
+    finally:
+        for s in stores:
+            s.kill()
+        master.kill()
+
+
+def wait_stores(address: str, n: int, timeout_s: float = 20.0) -> None:
+    """Wait until `n` store nodes are alive and accept placements."""
+    deadline = time.monotonic() + timeout_s
+    with MasterClient(address) as c:
+        while time.monotonic() < deadline:
+            alive = [x for x in c.list_nodes() if x.alive and x.node.role == "store"]
+            if len(alive) >= n:
+                time.sleep(0.3)  # inventories adopted on the next maintenance tick
+                return
+            time.sleep(0.05)
+    raise TimeoutError(f"{n} store nodes did not register")
+
+
+def blocks_for(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, LAY.block_nbytes, dtype=np.uint8) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def transport() -> Iterator[object]:
+    t = transfer.UcxTransport()
+    yield t
+    t.close()
+
+
+def test_publish_then_match_from_another_client_reads_bit_exact(cluster, transport) -> None:
+    master, _ = cluster
+    with MasterClient(master.grpc_address) as c:
+        ns, active = c.register_namespace("exact", "v1", LAYOUT)
+    assert active == "v1"
+    hashes = hash_blocks(ns, list(range(64 * 5)), LAY.block_size)
+    data = blocks_for(5, 1)
+    with PoolClient(master.grpc_address, transport, block_nbytes=LAY.block_nbytes) as writer:
+        put = writer.put_blocks(ns, None, hashes, data)
+        assert (put.num_committed, put.num_existing, put.num_failed) == (5, 0, 0)
+        assert writer.put_blocks(ns, None, hashes, data).num_existing == 5  # idempotent
+    with PoolClient(master.grpc_address, transport, block_nbytes=LAY.block_nbytes) as reader:
+        got = reader.get_blocks(ns, [*hashes, b"\x01" * 16], num_prompt_tokens=64 * 6 + 3)
+        assert got.num_matched == 5 and got.num_ok == 5
+        assert all(b.data == d.tobytes() for b, d in zip(got.blocks, data, strict=True))
+        assert reader.exists(ns, hashes) == 5
+    with MasterClient(master.grpc_address) as c:
+        s = c.stats()
+        assert s.requested_tokens >= 64 * 6 + 3 and s.hit_tokens >= 64 * 5
+        assert s.num_live_leases == 0  # get_blocks released its lease
+
+
+def test_two_replicas_land_on_distinct_nodes(cluster, transport) -> None:
+    master, _ = cluster
+    with MasterClient(master.grpc_address) as c:
+        ns, _ = c.register_namespace("repl", "v1", LAYOUT)
+        hashes = hash_blocks(ns, list(range(64 * 3)), LAY.block_size)
+        with PoolClient(master.grpc_address, transport, block_nbytes=LAY.block_nbytes) as pc:
+            put = pc.put_blocks(ns, None, hashes, blocks_for(3, 2), num_replicas=2)
+        assert put.num_replicas_placed == 2 and put.num_committed == 3
+        m = c.match(ns, hashes)
+        assert m.num_matched == 3
+        for replicas in m.replicas:
+            assert len({loc.node_id for loc in replicas}) == 2
+        assert set(m.nodes) == {"s0", "s1"} and all(n.data_address for n in m.nodes.values())
+        # asking for more replicas than nodes exist places fewer, and says so
+        more = hash_blocks(ns, list(range(1000, 1064)), LAY.block_size)
+        res = c.reserve(ns, None, more, num_replicas=5)
+        assert res.num_replicas_placed == 2
+        c.abort(res.reservation_id)
+
+
+def test_version_switch_fences_old_namespace(cluster, transport) -> None:
+    master, _ = cluster
+    with (
+        MasterClient(master.grpc_address) as c,
+        PoolClient(master.grpc_address, transport, block_nbytes=LAY.block_nbytes) as pc,
+    ):
+        v1, _ = c.register_namespace("llm", "v1", LAYOUT)
+        hashes = hash_blocks(v1, list(range(64 * 2)), LAY.block_size)
+        assert pc.put_blocks(v1, None, hashes, blocks_for(2, 3)).num_committed == 2
+        late = hash_blocks(v1, list(range(500, 564)), LAY.block_size)
+        res = c.reserve(v1, None, late)  # a v1 writer starts a publish before the switch
+        assert c.set_model_version("llm", "v2") == ("v1", 1)
+        v2, active = c.register_namespace("llm", "v2", LAYOUT)
+        assert active == "v2" and v2 != v1
+        assert c.match(v1, hashes).num_matched == 0
+        assert c.match(v2, hash_blocks(v2, list(range(64 * 2)), LAY.block_size)).num_matched == 0
+        with pytest.raises(VersionFenced):
+            c.commit(res.reservation_id, [])
+        with pytest.raises(VersionFenced):
+            pc.put_blocks(v1, None, late, blocks_for(1, 4))
+
+
+def test_unreleased_leases_expire(cluster) -> None:
+    master, _ = cluster
+    with MasterClient(master.grpc_address) as c:
+        ns, _ = c.register_namespace("leases", "v1", LAYOUT)
+        hashes = hash_blocks(ns, list(range(64)), LAY.block_size)
+        res = c.reserve(ns, None, hashes)
+        # commit without bytes is refused by the stores: nothing becomes visible
+        c.abort(res.reservation_id)
+        with PoolClient(master.grpc_address, transfer.UcxTransport(), block_nbytes=LAY.block_nbytes) as pc:
+            pc.put_blocks(ns, None, hashes, blocks_for(1, 5))
+            pc.transport.close()
+        started = time.monotonic()
+        for _ in range(1000):
+            assert c.match(ns, hashes, count_hit=True, lease_ttl_ms=4000).lease_id is not None
+        if time.monotonic() - started < 3.5:
+            assert c.stats().num_live_leases >= 1000
+        deadline = time.monotonic() + 10
+        while c.stats().num_live_leases and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.stats().num_live_leases == 0
+        assert c.evict(1.0)[0] >= 1  # nothing stays pinned: the pool can still evict
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status"],
+        ["nodes"],
+        ["stats"],
+        ["match", "1,2,3", "--model", "adm", "--version", "v1", "--layout", LAYOUT],
+        ["set-version", "--model", "adm2", "--version", "v9"],
+        ["evict", "--fraction", "0.01"],
+        ["economics", "--model-params", "1e9", "--window", "0.1"],
+    ],
+)
+def test_admin_commands(cluster, args: list[str]) -> None:
+    master, _ = cluster
+    runner = CliRunner()
+    table = runner.invoke(app, ["admin", "--master", master.grpc_address, *args])
+    assert table.exit_code == 0, table.output
+    as_json = runner.invoke(app, ["admin", "--master", master.grpc_address, *args, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    json.loads(as_json.output)
+
+
+def test_admin_invalidate_and_drain_and_failures(cluster) -> None:
+    master, _ = cluster
+    runner = CliRunner()
+    base = ["admin", "--master", master.grpc_address]
+    with MasterClient(master.grpc_address) as c:
+        ns, _ = c.register_namespace("inv", "v1", LAYOUT)
+    out = runner.invoke(app, [*base, "invalidate", "--namespace", ns.hex(), "--json"])
+    assert out.exit_code == 0 and json.loads(out.output)["invalidated"]
+    assert runner.invoke(app, [*base, "invalidate", "--namespace", "00" * 16]).exit_code == 1
+    assert runner.invoke(app, [*base, "drain", "nosuchnode"]).exit_code == 1
+    assert runner.invoke(app, [*base, "evict", "--fraction", "2"]).exit_code == 1
+    down = runner.invoke(app, ["admin", "--master", "127.0.0.1:1", "--timeout", "0.5", "status"])
+    assert down.exit_code == 1 and "Traceback" not in down.output
