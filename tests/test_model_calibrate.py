@@ -1,0 +1,45 @@
+"""Recompute calibration on a real (tiny) runner: fitted, cached on disk, FLOP fallback (issue 8)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from kvpool.cost import RecomputeModel, decide_reuse  # noqa: E402
+from kvpool.cost.link import LinkEstimate  # noqa: E402
+from kvpool.model import EmbeddedSpec, ModelRunner, calibrate_recompute, embedded_model_dir  # noqa: E402
+from kvpool.model import calibrate as calibrate_mod  # noqa: E402
+
+TINY = EmbeddedSpec(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
+GRID = {"ctx_points": (0, 256), "new_points": (16, 64, 192), "repeats": 1}
+
+
+def test_calibration_fits_and_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = ModelRunner.load(embedded_model_dir(TINY, cache_dir=tmp_path), block_size=16)
+    model = calibrate_recompute(runner, cache_dir=tmp_path, **GRID)  # type: ignore[arg-type]
+    assert model.source in ("calibrated", "flops")
+    assert model.t_recompute_s(512, 0) > model.t_recompute_s(64, 0) > 0
+    files = list((tmp_path / "calibration").glob("recompute-*.json"))
+    assert len(files) == 1 and runner.weights_version[:16] in files[0].name
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(calibrate_mod, "measure_samples", boom)
+    assert calibrate_recompute(runner, cache_dir=tmp_path, **GRID) == model  # type: ignore[arg-type]
+    # The decision uses it: a free link always loads.
+    d = decide_reuse(
+        4, 16, 70, runner.layout.block_nbytes, LinkEstimate(alpha_s=0, beta_bytes_per_s=1e15), model
+    )
+    assert d.num_load_blocks == 4
+
+
+def test_flops_fallback_on_runner(tmp_path: Path) -> None:
+    runner = ModelRunner.load(embedded_model_dir(TINY, cache_dir=tmp_path), block_size=16)
+    flops = calibrate_mod.measure_flops_per_s(runner, n_tokens=128, repeats=1)
+    assert flops > 1e6
+    m = calibrate_mod.flops_fallback(runner)
+    assert isinstance(m, RecomputeModel) and m.source == "flops" and m.per_token_s > 0
