@@ -1,0 +1,113 @@
+"""Failures with real processes: a store node killed with -9, the master killed with -9 and restarted."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+
+from kvpool.client import MasterClient, PoolClient
+from kvpool.hashing import hash_blocks
+from kvpool.master.procs import LAYOUT, Proc, start_master, start_store
+from tests.test_master_cluster import LAY, blocks_for, wait_stores
+
+transfer = pytest.importorskip("transfer")
+pytestmark = pytest.mark.skipif(transfer.ucx_available() is not None, reason="UCX unavailable")
+
+
+def eventually(cond: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_killed_store_replicas_vanish_and_other_replicas_still_hit() -> None:
+    master = start_master("--heartbeat-timeout-ms", "1500", "--heartbeat-interval-ms", "300")
+    stores: list[Proc] = []
+    tr = transfer.UcxTransport()
+    try:
+        stores = [start_store(master.grpc_address, f"s{i}") for i in range(2)]
+        wait_stores(master.grpc_address, 2)
+        with (
+            MasterClient(master.grpc_address) as c,
+            PoolClient(master.grpc_address, tr, block_nbytes=LAY.block_nbytes) as pc,
+        ):
+            ns, _ = c.register_namespace("fail", "v1", LAYOUT)
+            both = hash_blocks(ns, list(range(64 * 3)), LAY.block_size)
+            data = blocks_for(3, 7)
+            assert pc.put_blocks(ns, None, both, data, num_replicas=2).num_committed == 3
+            single = [hash_blocks(ns, [i] * 64, LAY.block_size)[0] for i in range(8)]
+            for h, d in zip(single, blocks_for(8, 8), strict=True):
+                pc.put_blocks(ns, None, [h], [d], num_replicas=1)
+            on_s0 = [h for h in single if c.match(ns, [h]).replicas[0][0].node_id == "s0"]
+            assert on_s0, "placement should spread single-replica blocks over both nodes"
+            stores[0].kill()
+            t0 = time.monotonic()
+            eventually(lambda: all(c.match(ns, [h]).num_matched == 0 for h in on_s0))
+            assert time.monotonic() - t0 < 1.5 + 3.0
+            m = c.match(ns, both)
+            assert m.num_matched == 3 and all({x.node_id for x in r} == {"s1"} for r in m.replicas)
+            got = pc.get_blocks(ns, both)
+            assert got.num_ok == 3 and [b.data for b in got.blocks] == [d.tobytes() for d in data]
+            nodes = {n.node.node_id: n for n in c.list_nodes()}
+            assert not nodes["s0"].alive and nodes["s1"].alive
+    finally:
+        tr.close()
+        for s in stores:
+            s.kill()
+        master.kill()
+
+
+def test_master_restart_rebuilds_from_store_inventories() -> None:
+    port = free_port()
+    args = ("--heartbeat-timeout-ms", "2000", "--heartbeat-interval-ms", "300")
+    master = start_master(*args, port=port)
+    stores: list[Proc] = []
+    tr = transfer.UcxTransport()
+    try:
+        stores = [start_store(master.grpc_address, f"s{i}") for i in range(2)]
+        wait_stores(master.grpc_address, 2)
+        with (
+            MasterClient(master.grpc_address) as c,
+            PoolClient(master.grpc_address, tr, block_nbytes=LAY.block_nbytes) as pc,
+        ):
+            ns, _ = c.register_namespace("restart", "v1", LAYOUT)
+            kept = hash_blocks(ns, list(range(64 * 4)), LAY.block_size)
+            data = blocks_for(4, 9)
+            assert pc.put_blocks(ns, None, kept, data, num_replicas=2).num_committed == 4
+            gone = hash_blocks(ns, [7] * 128, LAY.block_size)
+            assert pc.put_blocks(ns, None, gone, blocks_for(2, 10)).num_committed == 2
+            assert c.remove(ns, gone[:1]) == 2  # with its descendant
+            eventually(lambda: sum(n.num_used_slots for n in c.list_nodes()) == 8)
+        master.kill()
+        master = start_master(*args, port=port)
+        wait_stores(master.grpc_address, 2, timeout_s=30)
+        with (
+            MasterClient(master.grpc_address) as c,
+            PoolClient(master.grpc_address, tr, block_nbytes=LAY.block_nbytes) as pc,
+        ):
+            assert c.match(ns, kept).num_matched == 0  # unclaimed until a serving node registers it
+            assert c.register_namespace("restart", "v1", LAYOUT)[0] == ns
+            eventually(lambda: c.match(ns, kept).num_matched == 4)
+            assert all(len(r) == 2 for r in c.match(ns, kept).replicas)
+            assert c.match(ns, gone).num_matched == 0
+            got = pc.get_blocks(ns, kept)
+            assert [b.data for b in got.blocks] == [d.tobytes() for d in data]
+            new = hash_blocks(ns, [3] * 64, LAY.block_size)  # placement works after the rebuild
+            assert pc.put_blocks(ns, None, new, blocks_for(1, 11)).num_committed == 1
+            assert pc.get_blocks(ns, new).num_ok == 1
+    finally:
+        tr.close()
+        for s in stores:
+            s.kill()
+        master.kill()
