@@ -142,9 +142,9 @@ class RadixIndex:
         if parents[0] != NO_ROW:
             return MatchResult(0, [], None, 0)
         if n > 1:
-            broken = np.flatnonzero(parents[1:] != idx[:-1])
-            if broken.size:
-                n = int(broken[0]) + 1
+            broken = parents[1:] != idx[:-1]
+            if broken.any():
+                n = int(broken.argmax()) + 1
                 idx = idx[:n]
         if count_hit:
             self.num_hit_blocks += n
@@ -160,8 +160,8 @@ class RadixIndex:
                 c.num_leases[idx] += 1
                 expiry_ms = now + lease_ttl_ms
                 lease_id = self._leases.grant(expiry_ms, idx, c.gen[idx])
-            else:
-                self._push(int(idx[-1]))
+            elif c.num_children[rows[n - 1]] == 0:
+                self._push(rows[n - 1])  # type: ignore[arg-type]
         locs = c.locations
         return MatchResult(n, [locs[r] for r in rows[:n]], lease_id, expiry_ms)  # type: ignore[index]
 

@@ -1,0 +1,135 @@
+"""`kvpool bench index`: in-process throughput and memory of `RadixIndex` at N resident blocks.
+
+The index is filled with chains of `chain_len` blocks (one namespace, 8 store nodes, one replica per
+block: a distinct `Location` each, as the master would hold). Measured:
+- `insert_blocks_per_s`: whole-chain inserts into an empty index until N blocks are resident.
+- `match_blocks_per_s`: full-chain matches of random resident chains, `count_hit=True`, locations
+  returned, no lease.
+- `bytes_per_block`: tracemalloc delta of a second, identical build (hashes and locations included:
+  the index keeps them), divided by N.
+Baseline measured in the same run: a plain `dict` from hash to location tuple walked block by block
+(no tree check, no counters), the floor any index pays.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvpool.errors import InvalidArgument
+from kvpool.index import RadixIndex
+from kvpool.types import BlockHash, Location, MonotonicClock, NamespaceId
+
+_NS = NamespaceId(b"bench-index-ns\x00\x00")
+
+
+def _chains(
+    num_blocks: int, chain_len: int, seed: int = 0
+) -> tuple[list[list[BlockHash]], list[list[tuple[Location]]]]:
+    raw = np.random.default_rng(seed).bytes(16 * num_blocks)
+    hashes = [BlockHash(raw[i : i + 16]) for i in range(0, 16 * num_blocks, 16)]
+    chains = [hashes[i : i + chain_len] for i in range(0, num_blocks, chain_len)]
+    nodes = [f"store-{k}" for k in range(8)]
+    locs = [
+        [(Location(nodes[(c + j) % 8], c * chain_len + j, 1),) for j in range(len(chain))]
+        for c, chain in enumerate(chains)
+    ]
+    return chains, locs
+
+
+def _build(chains: list[list[BlockHash]], locs: list[list[tuple[Location]]], size_bytes: int) -> RadixIndex:
+    index = RadixIndex(clock=MonotonicClock(), policy="fwlru")
+    index.register_namespace(_NS)
+    for chain, chain_locs in zip(chains, locs, strict=True):
+        index.insert(_NS, chain, parent=None, locations=chain_locs, size_bytes=size_bytes)
+    return index
+
+
+def run_index_bench(
+    num_blocks: int, chain_len: int, num_matches: int, json_out: Path | None, *, seed: int = 0
+) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvpool.bench.report import write_report
+
+    for name, value in (
+        ("--num-blocks", num_blocks),
+        ("--chain-len", chain_len),
+        ("--num-matches", num_matches),
+    ):
+        if value <= 0:
+            raise InvalidArgument(f"{name} must be positive, got {value}")
+    size_bytes = 512 * 131_072
+    chains, locs = _chains(num_blocks, chain_len, seed)
+    gc.collect()
+    t0 = time.perf_counter()
+    index = _build(chains, locs, size_bytes)
+    insert_s = time.perf_counter() - t0
+
+    rng = np.random.default_rng(seed + 1)
+    picks = [chains[i] for i in rng.integers(0, len(chains), size=num_matches)]
+    matched = 0
+    t0 = time.perf_counter()
+    for chain in picks:
+        matched += index.match_prefix(_NS, chain, count_hit=True, lease_ttl_ms=0).num_matched
+    match_s = time.perf_counter() - t0
+
+    table_map = {
+        h: loc
+        for chain, chain_locs in zip(chains, locs, strict=True)
+        for h, loc in zip(chain, chain_locs, strict=True)
+    }
+    t0 = time.perf_counter()
+    base_matched = 0
+    for chain in picks:
+        found = []
+        for h in chain:
+            loc = table_map.get(h)
+            if loc is None:
+                break
+            found.append(loc)
+        base_matched += len(found)
+    base_s = time.perf_counter() - t0
+    del table_map, index
+    gc.collect()
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    chains2, locs2 = _chains(num_blocks, chain_len, seed)
+    index = _build(chains2, locs2, size_bytes)
+    del chains2, locs2
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert index.num_blocks == num_blocks
+
+    summary: dict[str, Any] = {
+        "num_blocks": num_blocks,
+        "chain_len": chain_len,
+        "num_matches": num_matches,
+        "match_blocks_per_s": round(matched / match_s),
+        "insert_blocks_per_s": round(num_blocks / insert_s),
+        "bytes_per_block": round(used / num_blocks, 1),
+        "baseline_dict_match_blocks_per_s": round(base_matched / base_s),
+        "target_match_blocks_per_s": 2_000_000,
+        "target_bytes_per_block": 300,
+    }
+    records = [
+        {"op": "insert", "blocks": num_blocks, "elapsed_s": round(insert_s, 3)},
+        {"op": "match", "blocks": matched, "elapsed_s": round(match_s, 3)},
+        {"op": "baseline_dict_match", "blocks": base_matched, "elapsed_s": round(base_s, 3)},
+        {"op": "memory", "blocks": num_blocks, "traced_bytes": used},
+    ]
+    table = Table(title=f"kvpool bench index: {num_blocks:,} resident blocks, chains of {chain_len}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
+    Console().print(table)
+    return write_report(json_out, "index", records, summary)
