@@ -67,3 +67,20 @@ def index_cmd(
         run_index_bench(num_blocks, chain_len, num_matches, json_out)
     except InvalidArgument as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
+@bench_app.command("master")
+def master_cmd(
+    clients: int = typer.Option(8, help="Concurrent match clients."),
+    blocks: int = typer.Option(64, help="Blocks per prompt."),
+    prompts: int = typer.Option(32, help="Prompts published (and matched round-robin)."),
+    duration_s: float = typer.Option(5.0, "--duration", help="Seconds of matching."),
+    unary: bool = typer.Option(False, help="One unary call per match instead of a stream message."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
+) -> None:
+    """Master match throughput and latency from concurrent clients, and publish rate."""
+    from kvpool.bench.master_bench import run_master_bench
+
+    run_master_bench(
+        clients=clients, blocks=blocks, prompts=prompts, duration_s=duration_s, unary=unary, json_out=json_out
+    )

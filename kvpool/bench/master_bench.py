@@ -1,0 +1,136 @@
+"""`kvpool bench master`: prompt matches of 64 blocks from concurrent clients against a real master.
+
+A master process and one store process on 127.0.0.1; `prompts` chains of `blocks` blocks are published
+for real (reserve → UCX write → commit: `publish_per_s` counts prompts). Then `clients` threads, each with
+its own channel, match one prompt per stream message (or per unary call with `--unary`), counting the hit
+and taking no lease, for `duration_s`. Baseline measured in the same run: one client alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvpool.bench.report import write_report
+from kvpool.client import MasterClient, PoolClient
+from kvpool.hashing import hash_blocks
+from kvpool.master.procs import LAYOUT, start_master, start_store
+from kvpool.types import KVLayout
+
+
+def _phase(
+    address: str, ns: bytes, chains: Sequence[Sequence[bytes]], clients: int, duration_s: float, unary: bool
+) -> dict[str, Any]:
+    lat: list[list[float]] = [[] for _ in range(clients)]
+    errors = [0] * clients
+    start = threading.Barrier(clients + 1)
+    stop_at = [0.0]
+
+    def worker(k: int) -> None:
+        with MasterClient(address, timeout_s=5) as c:
+            stream = None if unary else c.match_stream()
+            call = c.match if stream is None else stream.match
+            call(ns, chains[0])  # warm the channel
+            start.wait()
+            i = k
+            while time.perf_counter() < stop_at[0]:
+                t0 = time.perf_counter()
+                m = call(ns, chains[i % len(chains)], count_hit=True, num_prompt_tokens=0)
+                lat[k].append(time.perf_counter() - t0)
+                errors[k] += m.num_matched != len(chains[0])
+                i += clients
+            if stream is not None:
+                stream.close()
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    stop_at[0] = time.perf_counter() + duration_s + 0.05
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    all_ms = np.array([x for per in lat for x in per]) * 1000
+    return {
+        "clients": clients,
+        "mode": "unary" if unary else "stream",
+        "matches": int(all_ms.size),
+        "match_per_s": round(all_ms.size / elapsed, 1),
+        "match_p50_ms": round(float(np.percentile(all_ms, 50)), 3),
+        "match_p99_ms": round(float(np.percentile(all_ms, 99)), 3),
+        "short_matches": sum(errors),
+    }
+
+
+def run_master_bench(
+    *, clients: int, blocks: int, prompts: int, duration_s: float, unary: bool, json_out: Path | None
+) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.table import Table
+
+    from transfer import UcxTransport
+
+    layout = KVLayout.from_fingerprint(LAYOUT)
+    master = start_master()
+    store = None
+    transport = UcxTransport()
+    try:
+        segment = f"{max(64, (prompts * blocks * layout.block_nbytes >> 20) * 2)}MiB"
+        store = start_store(master.grpc_address, "bench-s0", segment=segment)
+        with MasterClient(master.grpc_address) as c:
+            while not any(n.alive for n in c.list_nodes()):
+                time.sleep(0.05)
+            time.sleep(0.3)
+            ns, _ = c.register_namespace("bench", "v1", LAYOUT)
+        chains = [
+            hash_blocks(ns, [p] * (blocks * layout.block_size), layout.block_size) for p in range(prompts)
+        ]
+        data = [np.full(layout.block_nbytes, b % 251, dtype=np.uint8) for b in range(blocks)]
+        with PoolClient(master.grpc_address, transport, block_nbytes=layout.block_nbytes) as pc:
+            t0 = time.perf_counter()
+            for chain in chains:
+                pc.put_blocks(ns, None, chain, data)
+            publish_s = time.perf_counter() - t0
+        records = [
+            _phase(master.grpc_address, ns, chains, 1, duration_s / 2, unary),
+            _phase(master.grpc_address, ns, chains, clients, duration_s, unary),
+        ]
+    finally:
+        transport.close()
+        if store is not None:
+            store.kill()
+        master.kill()
+    main = records[-1]
+    summary = {
+        "match_per_s": main["match_per_s"],
+        "match_p50_ms": main["match_p50_ms"],
+        "match_p99_ms": main["match_p99_ms"],
+        "publish_per_s": round(prompts / publish_s, 2),
+        "publish_blocks_per_s": round(prompts * blocks / publish_s, 1),
+        "baseline_one_client_match_per_s": records[0]["match_per_s"],
+        "blocks_per_match": blocks,
+        "clients": clients,
+        "target": "match_per_s >= 3000 and match_p99_ms <= 10",
+    }
+    table = Table(title=f"kvpool bench master ({blocks}-block prompts)")
+    for col in ("clients", "mode", "matches", "match_per_s", "match_p50_ms", "match_p99_ms"):
+        table.add_column(col)
+    for r in records:
+        table.add_row(
+            *[
+                str(r[k])
+                for k in ("clients", "mode", "matches", "match_per_s", "match_p50_ms", "match_p99_ms")
+            ]
+        )
+    console = Console()
+    console.print(table)
+    console.print(
+        f"publish: {summary['publish_per_s']} prompts/s ({summary['publish_blocks_per_s']} blocks/s)"
+    )
+    return write_report(json_out, "master", records, summary)
