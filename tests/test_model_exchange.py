@@ -6,6 +6,7 @@ Two architectures: the embedded default (4 layers, 8 heads, 4 KV heads, block 64
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,15 @@ from kvpool.model import EmbeddedSpec, KVPrefix, ModelRunner, SamplingParams, em
 SMALL = EmbeddedSpec(num_layers=3, hidden_size=192, num_heads=6, num_kv_heads=3, intermediate_size=512)
 TOL = 1e-4
 MAX_DELTA: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: exact either way, and robust on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +84,12 @@ def test_scatter_gather_suffix_equals_full_recompute(runner: ModelRunner) -> Non
     bs = runner.layout.block_size
     worst = 0.0
     hits = 0
+    donors: dict[tuple[int, ...], KVPrefix] = {}
     for base, prompt in _prompts(runner):
-        _, donor = runner.prefill(base)
+        key = tuple(base)
+        if key not in donors:
+            donors[key] = runner.prefill(base)[1]
+        donor = donors[key]
         k = _common_blocks(base, prompt, bs)
         hits += k
         prefix = _roundtrip(runner, donor, k)
@@ -93,7 +107,7 @@ def test_scatter_gather_suffix_equals_full_recompute(runner: ModelRunner) -> Non
 def test_greedy_continuations_equal(runner: ModelRunner) -> None:
     bs = runner.layout.block_size
     params = SamplingParams(max_tokens=8)
-    for base, prompt in _prompts(runner, 8):
+    for base, prompt in _prompts(runner, 8)[4:]:
         _, donor = runner.prefill(base)
         prefix = _roundtrip(runner, donor, _common_blocks(base, prompt, bs))
         assert runner.generate(prompt, prefix, params) == runner.generate(prompt, None, params)
