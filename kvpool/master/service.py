@@ -137,7 +137,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             lease_ttl_ms=request.lease_ttl_ms,
             num_prompt_tokens=request.num_prompt_tokens,
         )
-        return match_response(res, nodes, request.request_id)
+        return match_response(res, nodes, request.request_id, request.lease_ttl_ms)
 
     @rpc_errors
     def MatchPrefix(
@@ -274,12 +274,14 @@ class MasterServicer(pb_grpc.MasterServicer):
         return pb.InvalidateNamespaceResponse()
 
 
-def match_response(res: MatchResult, nodes: Sequence[NodeRecord], request_id: str) -> pb.MatchPrefixResponse:
+def match_response(
+    res: MatchResult, nodes: Sequence[NodeRecord], request_id: str, lease_ttl_ms: int = 0
+) -> pb.MatchPrefixResponse:
     return pb.MatchPrefixResponse(
         num_matched=res.num_matched,
         replicas=[pb.BlockReplicas(locations=[_pb_loc(x) for x in locs]) for locs in res.locations],
         lease_id=res.lease_id or 0,
-        lease_ttl_ms=0,
+        lease_ttl_ms=lease_ttl_ms if res.lease_id else 0,
         nodes=[endpoint(n) for n in nodes],
         request_id=request_id,
     )
