@@ -9,7 +9,8 @@ stale references (leases, heap entries, reclamation work) can tell.
 Per row: parent, first_child, next_sibling, prev_sibling (int64), num_children, lock_ref, num_leases,
 ns_slot (int32), gen (uint32), hit_count (int64), last_access_ms (int64), decayed (float64: hits
 accumulated as sum of 2**((t - epoch)/half_life)), size_bytes (int64), recompute_cost_s (float32),
-heap_seq (int64: the sequence number of the row's current eviction-heap entry, -1 for none).
+heap_seq (int64: the sequence number of the row's current eviction-heap entry, -1 for none),
+stale_key (bool: accessed since that entry was pushed; re-keyed when popped).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Columns:
         self.recompute_cost_s = np.empty(0, np.float32)
         self.heap_seq = np.empty(0, np.int64)
         self.alive = np.empty(0, np.bool_)
+        self.stale_key = np.empty(0, np.bool_)
         self.hashes: list[BlockHash | None] = []
         self.locations: list[tuple[Location, ...]] = []
         self._free: list[int] = []
@@ -64,6 +66,7 @@ class Columns:
             "recompute_cost_s",
             "heap_seq",
             "alive",
+            "stale_key",
         ):
             column = getattr(self, name)
             grown = np.zeros(capacity, column.dtype)
@@ -92,6 +95,7 @@ class Columns:
         self.num_leases[row] = 0
         self.decayed[row] = 0.0
         self.heap_seq[row] = -1
+        self.stale_key[row] = False
         self.alive[row] = True
         self.num_alive += 1
         return row

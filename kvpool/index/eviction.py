@@ -1,7 +1,9 @@
 """Leaf-only eviction for `RadixIndex` (SGLang's heap over evictable leaves, with lazy invalidation).
 
 A heap entry `(key, last_access_ms, seq, row)` is valid while `heap_seq[row] == seq` and the row is still an evictable
-leaf (alive, no children, no lock, no live lease, namespace active). Evicting a leaf may turn its parent
+leaf (alive, no children, no lock, no live lease, namespace active). For policies whose key can only
+rise on access (`keys_rise_on_access`), a match marks the accessed leaf `stale_key` instead of pushing
+(one flag write on the hot path); a stale entry is re-pushed with its current key when popped. Evicting a leaf may turn its parent
 into one, which is pushed then, so the tree stays prefix-closed: after every eviction each resident
 block's parent is resident.
 
@@ -51,6 +53,9 @@ def _evict_leaves(index: RadixIndex, budget: int, node_id: str | None) -> list[D
         entry = heapq.heappop(heap)
         key, _, seq, row = entry
         if c.heap_seq[row] != seq or not index._evictable(row):
+            continue
+        if c.stale_key[row]:  # accessed since pushed: its key only rose; push it again with the new key
+            index._push(row)
             continue
         if node_id is not None:
             on_node = sum(1 for loc in c.locations[row] if loc.node_id == node_id)

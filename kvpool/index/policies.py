@@ -47,10 +47,12 @@ class EvictionPolicy(Protocol):
 
     `half_life_ms`: when not None the index tracks hits decayed with this half-life (`decayed_hits`).
     `key`: smaller is evicted first. `on_evict`: called once per block evicted by policy, with its key.
+    `keys_rise_on_access`: an access never lowers a block's key (lets the index re-key lazily).
     """
 
     name: str
     half_life_ms: float | None
+    keys_rise_on_access: bool
 
     def key(self, stats: BlockStats) -> float: ...
 
@@ -60,6 +62,7 @@ class EvictionPolicy(Protocol):
 class LRUPolicy:
     name = "lru"
     half_life_ms: float | None = None
+    keys_rise_on_access = True
 
     def key(self, stats: BlockStats) -> float:
         return float(stats.last_access_ms)
@@ -71,6 +74,7 @@ class LRUPolicy:
 class LFUPolicy:
     name = "lfu"
     half_life_ms: float | None = None
+    keys_rise_on_access = True
 
     def key(self, stats: BlockStats) -> float:
         return float(stats.hit_count)
@@ -93,6 +97,7 @@ class FrequencyWeightedLRUPolicy:
             )
         self.half_life_ms: float | None = half_life_ms
         self.boost_ms = boost_ms
+        self.keys_rise_on_access = boost_ms <= half_life_ms  # decay between accesses costs <= elapsed time
 
     def key(self, stats: BlockStats) -> float:
         return stats.last_access_ms + self.boost_ms * math.log2(1.0 + stats.decayed_hits)
@@ -106,6 +111,7 @@ class GDSFPolicy:
 
     name = "cost"
     half_life_ms: float | None = None
+    keys_rise_on_access = True
 
     def __init__(self) -> None:
         self.inflation = 0.0
@@ -124,6 +130,7 @@ class BeladyPolicy:
 
     name = "opt"
     half_life_ms: float | None = None
+    keys_rise_on_access = False
 
     def __init__(self) -> None:
         self._next_use: dict[BlockHash, float] = {}

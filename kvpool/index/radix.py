@@ -161,7 +161,10 @@ class RadixIndex:
                 expiry_ms = now + lease_ttl_ms
                 lease_id = self._leases.grant(expiry_ms, idx, c.gen[idx])
             elif c.num_children[rows[n - 1]] == 0:
-                self._push(rows[n - 1])  # type: ignore[arg-type]
+                if self.policy.keys_rise_on_access:
+                    c.stale_key[rows[n - 1]] = True  # re-keyed lazily when popped
+                else:
+                    self._push(rows[n - 1])  # type: ignore[arg-type]
         locs = c.locations
         return MatchResult(n, [locs[r] for r in rows[:n]], lease_id, expiry_ms)  # type: ignore[index]
 
@@ -460,6 +463,7 @@ class RadixIndex:
             return
         self._seq += 1
         self._c.heap_seq[row] = self._seq
+        self._c.stale_key[row] = False
         stats = self._stats(row)
         heapq.heappush(self._heap, (self.policy.key(stats), stats.last_access_ms, self._seq, row))
         if len(self._heap) > 2 * self._c.num_alive + 1024:
