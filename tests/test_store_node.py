@@ -34,6 +34,7 @@ from transfer import BlockRead, BlockWrite, UcxTransport, checksum, ucx_availabl
 LAYOUT = "kv1:float32:b16:l4:h2:d32"  # 32 KiB blocks
 NB = KVLayout.from_fingerprint(LAYOUT).block_nbytes
 NS = b"N" * 16
+MIB_LAYOUT = "kv1:float32:b64:l8:h4:d64"  # 1 MiB blocks
 
 
 def h(i: int) -> bytes:
@@ -50,7 +51,7 @@ class StoreProc:
     """A `kvpool store` child process; `info` is its KVPOOL_READY line."""
 
     def __init__(self, *args: str, ready_timeout_s: float = 30.0) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix="kvpool-store-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix="kvpool-store-", suffix=".log", delete=False)  # noqa: SIM115 - lives with the child
         env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpool.cli.main", "store", *args],
@@ -350,17 +351,17 @@ def test_copy_blocks_between_stores(store: StoreProc, transport: UcxTransport) -
 
 
 def test_memory_stays_within_segment_plus_overhead(transport: UcxTransport) -> None:
-    s = start_store(segment="128MiB")
+    layout, nb = MIB_LAYOUT, 1 << 20
+    s = start_store(segment="128MiB", layout=layout)
     try:
         proc = psutil.Process(s.proc.pid)
-        n = (128 << 20) // NB
-        data = rand_blocks(512, seed=9)
-        for start in range(0, n, 512):
-            put_blocks(s, transport, list(range(start, start + 512)), data)
+        data = rand_blocks(32, nb=nb, seed=9)
+        for start in range(0, 128, 32):
+            put_blocks(s, transport, list(range(start, start + 32)), data, nb=nb)
         rss_full = proc.memory_info().rss
         for _ in range(3):
-            for start in range(0, n, 1024):
-                res, _ = read(transport, s, list(range(start, start + 1024)))
+            for start in range(0, 128, 64):
+                res, _ = read(transport, s, list(range(start, start + 64)), nb=nb)
                 assert all(r.ok for r in res)
         rss_after = proc.memory_info().rss
         assert rss_full < (128 << 20) + (400 << 20), rss_full

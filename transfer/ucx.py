@@ -58,6 +58,7 @@ UCX_ENV_DEFAULTS = {
 MAX_BLOCKS_PER_MESSAGE = 4096
 """A server refuses a message naming more blocks than this (clients split batches far below it)."""
 _INDEX_BITS = 20
+_ABORT_PERIOD_NS = 100_000_000  # an abort waits at most this long for UCX (it runs on the loop thread)
 T = TypeVar("T")
 
 
@@ -193,7 +194,7 @@ class UcxBlockServer:
             self._listener = None
         for ep in list(self._endpoints):
             with contextlib.suppress(Exception):
-                ep.abort()
+                ep.abort(period=_ABORT_PERIOD_NS)
         self._endpoints.clear()
 
     async def _on_connect(self, ep: Any) -> None:
@@ -217,7 +218,7 @@ class UcxBlockServer:
         finally:
             self._endpoints.discard(ep)
             with contextlib.suppress(Exception):
-                ep.abort()
+                ep.abort(period=_ABORT_PERIOD_NS)
 
     async def _serve(self, ep: Any, op: str, rid: int, msg: dict[str, Any]) -> None:
         try:
@@ -234,7 +235,7 @@ class UcxBlockServer:
         except Exception as exc:  # noqa: BLE001 - one bad request never stops the server
             log.debug("transfer request %d (%s) failed: %s", rid, op, _err(exc))
             with contextlib.suppress(Exception):
-                ep.abort()
+                ep.abort(period=_ABORT_PERIOD_NS)
 
     def _check_batch(self, blocks: Any, width: int) -> str:
         if not isinstance(blocks, list) or len(blocks) > MAX_BLOCKS_PER_MESSAGE:
@@ -275,7 +276,7 @@ class UcxBlockServer:
             try:
                 await asyncio.wait_for(asyncio.gather(*sends), self._send_timeout_s)
             except BaseException:
-                ep.abort()  # no UCX request may still read a slot once we end the read
+                ep.abort(period=_ABORT_PERIOD_NS)  # no UCX request may still read a slot once we end the read
                 raise
         finally:
             self.inflight -= len(began)
@@ -315,7 +316,7 @@ class UcxBlockServer:
                     asyncio.gather(*recvs, return_exceptions=True), self._send_timeout_s
                 )
             except BaseException:
-                ep.abort()
+                ep.abort(period=_ABORT_PERIOD_NS)
                 raise
             landed = [d is not False and not isinstance(d, BaseException) for d in done]
         finally:
@@ -390,7 +391,7 @@ class _Conn:
         self._fail(TransferError("connection aborted"))
         self._reader.cancel()
         with contextlib.suppress(Exception):
-            self.ep.abort()
+            self.ep.abort(period=_ABORT_PERIOD_NS)
 
 
 class _Peer:

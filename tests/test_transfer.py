@@ -1,0 +1,226 @@
+"""UCX transport: in-process server round trip and checksum checks; dead and stalled peers (real processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from tests.test_store_node import (
+    MIB_LAYOUT,
+    NS,
+    StoreProc,
+    h,
+    put_blocks,
+    rand_blocks,
+    read,
+    require_ucx,
+    start_store,
+)
+from transfer import BlockRead, BlockWrite, UcxBlockServer, UcxTransport, checksum
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def transport() -> Iterator[UcxTransport]:
+    require_ucx()
+    t = UcxTransport(blocks_per_message=16)
+    yield t
+    t.close()
+
+
+def test_env_defaults_documented_and_set() -> None:
+    require_ucx()
+    assert os.environ["UCX_MM_ERROR_HANDLING"] == "y"
+    assert os.environ["UCXPY_PROGRESS_MODE"] == "blocking"
+    assert "tcp" in os.environ.get("UCX_TLS", "tcp")
+
+
+def _fill(s: StoreProc, t: UcxTransport, n: int) -> np.ndarray:
+    data = rand_blocks(n, nb=MIB, seed=12)
+    for start in range(0, n, 32):
+        put_blocks(s, t, list(range(start, min(n, start + 32))), data[start : start + 32], nb=MIB)
+    return data
+
+
+def test_kill_9_peer_mid_batch_fails_every_block_within_deadline(transport: UcxTransport) -> None:
+    live = start_store("--node-id", "live", segment="8MiB", layout=MIB_LAYOUT)
+    doomed = start_store("--node-id", "doomed", segment="64MiB", layout=MIB_LAYOUT)
+    try:
+        live_data = _fill(live, transport, 4)
+        _fill(doomed, transport, 64)
+        os.kill(doomed.proc.pid, signal.SIGSTOP)  # the batch starts against a peer that never answers...
+        threading.Timer(0.3, lambda: os.kill(doomed.proc.pid, signal.SIGKILL)).start()  # ...then dies
+        t0 = time.monotonic()
+        res, _ = read(transport, doomed, list(range(64)), nb=MIB, timeout_s=5.0)
+        elapsed = time.monotonic() - t0
+        assert [r.ok for r in res] == [False] * 64
+        assert all("failed" in r.error or "lost" in r.error for r in res), res[0].error
+        assert elapsed < 5.0 + 1.0, elapsed
+        # the transport stays healthy: a live peer works, the dead one fails fast
+        res, out = read(transport, live, list(range(4)), nb=MIB)
+        assert all(r.ok for r in res) and np.array_equal(out, live_data)
+        t0 = time.monotonic()
+        res, _ = read(transport, doomed, [0], nb=MIB, timeout_s=3.0)
+        assert not res[0].ok and time.monotonic() - t0 < 4.0
+    finally:
+        doomed.kill()
+        live.kill()
+
+
+def test_peer_killed_while_bytes_flow(transport: UcxTransport) -> None:
+    s = start_store(segment="128MiB", layout=MIB_LAYOUT)
+    try:
+        data = _fill(s, transport, 128)
+        threading.Timer(0.05, lambda: os.kill(s.proc.pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        res, out = read(transport, s, list(range(128)) * 2, nb=MIB, timeout_s=5.0)
+        assert time.monotonic() - t0 < 6.0
+        assert not all(r.ok for r in res)
+        for i, r in enumerate(res):  # whatever did arrive is exact; the rest failed explicitly
+            if r.ok:
+                assert np.array_equal(out[i], data[i % 128])
+            else:
+                assert r.error
+    finally:
+        s.kill()
+
+
+_STALL_SCRIPT = """
+import os, signal, sys, time
+from tests.test_store_node import start_store, read, MIB_LAYOUT
+from tests.test_transfer import _fill, MIB
+from transfer import UcxTransport
+t = UcxTransport(blocks_per_message=16)
+s = start_store(segment="8MiB", layout=MIB_LAYOUT)
+try:
+    _fill(s, t, 4)
+    os.kill(s.proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    res, _ = read(t, s, list(range(4)), nb=MIB, timeout_s=1.0)
+    print("STALL", [r.ok for r in res] == [False] * 4 and "deadline" in res[0].error, time.monotonic() - t0)
+    os.kill(s.proc.pid, signal.SIGCONT)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < float(sys.argv[1]):
+        res, _ = read(t, s, [0], nb=MIB, timeout_s=2.0)
+        if res[0].ok:
+            break
+    print("RECOVERED", res[0].ok, time.monotonic() - t0)
+finally:
+    s.kill()
+"""
+
+
+def _run_stall(recover_s: float) -> dict[str, tuple[bool, float]]:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _STALL_SCRIPT, str(recover_s)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {
+        w[0]: (w[1] == "True", float(w[2]))
+        for w in (line.split() for line in out.stdout.splitlines())
+        if len(w) == 3
+    }
+
+
+def test_stalled_peer_fails_within_deadline() -> None:
+    """In a child process: a SIGSTOPped peer makes every block fail within the deadline, no hang."""
+    require_ucx()
+    r = _run_stall(0.0)
+    ok, elapsed = r["STALL"]
+    assert ok and elapsed < 2.5, r
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    reason="known issue: after aborting endpoints to a stalled peer, this UCX worker opens new endpoints slowly for tens of seconds",
+    strict=False,
+)
+def test_stalled_peer_recovers_after_resume() -> None:
+    require_ucx()
+    r = _run_stall(20.0)
+    assert r["RECOVERED"][0], r
+
+
+def test_in_process_server_round_trip_and_flipped_byte(transport: UcxTransport) -> None:
+    from kvpool.store import Segment, SlotTable
+    from kvpool.store.slots import Reservation
+
+    nb = 64 * 1024
+    table = SlotTable(Segment(64 * nb, nb, pin_memory="off"))
+    server = UcxBlockServer(table)
+    peer = f"127.0.0.1:{server.start()}"
+    try:
+        data = rand_blocks(64, nb=nb, seed=11)
+        table.reserve([Reservation(i, 1, NS, h(i)) for i in range(64)], 10_000)
+        res = transport.write_blocks(
+            peer, [BlockWrite(i, 1, data[i], checksum(data[i])) for i in range(64)], timeout_s=10
+        )
+        assert all(r.ok for r in res)
+        assert all(e == "" for _, _, e in table.commit([(i, 1) for i in range(64)]))
+        out = np.zeros_like(data)
+        res = transport.read_blocks(
+            peer, [BlockRead(i, 1, nb) for i in range(64)], [memoryview(o) for o in out], timeout_s=10
+        )
+        assert all(r.ok for r in res) and np.array_equal(out, data)
+        table.segment.array[5 * nb + 17] ^= 0x01  # flip one byte of block 5 in the segment
+        res = transport.read_blocks(
+            peer, [BlockRead(i, 1, nb) for i in range(64)], [memoryview(o) for o in out], timeout_s=10
+        )
+        assert [i for i, r in enumerate(res) if not r.ok] == [5]
+        assert "checksum mismatch" in res[5].error
+        est = transport.link(peer)
+        assert est.alpha_s > 0 and est.beta_bytes_per_s > 0 and est.predict_s(MIB) > est.alpha_s
+        # a read-only or wrong-sized output buffer fails that block only
+        res = transport.read_blocks(
+            peer,
+            [BlockRead(0, 1, nb), BlockRead(1, 1, nb)],
+            [memoryview(bytes(nb)), memoryview(out[1])],
+            timeout_s=10,
+        )
+        assert [r.ok for r in res] == [False, True]
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tls", ["tcp", "all"])
+def test_throughput_256_x_1mib_reads(tls: str) -> None:
+    """Prints GB/s for 256 x 1 MiB reads from a store process (tcp only, or every transport incl. shm)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, time, numpy as np
+os.environ["UCX_TLS"] = {tls!r}
+from tests.test_store_node import start_store, put_blocks, read, rand_blocks, MIB_LAYOUT
+from transfer import UcxTransport
+s = start_store(segment="256MiB", layout=MIB_LAYOUT)
+t = UcxTransport()
+data = rand_blocks(32, nb=1 << 20)
+for st in range(0, 256, 32):
+    put_blocks(s, t, list(range(st, st + 32)), data, nb=1 << 20)
+best = 0.0
+for _ in range(5):
+    t0 = time.perf_counter(); res, _ = read(t, s, list(range(256)), nb=1 << 20); dt = time.perf_counter() - t0
+    assert all(r.ok for r in res); best = max(best, 256 * (1 << 20) / dt / 1e9)
+print(f"UCX_TLS={tls}: 256 x 1 MiB reads best {{best:.2f}} GB/s; link {{t.link(s.data_address)}}")
+s.kill(); t.close()
+"""
+    env = dict(os.environ, UCX_TLS=tls)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    print(out.stdout)
