@@ -110,9 +110,8 @@ class PrefillService(pb_grpc.PrefillServicer):
         t0 = time.perf_counter()
         try:
             blocks = rt.runner.blocks_from_prefix(full, start, len(hashes))
-            cost = [
-                rt.recompute.block_cost_s(i, rt.runner.layout.block_size) for i in range(start, len(hashes))
-            ]
+            bs = rt.runner.layout.block_size
+            cost = [rt.recompute.t_recompute_s(bs, i * bs) for i in range(start, len(hashes))]
             committed, existing = rt.connector.publish(
                 ns, hashes, blocks, start_block=start, recompute_cost_s=cost, request_id=rid
             )

@@ -62,11 +62,11 @@ def run_ttft(
                     prompt, sampling=sampling, use_cache=False, publish=False, request_id=f"cold{i}"
                 )
                 warm = orch.run(prompt, sampling=sampling, publish=False, request_id=f"warm{i}")
-                for kind, r in (("cold", cold), ("warm", warm)):
-                    p = r.prefill
+                for kind, res in (("cold", cold), ("warm", warm)):
+                    p = res.prefill
                     records.append({
                         "kind": kind, "prompt_tokens": len(prompt), "reused_tokens": p["num_reused_tokens"],
-                        "ttft_s": r.ttft_s, "node_ttft_s": p["ttft_s"], "match_s": p["match_s"], "pull_s": p["pull_s"],
+                        "ttft_s": res.ttft_s, "node_ttft_s": p["ttft_s"], "match_s": p["match_s"], "pull_s": p["pull_s"],
                         "compute_s": p["compute_s"], "pulled_bytes": p["pulled_bytes"], "decision": p["decision"],
                         "predicted_pull_s": p["predicted_pull_s"], "predicted_recompute_s": p["predicted_recompute_s"],
                     })  # fmt: skip

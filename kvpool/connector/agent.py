@@ -53,16 +53,19 @@ class NodeAgent:
         self._thread: threading.Thread | None = None
 
     def register(self) -> None:
+        from kvpool.client import NodeInfo
+        from kvpool.rpc import PROTOCOL_VERSION
+
+        node = NodeInfo(self.node_id, self.role, self.grpc_address, "", self.epoch)
         resp = self.master.register_node(
-            node_id=self.node_id, role=self.role, grpc_address=self.grpc_address, data_address="",
-            epoch=self.epoch, layout_fingerprint=self.layout_fingerprint,
-        )  # fmt: skip
+            node, protocol_version=PROTOCOL_VERSION, layout_fingerprint=self.layout_fingerprint
+        )
         interval_ms = getattr(resp, "heartbeat_interval_ms", 0) or 1000
         self.heartbeat_interval_s = interval_ms / 1000.0
         with self._lock:
             namespaces = list(self._namespaces.values())
         for ns in namespaces:
-            self.master.register_namespace(ns)
+            self._register_namespace(ns)
 
     def namespace(self, ns: Namespace) -> NamespaceId:
         """Register `ns` with the master once; return its digest (checked against the master's)."""
@@ -70,12 +73,20 @@ class NodeAgent:
         with self._lock:
             known = digest in self._namespaces
         if not known:
-            remote = self.master.register_namespace(ns)
+            remote = self._register_namespace(ns)
             if remote != digest:
                 raise RuntimeError("the master computed another namespace digest: hashing versions differ")
             with self._lock:
                 self._namespaces[digest] = ns
         return digest
+
+    def _register_namespace(self, ns: Namespace) -> bytes:
+        extra = dict(ns.extra) if ns.extra else None
+        digest, _active = self.master.register_namespace(
+            ns.model_id, ns.weights_version, ns.layout.fingerprint(), cache_salt=ns.cache_salt,
+            adapter_digest=ns.adapter_digest, extra=extra,
+        )  # fmt: skip
+        return bytes(digest)
 
     def forget_namespaces(self) -> None:
         with self._lock:
@@ -94,7 +105,9 @@ class NodeAgent:
     def _run(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_s):
             try:
-                load = self.load_fn() if self.load_fn else {}
+                from kvpool.client import NodeLoad
+
+                load = NodeLoad(**self.load_fn()) if self.load_fn else None
                 known = self.master.heartbeat(self.node_id, self.epoch, load=load)
                 if not known:
                     log.warning("master does not know %s (restarted?): re-registering", self.node_id)

@@ -26,8 +26,8 @@ import numpy as np
 
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.pull import pull_blocks
-from kvpool.cost import LinkEstimate, RecomputeModel, decide_reuse
-from kvpool.types import BlockHash, NamespaceId
+from kvpool.cost import LOCAL_LINK, LinkEstimate, RecomputeModel, decide_reuse
+from kvpool.errors import TransferError
 
 log = logging.getLogger(__name__)
 
@@ -111,17 +111,21 @@ class KVConnector:
 
     def link_to_pool(self, addresses: Sequence[str]) -> LinkEstimate | None:
         """The slowest calibrated link among the stores we would pull from (conservative)."""
-        links = [self.transport.link(a) for a in set(addresses)]
-        links = [lk for lk in links if lk is not None]
+        links = []
+        for address in set(addresses):
+            try:
+                links.append(self.transport.link(address))
+            except Exception as exc:  # noqa: BLE001 - an unreachable store: no link estimate
+                log.debug("no link estimate for %s: %s", address, exc)
         if not links:
             return None
         return min(links, key=lambda lk: lk.beta_bytes_per_s)
 
     def load_prefix(
         self,
-        ns: NamespaceId,
+        ns: bytes,
         tokens: Sequence[int],
-        hashes: Sequence[BlockHash],
+        hashes: Sequence[bytes],
         *,
         count_hit: bool,
         request_id: str = "",
@@ -163,8 +167,8 @@ class KVConnector:
 
     def _load(
         self,
-        ns: NamespaceId,
-        candidates: list[BlockHash],
+        ns: bytes,
+        candidates: list[bytes],
         match: Any,
         num_pool: int,
         num_local: int,
@@ -175,17 +179,17 @@ class KVConnector:
         num_hit = max(num_pool, num_local)
         if num_hit == 0:
             return
-        addresses = [match.data_addresses[loc.node_id] for reps in match.replicas for loc in reps
-                     if not loc.local and loc.node_id in match.data_addresses] if match else []  # fmt: skip
+        addresses = [match.data_address(loc.node_id) for reps in match.replicas for loc in reps
+                     if not loc.local and match.data_address(loc.node_id)] if match else []  # fmt: skip
         link = self.link_to_pool(addresses) if num_pool > num_local else None
         decision = decide_reuse(
-            num_hit_blocks=num_hit,
+            num_hit,
+            self.block_size,
+            stats.num_prompt_tokens,
+            self.block_nbytes,
+            link if link is not None else LOCAL_LINK,
+            self.recompute,
             num_local_blocks=num_local,
-            block_size=self.block_size,
-            prompt_len=stats.num_prompt_tokens,
-            block_nbytes=self.block_nbytes,
-            link=link,
-            recompute=self.recompute,
             margin=self.margin,
         )
         stats.predicted_pull_s = decision.predicted_load_s
@@ -207,8 +211,9 @@ class KVConnector:
             stats.decision = "pull"
             t0 = time.perf_counter()
             start = len(out.blocks)
+            addrs = {node_id: info.data_address for node_id, info in match.nodes.items() if info.data_address}
             pulled, failed = pull_blocks(
-                self.transport, self.master, ns, candidates, match.replicas, match.data_addresses,
+                self.transport, self.master, ns, candidates, match.replicas, addrs,
                 start=start, end=min(k, num_pool), block_nbytes=self.block_nbytes,
                 timeout_s=self.pull_timeout_s, request_id=request_id,
             )  # fmt: skip
@@ -222,8 +227,8 @@ class KVConnector:
 
     def publish(
         self,
-        ns: NamespaceId,
-        hashes: Sequence[BlockHash],
+        ns: bytes,
+        hashes: Sequence[bytes],
         blocks: Sequence[np.ndarray],
         *,
         start_block: int,
@@ -240,10 +245,13 @@ class KVConnector:
         if not blocks:
             return 0, 0
         parent = hashes[start_block - 1] if start_block > 0 else None
-        return self.pool.put_blocks(
+        result = self.pool.put_blocks(
             ns, parent, list(hashes[start_block : start_block + len(blocks)]), list(blocks),
-            num_replicas=self.num_replicas, recompute_cost_s=recompute_cost_s, request_id=request_id,
+            num_replicas=self.num_replicas, recompute_cost_s=list(recompute_cost_s or ()), writer_node_id=self.node_id,
         )  # fmt: skip
+        if result.num_failed:
+            raise TransferError(f"{result.num_failed} of {len(blocks)} blocks could not be written")
+        return result.num_committed, result.num_existing
 
     def report_local_events(self, epoch: int) -> None:
         """Send queued local-tier stored/removed events to the master (best effort)."""

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
-
-from kvpool.types import BlockHash, NamespaceId
 
 _Key = tuple[bytes, bytes]
 
@@ -42,7 +41,7 @@ class LocalTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def leading_run(self, ns: NamespaceId, hashes: list[BlockHash]) -> int:
+    def leading_run(self, ns: bytes, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of `hashes` are resident (does not touch recency)."""
         with self._lock:
             n = 0
@@ -52,7 +51,7 @@ class LocalTier:
                 n += 1
             return n
 
-    def get(self, ns: NamespaceId, block_hash: BlockHash) -> np.ndarray | None:
+    def get(self, ns: bytes, block_hash: bytes) -> np.ndarray | None:
         with self._lock:
             self.num_lookups += 1
             value = self._blocks.get((ns, block_hash))
@@ -61,7 +60,7 @@ class LocalTier:
                 self.num_hits += 1
             return value
 
-    def put(self, ns: NamespaceId, block_hash: BlockHash, data: np.ndarray) -> None:
+    def put(self, ns: bytes, block_hash: bytes, data: np.ndarray) -> None:
         """Store a copy of `data` (uint8, block_nbytes); evicts least recently used blocks to fit."""
         if self.capacity_bytes == 0 or data.nbytes > self.capacity_bytes:
             return

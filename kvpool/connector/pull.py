@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.types import BlockHash, Location, NamespaceId
+from kvpool.types import Location
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,8 @@ def _pick(replicas: Sequence[Location], addresses: dict[str, str], skip: set[Loc
 def pull_blocks(
     transport: Any,
     master: Any,
-    ns: NamespaceId,
-    hashes: Sequence[BlockHash],
+    ns: bytes,
+    hashes: Sequence[bytes],
     replicas: Sequence[Sequence[Location]],
     addresses: dict[str, str],
     *,
@@ -69,7 +69,7 @@ def pull_blocks(
             reads = [
                 BlockRead(slot=loc.slot, generation=loc.generation, nbytes=block_nbytes) for _, loc in items
             ]
-            outs = [memoryview(buffers[i]) for i, _ in items]
+            outs = [memoryview(buffers[i].data) for i, _ in items]
             try:
                 results = transport.read_blocks(peer, reads, outs, timeout_s=timeout_s)
             except Exception as exc:  # noqa: BLE001 - a failed batch is a failed block each

@@ -73,7 +73,7 @@ class NodeRuntime:
         recompute = calibrate_recompute(runner)
         master = MasterClient(settings.master)
         transport = UcxTransport()
-        pool = PoolClient(master, transport)
+        pool = PoolClient(settings.master, transport, block_nbytes=runner.layout.block_nbytes)
         connector = KVConnector(
             master=master,
             pool=pool,
@@ -113,7 +113,9 @@ class NodeRuntime:
 
     def load_info(self) -> dict[str, Any]:
         """Calibration figures for heartbeats (`NodeLoad` fields)."""
-        return self.recompute.as_load() if hasattr(self.recompute, "as_load") else {}
+        r = self.recompute
+        return {"recompute_s_per_token": r.per_token_s, "recompute_s_per_token_ctx": r.per_pair_s,
+                "recompute_overhead_s": r.overhead_s}  # fmt: skip
 
     def close(self) -> None:
         if self.agent is not None:
@@ -122,3 +124,4 @@ class NodeRuntime:
             self.transport.close()
         finally:
             self.master.close()
+            self.pool.close()
