@@ -24,7 +24,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check kvpool transfer prefill_node decode_node tests scripts
 	$(BIN)/ruff format --check kvpool transfer prefill_node decode_node tests scripts
-	$(BIN)/mypy kvpool transfer
+	$(BIN)/mypy kvpool transfer prefill_node decode_node
 
 test: lint
 	$(BIN)/python -m pytest -q -m 'not slow'

@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.connector.breaker import PoolBreaker
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.pull import pull_blocks
 from kvpool.cost import LOCAL_LINK, LinkEstimate, RecomputeModel, decide_reuse
-from kvpool.errors import TransferError
+from kvpool.errors import DeadlineExceeded, TransferError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class KVConnector:
         lease_ttl_ms: int = 10_000,
         pull_timeout_s: float = 10.0,
         margin: float = 0.1,
+        breaker: PoolBreaker | None = None,
     ) -> None:
         self.master = master
         self.pool = pool
@@ -104,6 +106,7 @@ class KVConnector:
         self.lease_ttl_ms = lease_ttl_ms
         self.pull_timeout_s = pull_timeout_s
         self.margin = margin
+        self.breaker = breaker or PoolBreaker()
 
     def max_reusable_blocks(self, num_tokens: int) -> int:
         """Blocks that may be reused for a prompt of `num_tokens`: the last token is always computed."""
@@ -140,15 +143,19 @@ class KVConnector:
             return out
         candidates = list(hashes[:max_blocks])
         t0 = time.perf_counter()
-        try:
-            match = self.master.match(
-                ns, candidates, count_hit=count_hit, lease_ttl_ms=self.lease_ttl_ms,
-                num_prompt_tokens=len(tokens), request_id=request_id,
-            )  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 - the master being down means recompute, not failure
-            log.warning("[%s] match failed, recomputing: %s", request_id, exc)
-            stats.match_s = time.perf_counter() - t0
-            match = None
+        match = None
+        if self.breaker.allow():
+            try:
+                match = self.master.match(
+                    ns, candidates, count_hit=count_hit, lease_ttl_ms=self.lease_ttl_ms,
+                    num_prompt_tokens=len(tokens), request_id=request_id,
+                )  # fmt: skip
+                self.breaker.record(True)
+            except Exception as exc:  # noqa: BLE001 - the master being down means recompute, not failure
+                self.breaker.record(False)
+                log.warning("[%s] match failed, recomputing: %s", request_id, exc)
+        else:
+            stats.decision = "degraded"
         stats.match_s = time.perf_counter() - t0
         num_pool = match.num_matched if match is not None else 0
         stats.num_pool_blocks = num_pool
@@ -219,6 +226,7 @@ class KVConnector:
             )  # fmt: skip
             stats.pull_s = time.perf_counter() - t0
             stats.num_failed_blocks = failed
+            self.breaker.record(bool(pulled) or failed == 0)
             out.blocks.extend(pulled)
             stats.num_pulled_tokens = len(pulled) * self.block_size
             stats.pulled_bytes = sum(b.nbytes for b in pulled)
@@ -244,11 +252,19 @@ class KVConnector:
             self.local_tier.put(ns, hashes[start_block + i], block)
         if not blocks:
             return 0, 0
+        if not self.breaker.allow():
+            raise Unavailable("pool unreachable (degraded mode): not publishing")
         parent = hashes[start_block - 1] if start_block > 0 else None
-        result = self.pool.put_blocks(
-            ns, parent, list(hashes[start_block : start_block + len(blocks)]), list(blocks),
-            num_replicas=self.num_replicas, recompute_cost_s=list(recompute_cost_s or ()), writer_node_id=self.node_id,
-        )  # fmt: skip
+        try:
+            result = self.pool.put_blocks(
+                ns, parent, list(hashes[start_block : start_block + len(blocks)]), list(blocks),
+                num_replicas=self.num_replicas, recompute_cost_s=list(recompute_cost_s or ()),
+                writer_node_id=self.node_id,
+            )  # fmt: skip
+        except (Unavailable, DeadlineExceeded):
+            self.breaker.record(False)
+            raise
+        self.breaker.record(True)
         if result.num_failed:
             raise TransferError(f"{result.num_failed} of {len(blocks)} blocks could not be written")
         return result.num_committed, result.num_existing

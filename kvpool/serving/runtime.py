@@ -71,7 +71,7 @@ class NodeRuntime:
         if runner.synthetic:
             log.info("model %s: SYNTHETIC weights (embedded demo model, random but fixed)", runner.model_id)
         recompute = calibrate_recompute(runner)
-        master = MasterClient(settings.master)
+        master = MasterClient(settings.master, timeout_s=2.0)
         transport = UcxTransport()
         pool = PoolClient(settings.master, transport, block_nbytes=runner.layout.block_nbytes)
         connector = KVConnector(

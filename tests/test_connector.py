@@ -1,0 +1,134 @@
+"""The connector's decisions without a cluster: degraded mode (B19), local tier, reuse limits (B06)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool.connector.breaker import PoolBreaker
+from kvpool.connector.connector import KVConnector
+from kvpool.connector.local_tier import LocalTier
+from kvpool.cost import RecomputeModel
+from kvpool.errors import Unavailable
+
+BLOCK, NBYTES = 4, 64
+NS = b"n" * 16
+
+
+class DownMaster:
+    """A master that refuses every call, counting them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def match(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        raise Unavailable("connection refused")
+
+    def release_lease(self, lease_id: int) -> None:
+        self.calls += 1
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(master: Any, *, breaker: PoolBreaker | None = None, tier_bytes: int = 0) -> KVConnector:
+    return KVConnector(
+        master=master, pool=None, transport=None, node_id="n1", block_size=BLOCK, block_nbytes=NBYTES,
+        recompute=RecomputeModel(overhead_s=0.001, per_token_s=1e-4, per_pair_s=0.0),
+        local_tier=LocalTier(tier_bytes), breaker=breaker,
+    )  # fmt: skip
+
+
+def test_pool_down_degrades_then_probe_restores_b19() -> None:
+    clock = Clock()
+    master = DownMaster()
+    conn = make(master, breaker=PoolBreaker(max_failures=3, probe_interval_s=5.0, clock=clock))
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    tokens = list(range(17))
+    for _ in range(3):  # each request still completes: a miss, then recompute
+        assert conn.load_prefix(NS, tokens, hashes, count_hit=True).stats.num_reused_tokens == 0
+    assert master.calls == 3 and conn.breaker.degraded
+    for _ in range(10):  # degraded: 0 remote calls per request
+        out = conn.load_prefix(NS, tokens, hashes, count_hit=True)
+        assert out.stats.decision == "degraded"
+    assert master.calls == 3
+    clock.now = 5.0  # one probe per interval
+    conn.load_prefix(NS, tokens, hashes, count_hit=True)
+    conn.load_prefix(NS, tokens, hashes, count_hit=True)
+    assert master.calls == 4
+    conn.master = _UpMaster()
+    clock.now = 10.0
+    conn.load_prefix(NS, tokens, hashes, count_hit=True)
+    assert not conn.breaker.degraded
+
+
+class _UpMaster:
+    def match(self, ns: bytes, hashes: list[bytes], **kwargs: Any) -> Any:
+        from kvpool.client import Match
+
+        return Match(num_matched=0, replicas=[], lease_id=None, nodes={})
+
+    def release_lease(self, lease_id: int) -> None:
+        pass
+
+
+def test_refused_master_is_a_fast_miss_b19() -> None:
+    from kvpool.client import MasterClient
+
+    with socket.socket() as s:  # a port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    master = MasterClient(f"127.0.0.1:{port}", timeout_s=1.0)
+    try:
+        conn = make(master)
+        t0 = time.perf_counter()
+        out = conn.load_prefix(NS, list(range(17)), [bytes([i]) * 16 for i in range(4)], count_hit=True)
+        assert out.stats.num_reused_tokens == 0
+        assert time.perf_counter() - t0 < 1.5  # bounded by the deadline, never a hang
+    finally:
+        master.close()
+
+
+def test_full_prompt_reuses_all_but_the_last_token_b06() -> None:
+    conn = make(DownMaster())
+    assert conn.max_reusable_blocks(8) == 1  # 2 full blocks: the last token is recomputed
+    assert conn.max_reusable_blocks(9) == 2
+    assert conn.max_reusable_blocks(3) == 0
+
+
+def test_local_tier_serves_leading_run_without_the_pool() -> None:
+    master = DownMaster()
+    conn = make(master, breaker=PoolBreaker(max_failures=1, probe_interval_s=60), tier_bytes=10 * NBYTES)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    for h in hashes[:3]:
+        conn.local_tier.put(NS, h, np.full(NBYTES, h[0], dtype=np.uint8))
+    conn.load_prefix(NS, list(range(17)), hashes, count_hit=True)  # trips the breaker
+    calls = master.calls
+    out = conn.load_prefix(NS, list(range(17)), hashes, count_hit=True)
+    assert master.calls == calls  # degraded: no pool call, yet the node-local tier still serves
+    assert out.stats.num_local_tokens == 3 * BLOCK
+    assert [b[0] for b in out.blocks] == [0, 1, 2]
+
+
+def test_local_tier_is_namespaced_and_bounded() -> None:
+    tier = LocalTier(2 * NBYTES)
+    a, b = b"a" * 16, b"b" * 16
+    tier.put(NS, a, np.zeros(NBYTES, dtype=np.uint8))
+    assert tier.get(b"x" * 16, a) is None  # another namespace (tenant, version) never sees it
+    tier.put(NS, b, np.zeros(NBYTES, dtype=np.uint8))
+    tier.put(NS, b"c" * 16, np.zeros(NBYTES, dtype=np.uint8))
+    assert tier.used_bytes == 2 * NBYTES and tier.get(NS, a) is None
+    block = tier.get(NS, b)
+    assert block is not None and not block.flags.writeable
+    with pytest.raises(ValueError):
+        LocalTier(-1)
