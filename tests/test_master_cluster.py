@@ -184,3 +184,20 @@ def test_admin_invalidate_and_drain_and_failures(cluster) -> None:
     assert runner.invoke(app, [*base, "evict", "--fraction", "2"]).exit_code == 1
     down = runner.invoke(app, ["admin", "--master", "127.0.0.1:1", "--timeout", "0.5", "status"])
     assert down.exit_code == 1 and "Traceback" not in down.output
+
+
+def test_reserve_pins_the_parent_until_commit(cluster, transport) -> None:
+    """Making room (or an admin evict) between Reserve and Commit never evicts the chain's parent."""
+    master, _ = cluster
+    with MasterClient(master.grpc_address) as c:
+        ns, _ = c.register_namespace("pin", "v1", LAYOUT)
+        hashes = hash_blocks(ns, list(range(64 * 3)), LAY.block_size)
+        data = blocks_for(3, 7)
+        with PoolClient(master.grpc_address, transport, block_nbytes=LAY.block_nbytes) as pool:
+            assert pool.put_blocks(ns, None, hashes[:2], data[:2]).num_committed == 2
+        res = c.reserve(ns, hashes[1], hashes[2:], block_nbytes=LAY.block_nbytes)
+        c.evict(1.0)  # every unpinned leaf goes: the parent chain stays pinned by the reservation
+        assert c.match(ns, hashes[:2]).num_matched == 2
+        c.abort(res.reservation_id)
+        c.evict(1.0)  # released: now the chain is evictable
+        assert c.match(ns, hashes[:2]).num_matched == 0

@@ -8,6 +8,7 @@ master evicts on them (and waits for the stores' free acknowledgements) before a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import OrderedDict
@@ -50,6 +51,14 @@ class Reservation:
     expiry_ms: int
     committing: bool = False
     aborted: bool = False
+    parent_locked: bool = False  # the parent chain is pinned (lock_ref) until the reservation ends
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    r: Reservation
+    present: list[bool]
+    k: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,39 +122,81 @@ class Publisher:
         write_lease_ms = write_lease_ms or s.default_write_lease_ms
         if not 0 < write_lease_ms <= s.max_write_lease_ms:
             raise InvalidArgument(f"write_lease_ms must be in (0, {s.max_write_lease_ms}]")
+        placed: _Placed | None = None
         for attempt in range(2):
             with m.lock:
                 self._check_ns(ns)
                 if parent and m.index.lookup(NamespaceId(ns), BlockHash(parent)) is None:
                     raise NotFound(f"parent block {parent.hex()} is not in the pool")
-                present = [m.index.lookup(NamespaceId(ns), BlockHash(h)) is not None for h in hashes]
-                num_new = len(hashes) - sum(present)
-                if num_new == 0:
-                    return ReserveOutcome(
-                        0, list(hashes), present, [[] for _ in hashes], write_lease_ms, [], 0
+                # pin the parent chain so that making room below cannot evict it before the commit
+                locked = self._lock_parent(ns, parent)
+                try:
+                    step = self._reserve_locked(
+                        ns, parent, hashes, costs, write_lease_ms, num_replicas, attempt
                     )
-                nodes = [n for n in m.st.nodes.values() if n.placeable]
-                k = min(num_replicas, len(nodes))
-                if k == 0:
-                    raise ResourceExhausted("no store node can take blocks")
-                shortfall = num_new * k - sum(min(len(n.free), num_new) for n in nodes)
-                if shortfall <= 0:
-                    r = self._place(
-                        ns, parent, hashes, present, nodes, k, costs, write_lease_ms, num_replicas
-                    )
+                except BaseException:
+                    self._unlock_parent(ns, parent, locked)
+                    raise
+                if isinstance(step, _Placed):
+                    step.r.parent_locked = locked
+                    placed = step
                     break
-                if attempt == 1:
-                    raise ResourceExhausted(
-                        f"no room for {num_new} blocks x {k} replicas (short {shortfall})"
-                    )
-                evict_on = self._make_room(nodes, num_new, shortfall)
+                self._unlock_parent(ns, parent, locked)
+                if isinstance(step, ReserveOutcome):
+                    return step
+                evict_on = step
             for node_id in evict_on:
                 m.flush_frees(only=node_id)
+        if placed is None:  # unreachable: the last attempt places or raises
+            raise ResourceExhausted("no room after making room")
+        r = placed.r
         self._send_reservations(r, write_lease_ms)
         with m.lock:
             nodes_used = {loc.node_id for locs in r.locations for loc in locs}
             records = [m.st.nodes[n] for n in nodes_used if n in m.st.nodes]
-        return ReserveOutcome(r.rid, r.hashes, present, r.locations, write_lease_ms, records, k)
+        return ReserveOutcome(r.rid, r.hashes, placed.present, r.locations, write_lease_ms, records, placed.k)
+
+    def _reserve_locked(
+        self,
+        ns: bytes,
+        parent: bytes,
+        hashes: Sequence[bytes],
+        costs: Sequence[float],
+        write_lease_ms: int,
+        num_replicas: int,
+        attempt: int,
+    ) -> _Placed | ReserveOutcome | list[str]:
+        """Under the lock: place the new blocks, or answer that all are present, or make room and return
+        the nodes whose frees to flush before the next attempt (`ResourceExhausted` on the last one)."""
+        m = self.m
+        present = [m.index.lookup(NamespaceId(ns), BlockHash(h)) is not None for h in hashes]
+        num_new = len(hashes) - sum(present)
+        if num_new == 0:
+            return ReserveOutcome(0, list(hashes), present, [[] for _ in hashes], write_lease_ms, [], 0)
+        nodes = [n for n in m.st.nodes.values() if n.placeable]
+        k = min(num_replicas, len(nodes))
+        if k == 0:
+            raise ResourceExhausted("no store node can take blocks")
+        shortfall = num_new * k - sum(min(len(n.free), num_new) for n in nodes)
+        if shortfall <= 0:
+            r = self._place(ns, parent, hashes, present, nodes, k, costs, write_lease_ms, num_replicas)
+            return _Placed(r, present, k)
+        if attempt == 1:
+            raise ResourceExhausted(f"no room for {num_new} blocks x {k} replicas (short {shortfall})")
+        return self._make_room(nodes, num_new, shortfall)
+
+    def _lock_parent(self, ns: bytes, parent: bytes) -> bool:
+        if not parent:
+            return False
+        self.m.index.lock(NamespaceId(ns), [BlockHash(parent)])
+        return True
+
+    def _unlock_parent(self, ns: bytes, parent: bytes | None, locked: bool) -> None:
+        if not locked or not parent:
+            return
+        # the parent may have been dropped meanwhile (its node died): then there is nothing to unpin
+        with contextlib.suppress(KVPoolError):
+            self.m.index.unlock(NamespaceId(ns), [BlockHash(parent)])
 
     def _check_ns(self, ns: bytes) -> None:
         if not self.m.namespaces.is_known(ns):
@@ -237,7 +288,7 @@ class Publisher:
 
     def _drop(self, r: Reservation) -> None:
         """Under the lock: forget a reservation and free every slot it holds."""
-        self.reservations.pop(r.rid, None)
+        self._drop_quiet(r)
         for locs in r.locations:
             for loc in locs:
                 self.m.queue_free(loc)
@@ -346,6 +397,8 @@ class Publisher:
 
     def _drop_quiet(self, r: Reservation) -> None:
         self.reservations.pop(r.rid, None)
+        self._unlock_parent(r.ns, r.parent, r.parent_locked)
+        r.parent_locked = False
 
     def _free_all(self, r: Reservation) -> None:
         for locs in r.locations:
