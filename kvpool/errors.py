@@ -38,6 +38,10 @@ class VersionFenced(FailedPrecondition):
     """A write for a namespace whose model version is no longer active."""
 
 
+class Unauthenticated(KVPoolError, PermissionError):
+    """The caller did not present valid credentials (bearer token) where authentication is on."""
+
+
 class ResourceExhausted(KVPoolError):
     """No capacity (no evictable slot, queue full, batch too large)."""
 

@@ -1,4 +1,5 @@
-"""Start a gRPC server with health checking and reflection registered (so `grpcurl` works)."""
+"""Start a gRPC server with health checking and reflection registered (so `grpcurl` works), and make
+channels; both apply the cluster's optional auth token and TLS (`kvpool.rpc.security`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvpool.rpc.security import bind, secure_channel, security, server_interceptors
 from kvpool.v1 import kvpool_pb2
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,12 @@ def start_server(
     `registrations`: `(add_XServicer_to_server, servicer, "kvpool.v1.X")` triples. Health checking and
     reflection are always registered. Raises `OSError` when the address cannot be bound.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=_OPTIONS)
+    sec = security()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=_OPTIONS,
+        interceptors=server_interceptors(sec),
+    )
     names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -68,7 +75,7 @@ def start_server(
     reflection.enable_server_reflection(names, server)
     _ = kvpool_pb2  # the descriptor pool must hold our services for reflection
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    bound = bind(server, address, sec)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     server.start()
@@ -79,8 +86,9 @@ def start_server(
 
 
 def channel(address: str) -> grpc.Channel:
-    """An insecure channel with our message-size limits."""
-    return grpc.insecure_channel(address, options=_OPTIONS)
+    """A channel with our message-size limits, and TLS / the bearer token when configured
+    (`kvpool.rpc.security`)."""
+    return secure_channel(address, _OPTIONS, security())
 
 
 def wait_healthy(address: str, timeout_s: float = 30.0) -> None:

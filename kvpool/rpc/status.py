@@ -30,6 +30,7 @@ _TO_STATUS: list[tuple[type[errors.KVPoolError], grpc.StatusCode]] = [
     (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.TransferError, grpc.StatusCode.UNAVAILABLE),
@@ -46,6 +47,8 @@ _FROM_STATUS: dict[grpc.StatusCode, type[errors.KVPoolError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
     grpc.StatusCode.DATA_LOSS: errors.ChecksumMismatch,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: errors.Unauthenticated,
 }
 
 

@@ -1,0 +1,133 @@
+"""Optional bearer-token authentication and TLS for every gRPC server and channel of the cluster.
+
+Configured once per process from `KVPOOL_AUTH_TOKEN`, `KVPOOL_TLS_CERT_FILE`, `KVPOOL_TLS_KEY_FILE` and
+`KVPOOL_TLS_CA_FILE` (or a TOML file; see `RpcSecurity`). With a token, every server refuses calls that do
+not carry `authorization: Bearer <token>` with UNAUTHENTICATED (the health check stays open for probes),
+and every channel made by `kvpool.rpc.server.channel` sends it. With a certificate and key, servers
+listen with TLS; with a CA file, channels verify the server against it. Tokens are compared in constant
+time (`hmac.compare_digest`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from pydantic import Field
+
+from kvpool.config import KVPoolSettings, load_config
+
+_OPEN_METHODS = ("/grpc.health.v1.Health/",)
+
+
+class RpcSecurity(KVPoolSettings):
+    """Transport security of the cluster's gRPC (env `KVPOOL_AUTH_TOKEN`, `KVPOOL_TLS_*_FILE`)."""
+
+    auth_token: str = Field(default="", description="shared bearer token; empty = no authentication")
+    tls_cert_file: str = Field(default="", description="server certificate (PEM); empty = no TLS")
+    tls_key_file: str = Field(default="", description="server private key (PEM)")
+    tls_ca_file: str = Field(default="", description="CA bundle clients verify servers against (PEM)")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file or self.tls_ca_file)
+
+
+@functools.lru_cache(maxsize=1)
+def security() -> RpcSecurity:
+    """This process's settings, read once (tests call `security.cache_clear()` after changing env)."""
+    return load_config(RpcSecurity)
+
+
+class _AuthInterceptor(grpc.ServerInterceptor):
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+        self._deny = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny),
+        }
+
+    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
+        method = handler_call_details.method or ""
+        if method.startswith(_OPEN_METHODS):
+            return continuation(handler_call_details)
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(got, self._expected):
+                    return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        return self._deny[(handler.request_streaming, handler.response_streaming)]
+
+
+def server_interceptors(sec: RpcSecurity) -> list[grpc.ServerInterceptor]:
+    return [_AuthInterceptor(sec.auth_token)] if sec.auth_token else []
+
+
+def bind(server: grpc.Server, address: str, sec: RpcSecurity) -> int:
+    """Add the listening port, with TLS when a certificate is configured. Returns the bound port."""
+    if sec.tls_cert_file:
+        key = Path(sec.tls_key_file).read_bytes()
+        cert = Path(sec.tls_cert_file).read_bytes()
+        return server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    return server.add_insecure_port(address)
+
+
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):  # fmt: skip
+    def __init__(self, token: str) -> None:
+        self._metadata = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), self._metadata]
+        return (
+            details._replace(metadata=metadata)
+            if hasattr(details, "_replace")
+            else _Details(details, metadata)
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, base: Any, metadata: Any) -> None:
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
+
+
+def secure_channel(address: str, options: list[tuple[str, Any]], sec: RpcSecurity) -> grpc.Channel:
+    """A channel with TLS (when a CA is configured) and the bearer token (when one is configured)."""
+    if sec.tls_ca_file:
+        creds = grpc.ssl_channel_credentials(root_certificates=Path(sec.tls_ca_file).read_bytes())
+        ch = grpc.secure_channel(address, creds, options=options)
+    else:
+        ch = grpc.insecure_channel(address, options=options)
+    if sec.auth_token:
+        ch = grpc.intercept_channel(ch, _TokenInterceptor(sec.auth_token))
+    return ch
