@@ -13,6 +13,7 @@ from kvpool.cli.admin import admin_app
 from kvpool.cli.bench import bench_app
 from kvpool.cli.master_cmd import register_master_command
 from kvpool.cli.roles import register_role_commands
+from kvpool.cli.router_cmd import register_router_command
 from kvpool.cli.serving_cmd import register_serving_commands
 from kvpool.cli.store_cmd import register_store_command
 
@@ -28,6 +29,7 @@ register_role_commands(app)
 register_serving_commands(app)
 register_store_command(app)
 register_master_command(app)
+register_router_command(app)
 app.add_typer(admin_app, name="admin")
 
 

@@ -1,0 +1,404 @@
+"""The OpenAI-compatible HTTP API (Starlette): completions, chat completions, models, health, metrics.
+
+- `POST /v1/completions`, `POST /v1/chat/completions`: non-streaming JSON, or SSE (`stream: true`,
+  `data: {chunk}` lines then `data: [DONE]`; with `stream_options.include_usage` a last chunk carries the
+  usage). `usage.prompt_tokens_details.cached_tokens` = tokens reused from cache by the prefill node.
+- `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus).
+- Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad input (an
+  oversized prompt states the limit), 401 unknown API key (when a tenants file is configured), 404
+  unknown model, 429 overload (too many requests in flight, or a node's queue full), 503 no live
+  node or the master unreachable, 500 otherwise.
+- The API key (`Authorization: Bearer …`) selects the tenant and so the cache salt; a `cache_salt` in
+  the body only sub-partitions the caller's own tenant (field case B09).
+
+Not supported (answered 400): `n > 1`, `logprobs`, `echo`, `best_of`, `suffix`, tools.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Generator
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.applications import Starlette
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvpool import errors
+from kvpool.router.service import Event, RouterService, Sampling
+from kvpool.router.tenants import Tenants
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def _from_kvpool(exc: errors.KVPoolError) -> APIError:
+    if isinstance(exc, errors.InvalidArgument):
+        return APIError(400, str(exc))
+    if isinstance(exc, errors.ResourceExhausted):
+        return APIError(429, str(exc), type_="rate_limit_exceeded", code="overloaded")
+    if isinstance(exc, errors.Unavailable | errors.TransferError):
+        return APIError(503, str(exc), type_="service_unavailable", code="unavailable")
+    if isinstance(exc, errors.DeadlineExceeded):
+        return APIError(504, str(exc), type_="timeout", code="timeout")
+    return APIError(500, str(exc), type_="server_error", code="internal_error")
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = Field(default=None, ge=0)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    logprobs: Any = None
+    cache_salt: str = ""
+    user: str | None = None
+
+
+class CompletionBody(_Common):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+
+
+def _text_content(msg: ChatMessage, i: int) -> str:
+    if msg.content is None:
+        return ""
+    if isinstance(msg.content, str):
+        return msg.content
+    parts = []
+    for part in msg.content:
+        if part.get("type") != "text":
+            raise APIError(400, f"messages[{i}]: only text content parts are supported",
+                           param=f"messages[{i}].content")  # fmt: skip
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+class _TextStream:
+    """Incremental detokenisation: deltas of the decoded text, holding back a split UTF-8 tail and stops."""
+
+    def __init__(self, model: Any, eos: set[int], stops: list[str]) -> None:
+        self.model, self.eos, self.stops = model, eos, stops
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False
+
+    def _text(self) -> str:
+        return str(self.model.decode([t for t in self.ids if t not in self.eos]))
+
+    def push(self, ids: list[int]) -> str:
+        if self.stopped:
+            return ""
+        self.ids.extend(ids)
+        text = self._text()
+        for s in self.stops:
+            at = text.find(s)
+            if at >= 0:
+                text, self.stopped = text[:at], True
+        end = len(text)
+        if not self.stopped:
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            end = max(self.sent, end - hold)
+        delta = text[self.sent : end]
+        self.sent = end
+        return delta
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        text = self._text()
+        for s in self.stops:
+            at = text.find(s)
+            if at >= 0:
+                text = text[:at]
+        delta = text[self.sent :]
+        self.sent = len(text)
+        return delta
+
+
+class OpenAIApp:
+    def __init__(self, service: RouterService, tenants: Tenants, *, model_name: str | None = None) -> None:
+        self.service = service
+        self.tenants = tenants
+        self.model_name = model_name or service.model.model_id
+        self.created = int(time.time())
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _tenant_salt(self, request: Request, client_salt: str) -> str:
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        tenant = self.tenants.authenticate(key)
+        if tenant is None:
+            raise APIError(401, "invalid API key", type_="invalid_request_error", code="invalid_api_key")
+        return self.tenants.cache_salt(tenant, client_salt)
+
+    async def _body(self, request: Request, cls: type[_Common]) -> Any:
+        try:
+            raw = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON") from None
+        if not isinstance(raw, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            body = cls.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(x) for x in first["loc"]) or None
+            raise APIError(400, f"{param}: {first['msg']}", param=param) from None
+        if body.model != self.model_name and body.model != self.service.model.model_id:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        if body.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n")
+        if body.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        return body
+
+    def _check_prompt(self, tokens: list[int], max_tokens: int) -> None:
+        s, m = self.service.settings, self.service.model
+        limit = min(s.max_prompt_tokens, m.max_model_len - 1)
+        if len(tokens) > limit:
+            raise APIError(400, f"the prompt has {len(tokens)} tokens; the limit is {limit} tokens",
+                           param="prompt", code="context_length_exceeded")  # fmt: skip
+        if max_tokens > s.max_tokens_limit:
+            raise APIError(400, f"max_tokens is {max_tokens}; the limit is {s.max_tokens_limit}",
+                           param="max_tokens")  # fmt: skip
+        if len(tokens) + max_tokens > m.max_model_len:
+            raise APIError(400, f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the model's "
+                           f"context of {m.max_model_len} tokens", param="max_tokens",
+                           code="context_length_exceeded")  # fmt: skip
+        bad = next((t for t in tokens if not 0 <= t < m.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary of {m.vocab_size}", param="prompt")
+
+    def _sampling(self, body: Any, max_tokens: int) -> Sampling:
+        eos = self.service.model.eos_token_id
+        return Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                        max_tokens=max_tokens, stop_token_ids=(eos,) if eos is not None else ())  # fmt: skip
+
+    # ---- endpoints --------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        body: CompletionBody = await self._body(request, CompletionBody)
+        if body.echo or body.best_of not in (None, 1) or body.suffix:
+            raise APIError(400, "echo, best_of and suffix are not supported")
+        salt = self._tenant_salt(request, body.cache_salt)
+        prompt: Any = body.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            tokens = await run_in_threadpool(self.service.model.encode, prompt)
+        else:
+            tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return await self._serve(request, "completions", body, tokens, salt, body.max_tokens or 16)
+
+    async def chat(self, request: Request) -> Response:
+        body: ChatBody = await self._body(request, ChatBody)
+        if body.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        salt = self._tenant_salt(request, body.cache_salt)
+        messages = [{"role": m.role, "content": _text_content(m, i)} for i, m in enumerate(body.messages)]
+        tokens = await run_in_threadpool(self.service.model.chat_prompt_ids, messages)
+        max_tokens = body.max_completion_tokens or body.max_tokens or 256
+        return await self._serve(request, "chat", body, tokens, salt, max_tokens)
+
+    async def _serve(
+        self, request: Request, kind: str, body: Any, tokens: list[int], salt: str, max_tokens: int
+    ) -> Response:
+        self._check_prompt(tokens, max_tokens)
+        svc = self.service
+        svc.admit()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                svc.release()
+
+        try:
+            rid = ("cmpl-" if kind == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
+            gen = svc.generate(tokens, self._sampling(body, max_tokens), cache_salt=salt, request_id=rid)
+            first: Event = await run_in_threadpool(next, gen)
+        except BaseException:
+            release()
+            raise
+        eos = {svc.model.eos_token_id} if svc.model.eos_token_id is not None else set()
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        text = _TextStream(svc.model, eos, stops)
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            chunks = self._sse(kind, rid, gen, first, text, include_usage, release)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        try:
+            events = await run_in_threadpool(list, gen)
+        finally:
+            release()
+        content = text.push(first.token_ids)
+        done = first
+        for ev in events:
+            content += text.push(ev.token_ids)
+            if ev.kind == "done":
+                done = ev
+        content += text.finish()
+        n_out = len(text.ids)
+        reason = "stop" if text.stopped else done.finish_reason or "length"
+        usage = self._usage(first, n_out)
+        if kind == "completions":
+            choice: dict[str, Any] = {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
+            obj = "text_completion"
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                      "finish_reason": reason}  # fmt: skip
+            obj = "chat.completion"
+        svc.metrics.requests.labels(kind, "200").inc()
+        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
+                             "choices": [choice], "usage": usage})  # fmt: skip
+
+    @staticmethod
+    def _usage(first: Event, n_out: int) -> dict[str, Any]:
+        return {"prompt_tokens": first.prompt_tokens, "completion_tokens": n_out,
+                "total_tokens": first.prompt_tokens + n_out,
+                "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}  # fmt: skip
+
+    async def _sse(
+        self, kind: str, rid: str, gen: Generator[Event, None, None], first: Event, text: _TextStream, include_usage: bool,
+        release: Any,
+    ) -> AsyncIterator[str]:  # fmt: skip
+        created = int(time.time())
+        obj = "text_completion" if kind == "completions" else "chat.completion.chunk"
+
+        def chunk(delta: str | None, reason: str | None, *, role: bool = False, usage: Any = None) -> str:
+            if kind == "completions":
+                choices = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}]
+            else:
+                d: dict[str, Any] = {"role": "assistant"} if role else {}
+                if delta is not None:
+                    d["content"] = delta
+                choices = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}]
+            payload: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                       "choices": choices if usage is None else []}  # fmt: skip
+            if usage is not None:
+                payload["usage"] = usage
+            return f"data: {json.dumps(payload)}\n\n"
+
+        reason = "length"
+        try:
+            yield chunk(text.push(first.token_ids), None, role=True)
+            async for ev in iterate_in_threadpool(gen):
+                if ev.kind == "tokens":
+                    delta = text.push(ev.token_ids)
+                    if delta:
+                        yield chunk(delta, None)
+                    if text.stopped:
+                        break
+                elif ev.kind == "done":
+                    reason = ev.finish_reason or reason
+            tail = text.finish()
+            yield chunk(tail, "stop" if text.stopped else reason)
+            if include_usage:
+                yield chunk(None, None, usage=self._usage(first, len(text.ids)))
+            yield "data: [DONE]\n\n"
+            self.service.metrics.requests.labels(kind, "200").inc()
+        except errors.KVPoolError as exc:
+            err = _from_kvpool(exc)
+            self.service.metrics.requests.labels(kind, str(err.status)).inc()
+            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type, 'code': err.code}})}\n\n"
+        finally:
+            gen.close()
+            release()
+
+    async def models(self, request: Request) -> Response:
+        self._tenant_salt(request, "")
+        m = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvpool"}
+        return JSONResponse({"object": "list", "data": [m]})
+
+    async def health(self, request: Request) -> Response:
+        try:
+            h = await run_in_threadpool(self.service.health)
+        except errors.KVPoolError as exc:
+            return JSONResponse({"status": "unavailable", "error": str(exc)}, status_code=503)
+        ok = h["prefill"] > 0 and h["decode"] > 0
+        return JSONResponse({"status": "ok" if ok else "unavailable", **h}, status_code=200 if ok else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_app(service: RouterService, tenants: Tenants, *, model_name: str | None = None) -> Starlette:
+    api = OpenAIApp(service, tenants, model_name=model_name)
+
+    def wrap(endpoint: Any, kind: str) -> Any:
+        async def handler(request: Request) -> Response:
+            try:
+                return await endpoint(request)  # type: ignore[no-any-return]
+            except APIError as exc:
+                err = exc
+            except errors.KVPoolError as exc:
+                err = _from_kvpool(exc)
+            except Exception:
+                log.exception("%s failed", kind)
+                err = APIError(500, "internal error", type_="server_error", code="internal_error")
+            service.metrics.requests.labels(kind, str(err.status)).inc()
+            return err.response()
+
+        return handler
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        service.close()
+
+    routes = [
+        Route("/v1/completions", wrap(api.completions, "completions"), methods=["POST"]),
+        Route("/v1/chat/completions", wrap(api.chat, "chat"), methods=["POST"]),
+        Route("/v1/models", wrap(api.models, "models"), methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

@@ -1,0 +1,55 @@
+"""Run the router until SIGTERM/SIGINT: uvicorn on a socket bound first, so port 0 works and the READY
+line names the real address (`KVPOOL_READY {"http_address": "host:port", ...}`)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+from kvpool.router.settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+
+def build(settings: RouterSettings) -> tuple[object, object]:
+    """(Starlette app, RouterService) for `settings`: connects to the master and reads the model."""
+    from kvpool.client import MasterClient
+    from kvpool.router.http import build_app
+    from kvpool.router.model_info import ModelInfo
+    from kvpool.router.service import RouterService
+    from kvpool.router.tenants import Tenants
+
+    tenants = Tenants.load(settings.tenants) if settings.tenants else Tenants.open()
+    master = MasterClient(settings.master)
+    block_size = settings.block_size or master.stats().block_size
+    model = ModelInfo.load(settings.model, block_size=block_size)
+    service = RouterService(settings, master, model).start()
+    app = build_app(service, tenants, model_name=settings.served_model_name)
+    return app, service
+
+
+def serve(settings: RouterSettings) -> None:
+    import uvicorn
+
+    from kvpool.cluster.process import print_ready
+
+    app, service = build(settings)
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.bind_host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.bind_host, settings.port))
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, access_log=False)  # type: ignore[arg-type]
+    server = uvicorn.Server(config)
+
+    def announce() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.02)
+        if server.started:
+            print_ready({"http_address": f"{host}:{port}", "role": "router", "policy": settings.policy,
+                         "model_id": service.model.model_id})  # type: ignore[attr-defined]  # fmt: skip
+
+    threading.Thread(target=announce, name="router-ready", daemon=True).start()
+    log.info("router (%s) for master %s on http://%s:%d", settings.policy, settings.master, host, port)
+    server.run(sockets=[sock])

@@ -1,0 +1,320 @@
+"""The router's request path (replaces the demo's in-process orchestrator), transport-agnostic.
+
+Per request (DESIGN.md data flow, steps 1, 6 and 7): admit (at most `max_inflight` at once: else
+`ResourceExhausted`, answered 429) → hash the prompt's full blocks in the tenant's namespace → peek at
+the global index (`count_hit=False, lease_ttl_ms=0`: no counters, no recency, no lease) → place it on a
+prefill node by the policy → Prefill stream: the first token is TTFT → wait for `committed` (or
+`publish_failed`) → hand off to the least-loaded decode node → stream its tokens.
+
+`generate` is a synchronous generator of `Event`s (the HTTP layer runs it in a worker thread). The
+node list comes from the master, refreshed in the background every `refresh_interval_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvpool.client.types import Match, NodeStatus
+from kvpool.errors import KVPoolError, ResourceExhausted, Unavailable
+from kvpool.hashing import hash_blocks
+from kvpool.router.metrics import RouterMetrics
+from kvpool.router.model_info import ModelInfo
+from kvpool.router.policy import Choice, RouteRequest, RoutingPolicy
+from kvpool.router.settings import RouterSettings
+from kvpool.router.state import Inflight, node_states, serving_nodes
+from kvpool.rpc.server import channel
+from kvpool.rpc.status import raise_from_rpc_error
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+    def to_proto(self) -> pb.SamplingParams:
+        return pb.SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed or 0,
+            has_seed=self.seed is not None, max_tokens=self.max_tokens, stop_token_ids=list(self.stop_token_ids),
+        )  # fmt: skip
+
+
+@dataclass(slots=True)
+class Event:
+    """One step of a request. `kind`: "first" (first token, prefill stats), "tokens", "done"."""
+
+    kind: str
+    token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str = ""
+    prefill_node: str = ""
+    decode_node: str = ""
+    ttft_s: float = 0.0
+
+
+class RouterService:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        master: Any,
+        model: ModelInfo,
+        *,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.master = master
+        self.model = model
+        self.metrics = metrics or RouterMetrics()
+        self.policy = RoutingPolicy(settings.policy, seed=settings.seed)
+        self._policy_lock = threading.Lock()
+        self._decode_rng = random.Random(settings.seed + 1)
+        self.inflight = Inflight()  # prefill: until the first token
+        self.decode_inflight = Inflight()  # decode: until the last token
+        self._admitted = 0
+        self._admit_lock = threading.Lock()
+        self._nodes: list[NodeStatus] = []
+        self._nodes_at = 0.0
+        self._nodes_lock = threading.Lock()
+        self._namespaces: dict[str, bytes] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._channels_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> RouterService:
+        self.refresh()
+        self._thread = threading.Thread(target=self._refresh_loop, name="router-refresh", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        with self._channels_lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self.settings.refresh_interval_s):
+            try:
+                self.refresh()
+            except Exception as exc:  # noqa: BLE001 - keep the last view; the next tick retries
+                log.warning("node list refresh failed: %s", exc)
+
+    def refresh(self) -> list[NodeStatus]:
+        nodes = self.master.list_nodes()
+        with self._nodes_lock:
+            self._nodes, self._nodes_at = nodes, time.monotonic()
+        return nodes
+
+    def nodes(self) -> list[NodeStatus]:
+        with self._nodes_lock:
+            nodes, age = self._nodes, time.monotonic() - self._nodes_at
+        if age > 4 * self.settings.refresh_interval_s:
+            try:
+                nodes = self.refresh()
+            except Exception as exc:  # noqa: BLE001
+                raise Unavailable(f"master unreachable: {exc}") from None
+        return nodes
+
+    def health(self) -> dict[str, Any]:
+        nodes = self.nodes()
+        return {
+            "prefill": len(serving_nodes(nodes, "prefill")),
+            "decode": len(serving_nodes(nodes, "decode")),
+            "inflight": self._admitted,
+        }
+
+    # ---- placement --------------------------------------------------------------------------------
+    def namespace(self, cache_salt: str) -> bytes:
+        """The tenant namespace digest, registered with the master on first use."""
+        ns = self._namespaces.get(cache_salt)
+        if ns is None:
+            info = self.model.namespace(cache_salt)
+            ns = bytes(info.digest())
+            try:
+                remote, active = self.master.register_namespace(
+                    info.model_id, info.weights_version, info.layout.fingerprint(), cache_salt=cache_salt
+                )
+                if active and active != info.weights_version:
+                    log.warning("master's active version of %s is %s, ours %s", info.model_id, active,
+                                info.weights_version)  # fmt: skip
+                if bytes(remote) != ns:
+                    log.warning("master computed another namespace digest: hashing versions differ")
+            except KVPoolError as exc:
+                log.warning("register_namespace failed (%s); peeks may miss", exc)
+                return ns
+            self._namespaces[cache_salt] = ns
+        return ns
+
+    def place(self, tokens: Sequence[int], cache_salt: str) -> tuple[Choice, NodeStatus]:
+        """Choose the prefill node (peek + policy); `Unavailable` when no prefill node is alive."""
+        prefill = serving_nodes(self.nodes(), "prefill")
+        if not prefill:
+            raise Unavailable("no live prefill node")
+        layout = self.model.layout
+        max_blocks = max(0, (len(tokens) - 1) // layout.block_size)
+        match: Match | None = None
+        if max_blocks > 0:
+            hashes = hash_blocks(self.namespace(cache_salt), tokens, layout.block_size)[:max_blocks]
+            try:
+                match = self.master.match(self.namespace(cache_salt), hashes, count_hit=False, lease_ttl_ms=0)
+            except KVPoolError as exc:
+                log.warning("peek failed (%s); routing without hits", exc)
+        req = RouteRequest(
+            prompt_len=len(tokens),
+            block_size=layout.block_size,
+            block_nbytes=layout.block_nbytes,
+            pool_blocks=match.num_matched if match is not None else 0,
+        )
+        with self._policy_lock:
+            states = node_states(prefill, match, self.inflight, max_blocks)
+            choice = self.policy.choose(req, states)
+            node = next(n for n in prefill if n.node.node_id == choice.node_id)
+            self.inflight.begin(node.node.node_id, node.node.epoch, choice.prediction.service_s)
+        self.metrics.decisions.labels(self.policy.policy, choice.node_id).inc()
+        self.metrics.predicted_ttft.observe(choice.prediction.ttft_s)
+        return choice, node
+
+    def pick_decode(self) -> NodeStatus:
+        """The least-loaded decode node (own in-flight or reported queue); ties by a seeded choice."""
+        decode = serving_nodes(self.nodes(), "decode")
+        if not decode:
+            raise Unavailable("no live decode node")
+
+        def load(n: NodeStatus) -> int:
+            return max(self.decode_inflight.get(n.node.node_id, n.node.epoch)[0], n.load.queue_len)
+
+        best = min(load(n) for n in decode)
+        with self._policy_lock:
+            return self._decode_rng.choice([n for n in decode if load(n) == best])
+
+    def _stub(self, address: str, kind: str) -> Any:
+        with self._channels_lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = channel(address)
+        return pb_grpc.PrefillStub(ch) if kind == "prefill" else pb_grpc.DecodeStub(ch)
+
+    # ---- one request ------------------------------------------------------------------------------
+    def admit(self) -> None:
+        """Count one request in; `ResourceExhausted` when `max_inflight` are being served. Pair with `release`."""
+        with self._admit_lock:
+            if self._admitted >= self.settings.max_inflight:
+                self.metrics.rejected.labels("overloaded").inc()
+                raise ResourceExhausted(
+                    f"the router is serving {self._admitted} requests (limit {self.settings.max_inflight}); "
+                    "retry later"
+                )
+            self._admitted += 1
+        self.metrics.inflight.inc()
+
+    def release(self) -> None:
+        with self._admit_lock:
+            self._admitted -= 1
+        self.metrics.inflight.dec()
+
+    def generate(
+        self, tokens: Sequence[int], sampling: Sampling, *, cache_salt: str = "", request_id: str = ""
+    ) -> Generator[Event, None, None]:
+        """Serve one admitted request: "first", then "tokens"*, then "done". Raises `KVPoolError`."""
+        rid = request_id or uuid.uuid4().hex[:16]
+        tokens = list(tokens)
+        t0 = time.perf_counter()
+        choice, pnode = self.place(tokens, cache_salt)
+        service_s = choice.prediction.service_s
+        pending = True
+
+        def end_prefill() -> None:
+            nonlocal pending
+            if pending:
+                pending = False
+                self.inflight.end(pnode.node.node_id, pnode.node.epoch, service_s)
+
+        req = pb.PrefillRequest(
+            request_id=rid, token_ids=tokens, sampling=sampling.to_proto(), cache_salt=cache_salt,
+            publish=True, use_cache=True,
+        )  # fmt: skip
+        first: pb.PrefillFirstToken | None = None
+        published: pb.PrefillPublished | None = None
+        ttft_s = 0.0
+        try:
+            stream = self._stub(pnode.node.grpc_address, "prefill").Prefill(
+                req, timeout=self.settings.request_timeout_s
+            )
+            for ev in stream:
+                if ev.HasField("first_token"):
+                    ttft_s = time.perf_counter() - t0
+                    first = ev.first_token
+                    end_prefill()
+                elif ev.HasField("published"):
+                    published = ev.published
+        except grpc.RpcError as exc:
+            raise_from_rpc_error(exc, f"prefill on {pnode.node.node_id}")
+        finally:
+            end_prefill()
+        if first is None:
+            raise Unavailable(f"prefill on {pnode.node.node_id} ended without a first token")
+        stats = first.stats
+        self.metrics.ttft.observe(ttft_s)
+        self.metrics.prompt_tokens.inc(len(tokens))
+        self.metrics.cached_tokens.inc(stats.num_reused_tokens)
+        log.info("[%s] prefill %s (%s, predicted %.3fs): prompt=%d cached=%d ttft=%.3fs", rid,
+                 pnode.node.node_id, self.policy.policy, choice.prediction.ttft_s, len(tokens),
+                 stats.num_reused_tokens, ttft_s)  # fmt: skip
+        common: dict[str, Any] = {"prompt_tokens": len(tokens), "cached_tokens": int(stats.num_reused_tokens),
+                  "prefill_node": pnode.node.node_id}  # fmt: skip
+        yield Event("first", token_ids=[first.token_id], ttft_s=ttft_s, **common)
+        stop = set(sampling.stop_token_ids)
+        if first.token_id in stop or sampling.max_tokens <= 1:
+            self.metrics.completion_tokens.inc(1)
+            reason = "stop" if first.token_id in stop else "length"
+            yield Event("done", finish_reason=reason, ttft_s=ttft_s, **common)
+            return
+        status = published.status if published is not None else "publish_failed"
+        dnode = self.pick_decode()
+        dreq = pb.DecodeRequest(
+            request_id=rid, token_ids=tokens, first_token=first.token_id, block_hashes=list(first.block_hashes),
+            sampling=sampling.to_proto(), cache_salt=cache_salt, prompt_committed=status == "committed",
+            publish=True, use_cache=True,
+        )  # fmt: skip
+        n_out, reason = 1, "length"
+        t_first = time.perf_counter()
+        self.decode_inflight.begin(dnode.node.node_id, dnode.node.epoch)
+        try:
+            for dev in self._stub(dnode.node.grpc_address, "decode").Decode(
+                dreq, timeout=self.settings.request_timeout_s
+            ):
+                if dev.token_ids:
+                    n_out += len(dev.token_ids)
+                    yield Event("tokens", token_ids=list(dev.token_ids))
+                if dev.finished:
+                    reason = dev.stats.finish_reason or reason
+        except grpc.RpcError as exc:
+            raise_from_rpc_error(exc, f"decode on {dnode.node.node_id}")
+        finally:
+            self.decode_inflight.end(dnode.node.node_id, dnode.node.epoch)
+        self.metrics.completion_tokens.inc(n_out)
+        if n_out > 1:
+            self.metrics.tpot.observe((time.perf_counter() - t_first) / (n_out - 1))
+        yield Event("done", finish_reason=reason, decode_node=dnode.node.node_id, ttft_s=ttft_s, **common)

@@ -1,0 +1,31 @@
+"""Router settings (defaults < TOML < `KVPOOL_*` env < CLI flags)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from kvpool.config import KVPoolSettings
+from kvpool.router.policy import POLICIES
+
+
+class RouterSettings(KVPoolSettings):
+    master: str = Field(default="127.0.0.1:50051", description="master host:port")
+    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (0 = ephemeral)")
+    policy: str = Field(default="cost", description="cost | affinity | least-load | round-robin")
+    model: str | None = Field(default=None, description="model directory; None = the embedded model")
+    served_model_name: str | None = Field(default=None, description="API model name (default: model id)")
+    tenants: str | None = Field(default=None, description="tenants TOML file; None = single tenant")
+    block_size: int | None = Field(default=None, gt=0, description="None = the master's block size")
+    seed: int = Field(default=0, description="seed of the tie-breaking random choice")
+    max_prompt_tokens: int = Field(default=32_768, gt=0)
+    max_tokens_limit: int = Field(default=4096, gt=0, description="largest max_tokens a request may ask")
+    max_inflight: int = Field(default=64, gt=0, description="concurrent requests; more are answered 429")
+    refresh_interval_s: float = Field(default=0.25, gt=0, description="node list refresh period")
+    request_timeout_s: float = Field(default=300.0, gt=0)
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"unknown routing policy {value!r}; expected one of {', '.join(POLICIES)}")
+        return value

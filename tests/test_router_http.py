@@ -1,0 +1,155 @@
+"""The HTTP layer in-process (Starlette's test client, a fake master and fake nodes): OpenAI error codes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from kvpool.client.types import Match, NodeInfo, NodeLoad, NodeStatus
+from kvpool.router.http import build_app
+from kvpool.router.model_info import ModelInfo, simple_chat_prompt
+from kvpool.router.service import Event, RouterService
+from kvpool.router.settings import RouterSettings
+from kvpool.router.tenants import Tenants
+
+
+class FakeMaster:
+    def __init__(self, nodes: list[NodeStatus]) -> None:
+        self.nodes = nodes
+
+    def list_nodes(self) -> list[NodeStatus]:
+        return self.nodes
+
+    def register_namespace(self, model_id: str, version: str, layout: str, *, cache_salt: str = "") -> Any:
+        return b"", ""
+
+    def match(self, ns: bytes, hashes: list[bytes], **_: Any) -> Match:
+        return Match(0, [], None, {})
+
+
+def _node(node_id: str, role: str) -> NodeStatus:
+    info = NodeInfo(node_id=node_id, role=role, grpc_address="127.0.0.1:1", data_address="", epoch=1)
+    return NodeStatus(
+        node=info, alive=True, draining=False, num_slots=0, num_used_slots=0, num_blocks=0, used_bytes=0,
+        load=NodeLoad(),
+    )  # fmt: skip
+
+
+class FakeService(RouterService):
+    """Placement is real; the gRPC part is replaced by a canned answer."""
+
+    def generate(
+        self, tokens: Any, sampling: Any, *, cache_salt: str = "", request_id: str = ""
+    ) -> Iterator[Event]:  # type: ignore[override]
+        choice, node = self.place(tokens, cache_salt)
+        self.inflight.end(node.node.node_id, node.node.epoch, choice.prediction.service_s)
+        self.pick_decode()
+        common = {"prompt_tokens": len(tokens), "cached_tokens": 0, "prefill_node": node.node.node_id}
+        yield Event("first", token_ids=[ord("o")], **common)  # type: ignore[arg-type]
+        yield Event("tokens", token_ids=[ord("k"), ord("!")])
+        yield Event("done", finish_reason="length", **common)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def model() -> ModelInfo:
+    return ModelInfo.load(None, block_size=16)
+
+
+def _client(model: ModelInfo, nodes: list[NodeStatus], **settings: Any) -> tuple[TestClient, RouterService]:
+    tenants = settings.pop("tenants", None) or Tenants.open()
+    svc = FakeService(RouterSettings(**settings), FakeMaster(nodes), model)
+    svc.refresh()
+    return TestClient(build_app(svc, tenants)), svc
+
+
+NODES = [_node("p0", "prefill"), _node("d0", "decode")]
+
+
+def test_completion_and_chat_ok(model: ModelInfo) -> None:
+    client, _ = _client(model, NODES)
+    r = client.post("/v1/completions", json={"model": model.model_id, "prompt": "hi", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == "ok!"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    r = client.post("/v1/chat/completions", json={"model": model.model_id, "stream": True,
+                    "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    assert r.status_code == 200
+    lines = [x for x in r.text.splitlines() if x.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and '"role": "assistant"' in lines[0]
+
+
+def test_error_codes(model: ModelInfo) -> None:
+    client, svc = _client(model, NODES, max_prompt_tokens=100, max_inflight=2)
+    m = model.model_id
+
+    def err(r: Any, status: int) -> dict[str, Any]:
+        assert r.status_code == status, r.text
+        e = r.json()["error"]
+        assert set(e) == {"message", "type", "param", "code"}
+        return dict(e)
+
+    assert (
+        err(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404)["code"]
+        == "model_not_found"
+    )
+    e = err(client.post("/v1/completions", json={"model": m, "prompt": "x" * 200}), 400)
+    assert "the limit is 100 tokens" in e["message"] and e["code"] == "context_length_exceeded"
+    assert err(client.post("/v1/completions", json={"model": m}), 400)["param"] == "prompt"
+    assert err(client.post("/v1/completions", json={"model": m, "prompt": "x", "temperature": 9}), 400)
+    assert err(client.post("/v1/completions", json={"model": m, "prompt": [999]}), 400)
+    assert err(client.post("/v1/completions", json={"model": m, "prompt": "x", "n": 2}), 400)["param"] == "n"
+    assert err(
+        client.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"}), 400
+    )
+    assert err(client.post("/v1/chat/completions", json={"model": m, "messages": []}), 400)
+    svc.admit()
+    svc.admit()  # the router is full
+    assert err(client.post("/v1/completions", json={"model": m, "prompt": "x"}), 429)["code"] == "overloaded"
+    svc.release()
+    svc.release()
+    assert client.post("/v1/completions", json={"model": m, "prompt": "x"}).status_code == 200
+
+
+def test_no_nodes_is_503(model: ModelInfo) -> None:
+    client, _ = _client(model, [_node("d0", "decode")])
+    r = client.post("/v1/completions", json={"model": model.model_id, "prompt": "x"})
+    assert r.status_code == 503 and "no live prefill node" in r.json()["error"]["message"]
+    assert client.get("/health").status_code == 503
+    client, _ = _client(model, [_node("p0", "prefill")])
+    r = client.post("/v1/completions", json={"model": model.model_id, "prompt": "x"})
+    assert r.status_code == 503 and "decode" in r.json()["error"]["message"]
+
+
+def test_unknown_api_key_is_401(model: ModelInfo, tmp_path: Any) -> None:
+    tfile = tmp_path / "t.toml"
+    tfile.write_text('[[tenants]]\nname = "a"\napi_keys = ["ka"]\n')
+    client, _ = _client(model, NODES, tenants=Tenants.load(tfile))
+    body = {"model": model.model_id, "prompt": "x"}
+    assert client.post("/v1/completions", json=body).status_code == 401
+    assert (
+        client.post("/v1/completions", json=body, headers={"Authorization": "Bearer kb"}).status_code == 401
+    )
+    assert (
+        client.post("/v1/completions", json=body, headers={"Authorization": "Bearer ka"}).status_code == 200
+    )
+
+
+def test_chat_template_of_the_embedded_model(model: ModelInfo) -> None:
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    assert simple_chat_prompt(msgs) == "<|system|>\nS\n<|user|>\nU\n<|assistant|>\n"
+    ids = model.chat_prompt_ids(msgs)
+    assert ids[0] == 256 and bytes(ids[1:]).decode() == simple_chat_prompt(msgs)
+
+
+def test_bad_tenants_file_names_file_and_field(tmp_path: Any) -> None:
+    from kvpool.errors import InvalidArgument
+
+    tfile = tmp_path / "t.toml"
+    tfile.write_text('[[tenants]]\nname = "a"\napi_keys = []\n')
+    with pytest.raises(InvalidArgument, match=r"t\.toml: tenants\.0\.api_keys"):
+        Tenants.load(tfile)
