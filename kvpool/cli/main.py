@@ -16,6 +16,7 @@ from kvpool.cli.roles import register_role_commands
 from kvpool.cli.router_cmd import register_router_command
 from kvpool.cli.serving_cmd import register_serving_commands
 from kvpool.cli.store_cmd import register_store_command
+from kvpool.cli.up_cmd import register_up_command
 
 app = typer.Typer(
     name="kvpool",
@@ -30,6 +31,7 @@ register_serving_commands(app)
 register_store_command(app)
 register_master_command(app)
 register_router_command(app)
+register_up_command(app)
 app.add_typer(admin_app, name="admin")
 
 

@@ -1,0 +1,138 @@
+"""`kvpool up -c cluster.toml`: start this host's processes of a cluster spec and keep them running.
+
+Starts master → stores → prefill/decode → router (those whose host is this machine), waits until each
+announced itself and passes its health check (gRPC health for the gRPC roles, `GET /health` for the
+router), prints the endpoints and, for roles on other hosts, the command to run there. Each role's output
+is echoed with a `[name]` prefix. Ctrl-C or SIGTERM stops everything (children also die with this
+process on Linux), freeing the ports.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import typer
+
+
+def register_up_command(app: typer.Typer) -> None:
+    @app.command()
+    def up(
+        config: Path = typer.Option(..., "--config", "-c", help="Cluster spec (TOML)."),
+        timeout_s: float = typer.Option(180.0, help="Seconds to wait for each role to become healthy."),
+        quiet: bool = typer.Option(False, help="Do not echo the roles' logs."),
+    ) -> None:
+        """Start a cluster from a TOML spec (local processes) and run until Ctrl-C/SIGTERM."""
+        from kvpool.cluster.spec import load_spec
+        from kvpool.errors import InvalidArgument
+
+        try:
+            spec = load_spec(config)
+        except InvalidArgument as exc:
+            typer.echo(f"kvpool up: {exc}", err=True)
+            raise typer.Exit(2) from None
+        raise typer.Exit(run_up(spec, timeout_s=timeout_s, echo=not quiet))
+
+
+def _wait_http(url: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f}s")
+        time.sleep(0.2)
+
+
+def _echo_logs(paths: list[Path], stop: threading.Event) -> None:
+    offsets: dict[Path, int] = {}
+    while not stop.is_set():
+        for p in list(paths):
+            try:
+                with p.open() as f:
+                    f.seek(offsets.get(p, 0))
+                    chunk = f.read()
+                    offsets[p] = f.tell()
+            except OSError:
+                continue
+            if chunk:
+                typer.echo(chunk, nl=False)
+        stop.wait(0.2)
+
+
+def run_up(spec: object, *, timeout_s: float, echo: bool) -> int:
+    """Start and supervise; returns the exit code (0 on a clean stop, 1 when a role failed)."""
+    from kvpool.cluster.process import RoleProcess
+    from kvpool.cluster.spec import ClusterSpec, plan
+    from kvpool.router.model_info import ModelInfo
+    from kvpool.rpc.server import wait_healthy
+
+    assert isinstance(spec, ClusterSpec)
+    layout = ModelInfo.load(spec.cluster.model or None, block_size=spec.cluster.block_size).layout
+    launches = plan(spec, layout.fingerprint())
+    log_dir = Path(tempfile.mkdtemp(prefix="kvpool-up-"))
+    procs: list[RoleProcess] = []
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    logs: list[Path] = []
+    if echo:
+        threading.Thread(target=_echo_logs, args=(logs, stop), name="up-logs", daemon=True).start()
+    master = f"{spec.master.host}:{spec.master.port}"
+    endpoints: list[str] = []
+    remote: list[str] = []
+    code = 0
+    try:
+        for launch in launches:
+            if stop.is_set():
+                break
+            if not launch.local:
+                remote.append(f"  on {launch.host}: {launch.command(master)}")
+                continue
+            args = [a.replace("{master}", master) for a in launch.args]
+            proc = RoleProcess(
+                launch.name, args, log_path=log_dir / f"{launch.name}.log", env=dict(os.environ)
+            )
+            procs.append(proc)
+            logs.append(proc.log_path)
+            info = proc.wait_ready(timeout_s)
+            if launch.role == "router":
+                _wait_http(f"http://{info['http_address']}/health", timeout_s)
+                endpoints.append(f"  router   http://{info['http_address']}/v1  (metrics: /metrics)")
+            else:
+                address = info.get("grpc_address", "")
+                if address:
+                    wait_healthy(address, timeout_s)
+                if launch.role == "master":
+                    master = address
+                endpoints.append(f"  {launch.name:<8} {address}")
+        if not stop.is_set():
+            typer.echo("kvpool cluster up:\n" + "\n".join(endpoints))
+            if remote:
+                typer.echo("start these on their hosts:\n" + "\n".join(remote))
+            typer.echo(f"logs in {log_dir}; Ctrl-C stops everything")
+        while not stop.is_set():
+            dead = [p.name for p in procs if not p.alive]
+            if dead:
+                typer.echo(f"kvpool up: {', '.join(dead)} exited; stopping the cluster", err=True)
+                code = 1
+                break
+            stop.wait(0.5)
+    except (RuntimeError, TimeoutError) as exc:
+        typer.echo(f"kvpool up: {exc}", err=True)
+        code = 1
+    finally:
+        stop.set()
+        for proc in reversed(procs):
+            proc.stop()
+        typer.echo("kvpool cluster stopped")
+    return code

@@ -1,0 +1,272 @@
+"""The TOML cluster spec of `kvpool up -c cluster.toml`: roles, counts, hosts, ports, model, pool settings.
+
+    [cluster]
+    model = ""              # model directory; "" = the embedded model
+    block_size = 64
+    device = "cpu"
+
+    [master]
+    host = "127.0.0.1"
+    port = 50051            # 0 = ephemeral (single host only: other hosts need a fixed port)
+    replicas = 1
+    eviction_policy = "fwlru"
+    high_watermark = 0.9
+    low_watermark = 0.8
+
+    [store]
+    count = 2
+    hosts = ["127.0.0.1"]   # instance i runs on hosts[i % len(hosts)]
+    segment_size = "256MiB"
+
+    [prefill]
+    count = 2
+
+    [decode]
+    count = 1
+
+    [router]
+    port = 8000
+    policy = "cost"
+    tenants = ""            # tenants TOML file; "" = single tenant
+
+Every error names the file, the line (when the key is in the file) and the field. `plan()` turns a spec
+into the role commands (`kvpool master|store|prefill|decode|router …`): `kvpool up` starts those whose
+host is this machine and prints the others' command lines for their hosts.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvpool.errors import InvalidArgument
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$")
+_EVICTION = ("lru", "lfu", "fwlru", "cost")
+_POLICIES = ("cost", "affinity", "least-load", "round-robin")
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ClusterSection(_Section):
+    model: str = ""
+    block_size: int = Field(default=64, gt=0, le=4096)
+    device: str = "cpu"
+
+
+class MasterSection(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=50051, ge=0, le=65535)
+    replicas: int = Field(default=1, ge=1, le=16)
+    eviction_policy: str = "fwlru"
+    high_watermark: float = Field(default=0.9, gt=0.0, le=1.0)
+    low_watermark: float = Field(default=0.8, gt=0.0, le=1.0)
+    heartbeat_timeout_ms: int = Field(default=3000, gt=0)
+
+    @field_validator("eviction_policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        if v not in _EVICTION:
+            raise ValueError(f"must be one of {', '.join(_EVICTION)}, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _marks(self) -> MasterSection:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError("low_watermark must be <= high_watermark")
+        return self
+
+
+class RoleSection(_Section):
+    count: int = Field(default=1, ge=0, le=256)
+    hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1"], min_length=1)
+    port: int = Field(
+        default=0, ge=0, le=65535, description="first port; instance i uses port + i (0: ephemeral)"
+    )
+
+
+class StoreSection(RoleSection):
+    count: int = Field(default=2, ge=1, le=256)
+    segment_size: str = "256MiB"
+
+    @field_validator("segment_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        if parse_size(v) is None:
+            raise ValueError(f"must be a size like 256MiB or 4GiB, got {v!r}")
+        return v
+
+
+class RouterSection(_Section):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    policy: str = "cost"
+    tenants: str = ""
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        if v not in _POLICIES:
+            raise ValueError(f"must be one of {', '.join(_POLICIES)}, got {v!r}")
+        return v
+
+
+class ClusterSpec(_Section):
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
+    master: MasterSection = Field(default_factory=MasterSection)
+    store: StoreSection = Field(default_factory=StoreSection)
+    prefill: RoleSection = Field(default_factory=RoleSection)
+    decode: RoleSection = Field(default_factory=RoleSection)
+    router: RouterSection = Field(default_factory=RouterSection)
+
+    @model_validator(mode="after")
+    def _multi_host(self) -> ClusterSpec:
+        hosts = {h for s in (self.store, self.prefill, self.decode) for h in s.hosts} | {self.router.host}
+        if self.master.port == 0 and any(not is_local(h) for h in hosts):
+            raise ValueError("master.port must be fixed (not 0) when roles run on other hosts")
+        if self.prefill.count < 1 or self.decode.count < 1:
+            raise ValueError("a cluster needs at least one prefill and one decode node")
+        return self
+
+
+def parse_size(text: str) -> int | None:
+    m = _SIZE.match(text)
+    if m is None:
+        return None
+    unit = m.group(2) or "B"
+    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10, "MiB": 2**20,
+            "GiB": 2**30, "TiB": 2**40}[unit]  # fmt: skip
+    return int(float(m.group(1)) * mult)
+
+
+def is_local(host: str) -> bool:
+    return host in LOCAL_HOSTS or host in (socket.gethostname(), socket.getfqdn())
+
+
+def _line_of(text: str, loc: tuple[Any, ...]) -> int | None:
+    """The 1-based line of `[section]` / `key =` named by a validation error location (best effort)."""
+    lines = text.splitlines()
+    section = str(loc[0]) if loc else ""
+    key = str(loc[1]) if len(loc) > 1 else None
+    start = next((i for i, ln in enumerate(lines) if ln.strip() == f"[{section}]"), None)
+    if start is None:
+        return None
+    if key is None:
+        return start + 1
+    for i in range(start + 1, len(lines)):
+        s = lines[i].strip()
+        if s.startswith("["):
+            break
+        if re.match(rf"^{re.escape(key)}\s*=", s):
+            return i + 1
+    return start + 1
+
+
+def load_spec(path: str | Path) -> ClusterSpec:
+    """Read and validate a cluster spec; `InvalidArgument("FILE:LINE: FIELD: message")` on any error."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise InvalidArgument(f"{p}: cannot read cluster spec: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgument(f"{p}: invalid TOML: {exc}") from None
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as exc:
+        msgs = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            where = ".".join(str(x) for x in loc) or "(top level)"
+            line = _line_of(text, loc)
+            msg = err["msg"].removeprefix("Value error, ")
+            msgs.append(f"{p}:{line}: {where}: {msg}" if line else f"{p}: {where}: {msg}")
+        raise InvalidArgument("\n".join(msgs)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One role process: `kvpool <args>` on `host`. `{master}` in args is the master's address."""
+
+    name: str
+    role: str
+    host: str
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def local(self) -> bool:
+        return is_local(self.host)
+
+    def command(self, master: str) -> str:
+        return "kvpool " + " ".join(a.replace("{master}", master) for a in self.args)
+
+
+def plan(spec: ClusterSpec, layout: str) -> list[Launch]:
+    """Every process of the cluster, in start order (master, stores, serving nodes, router)."""
+    m, c = spec.master, spec.cluster
+    out = [
+        Launch(
+            "master",
+            "master",
+            m.host,
+            [
+                "master",
+                "--listen",
+                m.host,
+                "--port",
+                str(m.port),
+                "--layout",
+                layout,
+                "--replicas",
+                str(m.replicas),
+                "--policy",
+                m.eviction_policy,
+                "--high-watermark",
+                str(m.high_watermark),
+                "--low-watermark",
+                str(m.low_watermark),
+                "--heartbeat-timeout-ms",
+                str(m.heartbeat_timeout_ms),
+            ],
+        )  # fmt: skip
+    ]
+
+    def port(section: RoleSection, i: int) -> str:
+        return str(section.port + i) if section.port else "0"
+
+    for i in range(spec.store.count):
+        host = spec.store.hosts[i % len(spec.store.hosts)]
+        out.append(Launch(f"store{i}", "store", host, [
+            "store", "--master", "{master}", "--listen", host, "--grpc-port", port(spec.store, i),
+            "--data-port", "0", "--segment-size", spec.store.segment_size, "--layout", layout,
+            "--node-id", f"store{i}",
+        ]))  # fmt: skip
+    model = ["--model", c.model] if c.model else []
+    for role, section in (("prefill", spec.prefill), ("decode", spec.decode)):
+        for i in range(section.count):
+            host = section.hosts[i % len(section.hosts)]
+            out.append(Launch(f"{role}{i}", role, host, [
+                role, "--master", "{master}", "--listen", host, "--port", port(section, i), "--node-id",
+                f"{role}{i}", "--device", c.device, "--block-size", str(c.block_size),
+                "--replicas", str(m.replicas), *model,
+            ]))  # fmt: skip
+    r = spec.router
+    if r.enabled:
+        tenants = ["--tenants", r.tenants] if r.tenants else []
+        out.append(Launch("router", "router", r.host, [
+            "router", "--master", "{master}", "--listen", r.host, "--port", str(r.port), "--policy", r.policy,
+            "--block-size", str(c.block_size), *model, *tenants,
+        ]))  # fmt: skip
+    return out

@@ -1,0 +1,147 @@
+"""Cluster spec validation (file, line, field in every error) and `kvpool up` (slow: a real cluster)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvpool.cluster.spec import load_spec, parse_size, plan
+from kvpool.errors import InvalidArgument
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cluster.toml"
+
+
+def _spec(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "cluster.toml"
+    p.write_text(text)
+    return p
+
+
+def test_example_spec_loads_and_plans() -> None:
+    spec = load_spec(EXAMPLE)
+    launches = plan(spec, "kv1:float32:b64:l4:h4:d32")
+    assert [x.name for x in launches] == [
+        "master",
+        "store0",
+        "store1",
+        "prefill0",
+        "prefill1",
+        "decode0",
+        "router",
+    ]
+    assert all(x.local for x in launches)
+    assert "--segment-size 256MiB" in launches[1].command("m:1")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "[store]\ncount = 0\n",
+            r"cluster\.toml:2: store\.count: Input should be greater than or equal to 1",
+        ),
+        ('[master]\neviction_policy = "random"\n', r":2: master\.eviction_policy: must be one of lru"),
+        ("[master]\nhigh_watermark = 0.5\nlow_watermark = 0.7\n", r":1: master: low_watermark must be <="),
+        ('[store]\nsegment_size = "lots"\n', r":2: store\.segment_size: must be a size like 256MiB"),
+        ('[router]\npolicy = "fastest"\n', r":2: router\.policy: must be one of cost"),
+        ("[prefill]\ncount = 1\nports = 3\n", r":3: prefill\.ports: Extra inputs are not permitted"),
+        ("[cluster]\nblock_size = -4\n", r":2: cluster\.block_size: Input should be greater than 0"),
+        ("[cluster\n", r"cluster\.toml: invalid TOML"),
+        ('[master]\nport = 0\n[decode]\nhosts = ["10.0.0.7"]\n', r"master\.port must be fixed"),
+    ],
+)
+def test_spec_errors_name_file_line_and_field(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(InvalidArgument, match=expected):
+        load_spec(_spec(tmp_path, text))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="cannot read cluster spec"):
+        load_spec(tmp_path / "nope.toml")
+
+
+def test_three_host_plan(tmp_path: Path) -> None:
+    text = """
+[master]
+host = "10.0.0.1"
+port = 50051
+[store]
+count = 2
+hosts = ["10.0.0.2", "10.0.0.3"]
+[prefill]
+count = 2
+hosts = ["10.0.0.2", "10.0.0.3"]
+port = 50060
+[decode]
+hosts = ["10.0.0.3"]
+[router]
+host = "10.0.0.1"
+"""
+    launches = {x.name: x for x in plan(load_spec(_spec(tmp_path, text)), "kv1:float32:b64:l4:h4:d32")}
+    assert launches["store1"].host == "10.0.0.3"
+    assert "--listen 10.0.0.3 --port 50061" in launches["prefill1"].command("10.0.0.1:50051")
+    assert "--master 10.0.0.1:50051" in launches["router"].command("10.0.0.1:50051")
+    assert not launches["router"].local
+
+
+def test_parse_size() -> None:
+    assert parse_size("256MiB") == 256 * 2**20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("12") == 12
+    assert parse_size("big") is None
+
+
+def test_up_rejects_a_bad_spec(tmp_path: Path) -> None:
+    bad = _spec(tmp_path, "[store]\ncount = 0\n")
+    r = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "up", "-c", str(bad)], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2
+    assert "cluster.toml:2: store.count" in r.stderr
+
+
+@pytest.mark.slow
+def test_up_starts_serves_and_stops(tmp_path: Path) -> None:
+    import httpx
+
+    spec = _spec(tmp_path, """
+[cluster]
+block_size = 16
+[master]
+port = 0
+[store]
+count = 1
+segment_size = "64MiB"
+[router]
+port = 0
+""")  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.cli.main", "up", "-c", str(spec)], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+    url = None
+    lines = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip().startswith("router") and "http://" in line:
+                url = line.split()[1]
+            if "Ctrl-C stops everything" in line or time.monotonic() > deadline:
+                break
+        assert url, "".join(lines[-40:])
+        assert any(line.startswith("[prefill0] ") for line in lines)  # prefixed role logs
+        r = httpx.post(f"{url}/completions", json={"model": "kvpool-tiny-llama-l4-h256-a8-kv4-i688",
+                                                   "prompt": "hello", "max_tokens": 3}, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out[-2000:]
+    assert "kvpool cluster stopped" in out
