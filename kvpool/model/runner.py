@@ -6,7 +6,6 @@ KV is held in `KVPrefix` (see kv.py) on the runner's device in the model's dtype
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvpool.hashing import Namespace
 from kvpool.model.arch import check_architecture, kv_dims
+from kvpool.model.digest import weights_digest
 from kvpool.model.embedded import embedded_model_dir, read_marker
 from kvpool.model.kv import BlockBytes, KVPrefix, gather_blocks, scatter_blocks
 from kvpool.model.sampling import SamplingParams, make_generator, sample_next
@@ -25,20 +25,6 @@ from kvpool.model.tokenizer import Tokenizer, load_tokenizer
 from kvpool.types import KVLayout
 
 log = logging.getLogger(__name__)
-
-
-def weights_digest(model_dir: Path) -> str:
-    """BLAKE2b-128 hex over the weight files (`*.safetensors`, else `*.bin`), names and bytes, sorted."""
-    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
-    if not files:
-        raise NotFound(f"no weight files (*.safetensors, *.bin) in {model_dir}")
-    h = hashlib.blake2b(digest_size=16, person=b"kvpool-weights")
-    for path in files:
-        h.update(path.name.encode() + b"\0")
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def _resolve_dtype(dtype: str | None, config: Any) -> torch.dtype:

@@ -16,7 +16,6 @@ encoded as UTF-8 bytes after BOS.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,23 +25,10 @@ from typing import Any
 
 from kvpool.errors import InvalidArgument, NotFound
 from kvpool.hashing import Namespace
+from kvpool.model.digest import weights_digest
 from kvpool.types import KVLayout, NamespaceId
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-def weights_digest(model_dir: Path) -> str:
-    """BLAKE2b-128 hex over the weight files, as `kvpool.model.runner.weights_digest` computes it."""
-    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
-    if not files:
-        raise NotFound(f"no weight files (*.safetensors, *.bin) in {model_dir}")
-    h = hashlib.blake2b(digest_size=16, person=b"kvpool-weights")
-    for path in files:
-        h.update(path.name.encode() + b"\0")
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def simple_chat_prompt(messages: Sequence[Mapping[str, str]]) -> str:
