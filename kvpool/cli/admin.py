@@ -240,29 +240,56 @@ def drain(node: str = typer.Argument(..., help="Store node id."), as_json: bool 
 def economics(
     model_params: float = typer.Option(..., "--model-params", help="Model parameters, e.g. 8e9."),
     window_s: float = typer.Option(2.0, "--window", help="Measure counters over this many seconds."),
+    num_layers: int = typer.Option(32, "--layers", help="Transformer layers (attention term)."),
+    d_attn: int = typer.Option(4096, "--d-attn", help="Attention width n_heads x head_dim (attention term)."),
+    gpu: str = typer.Option(
+        "H100-SXM", help="GPU for 'GPUs saved' (H100-SXM, H200-SXM, A100-SXM, L40S, MI300X)."
+    ),
+    mfu: float = typer.Option(0.5, help="Model FLOP utilisation assumed for prefill on that GPU."),
     as_json: bool = JSON,
 ) -> None:
-    """Hit tokens/s and prefill FLOP/s saved (2·params per token), measured from live counters."""
+    """Saved prefill tokens/s (λ x mean reused tokens per request), FLOP/s and GPUs saved, from live counters.
+
+    Formulas and sources: `kvpool.bench.economics` (saved tokens/s = λ·h·s_c; FLOP = 2Ψ per token plus
+    causal attention 4·layers·d_attn per pair; GPUs = FLOP/s ÷ (peak·MFU); Mooncake FAST'25, SGLang).
+    """
     import time
 
-    if model_params <= 0 or window_s <= 0:
-        typer.echo("kvpool admin: --model-params and --window must be > 0", err=True)
+    from kvpool.bench import economics as eco
+
+    if model_params <= 0 or window_s <= 0 or num_layers < 0 or d_attn < 0 or not 0 < mfu <= 1:
+        typer.echo("kvpool admin: --model-params, --window must be > 0; --mfu in (0, 1]", err=True)
         raise typer.Exit(2)
+    if gpu not in eco.GPUS:
+        typer.echo(f"kvpool admin: unknown --gpu {gpu!r}; known: {', '.join(eco.GPUS)}", err=True)
+        raise typer.Exit(2)
+    shape = eco.ModelShape(name="given", params=model_params, num_layers=num_layers, d_attn=d_attn)
 
     def fn(c: Any) -> dict[str, Any]:
         a = c.stats()
         time.sleep(window_s)
         b = c.stats()
+        w = eco.workload_from_counters(a, b, window_s)
         hit_tps = (b.hit_tokens - a.hit_tokens) / window_s
         req_tps = (b.requested_tokens - a.requested_tokens) / window_s
+        flop = eco.saved_flop_per_s(w, shape)
+        total = w.request_rate_per_s * shape.prefill_flop(w.mean_prompt_tokens)
+        gpus = eco.gpus_saved(flop, eco.GPUS[gpu], mfu)
         return {
             "window_s": window_s,
+            "request_rate_per_s": round(w.request_rate_per_s, 3),
+            "mean_reused_tokens_per_request": round(w.mean_reused_tokens, 1),
+            "saved_prefill_tokens_per_s": round(w.saved_tokens_per_s, 2),
             "hit_tokens_per_s": round(hit_tps, 2),
             "requested_tokens_per_s": round(req_tps, 2),
             "hit_rate_window": round(hit_tps / req_tps, 4) if req_tps else 0.0,
-            "flop_per_s_saved": 2.0 * model_params * hit_tps,
+            "flop_per_s_saved": flop,
+            "share_prefill_flop_saved": round(flop / total, 4) if total else 0.0,
+            f"gpus_saved_{gpu}": round(gpus, 4),
+            "mfu": mfu,
             "hit_tokens_total": b.hit_tokens,
             "flop_saved_total": 2.0 * model_params * b.hit_tokens,
+            "verdict": eco.verdict(flop / total if total else 0.0, gpus, gpu),
         }
 
     _run(fn, as_json, lambda r: _kv("economics", r))

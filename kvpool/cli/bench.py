@@ -19,14 +19,96 @@ def ttft(
     device: str = typer.Option("cpu", help="torch device of the serving nodes"),
     model: str = typer.Option(None, help="HF model directory (default: embedded)"),
     json_out: Path = typer.Option(None, "--json", help="write the report JSON here"),
+    sweep: bool = typer.Option(False, help="sweep prefix x question length and fit the TTFT formula"),
+    prefixes: str = typer.Option("", help="--sweep: prefix lengths, comma-separated (default 256,1024,4096)"),
+    questions: str = typer.Option("", help="--sweep: question lengths, comma-separated (default 16,128,512)"),
+    quick: bool = typer.Option(False, help="--sweep: a tiny grid (smoke test)"),
+    plot: Path = typer.Option(None, "--plot", help="--sweep: write a PNG of the fit here"),
 ) -> None:
-    """Cold vs warm TTFT for RAG with a long shared prefix pulled from the pool."""
+    """Cold vs warm TTFT for RAG with a long shared prefix pulled from the pool (`--sweep`: a grid + fit)."""
+    if sweep:
+        from kvpool.bench.ttft_sweep import run_ttft_sweep
+
+        try:
+            plist = [int(x) for x in prefixes.split(",") if x.strip()] or None
+            qlist = [int(x) for x in questions.split(",") if x.strip()] or None
+        except ValueError:
+            raise typer.BadParameter("--prefixes / --questions take comma-separated integers") from None
+        run_ttft_sweep(
+            prefixes=plist, questions=qlist, reps=requests, quick=quick, block_size=block_size, model_dir=model,
+            json_out=json_out, plot_out=plot,
+        )  # fmt: skip
+        return
     from kvpool.bench.ttft import run_ttft
 
     run_ttft(
         prefix_tokens=prefix_tokens, question_tokens=question_tokens, num_requests=requests, block_size=block_size,
         transport=transport, device=device, model_dir=model, json_out=json_out,
     )  # fmt: skip
+
+
+@bench_app.command("crossover")
+def crossover_cmd(
+    json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG: TTFT pulled vs recomputed per link."),
+    quick: bool = typer.Option(False, help="Tiny grid (one model, 2 prefixes, 2 throttles): a smoke test."),
+    reps: int = typer.Option(3, help="Measurements per cell and mode (the median is scored)."),
+    rates: str = typer.Option(
+        "auto", help="Throttle rates in Mb/s, comma-separated, or auto (around break-even)."
+    ),
+    question_tokens: int = typer.Option(32, help="Tokens after the shared prefix."),
+    netns: bool = typer.Option(True, help="Measure tc-throttled links between network namespaces (root)."),
+    fresh_calibration: bool | None = typer.Option(
+        None, help="Re-calibrate recompute at start (default: yes, except --quick)."
+    ),
+) -> None:
+    """Transfer vs recompute: real TTFT pulled vs recomputed per model, link and prefix; cost model's choice."""
+    from kvpool.bench.crossover import run_crossover
+
+    try:
+        rate_list = None if rates.strip() == "auto" else [float(x) for x in rates.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"--rates: {rates!r} is not 'auto' or a list of numbers") from None
+    if reps < 1:
+        raise typer.BadParameter("--reps must be >= 1")
+    run_crossover(
+        quick=quick, reps=reps, rates_mbit=rate_list, question_tokens=question_tokens, netns=netns,
+        fresh_calibration=fresh_calibration, json_out=json_out, plot_out=plot,
+    )  # fmt: skip
+
+
+@bench_app.command("economics")
+def economics_cmd(
+    trace: Path | None = typer.Option(
+        None, "--trace", help="Mooncake-format JSONL (default: bundled conversation trace)."
+    ),
+    master: str | None = typer.Option(
+        None, "--master", help="Use this master's live counters instead of a trace."
+    ),
+    window_s: float = typer.Option(5.0, "--window", help="Live counters: seconds between the two reads."),
+    model: str = typer.Option("llama-3-8b", help="Model shape: llama-3-8b, llama-3-70b, qwen2.5-7b."),
+    gpus: str = typer.Option("H100-SXM,A100-SXM", help="GPUs for 'GPUs saved' (comma-separated)."),
+    mfu: float = typer.Option(0.5, help="Assumed prefill MFU on those GPUs."),
+    capacity_frac: float | None = typer.Option(
+        None, help="Trace: pool capacity as a fraction of unique blocks."
+    ),
+    measure_local: bool = typer.Option(
+        False, help="Also divide by this machine's measured prefill tokens/s."
+    ),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
+) -> None:
+    """Saved prefill tokens/s (λ·h·s_c), FLOP/s and GPUs saved over hit rates, with a verdict."""
+    from kvpool.bench.economics import run_economics
+    from kvpool.errors import InvalidArgument
+
+    try:
+        run_economics(
+            trace=trace, master=master, window_s=window_s, model_name=model,
+            gpu_names=[g.strip() for g in gpus.split(",") if g.strip()], mfu=mfu, capacity_frac=capacity_frac,
+            measure_local=measure_local, json_out=json_out,
+        )  # fmt: skip
+    except (InvalidArgument, OSError) as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 @bench_app.command("trace")

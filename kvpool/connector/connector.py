@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -27,10 +28,21 @@ import numpy as np
 from kvpool.connector.breaker import PoolBreaker
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.pull import pull_blocks
-from kvpool.cost import LOCAL_LINK, LinkEstimate, RecomputeModel, decide_reuse
+from kvpool.cost import LOCAL_LINK, LinkEstimate, RecomputeModel, decide_reuse, t_transfer_s
 from kvpool.errors import DeadlineExceeded, TransferError, Unavailable
 
 log = logging.getLogger(__name__)
+
+FORCE_DECISION_ENV = "KVPOOL_FORCE_DECISION"
+"""Benchmarks only: `pull` (load every hit block) | `recompute` (load none) | `auto` (default, the cost
+model). Forced loads still report the cost model's predictions: `predicted_pull_s` is then the predicted
+load of every hit block, and `reason` says what `auto` would have done."""
+
+
+def forced_decision() -> str:
+    """The value of `KVPOOL_FORCE_DECISION` (read per load), "auto" when unset or unknown."""
+    value = os.environ.get(FORCE_DECISION_ENV, "auto").strip().lower()
+    return value if value in ("pull", "recompute") else "auto"
 
 
 @dataclass(slots=True)
@@ -203,6 +215,14 @@ class KVConnector:
         stats.predicted_recompute_s = decision.predicted_recompute_all_s
         stats.reason = decision.reason
         k = decision.num_load_blocks
+        force = forced_decision()
+        if force != "auto":
+            k = num_hit if force == "pull" else 0
+            n_local = min(k, num_local)
+            stats.predicted_pull_s = t_transfer_s(
+                (k - n_local) * self.block_nbytes, link if link is not None else LOCAL_LINK
+            )
+            stats.reason = f"forced_{force} (auto: {decision.reason})"
         if k == 0:
             stats.decision = "recompute"
             return
