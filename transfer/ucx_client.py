@@ -1,0 +1,361 @@
+"""The caller side of the UCX data plane: `UcxTransport` (protocol: transfer/ucx.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import statistics
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import numpy as np
+
+from transfer.base import (
+    BlockRead,
+    BlockResult,
+    BlockWrite,
+    LinkEstimate,
+    LinkTracker,
+    TransferError,
+    as_bytes_view,
+    checksum,
+    validate_batch,
+)
+from transfer.ucx_runtime import (
+    MAX_BLOCKS_PER_MESSAGE,
+    _err,
+    _pack,
+    _Runtime,
+    _tag,
+    _unpack,
+    abort_ep,
+    ep_handle,
+)
+
+log = logging.getLogger(__name__)
+_HANDSHAKE_RETRY_S = 0.2  # first wait for a handshake reply before pinging again (doubles each time)
+
+
+class _Conn:
+    """One endpoint to a peer, with a reader task that routes response headers to waiting requests."""
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self.dead = False
+        self._pending: dict[tuple[int, int], asyncio.Future[Any]] = {}
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = _unpack(await self.ep.am_recv())
+                fut = self._pending.pop((int(msg["id"]), int(msg.get("ph", 0))), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except Exception as exc:  # noqa: BLE001 - the endpoint failed: fail every waiter
+            self._fail(TransferError(f"connection lost: {_err(exc)}"))
+            abort_ep(self.ep, recv_pending=False)  # release it now; its am_recv has ended
+
+    def _fail(self, exc: Exception) -> None:
+        self.dead = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._pending.clear()
+
+    def expect(self, rid: int, phase: int) -> asyncio.Future[Any]:
+        if self.dead:
+            raise TransferError("connection lost")
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[(rid, phase)] = fut
+        return fut
+
+    async def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        fut = self.expect(msg["id"], 0)
+        await self.ep.am_send(_pack(msg))
+        reply: dict[str, Any] = await fut
+        if "error" in reply:
+            raise TransferError(f"peer refused the request: {reply['error']}")
+        return reply
+
+    def abort(self) -> None:
+        """Close at once: cancels every posted receive (no late bytes land in a caller's buffer)."""
+        self._fail(TransferError("connection aborted"))
+        if not self._reader.done():
+            self._reader.cancel()
+            abort_ep(self.ep, recv_pending=True)  # its am_recv stays queued in ucxx: count it
+
+    async def handshake(self, rt: _Runtime, timeout_s: float) -> None:
+        """Ping until a reply comes back, absorbing active messages that ucxx hands to receives orphaned
+        on a recycled endpoint handle: ours are counted (one extra ping each, sent at once); the peer's are
+        unknown here, so a ping that gets no reply is sent again after a short, doubling wait."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        wait = _HANDSHAKE_RETRY_S
+        count = 1 + rt.stale.pop(ep_handle(self.ep), 0)
+        futs: list[asyncio.Future[Any]] = []
+        rids: list[int] = []
+        try:
+            while True:
+                for _ in range(count):
+                    rids.append(next(rt.ids))
+                    futs.append(self.expect(rids[-1], 0))
+                    await self.ep.am_send(_pack({"op": "ping", "id": rids[-1]}))
+                left = end - loop.time()
+                if left <= 0:
+                    raise TransferError(f"no handshake reply in {timeout_s:.3g} s")
+                done, _ = await asyncio.wait(futs, timeout=min(wait, left), return_when="FIRST_COMPLETED")
+                for fut in done:
+                    fut.result()  # raises when the connection was lost
+                if done:
+                    return
+                count, wait = 1, wait * 2
+        finally:
+            for rid, fut in zip(rids, futs, strict=True):
+                self._pending.pop((rid, 0), None)
+                fut.cancel()
+
+
+class _Peer:
+    def __init__(self, size: int) -> None:
+        self.conns: list[_Conn | None] = [None] * size
+        self.lock = asyncio.Lock()
+
+
+class UcxTransport:
+    """`Transport` over UCX. Thread-safe; calls block the caller, never the UCX loop.
+
+    `endpoints_per_peer` endpoints are opened per peer (lazily) and reused; a batch is split into
+    messages of `blocks_per_message` blocks spread over them, all in flight at once. The first
+    connection to a peer probes the link (`probe_pings` tiny round trips for alpha, `probe_bytes` for beta).
+    """
+
+    def __init__(
+        self,
+        *,
+        endpoints_per_peer: int = 2,
+        blocks_per_message: int = 64,
+        probe_bytes: int = 4 << 20,
+        probe_pings: int = 5,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
+        if endpoints_per_peer < 1 or not 1 <= blocks_per_message <= MAX_BLOCKS_PER_MESSAGE:
+            raise ValueError("endpoints_per_peer >= 1 and 1 <= blocks_per_message <= 4096 are required")
+        self._rt = _Runtime.get()
+        self._size = endpoints_per_peer
+        self._per_msg = blocks_per_message
+        self._probe_bytes = probe_bytes
+        self._probe_pings = probe_pings
+        self._connect_timeout_s = connect_timeout_s
+        self._peers: dict[str, _Peer] = {}
+        self._ids = self._rt.ids  # process-wide: a stray reply never matches another request
+        self._links = LinkTracker()
+        self._closed = False
+
+    # -- sync API
+
+    def read_blocks(
+        self, peer: str, reads: Sequence[BlockRead], out: Sequence[memoryview], *, timeout_s: float
+    ) -> list[BlockResult]:
+        validate_batch(len(reads), len(out))
+        views = [as_bytes_view(o) for o in out]
+        pre = [
+            "" if v.nbytes == r.nbytes and not v.readonly else f"output buffer unusable for {r.nbytes} B"
+            for r, v in zip(reads, views, strict=True)
+        ]
+        idx = [i for i, p in enumerate(pre) if not p]
+        raw = self._call(
+            self._read(peer, [reads[i] for i in idx], [views[i] for i in idx], timeout_s), timeout_s, len(idx)
+        )
+        results = [BlockResult(False, error=p) for p in pre]
+        nbytes = 0
+        for i, (ok, cs, err) in zip(idx, raw, strict=True):
+            if not ok:
+                results[i] = BlockResult(False, error=err)
+                continue
+            got = checksum(views[i])
+            if got != cs:
+                results[i] = BlockResult(False, got, f"checksum mismatch: got {got:#x}, peer sent {cs:#x}")
+            else:
+                results[i] = BlockResult(True, got)
+                nbytes += reads[i].nbytes
+        return results
+
+    def write_blocks(self, peer: str, writes: Sequence[BlockWrite], *, timeout_s: float) -> list[BlockResult]:
+        views = [as_bytes_view(w.data) for w in writes]
+        raw = self._call(self._write(peer, writes, views, timeout_s), timeout_s, len(writes))
+        return [BlockResult(ok, cs, err) for ok, cs, err in raw]
+
+    def link(self, peer: str) -> LinkEstimate:
+        est = self._links.get(peer)
+        if est is None:
+            self._rt.run(self._conn(peer, 0), self._connect_timeout_s + 10.0)
+            est = self._links.get(peer)
+        if est is None:
+            raise TransferError(f"no link estimate for {peer}")
+        return est
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._rt.run(self._close(), 10.0)
+
+    def _call(self, coro: Coroutine[Any, Any, list[Any]], timeout_s: float, n: int) -> list[Any]:
+        if self._closed:
+            coro.close()
+            return [(False, 0, "transport closed")] * n
+        try:
+            return self._rt.run(coro, timeout_s + 5.0)
+        except Exception as exc:  # noqa: BLE001 - per-block results, never a raise
+            return [(False, 0, _err(exc))] * n
+
+    # -- loop side
+
+    async def _close(self) -> None:
+        for p in self._peers.values():
+            for c in p.conns:
+                if c is not None:
+                    c.abort()
+        self._peers.clear()
+
+    async def _conn(self, peer: str, k: int) -> _Conn:
+        p = self._peers.get(peer)
+        if p is None:
+            p = self._peers[peer] = _Peer(self._size)
+        k %= self._size
+        conn = p.conns[k]
+        if conn is not None and not conn.dead:
+            return conn
+        async with p.lock:
+            conn = p.conns[k]
+            if conn is not None and not conn.dead:
+                return conn
+            host, _, port = peer.rpartition(":")
+            try:
+                ep = await asyncio.wait_for(
+                    self._rt.ucxx.create_endpoint(host, int(port), connect_timeout=self._connect_timeout_s),
+                    self._connect_timeout_s + 1.0,
+                )
+            except Exception as exc:  # noqa: BLE001
+                raise TransferError(f"cannot connect to {peer}: {_err(exc)}") from exc
+            conn = _Conn(ep)
+            try:
+                await conn.handshake(self._rt, self._connect_timeout_s)
+                if self._links.get(peer) is None:
+                    await asyncio.wait_for(self._probe(peer, conn), self._connect_timeout_s + 5.0)
+            except BaseException as exc:
+                conn.abort()
+                if isinstance(exc, Exception):
+                    raise TransferError(f"cannot connect to {peer}: {_err(exc)}") from exc
+                raise
+            p.conns[k] = conn
+            return conn
+
+    async def _probe(self, peer: str, conn: _Conn) -> None:
+        rtts = []
+        for _ in range(self._probe_pings):
+            t0 = time.perf_counter()
+            await conn.request({"op": "ping", "id": next(self._ids)})
+            rtts.append(time.perf_counter() - t0)
+        alpha = statistics.median(rtts) if rtts else 0.0
+        beta = 0.0
+        if self._probe_bytes > 0:
+            buf = np.empty(self._probe_bytes, dtype=np.uint8)
+            for _ in range(2):
+                rid = next(self._ids)
+                t0 = time.perf_counter()
+                reply = await conn.request({"op": "bw", "id": rid, "n": self._probe_bytes})
+                await conn.ep.recv(buf[: int(reply["n"])], tag=_tag(rid, 0))
+                dt = time.perf_counter() - t0
+                beta = max(beta, self._probe_bytes / max(dt - alpha, dt * 0.1))
+        est = self._links.set(peer, alpha, beta)
+        log.info(
+            "link %s: alpha %.1f us, beta %.2f GB/s", peer, est.alpha_s * 1e6, est.beta_bytes_per_s / 1e9
+        )
+
+    async def _batch(self, peer: str, n: int, timeout_s: float, one: Any) -> list[tuple[bool, int, str]]:
+        """Run `one(conn, indices, results)` per message chunk, all concurrently, under one deadline."""
+        results: list[tuple[bool, int, str]] = [(False, 0, "deadline passed")] * n
+        chunks = [list(range(s, min(s + self._per_msg, n))) for s in range(0, n, self._per_msg)]
+        done = [False] * len(chunks)
+        used: list[_Conn | None] = [None] * len(chunks)
+        errors: list[str] = [""] * len(chunks)
+
+        async def run(k: int) -> None:
+            try:
+                conn = used[k] = await self._conn(peer, k)
+                await one(conn, chunks[k], results)
+                done[k] = True
+            except Exception as exc:  # noqa: BLE001 - the chunk fails as a whole
+                errors[k] = _err(exc)
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(run(k) for k in range(len(chunks)))), timeout_s)
+        for k, idxs in enumerate(chunks):
+            if done[k]:
+                continue
+            conn = used[k]
+            if conn is not None:
+                conn.abort()  # cancels its posted receives before the caller sees the result
+            why = errors[k] or f"deadline of {timeout_s:.3g} s passed"
+            for i in idxs:
+                results[i] = (False, 0, f"transfer to {peer} failed: {why}")
+        return results
+
+    async def _read(
+        self, peer: str, reads: Sequence[BlockRead], views: Sequence[memoryview], timeout_s: float
+    ) -> list[tuple[bool, int, str]]:
+        async def one(conn: _Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
+            rid = next(self._ids)
+            reply = await conn.request(
+                {
+                    "op": "read",
+                    "id": rid,
+                    "b": [[reads[i].slot, reads[i].generation, reads[i].nbytes] for i in idxs],
+                }
+            )
+            recvs = []
+            for j, (ok, cs, err) in enumerate(reply["r"]):
+                results[idxs[j]] = (bool(ok), int(cs), str(err))
+                if ok:
+                    recvs.append(conn.ep.recv(views[idxs[j]], tag=_tag(rid, j)))
+            await asyncio.gather(*recvs)
+
+        t0 = time.perf_counter()
+        res = await self._batch(peer, len(reads), timeout_s, one)
+        self._observe(peer, sum(reads[i].nbytes for i, r in enumerate(res) if r[0]), time.perf_counter() - t0)
+        return res
+
+    async def _write(
+        self, peer: str, writes: Sequence[BlockWrite], views: Sequence[memoryview], timeout_s: float
+    ) -> list[tuple[bool, int, str]]:
+        async def one(conn: _Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
+            rid = next(self._ids)
+            final = conn.expect(rid, 1)
+            reply = await conn.request(
+                {
+                    "op": "write",
+                    "id": rid,
+                    "b": [
+                        [writes[i].slot, writes[i].generation, views[i].nbytes, writes[i].checksum]
+                        for i in idxs
+                    ],
+                }
+            )
+            sends = [conn.ep.send(views[idxs[j]], tag=_tag(rid, j)) for j, h in enumerate(reply["r"]) if h[0]]
+            await asyncio.gather(*sends)
+            for j, (ok, cs, err) in enumerate((await final)["r"]):
+                results[idxs[j]] = (bool(ok), int(cs), str(err))
+
+        t0 = time.perf_counter()
+        res = await self._batch(peer, len(writes), timeout_s, one)
+        self._observe(peer, sum(views[i].nbytes for i, r in enumerate(res) if r[0]), time.perf_counter() - t0)
+        return res
+
+    def _observe(self, peer: str, nbytes: int, elapsed_s: float) -> None:
+        if nbytes >= 1 << 20:  # small batches measure latency, not bandwidth
+            self._links.observe(peer, nbytes, elapsed_s)

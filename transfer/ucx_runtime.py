@@ -1,0 +1,136 @@
+"""The process's UCX runtime: environment defaults, one UCX context progressed by one asyncio loop in a
+daemon thread (`_Runtime`), and the small helpers the server and client share.
+
+Why `ep_handle`/`stale` exist: ucxx queues an active-message receive by the raw `ucp_ep_h` of its
+endpoint, and aborting an endpoint does not withdraw a receive still waiting on it. UCX recycles endpoint
+handles, so the next endpoint that gets the same handle has its first incoming active message(s) handed to
+that orphaned receive and lost. The transport therefore counts, per handle, the receives it orphaned
+(`stale`), opens every connection with a handshake that sends enough pings to absorb them (and retries, for
+the peer's side), and uses process-wide request ids so a lost or late reply never matches another request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import msgpack
+
+from transfer.base import TransferError
+
+log = logging.getLogger(__name__)
+
+UCX_ENV_DEFAULTS = {
+    "UCX_MM_ERROR_HANDLING": "y",
+    "UCXPY_PROGRESS_MODE": "blocking",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+MAX_BLOCKS_PER_MESSAGE = 4096
+"""A server refuses a message naming more blocks than this (clients split batches far below it)."""
+_INDEX_BITS = 20
+_ABORT_PERIOD_NS = 100_000_000  # an abort waits at most this long for UCX (it runs on the loop thread)
+T = TypeVar("T")
+
+
+def apply_ucx_env_defaults() -> None:
+    """Set the UCX environment defaults documented above (values already set are kept)."""
+    for key, value in UCX_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    tls = os.environ.get("UCX_TLS")
+    if tls and not tls.startswith("^") and "tcp" not in tls.split(",") and tls != "all":
+        os.environ["UCX_TLS"] = tls + ",tcp"
+
+
+def _tag(rid: int, index: int) -> int:
+    return (rid << _INDEX_BITS) | index
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(buf: Any) -> Any:
+    return msgpack.unpackb(memoryview(buf).cast("B"), raw=False)
+
+
+def _err(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class _Runtime:
+    """The process's UCX context and the asyncio loop (daemon thread) that progresses it."""
+
+    _instance: _Runtime | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> _Runtime:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = _Runtime()
+            return cls._instance
+
+    def __init__(self) -> None:
+        apply_ucx_env_defaults()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvpool-ucx", daemon=True)
+        self._thread.start()
+        self.ucxx: Any = None
+        self.ids = itertools.count(1)
+        """Request ids, unique in the process (every transport and connection draws from it)."""
+        self.stale: dict[int, int] = {}
+        """ucp_ep_h -> active-message receives orphaned on it by an abort (see the module docstring)."""
+        try:
+            self.run(self._init(), 30.0)
+        except Exception as exc:
+            raise TransferError(f"UCX cannot initialise: {_err(exc)}") from exc
+
+    async def _init(self) -> None:
+        import ucxx
+
+        ucxx.init()
+        self.ucxx = ucxx
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a sync transfer call from inside the UCX loop thread would deadlock")
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout_s)
+        except TimeoutError:
+            fut.cancel()
+            raise
+
+
+def ep_handle(ep: Any) -> int:
+    """The endpoint's `ucp_ep_h` (0 once closed)."""
+    try:
+        return int(ep.uid)
+    except Exception:  # noqa: BLE001 - a closed endpoint has no handle
+        return 0
+
+
+def abort_ep(ep: Any, *, recv_pending: bool) -> None:
+    """Abort `ep` at once (bounded wait); `recv_pending`: an `am_recv` on it is still waiting (see above)."""
+    handle = ep_handle(ep)
+    if handle and recv_pending:
+        stale = _Runtime.get().stale
+        stale[handle] = stale.get(handle, 0) + 1
+    with contextlib.suppress(Exception):
+        ep.abort(period=_ABORT_PERIOD_NS)
+
+
+def ucx_available() -> str | None:
+    """None when UCX initialises in this process, else the reason it cannot."""
+    try:
+        _Runtime.get()
+    except TransferError as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,233 @@
+"""The store side of the UCX data plane: `UcxBlockServer` serves a `BlockHandler` (protocol: transfer/ucx.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import numpy as np
+
+from transfer.base import BlockHandler
+from transfer.ucx_runtime import (
+    MAX_BLOCKS_PER_MESSAGE,
+    _err,
+    _pack,
+    _Runtime,
+    _tag,
+    _unpack,
+    abort_ep,
+)
+
+log = logging.getLogger(__name__)
+
+
+class UcxBlockServer:
+    """Serves a `BlockHandler` over UCX. `start()` returns the listening port.
+
+    ucxx listeners listen on every interface (its API takes a port only); `host` is the address this
+    server advertises. A transfer still running `send_timeout_s` after its request arrived is aborted
+    (its endpoint closed) so a stalled reader never pins a slot forever.
+    """
+
+    def __init__(
+        self, handler: BlockHandler, host: str = "127.0.0.1", port: int = 0, *, send_timeout_s: float = 30.0
+    ) -> None:
+        self._handler = handler
+        self.host = host
+        self._port = port
+        self._send_timeout_s = send_timeout_s
+        self._rt: _Runtime | None = None
+        self._listener: Any = None
+        self._endpoints: set[Any] = set()  # endpoints whose reader waits in am_recv
+        self._readers: dict[Any, asyncio.Task[Any]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._probe_buf = np.zeros(0, dtype=np.uint8)
+        self.inflight = 0
+
+    @property
+    def port(self) -> int:
+        return int(self._listener.port) if self._listener is not None else 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> int:
+        self._rt = _Runtime.get()
+        self._rt.run(self._start(), 30.0)
+        log.info("UCX block server listening on port %d", self.port)
+        return self.port
+
+    async def _start(self) -> None:
+        assert self._rt is not None
+        self._listener = self._rt.ucxx.create_listener(self._on_connect, port=self._port)
+
+    def stop(self) -> None:
+        if self._rt is None:
+            return
+        with contextlib.suppress(Exception):
+            self._rt.run(self._stop(), 15.0)
+        self._rt = None
+
+    async def _stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for ep in list(self._endpoints):
+            self._abort(ep)
+
+    def _abort(self, ep: Any) -> None:
+        """Abort `ep` now and stop its reader (whose orphaned am_recv is recorded, see ucx_runtime)."""
+        pending = ep in self._endpoints
+        self._endpoints.discard(ep)
+        abort_ep(ep, recv_pending=pending)
+        reader = self._readers.pop(ep, None)
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+
+    async def _on_connect(self, ep: Any) -> None:
+        self._endpoints.add(ep)
+        task = asyncio.current_task()
+        if task is not None:
+            self._readers[ep] = task
+        try:
+            while True:
+                try:
+                    buf = await ep.am_recv()
+                except Exception:  # noqa: BLE001 - the peer went away
+                    break
+                try:
+                    msg = _unpack(buf)
+                    op = msg["op"]
+                    rid = int(msg["id"])
+                except Exception as exc:  # noqa: BLE001 - a malformed header closes this endpoint
+                    log.warning("malformed transfer header, closing endpoint: %s", _err(exc))
+                    break
+                task = asyncio.create_task(self._serve(ep, op, rid, msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        finally:
+            self._endpoints.discard(ep)  # this reader's am_recv has ended
+            self._abort(ep)
+
+    async def _serve(self, ep: Any, op: str, rid: int, msg: dict[str, Any]) -> None:
+        try:
+            if op == "read":
+                await self._serve_read(ep, rid, msg.get("b", []))
+            elif op == "write":
+                await self._serve_write(ep, rid, msg.get("b", []))
+            elif op == "ping":
+                await ep.am_send(_pack({"id": rid, "ph": 0}))
+            elif op == "bw":
+                await self._serve_bw(ep, rid, int(msg["n"]))
+            else:
+                await ep.am_send(_pack({"id": rid, "ph": 0, "error": f"unknown op {op!r}"}))
+        except Exception as exc:  # noqa: BLE001 - one bad request never stops the server
+            log.debug("transfer request %d (%s) failed: %s", rid, op, _err(exc))
+            self._abort(ep)
+
+    def _check_batch(self, blocks: Any, width: int) -> str:
+        if not isinstance(blocks, list) or len(blocks) > MAX_BLOCKS_PER_MESSAGE:
+            return f"a message names at most {MAX_BLOCKS_PER_MESSAGE} blocks"
+        for b in blocks:
+            if (
+                not isinstance(b, list)
+                or len(b) != width
+                or not all(isinstance(v, int) and v >= 0 for v in b)
+            ):
+                return "malformed block entry"
+        return ""
+
+    async def _serve_read(self, ep: Any, rid: int, blocks: Any) -> None:
+        problem = self._check_batch(blocks, 3)
+        if problem:
+            await ep.am_send(_pack({"id": rid, "ph": 0, "error": problem}))
+            return
+        header: list[list[Any]] = []
+        began: list[int] = []
+        views: list[tuple[int, memoryview]] = []
+        try:
+            for i, (slot, gen, nbytes) in enumerate(blocks):
+                try:
+                    view, stored = self._handler.begin_read(slot, gen, nbytes)
+                except Exception as exc:  # noqa: BLE001 - per-block result
+                    header.append([False, 0, _err(exc)])
+                    continue
+                began.append(slot)
+                if view.nbytes != nbytes:
+                    header.append([False, 0, f"block is {view.nbytes} B, request names {nbytes} B"])
+                    continue
+                header.append([True, stored, ""])
+                views.append((i, view))
+            self.inflight += len(began)
+            await ep.am_send(_pack({"id": rid, "ph": 0, "r": header}))
+            sends = [ep.send(view, tag=_tag(rid, i)) for i, view in views]
+            try:
+                await asyncio.wait_for(asyncio.gather(*sends), self._send_timeout_s)
+            except BaseException:
+                self._abort(ep)  # no UCX request may still read a slot once we end the read
+                raise
+        finally:
+            self.inflight -= len(began)
+            for slot in began:
+                try:
+                    self._handler.end_read(slot)
+                except Exception:  # noqa: BLE001
+                    log.exception("end_read(%d) failed", slot)
+
+    async def _serve_write(self, ep: Any, rid: int, blocks: Any) -> None:
+        problem = self._check_batch(blocks, 4)
+        if problem:
+            await ep.am_send(_pack({"id": rid, "ph": 0, "error": problem}))
+            return
+        header: list[list[Any]] = []
+        accepted: list[tuple[int, int, int, int]] = []  # index, slot, gen, checksum
+        recvs: list[asyncio.Task[Any]] = []
+        landed: list[bool] = []
+        try:
+            for i, (slot, gen, nbytes, cs) in enumerate(blocks):
+                try:
+                    view = self._handler.begin_write(slot, gen, nbytes)
+                except Exception as exc:  # noqa: BLE001 - per-block result
+                    header.append([False, 0, _err(exc)])
+                    continue
+                accepted.append((i, slot, gen, cs))
+                if view.nbytes != nbytes:
+                    header.append([False, 0, f"slot is {view.nbytes} B, request names {nbytes} B"])
+                    recvs.append(asyncio.create_task(asyncio.sleep(0, result=False)))
+                    continue
+                header.append([True, 0, ""])
+                recvs.append(asyncio.create_task(ep.recv(view, tag=_tag(rid, i))))
+            self.inflight += len(accepted)
+            await ep.am_send(_pack({"id": rid, "ph": 0, "r": header}))
+            try:
+                done = await asyncio.wait_for(
+                    asyncio.gather(*recvs, return_exceptions=True), self._send_timeout_s
+                )
+            except BaseException:
+                self._abort(ep)
+                raise
+            landed = [d is not False and not isinstance(d, BaseException) for d in done]
+        finally:
+            self.inflight -= len(accepted)
+            final = [list(h) for h in header]
+            for k, (i, slot, gen, cs) in enumerate(accepted):
+                ok = k < len(landed) and landed[k] and final[i][0]
+                try:
+                    self._handler.end_write(slot, gen, cs, ok)
+                except Exception as exc:  # noqa: BLE001 - per-block result
+                    final[i] = [False, 0, _err(exc)]
+                else:
+                    final[i] = (
+                        [True, cs, ""] if ok else [False, 0, final[i][2] or "block bytes did not arrive"]
+                    )
+        await ep.am_send(_pack({"id": rid, "ph": 1, "r": final}))
+
+    async def _serve_bw(self, ep: Any, rid: int, nbytes: int) -> None:
+        nbytes = min(max(nbytes, 1), 64 << 20)
+        if self._probe_buf.nbytes < nbytes:
+            self._probe_buf = np.zeros(nbytes, dtype=np.uint8)
+        await ep.am_send(_pack({"id": rid, "ph": 0, "n": nbytes}))
+        await asyncio.wait_for(ep.send(self._probe_buf[:nbytes], tag=_tag(rid, 0)), self._send_timeout_s)
