@@ -11,8 +11,8 @@ Definitions (DESIGN.md, "Why"):
     token for the dense weights; attention counted exactly, QKᵀ and AV = 4·d_attn FLOP per layer per
     (query, key) pair, causal: s(s+1)/2 pairs):
         F(s) = 2Ψ·s + 4·n_layers·d_attn·s(s+1)/2
-    FLOP/s saved = λ·h·F(s_c) from the means (a lower bound: F is convex), or Σ F(s_i) / duration exactly
-    in a trace replay.
+    FLOP/s saved = λ·h·F(s_c) from the means (a lower bound: F is convex; the table over h uses it), or
+    Σ F(s_i) / duration exactly in a trace replay (the measured row, its share and its verdict).
   - GPUs saved = FLOP/s saved ÷ (peak FLOP/s · MFU) for a named GPU, i.e. saved tokens/s ÷ that GPU's
     prefill throughput at this context (tokens/s = peak·MFU / (F(s_c)/s_c)); or saved tokens/s ÷ the
     measured prefill tokens/s of the local device (`--measure-local`, the node's calibrated model).
@@ -264,6 +264,7 @@ def run_economics(
     model = MODELS[model_name]
     console = Console()
     exact: float | None = None
+    exact_total = 0.0
     if master:
         from kvpool.client import MasterClient
 
@@ -279,12 +280,15 @@ def run_economics(
         )
         w, info = workload_from_trace(path, capacity_frac=capacity_frac)
         exact = exact_saved_flop_per_s(info.pop("reused_tokens"), info["duration_s"], model)
-        info.pop("prompt_tokens")
+        exact_total = exact_saved_flop_per_s(info.pop("prompt_tokens"), info["duration_s"], model)
     local_tps, local_desc = (
         local_prefill_tokens_per_s(int(w.mean_reused_tokens)) if measure_local else (None, "")
     )
     rows = economics_table(w, model, gpu_names=gpu_names, mfu=mfu, local_tokens_per_s=local_tps)
     measured = rows[-1]
+    if exact is not None:  # a replay knows every request: the measured row uses Σ F(s_i), not F(mean)
+        measured |= {"saved_flop_per_s": exact, "share_prefill_flop_saved": exact / exact_total if exact_total else 0.0,
+                     **{f"gpus_saved_{g}": gpus_saved(exact, GPUS[g], mfu) for g in gpu_names}}  # fmt: skip
     line = verdict(measured["share_prefill_flop_saved"], measured[f"gpus_saved_{gpu_names[0]}"], gpu_names[0])
     table = Table(title=f"economics: {model.name}, λ = {w.request_rate_per_s:.2f} req/s, s_c = "
                         f"{w.mean_reused_tokens:.0f} tokens, s_prompt = {w.mean_prompt_tokens:.0f} ({info['source']})")  # fmt: skip
@@ -300,13 +304,15 @@ def run_economics(
     if local_tps:
         table.add_column("local devices saved", justify="right")
     for r in rows:
-        cells = [f"{r['h']:.2f}" + (" (measured)" if r["measured"] else ""), f"{r['token_hit_rate']:.1%}",
+        cells = [f"{r['h']:.2f}" + ("*" if r["measured"] else ""), f"{r['token_hit_rate']:.1%}",
                  f"{r['saved_tokens_per_s']:,.0f}", f"{r['saved_flop_per_s'] / 1e12:,.1f}",
                  f"{r['share_prefill_flop_saved']:.1%}", *[f"{r[f'gpus_saved_{g}']:.2f}" for g in gpu_names]]  # fmt: skip
         if local_tps:
             cells.append(f"{r['local_devices_saved']:.1f}")
         table.add_row(*cells)
     console.print(table)
+    console.print(f"* measured: h = {w.hit_request_share:.3f} of requests reuse, s_c = {w.mean_reused_tokens:.0f} tokens each"
+                  + ("; its FLOP, share and GPUs are exact (Σ F(s_i)/T), the other rows use F(s_c)" if exact else ""))  # fmt: skip
     console.print(f"verdict: {line}")
     summary = {
         "workload": asdict(w), "saved_tokens_per_s": w.saved_tokens_per_s, "token_hit_rate": w.token_hit_rate,
