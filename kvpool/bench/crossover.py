@@ -47,7 +47,7 @@ from kvpool.model.embedded import DEFAULT_SPEC, EmbeddedSpec
 TOLERANCE = 0.10
 """Cells whose two measured TTFTs are within 10 % count as right either way."""
 DEFAULT_MARGIN = 0.1
-RATE_MULTIPLIERS = (0.4, 0.6, 0.8, 1.25, 1.6, 2.5, 4.0)
+RATE_MULTIPLIERS = (0.5, 0.75, 1.33, 2.0)
 """Throttle rates as multiples of the model's break-even bandwidth; plus `FAST_RATE`."""
 FAST_RATE_BITS = 1e9
 BASE_SEED = 2026
@@ -70,7 +70,7 @@ LARGER_SPEC = EmbeddedSpec(num_layers=8, hidden_size=512, num_heads=8, num_kv_he
 FULL_MODELS = (
     ModelCase(name="default-l4-h256", spec=DEFAULT_SPEC, prefixes=(64, 512, 2048, 8192),
               throttled_prefixes=(64, 512, 2048)),
-    ModelCase(name="larger-l8-h512", spec=LARGER_SPEC, prefixes=(64, 512, 2048), throttled_prefixes=(64, 512, 2048)),
+    ModelCase(name="larger-l8-h512", spec=LARGER_SPEC, prefixes=(64, 256, 1024), throttled_prefixes=(64, 256, 1024)),
 )  # fmt: skip
 QUICK_MODELS = (
     ModelCase(name="default-l4-h256", spec=DEFAULT_SPEC, prefixes=(64, 256), throttled_prefixes=(64,)),
@@ -330,6 +330,12 @@ def run_job(job: Job, log: Callable[[str], None] = print) -> list[dict[str, Any]
     seg = max(256 * 2**20, 2 * (max_prefix + 64) * token_nbytes)
     env = {"KVPOOL_LOCAL_TIER_BYTES": "0", "KVPOOL_PULL_TIMEOUT_S": "900", "KVPOOL_COST_MARGIN": str(job.margin),
            "KVPOOL_FORCE_DECISION": "pull"} | ({"KVPOOL_CACHE_DIR": job.cache_dir} if job.cache_dir else {})  # fmt: skip
+    tls = {lk.ucx_tls for lk in links}
+    if len(tls) != 1:
+        raise ValueError(f"one job, one UCX_TLS: {sorted(tls)}")
+    # every node, the store included, is held to the link's transports: a store allowed shared memory
+    # could serve a same-host puller through it, around the tcp link (and its throttle)
+    env["UCX_TLS"] = tls.pop()
     spec = LocalClusterSpec(layout=layout.fingerprint(), num_stores=1, num_prefill=0, num_decode=0, block_size=job.block_size,
                             model_dir=model_dir, host=job.host, segment_size=f"{seg // 2**20}MiB", extra_env=env)  # fmt: skip
     records: list[dict[str, Any]] = []
@@ -514,16 +520,11 @@ def run_crossover(
         for case in models:
             m = {"name": case.name, "spec": asdict(case.spec), "prefixes": list(case.prefixes),
                  "throttled_prefixes": list(case.throttled_prefixes)}  # fmt: skip
-            plain = [asdict(LinkCase(name="shm", kind="shm")), asdict(LinkCase(name="tcp", kind="tcp"))]
-            job = Job(
-                model=m,
-                links=plain,
-                reps=reps,
-                question_tokens=question_tokens,
-                margin=margin,
-                cache_dir=cache_dir,
-            )
-            recs = run_job(job, log=console.log)
+            recs = []
+            for kind in ("shm", "tcp"):  # one cluster each: the store's transports differ
+                job = Job(model=m, links=[asdict(LinkCase(name=kind, kind=kind))], reps=reps,
+                          question_tokens=question_tokens, margin=margin, cache_dir=cache_dir)  # fmt: skip
+                recs += run_job(job, log=console.log)
             records += recs
             if why_not:
                 continue
