@@ -3,10 +3,11 @@
 Both rank evictable leaves by a key (smallest first), like every `EvictionPolicy`; the index keeps the
 tree prefix-closed and only ever offers leaves.
 
-- `tail` (tail-first LRU, the default): a block smaller than the largest block seen so far is the
-  partial last block of some prompt. Any longer prompt through the same tokens extends that block, so its hash changes: only an
-  exact repeat of the prompt can hit it again (0.7 % of such blocks are reused in Mooncake's
-  conversation trace, 5 % in the synthetic one). Tail blocks go first, least recent first; the rest is LRU.
+- `tail` (tail-first LRU, the default): a block smaller than the largest block seen so far is the partial
+  last block of some prompt. Any longer prompt through the same tokens extends that block, so its hash
+  changes: only an exact repeat of the prompt can hit it again (0.7 % of such blocks are reused in
+  Mooncake's conversation trace, 5 % in the synthetic one). Tail blocks go first, least recent first; the
+  rest is LRU.
 - `adaptive`: `tail`, plus an ARC-style adaptive split between recency and frequency.
   Blocks never hit since insertion ("new", ARC's T1) are keyed by last access; blocks hit at least once
   ("reused", ARC's T2) get `alpha * T` added, where `T` is the cache's current eviction age (the age of
