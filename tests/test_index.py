@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpool.errors import FailedPrecondition, InvalidArgument, LeaseExpired, NotFound
-from kvpool.index import POLICY_NAMES, BeladyPolicy, RadixIndex, make_policy
+from kvpool.index import DEFAULT_POLICY, POLICY_NAMES, BeladyPolicy, RadixIndex, make_policy
 from kvpool.types import BlockHash, FakeClock, Location, NamespaceId
 
 NS = NamespaceId(b"N" * 16)
@@ -114,7 +114,7 @@ def test_opt_evicts_farthest_next_use() -> None:
 
 def test_make_policy_names() -> None:
     assert {make_policy(n).name for n in POLICY_NAMES} == set(POLICY_NAMES)
-    assert make_policy("default").name == "fwlru"
+    assert make_policy("default").name == DEFAULT_POLICY == "tail"
     with pytest.raises(InvalidArgument, match="unknown eviction policy"):
         make_policy("mru")
 

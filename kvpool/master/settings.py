@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import field_validator, model_validator
 
 from kvpool.config import KVPoolSettings
+from kvpool.index import DEFAULT_POLICY
 from kvpool.types import KVLayout
 
 
@@ -18,7 +19,7 @@ class MasterSettings(KVPoolSettings):
     high_watermark: float = 0.9
     low_watermark: float = 0.8
     replicas: int = 1
-    policy: str = "fwlru"
+    policy: str = DEFAULT_POLICY
     max_batch_blocks: int = 8192
     max_lease_ttl_ms: int = 600_000
     default_write_lease_ms: int = 30_000
