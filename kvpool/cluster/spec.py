@@ -9,7 +9,7 @@
     host = "127.0.0.1"
     port = 50051            # 0 = ephemeral (single host only: other hosts need a fixed port)
     replicas = 1
-    eviction_policy = "fwlru"
+    eviction_policy = "tail"
     high_watermark = 0.9
     low_watermark = 0.8
 
@@ -46,9 +46,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvpool.errors import InvalidArgument
+from kvpool.index import DEFAULT_POLICY, POLICY_NAMES
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$")
-_EVICTION = ("lru", "lfu", "fwlru", "cost")
+_EVICTION = tuple(n for n in POLICY_NAMES if n != "opt")  # opt is an offline oracle
 _POLICIES = ("cost", "affinity", "least-load", "round-robin")
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})
 
@@ -67,7 +68,7 @@ class MasterSection(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=50051, ge=0, le=65535)
     replicas: int = Field(default=1, ge=1, le=16)
-    eviction_policy: str = "fwlru"
+    eviction_policy: str = DEFAULT_POLICY
     high_watermark: float = Field(default=0.9, gt=0.0, le=1.0)
     low_watermark: float = Field(default=0.8, gt=0.0, le=1.0)
     heartbeat_timeout_ms: int = Field(default=3000, gt=0)
