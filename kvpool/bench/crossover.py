@@ -29,10 +29,12 @@ import contextlib
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -48,6 +50,9 @@ TOLERANCE = 0.10
 """Cells whose two measured TTFTs are within 10 % count as right either way."""
 DEFAULT_MARGIN = 0.1
 RATE_MULTIPLIERS = (0.5, 0.75, 1.33, 2.0)
+MIN_RATE_BITS = 10e6
+"""The transport probes a new peer with 2 x 4 MiB inside its 15 s connect deadline: below ~5 Mb/s the connect
+fails and the replica is reported bad (the master then drops it), so auto rates stay above 10 Mb/s."""
 """Throttle rates as multiples of the model's break-even bandwidth; plus `FAST_RATE`."""
 FAST_RATE_BITS = 1e9
 BASE_SEED = 2026
@@ -353,7 +358,9 @@ def run_job(job: Job, log: Callable[[str], None] = print) -> list[dict[str, Any]
             call = PrefillCaller(proc.info["grpc_address"])
             try:
                 if not published:  # publish the longest prefix once, before any throttle
-                    call(base + questions[0], use_cache=True, publish=True, rid="publish")
+                    _, st = call(base + questions[0], use_cache=True, publish=True, rid="publish")
+                    if st.get("publish_status") != "committed":
+                        raise RuntimeError(f"publishing the shared prefix failed: {st.get('publish_status')}")
                     published = True
                     if pair is not None:  # throttle, then a fresh node probes the throttled link
                         call.close()
@@ -373,6 +380,11 @@ def run_job(job: Job, log: Callable[[str], None] = print) -> list[dict[str, Any]
                     publish=False,
                     rid="warm-rec",
                 )
+                _, st = call(base[: min(prefixes_of[link.name])] + questions[1], use_cache=True, publish=False,
+                             rid="check")  # fmt: skip
+                if st.get("num_reused_tokens", 0) == 0:
+                    log(f"[{case.name}] link {link.name}: the prefix is no longer pullable (a failed connect or "
+                        "probe reported the replica bad); its cells will fail")  # fmt: skip
                 recompute = _wait_recompute_model(cluster, proc.name)
                 log(
                     f"[{case.name}] link {link.name}: prefill up and warm in {time.perf_counter() - t0:.1f} s"
@@ -504,6 +516,8 @@ def run_crossover(
     from kvpool.bench.report import write_report
 
     console = Console(stderr=True)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds: namespaces are deleted
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     models = tuple(models or (QUICK_MODELS if quick else FULL_MODELS))
     reps = reps or 3
     fresh = (not quick) if fresh_calibration is None else fresh_calibration
@@ -552,7 +566,7 @@ def _auto_rates(records: Sequence[dict[str, Any]], question_tokens: int, quick: 
     model = RecomputeModel(**rec["recompute_model"])
     ref = breakeven_bits_per_s(model, rec["prefix_tokens"], question_tokens, rec["token_nbytes"])
     mults = (0.5, 2.0) if quick else RATE_MULTIPLIERS
-    rates = [ref * m for m in mults]
+    rates = sorted({max(MIN_RATE_BITS, ref * m) for m in mults})
     return rates if quick else rates + [FAST_RATE_BITS]
 
 
