@@ -6,11 +6,16 @@ first-child / next-sibling / prev-sibling rows, so a child is unlinked in O(1) a
 walked without a children dict per node. Freed rows are reused; `gen[row]` is bumped on every free so
 stale references (leases, heap entries, reclamation work) can tell.
 
-Per row: parent, first_child, next_sibling, prev_sibling (int64), num_children, lock_ref, num_leases,
+Per row: parent, first_child, next_sibling, prev_sibling (int32), num_children, lock_ref, num_leases,
 ns_slot (int32), gen (uint32), hit_count (int64), last_access_ms (int64), decayed (float64: hits
 accumulated as sum of 2**((t - epoch)/half_life)), size_bytes (int64), recompute_cost_s (float32),
 heap_seq (int64: the sequence number of the row's current eviction-heap entry, -1 for none),
 stale_key (bool: accessed since that entry was pushed; re-keyed when popped).
+
+Replicas are columns too: the first replica of a row is (rep_node: index into `node_ids`, int32, -1 for
+none; rep_slot, rep_gen: int64; rep_local: bool); a row with more replicas has `has_extra` set and the
+others, in order, as `Location`s in the `extra` dict (rare: replica_num > 1). No `Location` object is kept
+per block; `replicas(row)` (or `locations[row]`) builds the tuple on demand.
 """
 
 from __future__ import annotations
@@ -22,8 +27,49 @@ from kvpool.types import BlockHash, Location
 NO_ROW = -1
 """Parent of a block that hangs from its namespace root; also 'no child' / 'no sibling'."""
 
-_INT_COLUMNS = ("parent", "first_child", "next_sibling", "prev_sibling", "hit_count", "last_access_ms")
-_I32_COLUMNS = ("num_children", "lock_ref", "num_leases", "ns_slot")
+_COLUMNS: dict[str, type] = {
+    # hot: read or written by every match (together in the first 64 bytes of a row's record)
+    "parent": np.int32,
+    "num_children": np.int32,
+    "rep_node": np.int32,
+    "ns_slot": np.int32,
+    "hit_count": np.int64,
+    "last_access_ms": np.int64,
+    "decayed": np.float64,
+    "rep_slot": np.int64,
+    "rep_gen": np.int64,
+    "rep_local": np.bool_,
+    "has_extra": np.bool_,
+    "stale_key": np.bool_,
+    "alive": np.bool_,
+    "gen": np.uint32,
+    # cold: tree edits, eviction, leases and locks
+    "first_child": np.int32,
+    "next_sibling": np.int32,
+    "prev_sibling": np.int32,
+    "lock_ref": np.int32,
+    "num_leases": np.int32,
+    "size_bytes": np.int64,
+    "recompute_cost_s": np.float32,
+    "heap_seq": np.int64,
+}
+_ROW = np.dtype({"names": list(_COLUMNS), "formats": list(_COLUMNS.values()), "itemsize": 128})
+"""One record per row (row-major), so a match touches one cache line per block, not one per column;
+each column is a strided view of its field."""
+_RAW = np.dtype((np.void, _ROW.itemsize))
+"""The same records as opaque bytes: numpy gathers these ~10x faster than structured records."""
+
+
+class _LocationsView:
+    """`columns.locations[row]`: the row's replicas as a tuple of `Location` (built on demand)."""
+
+    __slots__ = ("_c",)
+
+    def __init__(self, columns: Columns) -> None:
+        self._c = columns
+
+    def __getitem__(self, row: int) -> tuple[Location, ...]:
+        return self._c.replicas(row)
 
 
 class Columns:
@@ -31,51 +77,115 @@ class Columns:
 
     def __init__(self, capacity: int = 1024) -> None:
         self.capacity = 0
-        self.parent = np.empty(0, np.int64)
-        self.first_child = np.empty(0, np.int64)
-        self.next_sibling = np.empty(0, np.int64)
-        self.prev_sibling = np.empty(0, np.int64)
-        self.hit_count = np.empty(0, np.int64)
-        self.last_access_ms = np.empty(0, np.int64)
-        self.num_children = np.empty(0, np.int32)
-        self.lock_ref = np.empty(0, np.int32)
-        self.num_leases = np.empty(0, np.int32)
-        self.ns_slot = np.empty(0, np.int32)
-        self.gen = np.empty(0, np.uint32)
-        self.decayed = np.empty(0, np.float64)
-        self.size_bytes = np.empty(0, np.int64)
-        self.recompute_cost_s = np.empty(0, np.float32)
-        self.heap_seq = np.empty(0, np.int64)
-        self.alive = np.empty(0, np.bool_)
-        self.stale_key = np.empty(0, np.bool_)
+        self.records = np.zeros(0, _ROW)
+        """All columns, one record per row; each column attribute is a view of one field."""
         self.hashes: list[BlockHash | None] = []
-        self.locations: list[tuple[Location, ...]] = []
+        self.extra: dict[int, tuple[Location, ...]] = {}
+        self.node_ids: list[str] = []
+        """Store node ids by index (append-only: an index stays valid for the life of the index)."""
+        self._node_index: dict[str, int] = {}
+        self.locations = _LocationsView(self)
         self._free: list[int] = []
         self._next_row = 0
         self.num_alive = 0
         self._grow(capacity)
 
+    # numpy columns (set in __init__ from _COLUMNS; declared for type checkers)
+    parent: np.ndarray
+    first_child: np.ndarray
+    next_sibling: np.ndarray
+    prev_sibling: np.ndarray
+    hit_count: np.ndarray
+    last_access_ms: np.ndarray
+    num_children: np.ndarray
+    lock_ref: np.ndarray
+    num_leases: np.ndarray
+    ns_slot: np.ndarray
+    gen: np.ndarray
+    decayed: np.ndarray
+    size_bytes: np.ndarray
+    recompute_cost_s: np.ndarray
+    heap_seq: np.ndarray
+    alive: np.ndarray
+    stale_key: np.ndarray
+    rep_node: np.ndarray
+    rep_slot: np.ndarray
+    rep_gen: np.ndarray
+    rep_local: np.ndarray
+    has_extra: np.ndarray
+
     def _grow(self, capacity: int) -> None:
         old = self.capacity
-        for name in (
-            *_INT_COLUMNS,
-            *_I32_COLUMNS,
-            "gen",
-            "decayed",
-            "size_bytes",
-            "recompute_cost_s",
-            "heap_seq",
-            "alive",
-            "stale_key",
-        ):
-            column = getattr(self, name)
-            grown = np.zeros(capacity, column.dtype)
-            grown[:old] = column
-            setattr(self, name, grown)
+        grown = np.zeros(capacity, _ROW)
+        grown[:old] = self.records
+        self.records = grown
+        self._raw = grown.view(_RAW)
+        for name in _COLUMNS:
+            setattr(self, name, grown[name])
+        self.rep_node[old:] = -1
         self.hashes.extend([None] * (capacity - old))
-        self.locations.extend([()] * (capacity - old))
         self.capacity = capacity
 
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        """A copy of the records of `rows` (structured: index it by column name)."""
+        return np.ndarray(len(rows), _ROW, self._raw[rows])  # (cheaper than .view)
+
+    # ---- replicas ---------------------------------------------------------------------------------
+    def node_index(self, node_id: str) -> int:
+        k = self._node_index.get(node_id)
+        if k is None:
+            k = self._node_index[node_id] = len(self.node_ids)
+            self.node_ids.append(node_id)
+        return k
+
+    def replicas(self, row: int) -> tuple[Location, ...]:
+        k = int(self.rep_node[row])
+        if k < 0:
+            return ()
+        first = Location(
+            self.node_ids[k], int(self.rep_slot[row]), int(self.rep_gen[row]), bool(self.rep_local[row])
+        )
+        return (first, *self.extra[row]) if self.has_extra[row] else (first,)
+
+    def add_replica(self, row: int, loc: Location) -> bool:
+        """Append `loc` to the row's replicas; False (nothing changes) when it is already there."""
+        current = self.replicas(row)
+        if loc in current:
+            return False
+        if not current:
+            self.rep_node[row] = self.node_index(loc.node_id)
+            self.rep_slot[row] = loc.slot
+            self.rep_gen[row] = loc.generation
+            self.rep_local[row] = loc.local
+        else:
+            self.extra[row] = (*current[1:], loc)
+            self.has_extra[row] = True
+        return True
+
+    def set_replicas(self, row: int, locs: tuple[Location, ...]) -> None:
+        self.extra.pop(row, None)
+        self.has_extra[row] = len(locs) > 1
+        if not locs:
+            self.rep_node[row] = -1
+            return
+        first = locs[0]
+        self.rep_node[row] = self.node_index(first.node_id)
+        self.rep_slot[row] = first.slot
+        self.rep_gen[row] = first.generation
+        self.rep_local[row] = first.local
+        if len(locs) > 1:
+            self.extra[row] = locs[1:]
+
+    def rows_with_node(self, node_id: str) -> set[int]:
+        """Rows with at least one replica on `node_id` (a scan: for node failures and accounting)."""
+        k = self._node_index.get(node_id)
+        rows: set[int] = set()
+        if k is not None:
+            rows.update(np.flatnonzero(self.rep_node[: self._next_row] == k).tolist())
+        rows.update(r for r, locs in self.extra.items() if any(x.node_id == node_id for x in locs))
+        return rows
+
+    # ---- rows -------------------------------------------------------------------------------------
     def alloc(self) -> int:
         """A fresh row, with every field reset; its `gen` is kept from its previous life."""
         if self._free:
@@ -104,7 +214,10 @@ class Columns:
         self.alive[row] = False
         self.gen[row] += 1
         self.hashes[row] = None
-        self.locations[row] = ()
+        self.rep_node[row] = -1
+        if self.has_extra[row]:
+            self.has_extra[row] = False
+            del self.extra[row]
         self.heap_seq[row] = -1
         self._free.append(row)
         self.num_alive -= 1

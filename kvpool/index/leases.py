@@ -1,5 +1,7 @@
-"""Lease bookkeeping for the radix index: which rows each read lease pins, and when it ends.
+"""Leases and locks of the radix index: the lease table, and `LeaseLockMixin` (the index's lease and
+lock methods: renew, release, expire, lock, unlock).
 
+Lease bookkeeping: which rows each read lease pins, and when it ends.
 A lease pins the rows it was granted over (each row's lease count goes up by one) until it is
 released or its expiry passes. Rows are recorded with their row generation, so a lease never unpins a
 row that was dropped and reused meanwhile. Expiry is a min-heap with lazy deletion (a renewal pushes a
@@ -10,9 +12,14 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvpool.errors import FailedPrecondition, InvalidArgument, LeaseExpired, NotFound
+from kvpool.index.columns import NO_ROW, Columns
+from kvpool.types import BlockHash, Clock, NamespaceId
 
 _REMEMBER_EXPIRED = 65_536
 """How many expired lease ids are remembered, so a late renewal reports LeaseExpired, not NotFound."""
@@ -80,3 +87,96 @@ class LeaseTable:
         self._expired[lease_id] = None
         if len(self._expired) > _REMEMBER_EXPIRED:
             self._expired.popitem(last=False)
+
+
+class LeaseLockMixin:
+    """The lease and lock half of `RadixIndex` (which provides the state and `_row` / `_push`)."""
+
+    _c: Columns
+    _clock: Clock
+    _leases: LeaseTable
+
+    def _row(self, ns: NamespaceId, block_hash: BlockHash, *, include_invalidated: bool = False) -> int:
+        raise NotImplementedError
+
+    def _push(self, row: int) -> None:
+        raise NotImplementedError
+
+    def renew_lease(self, lease_id: int, ttl_ms: int) -> int:
+        """Extend a live lease to now + `ttl_ms`; returns the new expiry. Raises `InvalidArgument`
+        (ttl_ms <= 0), `LeaseExpired` (it already ended by expiry), `NotFound` (never granted/released)."""
+        if ttl_ms <= 0:
+            raise InvalidArgument(f"ttl_ms must be > 0, got {ttl_ms}")
+        self.expire_leases()
+        if lease_id not in self._leases.live:
+            if self._leases.was_expired(lease_id):
+                raise LeaseExpired(f"lease {lease_id} expired")
+            raise NotFound(f"no lease {lease_id}")
+        expiry_ms = self._clock.now_ms() + ttl_ms
+        self._leases.renew(lease_id, expiry_ms)
+        return expiry_ms
+
+    def release_lease(self, lease_id: int) -> None:
+        """End a lease now. A lease that already expired is a no-op; an unknown or already released
+        one raises `NotFound`."""
+        try:
+            lease = self._leases.pop(lease_id)
+        except KeyError:
+            if self._leases.was_expired(lease_id):
+                return
+            raise NotFound(f"no lease {lease_id}") from None
+        self._unpin(lease)
+
+    def expire_leases(self) -> int:
+        """Drop every lease past its expiry; returns how many ended (also done lazily)."""
+        ended = self._leases.pop_expired(self._clock.now_ms())
+        for lease in ended:
+            self._unpin(lease)
+        return len(ended)
+
+    @property
+    def num_live_leases(self) -> int:
+        self.expire_leases()
+        return len(self._leases.live)
+
+    @property
+    def num_leases_expired(self) -> int:
+        """Leases reclaimed by expiry rather than released (B13's metric)."""
+        return self._leases.num_expired
+
+    def lock(self, ns: NamespaceId, block_hashes: Sequence[BlockHash]) -> None:
+        """Pin the chain `block_hashes` and every ancestor of its first block (SGLang's `inc_lock_ref`
+        up to the root). Raises `NotFound` (absent block) or `InvalidArgument` (not a chain)."""
+        rows = self._chain_rows(ns, block_hashes)
+        self._c.lock_ref[rows] += 1
+
+    def unlock(self, ns: NamespaceId, block_hashes: Sequence[BlockHash]) -> None:
+        """Undo one `lock` of the same chain. Raises `FailedPrecondition` if any block is not locked
+        (nothing changes then)."""
+        rows = self._chain_rows(ns, block_hashes)
+        c = self._c
+        if rows.size and (c.lock_ref[rows] <= 0).any():
+            raise FailedPrecondition("unlock of a block that is not locked")
+        c.lock_ref[rows] -= 1
+        for row in rows[(c.lock_ref[rows] == 0) & (c.num_children[rows] == 0)]:
+            self._push(int(row))
+
+    def _chain_rows(self, ns: NamespaceId, block_hashes: Sequence[BlockHash]) -> np.ndarray:
+        rows = [self._row(ns, h) for h in block_hashes]
+        c = self._c
+        for i in range(1, len(rows)):
+            if c.parent[rows[i]] != rows[i - 1]:
+                raise InvalidArgument(f"block_hashes[{i}] is not a child of block_hashes[{i - 1}]")
+        if rows:
+            up = int(c.parent[rows[0]])
+            while up != NO_ROW:
+                rows.append(up)
+                up = int(c.parent[up])
+        return np.array(rows, dtype=np.int64)
+
+    def _unpin(self, lease: Lease) -> None:
+        c = self._c
+        rows = lease.rows[(c.gen[lease.rows] == lease.gens) & c.alive[lease.rows]]
+        c.num_leases[rows] -= 1
+        for row in rows[(c.num_leases[rows] == 0) & (c.num_children[rows] == 0)]:
+            self._push(int(row))

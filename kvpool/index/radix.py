@@ -16,28 +16,32 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.errors import FailedPrecondition, InvalidArgument, LeaseExpired, NotFound
+from kvpool.errors import InvalidArgument, NotFound
 from kvpool.index import validate as v
 from kvpool.index.columns import NO_ROW, Columns
-from kvpool.index.leases import Lease, LeaseTable
+from kvpool.index.leases import LeaseLockMixin, LeaseTable
 from kvpool.index.policies import DEFAULT_POLICY, BlockStats, EvictionPolicy, make_policy
 from kvpool.index.results import BlockInfo, DroppedBlock, EvictResult, InsertResult, MatchResult
 from kvpool.index.space import NodeSpace
 from kvpool.types import BlockHash, Clock, Location, NamespaceId
 
+_MAX_TOUCHED = 1024
+"""Matches whose hit/recency updates may wait for `flush_stats`."""
+
 _REBASE_EXPONENT = 512.0
 """Decayed-hit weights are 2**((t - epoch)/half_life); past this exponent the epoch moves to now."""
 
 
-class RadixIndex:
-    """See the module docstring and DESIGN.md "Matching, counting, leases"."""
+class RadixIndex(LeaseLockMixin):
+    """See the module docstring and DESIGN.md "Matching, counting, leases"; leases and locks are in
+    `leases.py` (`LeaseLockMixin`)."""
 
     def __init__(self, *, clock: Clock, policy: str | EvictionPolicy = DEFAULT_POLICY) -> None:
         self._clock = clock
         self.policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
         self._c = Columns()
         self._leases = LeaseTable()
-        self._space = NodeSpace()
+        self._space = NodeSpace(self._c)
         self._ns_active: dict[NamespaceId, int] = {}
         self._ns_ids: list[NamespaceId] = []
         self._ns_rows: list[dict[BlockHash, int]] = []
@@ -47,6 +51,8 @@ class RadixIndex:
         self._heap: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._decay_epoch_ms = clock.now_ms()
+        self._touched: list[tuple[np.ndarray, int, float, bool]] = []
+        """Deferred match updates (rows, now, hit weight, counted), applied by `flush_stats`."""
         self.num_evictions = 0
         self.num_lookup_blocks = 0
         """Blocks asked for by counted matches (`count_hit=True`)."""
@@ -78,6 +84,7 @@ class RadixIndex:
         prefix-closed); leased or locked blocks wait until they are released. Returns what was dropped,
         with the slots to free."""
         v.check_count(max_blocks, "max_blocks")
+        self.flush_stats()
         self.expire_leases()
         c, dropped = self._c, list[DroppedBlock]()
         for slot in list(self._pending):
@@ -128,45 +135,71 @@ class RadixIndex:
         if count_hit:
             self.num_lookup_blocks += len(block_hashes)
         if slot is None or not block_hashes:
-            return MatchResult(0, [], None, 0)
+            return MatchResult()
         rows = list(map(self._ns_rows[slot].get, block_hashes))
-        try:
+        try:  # the common case, every block present, pays no scan for a miss
+            idx = np.array(rows, dtype=np.int32)
+        except TypeError:
             n = rows.index(None)
-        except ValueError:
-            n = len(rows)
-        if n == 0:
-            return MatchResult(0, [], None, 0)
+            if n == 0:
+                return MatchResult()
+            idx = np.array(rows[:n], dtype=np.int32)
         c = self._c
-        idx = np.array(rows[:n], dtype=np.int64)
-        parents = c.parent[idx]
+        rec = c.gather(idx)  # one gather: a snapshot of every matched row (one cache line each)
+        parents = rec["parent"]
         if parents[0] != NO_ROW:
-            return MatchResult(0, [], None, 0)
-        if n > 1:
-            broken = parents[1:] != idx[:-1]
-            if broken.any():
-                n = int(broken.argmax()) + 1
-                idx = idx[:n]
-        if count_hit:
-            self.num_hit_blocks += n
-            c.hit_count[idx] += 1
-            if self.policy.half_life_ms is not None:
-                c.decayed[idx] += self._hit_weight()
+            return MatchResult()
+        n = len(idx)
+        if n > 1 and parents[1:].tobytes() != idx[:-1].tobytes():  # int32 both: compare raw bytes
+            n = int((parents[1:] != idx[:-1]).argmax()) + 1
+            idx, rec = idx[:n], rec[:n]
         lease_id, expiry_ms = None, 0
         if count_hit or lease_ttl_ms > 0:
             now = self._clock.now_ms()
-            c.last_access_ms[idx] = now
+            weight = 0.0
+            if count_hit:
+                self.num_hit_blocks += n
+                if self.policy.half_life_ms is not None:
+                    weight = self._hit_weight(now)
+            self._touched.append((idx, now, weight, count_hit))
+            if len(self._touched) >= _MAX_TOUCHED:
+                self.flush_stats()
+            last = rows[n - 1]
+            assert last is not None
             if lease_ttl_ms > 0:
                 self.expire_leases()
                 c.num_leases[idx] += 1
                 expiry_ms = now + lease_ttl_ms
-                lease_id = self._leases.grant(expiry_ms, idx, c.gen[idx])
-            elif c.num_children[rows[n - 1]] == 0:
+                lease_id = self._leases.grant(expiry_ms, idx, rec["gen"].copy())
+            elif rec["num_children"][n - 1] == 0:
                 if self.policy.keys_rise_on_access:
-                    c.stale_key[rows[n - 1]] = True  # re-keyed lazily when popped
+                    c.stale_key[last] = True  # re-keyed lazily when popped
                 else:
-                    self._push(rows[n - 1])  # type: ignore[arg-type]
-        locs = c.locations
-        return MatchResult(n, [locs[r] for r in rows[:n]], lease_id, expiry_ms)  # type: ignore[index]
+                    self._push(last)
+        extra = None
+        if c.extra:
+            extra = {i: c.extra[rows[i]] for i in np.flatnonzero(rec["has_extra"]).tolist()}  # type: ignore[index]
+        return MatchResult(n, lease_id, expiry_ms, node_ids=c.node_ids, records=rec, extra=extra)
+
+    def flush_stats(self) -> None:
+        """Apply the hit counts and recency of matches so far. Matches defer these (a few vectorised
+        operations per batch instead of per match); everything that reads them (lookups, eviction keys,
+        drops, invariants) flushes first."""
+        touched, self._touched = self._touched, []
+        if not touched:
+            return
+        c = self._c
+        rows = np.concatenate([t[0] for t in touched])
+        lens = [len(t[0]) for t in touched]
+        np.maximum.at(c.last_access_ms, rows, np.repeat(np.array([t[1] for t in touched], np.int64), lens))
+        counted = [t for t in touched if t[3]]
+        if not counted:
+            return
+        hit_rows = rows if len(counted) == len(touched) else np.concatenate([t[0] for t in counted])
+        np.add.at(c.hit_count, hit_rows, 1)
+        if any(t[2] for t in counted):
+            weights = np.repeat(np.array([t[2] for t in counted]), [len(t[0]) for t in counted])
+            np.add.at(c.decayed, hit_rows, weights)
 
     def insert(
         self,
@@ -237,6 +270,7 @@ class RadixIndex:
 
     def lookup(self, ns: NamespaceId, block_hash: BlockHash) -> BlockInfo | None:
         """A snapshot of one block of an active namespace, or None."""
+        self.flush_stats()
         slot = self._ns_active.get(ns)
         row = None if slot is None else self._ns_rows[slot].get(block_hash)
         if row is None:
@@ -260,7 +294,7 @@ class RadixIndex:
     # ---- replicas ---------------------------------------------------------------------------------
     def add_location(self, ns: NamespaceId, block_hash: BlockHash, location: Location) -> None:
         """Record one more replica (idempotent). Raises `NotFound` for an absent block."""
-        self._add_location_row(self._row(ns, block_hash), location)
+        self._add_location_row(self._row(ns, block_hash), v.check_location(location, "location"))
 
     def remove_location(
         self, ns: NamespaceId, block_hash: BlockHash, location: Location
@@ -300,71 +334,12 @@ class RadixIndex:
     def bytes_on_node(self, node_id: str) -> int:
         return self._space.num_bytes(node_id)
 
-    # ---- leases and locks -------------------------------------------------------------------------
-    def renew_lease(self, lease_id: int, ttl_ms: int) -> int:
-        """Extend a live lease to now + `ttl_ms`; returns the new expiry. Raises `InvalidArgument`
-        (ttl_ms <= 0), `LeaseExpired` (it already ended by expiry), `NotFound` (never granted/released)."""
-        if ttl_ms <= 0:
-            raise InvalidArgument(f"ttl_ms must be > 0, got {ttl_ms}")
-        self.expire_leases()
-        if lease_id not in self._leases.live:
-            if self._leases.was_expired(lease_id):
-                raise LeaseExpired(f"lease {lease_id} expired")
-            raise NotFound(f"no lease {lease_id}")
-        expiry_ms = self._clock.now_ms() + ttl_ms
-        self._leases.renew(lease_id, expiry_ms)
-        return expiry_ms
-
-    def release_lease(self, lease_id: int) -> None:
-        """End a lease now. A lease that already expired is a no-op; an unknown or already released
-        one raises `NotFound`."""
-        try:
-            lease = self._leases.pop(lease_id)
-        except KeyError:
-            if self._leases.was_expired(lease_id):
-                return
-            raise NotFound(f"no lease {lease_id}") from None
-        self._unpin(lease)
-
-    def expire_leases(self) -> int:
-        """Drop every lease past its expiry; returns how many ended (also done lazily)."""
-        ended = self._leases.pop_expired(self._clock.now_ms())
-        for lease in ended:
-            self._unpin(lease)
-        return len(ended)
-
-    @property
-    def num_live_leases(self) -> int:
-        self.expire_leases()
-        return len(self._leases.live)
-
-    @property
-    def num_leases_expired(self) -> int:
-        """Leases reclaimed by expiry rather than released (B13's metric)."""
-        return self._leases.num_expired
-
-    def lock(self, ns: NamespaceId, block_hashes: Sequence[BlockHash]) -> None:
-        """Pin the chain `block_hashes` and every ancestor of its first block (SGLang's `inc_lock_ref`
-        up to the root). Raises `NotFound` (absent block) or `InvalidArgument` (not a chain)."""
-        rows = self._chain_rows(ns, block_hashes)
-        self._c.lock_ref[rows] += 1
-
-    def unlock(self, ns: NamespaceId, block_hashes: Sequence[BlockHash]) -> None:
-        """Undo one `lock` of the same chain. Raises `FailedPrecondition` if any block is not locked
-        (nothing changes then)."""
-        rows = self._chain_rows(ns, block_hashes)
-        c = self._c
-        if rows.size and (c.lock_ref[rows] <= 0).any():
-            raise FailedPrecondition("unlock of a block that is not locked")
-        c.lock_ref[rows] -= 1
-        for row in rows[(c.lock_ref[rows] == 0) & (c.num_children[rows] == 0)]:
-            self._push(int(row))
-
     # ---- eviction ---------------------------------------------------------------------------------
     def evict(self, num_blocks: int, *, node_id: str | None = None) -> EvictResult:
         """Free up to `num_blocks` blocks (or, with `node_id`, slots on that node); see `eviction.py`."""
         from kvpool.index.eviction import evict
 
+        self.flush_stats()
         return evict(self, num_blocks, node_id)
 
     @property
@@ -388,6 +363,7 @@ class RadixIndex:
         """Raise `RuntimeError` on any broken invariant (tests call this after every mutation)."""
         from kvpool.index.invariants import check_invariants
 
+        self.flush_stats()
         check_invariants(self)
 
     # ---- internals --------------------------------------------------------------------------------
@@ -404,30 +380,18 @@ class RadixIndex:
             raise NotFound(f"block {bytes(block_hash).hex()} is not in namespace {bytes(ns).hex()}")
         return row
 
-    def _chain_rows(self, ns: NamespaceId, block_hashes: Sequence[BlockHash]) -> np.ndarray:
-        rows = [self._row(ns, h) for h in block_hashes]
-        c = self._c
-        for i in range(1, len(rows)):
-            if c.parent[rows[i]] != rows[i - 1]:
-                raise InvalidArgument(f"block_hashes[{i}] is not a child of block_hashes[{i - 1}]")
-        if rows:
-            up = int(c.parent[rows[0]])
-            while up != NO_ROW:
-                rows.append(up)
-                up = int(c.parent[up])
-        return np.array(rows, dtype=np.int64)
-
-    def _hit_weight(self) -> float:
+    def _hit_weight(self, now: int) -> float:
         half_life_ms = self.policy.half_life_ms
         assert half_life_ms is not None
-        now = self._clock.now_ms()
         exponent = (now - self._decay_epoch_ms) / half_life_ms
         if exponent > _REBASE_EXPONENT:
+            self.flush_stats()  # pending weights are relative to the old epoch
             self._c.decayed *= 2.0**-exponent
             self._decay_epoch_ms, exponent = now, 0.0
         return float(2.0**exponent)
 
     def _stats(self, row: int) -> BlockStats:
+        self.flush_stats()
         c = self._c
         last_ms = int(c.last_access_ms[row])
         decayed = 0.0
@@ -476,28 +440,18 @@ class RadixIndex:
         ]
         heapq.heapify(self._heap)
 
-    def _unpin(self, lease: Lease) -> None:
-        c = self._c
-        rows = lease.rows[(c.gen[lease.rows] == lease.gens) & c.alive[lease.rows]]
-        c.num_leases[rows] -= 1
-        for row in rows[(c.num_leases[rows] == 0) & (c.num_children[rows] == 0)]:
-            self._push(int(row))
-
     def _add_location_row(self, row: int, loc: Location) -> None:
-        c = self._c
-        if loc in c.locations[row]:
-            return
-        c.locations[row] = (*c.locations[row], loc)
-        self._space.add(loc.node_id, row, int(c.size_bytes[row]))
+        if self._c.add_replica(row, loc):
+            self._space.add(loc.node_id, int(self._c.size_bytes[row]))
 
     def _remove_location_row(self, row: int, loc: Location) -> None:
         c = self._c
-        c.locations[row] = tuple(x for x in c.locations[row] if x != loc)
-        still_there = any(x.node_id == loc.node_id for x in c.locations[row])
-        self._space.remove(loc.node_id, row, int(c.size_bytes[row]), still_there)
+        c.set_replicas(row, tuple(x for x in c.replicas(row) if x != loc))
+        self._space.remove(loc.node_id, int(c.size_bytes[row]))
 
     def _drop_row(self, row: int, reason: str) -> DroppedBlock:
         """Remove a childless row from every structure; its parent may become an evictable leaf."""
+        self.flush_stats()  # no deferred update may land on a freed (and reused) row
         c = self._c
         slot, block_hash, locs = int(c.ns_slot[row]), c.hashes[row], c.locations[row]
         assert block_hash is not None

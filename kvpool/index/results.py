@@ -1,8 +1,12 @@
-"""Value types returned by `RadixIndex` (frozen, slotted; lists are the caller's to keep)."""
+"""Value types returned by `RadixIndex` (slotted; frozen but for `MatchResult`, whose `locations` are
+built lazily from its replica columns; lists and arrays are the caller's to keep)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvpool.types import BlockHash, Location, NamespaceId
 
@@ -11,19 +15,91 @@ DROP_REASONS = ("evict", "orphan", "invalidate", "replica")
 was dropped); namespace reclamation; one replica freed by a per-node eviction while the block stays."""
 
 
-@dataclass(frozen=True, slots=True)
+_NO_ROWS = np.empty(0, np.int64)
+
+
 class MatchResult:
     """The longest run of leading blocks present under a namespace.
 
-    `locations[i]` are the replicas of block i (`len(locations) == num_matched`). `lease_id` is set when a
-    lease was taken (`lease_ttl_ms > 0` and `num_matched > 0`); `lease_expiry_ms` is its expiry on the
-    index clock (0 without a lease).
+    Replicas come as columns, one entry per matched block for its first replica: `replica_node` (index
+    into `node_ids`), `replica_slot`, `replica_generation`, `replica_local` (numpy arrays over a snapshot
+    of the matched rows taken by the match, the caller's to keep); `extra[i]` holds block i's further replicas, in order, when it has more than one.
+    `locations[i]` are all replicas of block i as `Location`s (built on first access, then cached;
+    `len(locations) == num_matched`). `lease_id` is set when a lease was taken (`lease_ttl_ms > 0` and
+    `num_matched > 0`); `lease_expiry_ms` is its expiry on the index clock (0 without a lease).
+    `node_ids` is the index's append-only node table (read it, do not change it).
     """
 
-    num_matched: int
-    locations: list[tuple[Location, ...]]
-    lease_id: int | None
-    lease_expiry_ms: int
+    __slots__ = ("_locations", "_records", "extra", "lease_expiry_ms", "lease_id", "node_ids", "num_matched")
+
+    def __init__(
+        self,
+        num_matched: int = 0,
+        lease_id: int | None = None,
+        lease_expiry_ms: int = 0,
+        *,
+        node_ids: Sequence[str] = (),
+        records: np.ndarray | None = None,
+        extra: dict[int, tuple[Location, ...]] | None = None,
+    ) -> None:
+        self.num_matched = num_matched
+        self.lease_id = lease_id
+        self.lease_expiry_ms = lease_expiry_ms
+        self.node_ids = node_ids
+        self._records = records
+        self.extra = extra or {}
+        self._locations: list[tuple[Location, ...]] | None = None
+
+    def _field(self, name: str) -> np.ndarray:
+        return _NO_ROWS if self._records is None else self._records[name]
+
+    @property
+    def replica_node(self) -> np.ndarray:
+        return self._field("rep_node")
+
+    @property
+    def replica_slot(self) -> np.ndarray:
+        return self._field("rep_slot")
+
+    @property
+    def replica_generation(self) -> np.ndarray:
+        return self._field("rep_gen")
+
+    @property
+    def replica_local(self) -> np.ndarray:
+        return self._field("rep_local")
+
+    @property
+    def locations(self) -> list[tuple[Location, ...]]:
+        if self._locations is None:
+            names, extra = self.node_ids, self.extra
+            firsts = [
+                Location(names[k], s, g, loc)
+                for k, s, g, loc in zip(
+                    self.replica_node.tolist(),
+                    self.replica_slot.tolist(),
+                    self.replica_generation.tolist(),
+                    self.replica_local.tolist(),
+                    strict=True,
+                )
+            ]
+            self._locations = [
+                (first, *extra[i]) if i in extra else (first,) for i, first in enumerate(firsts)
+            ]
+        return self._locations
+
+    def node_names(self) -> list[str]:
+        """The distinct store node ids named by the replicas (first seen first)."""
+        names = [self.node_ids[k] for k in dict.fromkeys(self.replica_node.tolist())]
+        for locs in self.extra.values():
+            names.extend(x.node_id for x in locs)
+        return list(dict.fromkeys(names))
+
+    def __repr__(self) -> str:
+        return (
+            f"MatchResult(num_matched={self.num_matched}, locations={self.locations!r}, "
+            f"lease_id={self.lease_id}, lease_expiry_ms={self.lease_expiry_ms})"
+        )
 
 
 @dataclass(frozen=True, slots=True)

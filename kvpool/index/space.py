@@ -1,36 +1,34 @@
-"""Per store node accounting for the radix index: which rows hold a replica there, slots and bytes."""
+"""Per store node accounting for the radix index: slots and bytes per node (replicas live in columns)."""
 
 from __future__ import annotations
 
+from kvpool.index.columns import Columns
+
 
 class NodeSpace:
-    """`rows_on(node)`: rows with at least one replica on the node; slots and bytes count replicas."""
+    """Slots and bytes count replicas per node; `rows_on(node)` (rows with at least one replica on the
+    node) scans the replica columns, so no per-node row set is kept (it cost ~50 B per block)."""
 
-    def __init__(self) -> None:
-        self._rows: dict[str, set[int]] = {}
+    def __init__(self, columns: Columns) -> None:
+        self._c = columns
         self._slots: dict[str, int] = {}
         self._bytes: dict[str, int] = {}
 
-    def add(self, node_id: str, row: int, size_bytes: int) -> None:
-        self._rows.setdefault(node_id, set()).add(row)
+    def add(self, node_id: str, size_bytes: int) -> None:
         self._slots[node_id] = self._slots.get(node_id, 0) + 1
         self._bytes[node_id] = self._bytes.get(node_id, 0) + size_bytes
 
-    def remove(self, node_id: str, row: int, size_bytes: int, still_there: bool) -> None:
-        """One replica of `row` left `node_id`; `still_there`: another replica of it stays on the node."""
-        rows = self._rows.get(node_id)
-        if rows is None:
+    def remove(self, node_id: str, size_bytes: int) -> None:
+        """One replica left `node_id`."""
+        if node_id not in self._slots:
             return
-        if not still_there:
-            rows.discard(row)
         self._slots[node_id] -= 1
         self._bytes[node_id] -= size_bytes
 
     def rows_on(self, node_id: str) -> set[int]:
-        return set(self._rows.get(node_id, ()))
+        return self._c.rows_with_node(node_id) if node_id in self._slots else set()
 
     def forget(self, node_id: str) -> None:
-        self._rows.pop(node_id, None)
         self._slots.pop(node_id, None)
         self._bytes.pop(node_id, None)
 
@@ -41,4 +39,4 @@ class NodeSpace:
         return self._bytes.get(node_id, 0)
 
     def nodes(self) -> list[str]:
-        return list(self._rows)
+        return list(self._slots)

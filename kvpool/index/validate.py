@@ -55,7 +55,22 @@ def per_block_locations(value: Sequence[Sequence[Location]], n: int) -> list[tup
     out: list[tuple[Location, ...]] = []
     for i, locs in enumerate(value):
         for loc in locs:
-            if not isinstance(loc, Location):
-                raise InvalidArgument(f"locations[{i}] holds {type(loc).__name__}, not a Location")
+            check_location(loc, f"locations[{i}]")
         out.append(tuple(dict.fromkeys(locs)))
     return out
+
+
+_MAX_I64 = 2**63 - 1
+
+
+def check_location(loc: object, what: str) -> Location:
+    """A `Location` whose slot and generation fit the index's int64 replica columns."""
+    if not isinstance(loc, Location):
+        raise InvalidArgument(f"{what} holds {type(loc).__name__}, not a Location")
+    for name in ("slot", "generation"):
+        value = getattr(loc, name)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _MAX_I64:
+            raise InvalidArgument(f"{what}: {name} must be an int in [0, 2**63), got {value!r}")
+    if not isinstance(loc.node_id, str):
+        raise InvalidArgument(f"{what}: node_id must be a str")
+    return loc
