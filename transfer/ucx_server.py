@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,8 @@ from transfer.ucx_runtime import (
 )
 
 log = logging.getLogger(__name__)
+_HASHERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-ucx-end-write")
+"""Where written blocks are checksummed (`end_write`), off the UCX loop thread."""
 
 
 class UcxBlockServer:
@@ -186,6 +189,8 @@ class UcxBlockServer:
         accepted: list[tuple[int, int, int, int]] = []  # index, slot, gen, checksum
         recvs: list[asyncio.Task[Any]] = []
         landed: list[bool] = []
+        final: list[list[Any]] = []
+        ended = False
         try:
             for i, (slot, gen, nbytes, cs) in enumerate(blocks):
                 try:
@@ -210,20 +215,33 @@ class UcxBlockServer:
                 self._abort(ep)
                 raise
             landed = [d is not False and not isinstance(d, BaseException) for d in done]
+            # end_write hashes what landed: on a helper thread (xxh3 releases the GIL), so the loop keeps
+            # moving other messages' bytes meanwhile. Shielded: once submitted it runs to the end, and
+            # `ended` keeps the finally below from ending these writes a second time.
+            ended = True
+            final = await asyncio.shield(
+                asyncio.wrap_future(_HASHERS.submit(self._end_writes, header, accepted, landed))
+            )
         finally:
             self.inflight -= len(accepted)
-            final = [list(h) for h in header]
-            for k, (i, slot, gen, cs) in enumerate(accepted):
-                ok = k < len(landed) and landed[k] and final[i][0]
-                try:
-                    self._handler.end_write(slot, gen, cs, ok)
-                except Exception as exc:  # noqa: BLE001 - per-block result
-                    final[i] = [False, 0, _err(exc)]
-                else:
-                    final[i] = (
-                        [True, cs, ""] if ok else [False, 0, final[i][2] or "block bytes did not arrive"]
-                    )
+            if not ended:
+                final = self._end_writes(header, accepted, landed)
         await ep.am_send(_pack({"id": rid, "ph": 1, "r": final}))
+
+    def _end_writes(
+        self, header: list[list[Any]], accepted: list[tuple[int, int, int, int]], landed: list[bool]
+    ) -> list[list[Any]]:
+        """`end_write` every accepted block exactly once; the per-block results of the write."""
+        final = [list(h) for h in header]
+        for k, (i, slot, gen, cs) in enumerate(accepted):
+            ok = k < len(landed) and landed[k] and final[i][0]
+            try:
+                self._handler.end_write(slot, gen, cs, ok)
+            except Exception as exc:  # noqa: BLE001 - per-block result
+                final[i] = [False, 0, _err(exc)]
+            else:
+                final[i] = [True, cs, ""] if ok else [False, 0, final[i][2] or "block bytes did not arrive"]
+        return final
 
     async def _serve_bw(self, ep: Any, rid: int, nbytes: int) -> None:
         nbytes = min(max(nbytes, 1), 64 << 20)

@@ -166,3 +166,23 @@ def master_cmd(
     run_master_bench(
         clients=clients, blocks=blocks, prompts=prompts, duration_s=duration_s, unary=unary, json_out=json_out
     )
+
+
+@bench_app.command("transfer")
+def transfer_cmd(
+    json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG: GB/s per block size and transport."),
+    quick: bool = typer.Option(False, help="Tiny sizes and batches, no Mooncake: a smoke test."),
+    reps: int | None = typer.Option(None, help="Repeats per measurement (medians reported)."),
+    batch: int | None = typer.Option(None, help="Blocks per batch (default 256; --quick 8)."),
+    endpoints: int | None = typer.Option(None, help="UCX endpoints per peer (pool and raw UCX alike)."),
+    blocks_per_message: int | None = typer.Option(None, help="Blocks per UCX message (pool and raw alike)."),
+    mooncake: bool = typer.Option(True, help="Measure Mooncake's store when its wheel is installed."),
+) -> None:
+    """Data-plane GB/s: pool get/put vs raw UCX, ucx_perftest, memcpy and Mooncake, over tcp and shm."""
+    from kvpool.bench.transfer_bench import run_transfer_bench
+
+    run_transfer_bench(
+        json_out=json_out, plot_out=plot, quick=quick, reps=reps, batch=batch, endpoints=endpoints,
+        blocks_per_message=blocks_per_message, mooncake=mooncake,
+    )  # fmt: skip
