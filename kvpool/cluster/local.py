@@ -69,12 +69,8 @@ class LocalCluster:
 
     def _start(self, timeout_s: float) -> None:
         s = self.spec
-        master = self._spawn(
-            "master",
-            ["master", "--listen", s.host, "--port", "0", "--layout", s.layout, "--replicas", str(s.num_replicas),
-             "--heartbeat-timeout-ms", str(s.heartbeat_timeout_ms)],
-        )  # fmt: skip
-        self.master_address = master.wait_ready(timeout_s)["grpc_address"]
+        self.master = self._start_master(0)
+        self.master_address = self.master.wait_ready(timeout_s)["grpc_address"]
         for i in range(s.num_stores):
             self.stores.append(self.start_store(f"store{i}", wait=False))
         for proc in self.stores:
@@ -89,6 +85,26 @@ class LocalCluster:
         for proc in self.prefill + self.decode:
             proc.wait_ready(timeout_s)
         log.info("local cluster up: master %s, logs in %s", self.master_address, self.log_dir)
+
+    def _start_master(self, port: int) -> RoleProcess:
+        s = self.spec
+        return self._spawn(
+            "master",
+            ["master", "--listen", s.host, "--port", str(port), "--layout", s.layout, "--replicas", str(s.num_replicas),
+             "--heartbeat-timeout-ms", str(s.heartbeat_timeout_ms)],
+        )  # fmt: skip
+
+    def restart_master(self, *, kill: bool = True, timeout_s: float = 60.0) -> None:
+        """kill -9 (or stop) the master and start a fresh one on the same address: it starts from nothing
+        and rebuilds its index from the store nodes' inventories and the nodes' re-registrations."""
+        port = int(self.master_address.rsplit(":", 1)[1])
+        if kill:
+            self.master.kill()
+        else:
+            self.master.stop()
+        self.processes.remove(self.master)
+        self.master = self._start_master(port)
+        self.master.wait_ready(timeout_s)
 
     def start_store(self, node_id: str, *, wait: bool = True, timeout_s: float = 60.0) -> RoleProcess:
         """Start (or restart) a store node; with `wait`, block until it serves."""

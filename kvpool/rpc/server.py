@@ -23,6 +23,14 @@ _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+# Channels reconnect quickly after a peer restarts (gRPC's default backoff grows to minutes): a restarted
+# master is back in the cluster within about a second, not after a long reconnect backoff.
+_CHANNEL_OPTIONS = [
+    *_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class GrpcServer:
@@ -88,7 +96,7 @@ def start_server(
 def channel(address: str) -> grpc.Channel:
     """A channel with our message-size limits, and TLS / the bearer token when configured
     (`kvpool.rpc.security`)."""
-    return secure_channel(address, _OPTIONS, security())
+    return secure_channel(address, _CHANNEL_OPTIONS, security())
 
 
 def wait_healthy(address: str, timeout_s: float = 30.0) -> None:
