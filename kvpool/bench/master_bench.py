@@ -1,14 +1,16 @@
 """`kvpool bench master`: prompt matches of 64 blocks from concurrent clients against a real master.
 
 A master process and one store process on 127.0.0.1; `prompts` chains of `blocks` blocks are published
-for real (reserve → UCX write → commit: `publish_per_s` counts prompts). Then `clients` threads, each with
-its own channel, match one prompt per stream message (or per unary call with `--unary`), counting the hit
-and taking no lease, for `duration_s`. Baseline measured in the same run: one client alone.
+for real (reserve → UCX write → commit: `publish_per_s` counts prompts). Then `clients` client processes
+(real clients are separate nodes: one interpreter each, so no client shares another's GIL), each with its
+own channel, match one prompt per stream message (or per unary call with `--unary`), counting the hit
+and taking no lease, for `duration_s`; the rate counts from the common start until the last client
+reports. Baseline measured in the same run: one client alone.
 """
 
 from __future__ import annotations
 
-import threading
+import multiprocessing as mp
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,40 +25,61 @@ from kvpool.master.procs import LAYOUT, start_master, start_store
 from kvpool.types import KVLayout
 
 
+def _client(
+    address: str,
+    ns: bytes,
+    chains: Sequence[Sequence[bytes]],
+    k: int,
+    clients: int,
+    unary: bool,
+    ready: Any,
+    go: Any,
+    duration_s: float,
+    out: Any,
+) -> None:
+    """One client (its own process: real clients are separate nodes, each with its own interpreter)."""
+    lat: list[float] = []
+    errors = 0
+    with MasterClient(address, timeout_s=5) as c:
+        stream = None if unary else c.match_stream()
+        call = c.match if stream is None else stream.match
+        call(ns, chains[0])  # warm the channel
+        ready.release()
+        go.wait()
+        stop_at = time.perf_counter() + duration_s
+        i = k
+        while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
+            m = call(ns, chains[i % len(chains)], count_hit=True, num_prompt_tokens=0)
+            lat.append(time.perf_counter() - t0)
+            errors += m.num_matched != len(chains[0])
+            i += clients
+        if stream is not None:
+            stream.close()
+    out.put((k, lat, errors))
+
+
 def _phase(
     address: str, ns: bytes, chains: Sequence[Sequence[bytes]], clients: int, duration_s: float, unary: bool
 ) -> dict[str, Any]:
-    lat: list[list[float]] = [[] for _ in range(clients)]
-    errors = [0] * clients
-    start = threading.Barrier(clients + 1)
-    stop_at = [0.0]
-
-    def worker(k: int) -> None:
-        with MasterClient(address, timeout_s=5) as c:
-            stream = None if unary else c.match_stream()
-            call = c.match if stream is None else stream.match
-            call(ns, chains[0])  # warm the channel
-            start.wait()
-            i = k
-            while time.perf_counter() < stop_at[0]:
-                t0 = time.perf_counter()
-                m = call(ns, chains[i % len(chains)], count_hit=True, num_prompt_tokens=0)
-                lat[k].append(time.perf_counter() - t0)
-                errors[k] += m.num_matched != len(chains[0])
-                i += clients
-            if stream is not None:
-                stream.close()
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
-    for t in threads:
-        t.start()
-    stop_at[0] = time.perf_counter() + duration_s + 0.05
-    start.wait()
+    ctx = mp.get_context("spawn")  # no fork: the parent holds gRPC channels
+    ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_client, args=(address, ns, chains, k, clients, unary, ready, go, duration_s, out))
+        for k in range(clients)
+    ]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        if not ready.acquire(timeout=120):
+            raise RuntimeError("a bench client did not start")
+    go.set()
     t0 = time.perf_counter()
-    for t in threads:
-        t.join()
+    results = [out.get(timeout=duration_s + 120) for _ in procs]
     elapsed = time.perf_counter() - t0
-    all_ms = np.array([x for per in lat for x in per]) * 1000
+    for p in procs:
+        p.join()
+    all_ms = np.array([x for _, per, _ in results for x in per]) * 1000
     return {
         "clients": clients,
         "mode": "unary" if unary else "stream",
@@ -64,7 +87,7 @@ def _phase(
         "match_per_s": round(all_ms.size / elapsed, 1),
         "match_p50_ms": round(float(np.percentile(all_ms, 50)), 3),
         "match_p99_ms": round(float(np.percentile(all_ms, 99)), 3),
-        "short_matches": sum(errors),
+        "short_matches": sum(e for _, _, e in results),
     }
 
 

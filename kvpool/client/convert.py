@@ -67,13 +67,36 @@ def match_pb(
         lease_ttl_ms=lease_ttl_ms,
         request_id=request_id,
         num_prompt_tokens=num_prompt_tokens,
+        packed_replicas=True,
     )
 
 
+def _packed_replicas(resp: Any) -> list[tuple[Location, ...]]:
+    """The replica_* columns of a packed `MatchPrefixResponse` as one tuple of `Location`s per block."""
+    names = list(resp.replica_node_ids)
+    node_ids = [names[k] for k in resp.replica_node]
+    local = [False] * len(node_ids)
+    for i in resp.replica_local:
+        local[i] = True
+    flat = list(map(Location, node_ids, resp.replica_slot, resp.replica_generation, local))
+    if not resp.replica_count:
+        return [(loc,) for loc in flat]
+    out, at = [], 0
+    for count in resp.replica_count:
+        out.append(tuple(flat[at : at + count]))
+        at += count
+    return out
+
+
 def match(resp: Any) -> Match:
+    """Packed replicas when the master sent them, else the per-block `replicas` messages."""
+    if resp.replica_node:
+        replicas = _packed_replicas(resp)
+    else:
+        replicas = [tuple(location(x) for x in r.locations) for r in resp.replicas]
     return Match(
         num_matched=resp.num_matched,
-        replicas=[tuple(location(x) for x in r.locations) for r in resp.replicas],
+        replicas=replicas,
         lease_id=resp.lease_id or None,
         nodes={n.node_id: node_info(n) for n in resp.nodes},
     )

@@ -304,12 +304,13 @@ class Master:
             raise InvalidArgument(
                 f"{len(block_hashes)} hashes exceed the limit {self.settings.max_batch_blocks}"
             )
-        for i, h in enumerate(block_hashes):
-            if len(h) != HASH_NBYTES:
-                raise InvalidArgument(f"block_hashes[{i}] must be {HASH_NBYTES} bytes, got {len(h)}")
+        hashes = list(map(BlockHash, block_hashes))
+        if hashes and set(map(len, hashes)) != {HASH_NBYTES}:  # one C pass; the loop names the culprit
+            for i, h in enumerate(hashes):
+                if len(h) != HASH_NBYTES:
+                    raise InvalidArgument(f"block_hashes[{i}] must be {HASH_NBYTES} bytes, got {len(h)}")
         if not 0 <= lease_ttl_ms <= self.settings.max_lease_ttl_ms:
             raise InvalidArgument(f"lease_ttl_ms must be in [0, {self.settings.max_lease_ttl_ms}]")
-        hashes = [BlockHash(h) for h in block_hashes]
         with self.lock:
             res = self.index.match_prefix(
                 NamespaceId(ns), hashes, count_hit=count_hit, lease_ttl_ms=lease_ttl_ms
@@ -322,8 +323,8 @@ class Master:
                 c.hit_tokens += min(res.num_matched * bs, prompt)
                 c.requested_blocks += len(hashes)
                 c.hit_blocks += res.num_matched
-            names = {loc.node_id for locs in res.locations for loc in locs}
-            nodes = [self.st.nodes[n] for n in names if n in self.st.nodes]
+            known = self.st.nodes
+            nodes = [known[n] for n in res.node_names() if n in known]
         return res, nodes
 
     def renew_lease(self, lease_id: int, ttl_ms: int) -> int:

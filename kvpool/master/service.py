@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 import grpc
+import numpy as np
 
 from kvpool.errors import InvalidArgument
 from kvpool.index.results import MatchResult
@@ -137,7 +138,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             lease_ttl_ms=request.lease_ttl_ms,
             num_prompt_tokens=request.num_prompt_tokens,
         )
-        return match_response(res, nodes, request.request_id, request.lease_ttl_ms)
+        return match_response(res, nodes, request.request_id, request.lease_ttl_ms, request.packed_replicas)
 
     @rpc_errors
     def MatchPrefix(
@@ -275,13 +276,46 @@ class MasterServicer(pb_grpc.MasterServicer):
 
 
 def match_response(
-    res: MatchResult, nodes: Sequence[NodeRecord], request_id: str, lease_ttl_ms: int = 0
+    res: MatchResult,
+    nodes: Sequence[NodeRecord],
+    request_id: str,
+    lease_ttl_ms: int = 0,
+    packed: bool = False,
 ) -> pb.MatchPrefixResponse:
-    return pb.MatchPrefixResponse(
+    """The response; `packed`: replicas as the replica_* columns (no message per replica)."""
+    resp = pb.MatchPrefixResponse(
         num_matched=res.num_matched,
-        replicas=[pb.BlockReplicas(locations=[_pb_loc(x) for x in locs]) for locs in res.locations],
         lease_id=res.lease_id or 0,
         lease_ttl_ms=lease_ttl_ms if res.lease_id else 0,
         nodes=[endpoint(n) for n in nodes],
         request_id=request_id,
     )
+    if not res.num_matched:
+        return resp
+    if not packed:
+        resp.replicas.extend(pb.BlockReplicas(locations=[_pb_loc(x) for x in locs]) for locs in res.locations)
+        return resp
+    if res.extra:  # some block has several replicas: flatten them in order
+        flat = [loc for locs in res.locations for loc in locs]
+        names = list(dict.fromkeys(loc.node_id for loc in flat))
+        at = {name: k for k, name in enumerate(names)}
+        resp.replica_node_ids.extend(names)
+        resp.replica_node.extend([at[loc.node_id] for loc in flat])
+        resp.replica_slot.extend([loc.slot for loc in flat])
+        resp.replica_generation.extend([loc.generation for loc in flat])
+        resp.replica_count.extend([len(locs) for locs in res.locations])
+        resp.replica_local.extend([i for i, loc in enumerate(flat) if loc.local])
+        return resp
+    ks = res.replica_node.tolist()
+    table = list(dict.fromkeys(ks))
+    resp.replica_node_ids.extend([res.node_ids[k] for k in table])
+    if len(table) == 1:
+        resp.replica_node.extend([0] * len(ks))
+    else:
+        at = {k: i for i, k in enumerate(table)}
+        resp.replica_node.extend([at[k] for k in ks])
+    resp.replica_slot.extend(res.replica_slot.tolist())
+    resp.replica_generation.extend(res.replica_generation.tolist())
+    if res.replica_local.any():
+        resp.replica_local.extend(np.flatnonzero(res.replica_local).tolist())
+    return resp

@@ -156,36 +156,50 @@ class SetModelVersionResponse(_message.Message):
     def __init__(self, previous_version: _Optional[str] = ..., num_namespaces_invalidated: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "count_hit", "lease_ttl_ms", "request_id", "num_prompt_tokens")
+    __slots__ = ("namespace", "block_hashes", "count_hit", "lease_ttl_ms", "request_id", "num_prompt_tokens", "packed_replicas")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     COUNT_HIT_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     count_hit: bool
     lease_ttl_ms: int
     request_id: str
     num_prompt_tokens: int
-    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., count_hit: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    packed_replicas: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., count_hit: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., packed_replicas: _Optional[bool] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
-    __slots__ = ("num_matched", "replicas", "lease_id", "lease_ttl_ms", "nodes", "request_id")
+    __slots__ = ("num_matched", "replicas", "lease_id", "lease_ttl_ms", "nodes", "request_id", "replica_node_ids", "replica_node", "replica_slot", "replica_generation", "replica_count", "replica_local")
     NUM_MATCHED_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_NODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SLOT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_COUNT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_LOCAL_FIELD_NUMBER: _ClassVar[int]
     num_matched: int
     replicas: _containers.RepeatedCompositeFieldContainer[BlockReplicas]
     lease_id: int
     lease_ttl_ms: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeEndpoint]
     request_id: str
-    def __init__(self, num_matched: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[BlockReplicas, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    replica_node_ids: _containers.RepeatedScalarFieldContainer[str]
+    replica_node: _containers.RepeatedScalarFieldContainer[int]
+    replica_slot: _containers.RepeatedScalarFieldContainer[int]
+    replica_generation: _containers.RepeatedScalarFieldContainer[int]
+    replica_count: _containers.RepeatedScalarFieldContainer[int]
+    replica_local: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_matched: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[BlockReplicas, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., request_id: _Optional[str] = ..., replica_node_ids: _Optional[_Iterable[str]] = ..., replica_node: _Optional[_Iterable[int]] = ..., replica_slot: _Optional[_Iterable[int]] = ..., replica_generation: _Optional[_Iterable[int]] = ..., replica_count: _Optional[_Iterable[int]] = ..., replica_local: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "ttl_ms")
