@@ -322,3 +322,21 @@ def test_insert_is_idempotent_and_adds_replicas() -> None:
     assert index.lookup(NS, h(2)).locations == (loc(2), loc(22, "s1"))  # type: ignore[union-attr]
     assert index.num_blocks_on_node("s0") == 3 and index.num_blocks_on_node("s1") == 1
     index.check_invariants()
+
+
+@pytest.mark.parametrize("policy", sorted(POLICY_NAMES))
+def test_heap_compaction_keeps_eviction_order(policy: str) -> None:
+    """Many re-pushes trigger the heap's compaction; eviction afterwards still works (was an IndexError)."""
+    index, clock = make(policy)
+    if isinstance(index.policy, BeladyPolicy):
+        for i in range(1, 6):
+            index.policy.set_next_use(h(i), 100 - i)
+    put(index, [1])
+    for i in range(2, 6):
+        put(index, [i], parent=1)
+    for _ in range(3000):  # each unlock re-enters the leaf into the heap
+        index.lock(NS, [h(5)])
+        index.unlock(NS, [h(5)])
+    index._rebuild_heap()
+    index.check_invariants()
+    assert sorted(evicted(index, 5)) == [1, 2, 3, 4, 5]

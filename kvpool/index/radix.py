@@ -436,7 +436,7 @@ class RadixIndex(LeaseLockMixin):
     def _rebuild_heap(self) -> None:
         heap = self._heap
         self._heap = [
-            entry for entry in heap if self._c.heap_seq[entry[2]] == entry[1] and self._evictable(entry[2])
+            entry for entry in heap if self._c.heap_seq[entry[3]] == entry[2] and self._evictable(entry[3])
         ]
         heapq.heapify(self._heap)
 
