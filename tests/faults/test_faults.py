@@ -63,7 +63,9 @@ def _serve(
             failed += 1
             continue
         if time.perf_counter() - t0 > 2.0:
-            print(f"request {i}: {time.perf_counter() - t0:.1f} s {res.prefill['decision']} {res.decode['decision']}")
+            print(
+                f"request {i}: {time.perf_counter() - t0:.1f} s {res.prefill['decision']} {res.decode['decision']}"
+            )
         tokens = [t for t in res.tokens if t != eos]
         wrong += tokens != refs[i]
         hits += res.prefill["num_reused_tokens"] > 0
