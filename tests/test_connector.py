@@ -132,3 +132,20 @@ def test_local_tier_is_namespaced_and_bounded() -> None:
     assert block is not None and not block.flags.writeable
     with pytest.raises(ValueError):
         LocalTier(-1)
+
+
+@pytest.mark.parametrize(
+    ("error", "bad"),
+    [
+        ("checksum mismatch: got 0x1, peer sent 0x2", True),
+        ("StaleGeneration: slot 3 is at generation 5, not 4", True),
+        ("FailedPrecondition: slot 3 is RESERVED, not written", True),
+        ("TransferError: cannot connect to 10.0.0.2:1234: timed out", False),
+        ("transfer to 127.0.0.1:1 failed: deadline of 2 s passed", False),
+        ("connection lost: Endpoint timeout", False),
+    ],
+)
+def test_only_proven_bad_replicas_are_reported(error: str, bad: bool) -> None:
+    from kvpool.connector.pull import is_replica_fault
+
+    assert is_replica_fault(error) is bad

@@ -33,6 +33,9 @@ from kvpool.errors import DeadlineExceeded, TransferError, Unavailable
 
 log = logging.getLogger(__name__)
 
+MIN_PULL_DEADLINE_S = 0.25
+"""Floor of a pull's deadline: below it, scheduling noise on a busy host would abandon healthy pulls."""
+
 FORCE_DECISION_ENV = "KVPOOL_FORCE_DECISION"
 """Benchmarks only: `pull` (load every hit block) | `recompute` (load none) | `auto` (default, the cost
 model). Forced loads still report the cost model's predictions: `predicted_pull_s` is then the predicted
@@ -119,6 +122,12 @@ class KVConnector:
         self.pull_timeout_s = pull_timeout_s
         self.margin = margin
         self.breaker = breaker or PoolBreaker()
+
+    def pull_deadline_s(self, load_deadline_s: float) -> float:
+        """How long a pull may run before it is abandoned and the rest recomputed: the cost model's
+        deadline (past it every predicted saving is gone), doubled for timing noise, at least
+        `MIN_PULL_DEADLINE_S` and at most the configured `pull_timeout_s`."""
+        return min(self.pull_timeout_s, max(2.0 * load_deadline_s, MIN_PULL_DEADLINE_S))
 
     def max_reusable_blocks(self, num_tokens: int) -> int:
         """Blocks that may be reused for a prompt of `num_tokens`: the last token is always computed."""
@@ -242,7 +251,8 @@ class KVConnector:
             pulled, failed = pull_blocks(
                 self.transport, self.master, ns, candidates, match.replicas, addrs,
                 start=start, end=min(k, num_pool), block_nbytes=self.block_nbytes,
-                timeout_s=self.pull_timeout_s, request_id=request_id,
+                timeout_s=self.pull_timeout_s if force == "pull" else self.pull_deadline_s(decision.load_deadline_s),
+                request_id=request_id,
             )  # fmt: skip
             stats.pull_s = time.perf_counter() - t0
             stats.num_failed_blocks = failed

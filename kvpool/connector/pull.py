@@ -3,7 +3,9 @@
 Rules (field cases B17, B18): every read names the slot generation from the match, so a slot reused
 after a lease expired answers an error, never someone else's bytes; a failed block is retried once on
 another replica (the same one if there is no other); the result is the leading run of blocks that
-arrived intact, and blocks after the first failure are discarded even if they arrived.
+arrived intact, and blocks after the first failure are discarded even if they arrived. A replica proven
+bad (checksum, generation, slot state) is reported to the master so no lookup offers it again; an
+unreachable one is not (see `is_replica_fault`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,19 @@ import numpy as np
 from kvpool.types import Location
 
 log = logging.getLogger(__name__)
+
+
+# Errors that prove the replica itself is bad (its bytes, its slot, its generation). A timeout or a refused
+# connection may be this reader's own network: reporting those would let one broken reader strip the pool
+# of replicas every other node can read, so they are only retried; the master learns of dead nodes from
+# missed heartbeats.
+_REPLICA_FAULTS = ("checksum mismatch", "StaleGeneration", "FailedPrecondition", "NotFound", "LeaseExpired",
+                   "ChecksumMismatch", "InvalidArgument")  # fmt: skip
+
+
+def is_replica_fault(error: str) -> bool:
+    """True when a failed read's error says the replica is bad (not merely unreachable from here)."""
+    return any(marker in error for marker in _REPLICA_FAULTS)
 
 
 def _pick(replicas: Sequence[Location], addresses: dict[str, str], skip: set[Location]) -> Location | None:
@@ -88,6 +103,8 @@ def pull_blocks(
                 num_failed += 1
                 pending.append(i)
                 reason = res.error if res is not None else "transfer failed"
+                if not is_replica_fault(reason):
+                    continue
                 try:
                     master.report_bad_replica(ns, hashes[i], loc, reason)
                 except Exception as exc:  # noqa: BLE001 - best effort
