@@ -172,7 +172,8 @@ def _worker(cfg: dict[str, Any]) -> None:
     batch, reps, eps, per_msg = cfg["batch"], cfg["reps"], cfg["endpoints"], cfg["blocks_per_message"]
     env.pop("UCX_LOG_LEVEL", None)  # only this process logs its endpoint configurations (see _run_worker)
     raw_peer = _Child([sys.executable, "-m", "kvpool.bench.raw_ucx"], "RAW_UCX_READY ", env)
-    t = UcxTransport(endpoints_per_peer=eps, blocks_per_message=per_msg)
+    # a generous connect deadline: on a loaded 2-core machine a fresh store's handshake + probe can take seconds
+    t = UcxTransport(endpoints_per_peer=eps, blocks_per_message=per_msg, connect_timeout_s=60.0)
     raw = RawUcxClient("127.0.0.1", int(raw_peer.info), endpoints=eps, blocks_per_message=per_msg)
     result: dict[str, Any] = {"sizes": {}, "latency": {}}
     rng = np.random.default_rng(0)
@@ -206,6 +207,7 @@ def _measure_size(
     get_slots = list(range(batch))
     put_slots = list(range(batch, 2 * batch))
     sums = [checksum(d) for d in data]
+    t.link(store.data_address)  # connect and probe before anything is timed
     store.reserve(get_slots, 1)
     res = t.write_blocks(
         store.data_address,
@@ -409,7 +411,7 @@ def _mooncake_client(cfg: dict[str, Any]) -> None:
             rcs = store.batch_put_from(keys, ptrs, sizes)
             t1 = time.perf_counter()
             if any(rc != 0 for rc in rcs):
-                raise RuntimeError(f"mooncake put failed: {list(rcs)[:3]}")
+                raise RuntimeError(f"mooncake put failed: {[rc for rc in rcs if rc != 0][:3]}")
             dst[:nbytes] = 0
             t2 = time.perf_counter()
             got = store.batch_get_into(keys, dptrs, sizes)
@@ -449,7 +451,7 @@ def run_mooncake(sizes: Sequence[int], batch: int, reps: int, on_step: Callable[
     storage: _Child | None = None
     try:
         time.sleep(1.0)
-        segment = 2 * max(sizes) * batch + 256 * MIB
+        segment = (reps + 2) * max(sizes) * batch + 256 * MIB  # puts stay leased a while: no reuse
         me = [sys.executable, "-m", "kvpool.bench.transfer_bench"]
         storage = _Child([*me, "mooncake-storage", meta, master_addr, str(segment)], "MOONCAKE_READY", env)
         cfg = {"sizes": list(sizes), "batch": batch, "reps": reps, "meta": meta, "master": master_addr}
@@ -478,7 +480,7 @@ def ucx_tag_lanes(log: str) -> list[str]:
 def _run_worker(
     args: Sequence[str], env: dict[str, str], on_step: Callable[[], None], log: list[str] | None = None
 ) -> Any:
-    """Run a worker, calling `on_step` per STEP line; returns its RESULT payload (its stderr into `log`)."""
+    """Run a worker, calling `on_step` per STEP line; returns its RESULT payload (other lines into `log`)."""
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         assert proc.stdout is not None
@@ -488,11 +490,10 @@ def _run_worker(
                 on_step()
             elif line.startswith("RESULT "):
                 result = json.loads(line[7:])
+            elif log is not None:  # UCX logs to stdout
+                log.append(line)
         proc.wait()
         err.seek(0)
-        if log is not None:
-            log.append(err.read().decode(errors="replace"))
-            err.seek(0)
         if proc.returncode != 0 or result is None:
             raise RuntimeError(
                 f"worker failed ({proc.returncode}): {err.read().decode(errors='replace')[-2000:]}"
@@ -677,7 +678,7 @@ def run_transfer_bench(
             args = [sys.executable, "-m", "kvpool.bench.transfer_bench", "worker", json.dumps(cfg)]
             log: list[str] = []
             measured[tr] = _run_worker(args, env, step, log)
-            measured[tr]["ucx_tag_lanes"] = ucx_tag_lanes(log[0])
+            measured[tr]["ucx_tag_lanes"] = ucx_tag_lanes("".join(log))
             perftest[tr] = {}
             for size in sizes:
                 iters = max(100, min(5000, (64 if quick else 512) * MIB // size))
