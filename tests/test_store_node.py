@@ -231,11 +231,17 @@ def test_stale_generation_read_refused_b17(store: StoreProc, transport: UcxTrans
 
 def test_reserve_without_commit_is_reclaimed(store: StoreProc, transport: UcxTransport) -> None:
     used = store.stub.GetInfo(pb.GetInfoRequest(), timeout=5).num_used_slots
-    reserve(store, [30, 31], lease_ms=200)
+    lease_ms = 1500  # long enough for the write below on a loaded host
+    reserve(store, [30, 31], lease_ms=lease_ms)
     d = rand_blocks(1, seed=4)[0]
     assert transport.write_blocks(store.data_address, [BlockWrite(30, 1, d, checksum(d))], timeout_s=10)[0].ok
     assert store.stub.GetInfo(pb.GetInfoRequest(), timeout=5).num_used_slots == used + 2
-    time.sleep(0.6)
+    deadline = time.monotonic() + 10  # reclaimed after the lease, by the store's own sweep
+    while (
+        store.stub.GetInfo(pb.GetInfoRequest(), timeout=5).num_used_slots != used
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
     assert store.stub.GetInfo(pb.GetInfoRequest(), timeout=5).num_used_slots == used
     assert [c.error.split(":")[0] for c in commit(store, [30, 31])] == ["StaleGeneration"] * 2
     [r] = transport.write_blocks(store.data_address, [BlockWrite(31, 1, d, checksum(d))], timeout_s=10)
