@@ -34,7 +34,8 @@ def print_ready(info: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """In a child before exec: receive SIGTERM when the parent dies (Linux `PR_SET_PDEATHSIG`)."""
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -60,7 +61,7 @@ class RoleProcess:
             stdin=subprocess.DEVNULL,
             text=True,
             env=child_env,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
         self._ready: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._pump = threading.Thread(target=self._pump_output, name=f"log-{name}", daemon=True)

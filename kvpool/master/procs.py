@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.cluster.process import die_with_parent
+
 LAYOUT = "kv1:float32:b64:l4:h2:d32"
 
 
@@ -50,6 +52,7 @@ def start(args: list[str], timeout_s: float = 60.0, env: dict[str, str] | None =
         stderr=subprocess.DEVNULL if not os.environ.get("KVPOOL_TEST_LOGS") else None,
         text=True,
         env={**os.environ, **(env or {})},
+        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
     )
     proc = Proc(popen)
     deadline = time.monotonic() + timeout_s
