@@ -449,7 +449,7 @@ def _worker_main(job_path: str, out_path: str) -> None:
 
 def run_job_in_netns(job: Job, pair: Any, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Run `job` in a child process inside namespace A (its store node goes to namespace B)."""
-    from kvpool.cluster.process import _die_with_parent
+    from kvpool.cluster.process import die_with_parent
 
     job.host = pair.addr.a
     job.netns = asdict(pair.addr)
@@ -468,7 +468,7 @@ def run_job_in_netns(job: Job, pair: Any, log: Callable[[str], None]) -> list[di
             str(op),
         ]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=_die_with_parent)  # fmt: skip
+                                preexec_fn=die_with_parent)  # fmt: skip
         assert proc.stderr is not None
         tail: list[str] = []
         for line in proc.stderr:

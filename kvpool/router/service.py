@@ -33,26 +33,11 @@ from kvpool.router.settings import RouterSettings
 from kvpool.router.state import Inflight, node_states, serving_nodes
 from kvpool.rpc.server import channel
 from kvpool.rpc.status import raise_from_rpc_error
+from kvpool.serving.sampling import Sampling
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Sampling:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-
-    def to_proto(self) -> pb.SamplingParams:
-        return pb.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed or 0,
-            has_seed=self.seed is not None, max_tokens=self.max_tokens, stop_token_ids=list(self.stop_token_ids),
-        )  # fmt: skip
 
 
 @dataclass(slots=True)
