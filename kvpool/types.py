@@ -96,6 +96,22 @@ class Location:
     local: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class InventoryItem:
+    """One committed block a store node holds (what a restarted master rebuilds its index from).
+
+    `parent_hash` is b"" for the first block of a chain; `checksum` is xxh3_64 of the block's bytes.
+    """
+
+    namespace: bytes
+    block_hash: bytes
+    parent_hash: bytes
+    slot: int
+    generation: int
+    checksum: int
+    size_bytes: int
+
+
 class Clock(Protocol):
     """Injected time source (milliseconds, monotonic)."""
 

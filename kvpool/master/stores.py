@@ -13,7 +13,7 @@ import grpc
 
 from kvpool.rpc.server import channel
 from kvpool.rpc.status import raise_from_rpc_error
-from kvpool.types import Location
+from kvpool.types import InventoryItem, Location
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -27,17 +27,6 @@ class SlotOrder:
     namespace: bytes
     block_hash: bytes
     parent_hash: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class InventoryItem:
-    namespace: bytes
-    block_hash: bytes
-    parent_hash: bytes
-    slot: int
-    generation: int
-    checksum: int
-    size_bytes: int
 
 
 class StoreCalls:

@@ -30,7 +30,7 @@ from kvpool.errors import (
     StaleGeneration,
 )
 from kvpool.store.segment import Segment
-from kvpool.types import HASH_NBYTES, Clock, MonotonicClock
+from kvpool.types import HASH_NBYTES, Clock, InventoryItem, MonotonicClock
 
 FIRST_GENERATION = 1
 
@@ -58,17 +58,6 @@ class _Meta:
     parent_hash: bytes
     lease_expiry_ms: int
     checksum: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class InventoryItem:
-    namespace: bytes
-    block_hash: bytes
-    parent_hash: bytes
-    slot: int
-    generation: int
-    checksum: int
-    size_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
