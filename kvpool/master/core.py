@@ -12,11 +12,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvpool.client.types import NodeLoad
 from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvpool.index.radix import RadixIndex
 from kvpool.index.results import DroppedBlock, MatchResult
 from kvpool.master.namespaces import NamespaceRegistry
-from kvpool.master.nodes import NodeLoadInfo, NodeRecord
+from kvpool.master.nodes import NodeRecord
 from kvpool.master.settings import MasterSettings
 from kvpool.master.stores import StoreCalls
 from kvpool.rpc import PROTOCOL_VERSION
@@ -146,7 +147,7 @@ class Master:
         epoch: int,
         freed_slots: Sequence[tuple[int, int]],
         num_used_slots: int,
-        load: NodeLoadInfo,
+        load: NodeLoad,
     ) -> bool:
         """Returns False ("re-register") for an unknown node, an old epoch, or a node declared dead."""
         with self.lock:

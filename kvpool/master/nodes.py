@@ -10,19 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvpool.client.types import NodeLoad
 from kvpool.types import Location
-
-
-@dataclass(frozen=True, slots=True)
-class NodeLoadInfo:
-    """Load and calibration a node reports with its heartbeats."""
-
-    queue_len: int = 0
-    recompute_s_per_token: float = 0.0
-    recompute_s_per_token_ctx: float = 0.0
-    recompute_overhead_s: float = 0.0
-    link_alpha_s: float = 0.0
-    link_beta_bytes_per_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -41,7 +30,7 @@ class NodeRecord:
     draining: bool = False
     ready: bool = False  # store: its inventory was adopted, slots may be placed
     num_used_slots_reported: int = 0
-    load: NodeLoadInfo = field(default_factory=NodeLoadInfo)
+    load: NodeLoad = field(default_factory=NodeLoad)
     free: deque[tuple[int, int]] = field(default_factory=deque)  # (slot, generation), acknowledged
     pending_free: dict[int, int] = field(default_factory=dict)  # slot -> generation ordered freed
     free_set: set[int] = field(default_factory=set)  # the slots in `free` (no slot handed out twice)

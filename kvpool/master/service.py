@@ -8,10 +8,11 @@ from collections.abc import Iterator, Sequence
 import grpc
 import numpy as np
 
+from kvpool.client.types import NodeLoad
 from kvpool.errors import InvalidArgument
 from kvpool.index.results import MatchResult
 from kvpool.master.core import Master
-from kvpool.master.nodes import NodeLoadInfo, NodeRecord
+from kvpool.master.nodes import NodeRecord
 from kvpool.master.ops import admin_evict, drain
 from kvpool.master.publish import CommitBlock
 from kvpool.rpc.status import rpc_errors
@@ -100,7 +101,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         values += [ld.link_alpha_s, ld.link_beta_bytes_per_s]
         if any(not math.isfinite(x) or x < 0 for x in values):
             raise InvalidArgument("load figures must be finite and >= 0")
-        load = NodeLoadInfo(ld.queue_len, *values)
+        load = NodeLoad(ld.queue_len, *values)
         freed = [(s.slot, s.generation) for s in request.freed_slots]
         known = self.m.heartbeat(request.node_id, request.epoch, freed, request.num_used_slots, load)
         return pb.HeartbeatResponse(known=known, master_epoch=self.m.master_epoch)
