@@ -126,6 +126,7 @@ class DecodeScheduler:
         )  # fmt: skip
         prefix = rt.runner.prefix_from_blocks(loaded.blocks) if loaded.blocks else None
         _logits, job.cache = rt.runner.prefill_prompt(job.prompt, prefix)
+        rt.connector.keep_pulled(job.ns, loaded)
         s = loaded.stats
         job.stats.update(
             num_reused_tokens=s.num_reused_tokens, num_pulled_tokens=s.num_pulled_tokens,

@@ -97,6 +97,7 @@ class PrefillService(pb_grpc.PrefillServicer):
                 ),
             )
         )
+        rt.connector.keep_pulled(ns, loaded)
         yield pb.PrefillEvent(published=self._publish(request, ns, hashes, full, stats, rid))
 
     def _publish(

@@ -188,3 +188,37 @@ def test_seeded_sampling_reproducible(runner: ModelRunner) -> None:
         prompt, params=SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=12, max_tokens=12)
     )
     assert c != a
+
+
+def test_scatter_of_rows_of_one_buffer_equals_scatter_of_copies(runner: ModelRunner) -> None:
+    """A pull delivers blocks as back-to-back rows of one buffer (scattered without a gather copy); rows
+    out of order, with a gap, or from two buffers take the copying path; all give the same prefix."""
+    bs = runner.layout.block_size
+    _, cache = runner.prefill(list(range(3, 3 + 4 * bs)))
+    copies = [np.array(b) for b in runner.blocks_from_prefix(cache, 0, 4)]
+    want = [bytes(b) for b in copies]
+    rows = np.stack(copies)  # one buffer, 4 rows
+    for blocks, order in (
+        ([rows[0], rows[1], rows[2], rows[3]], [0, 1, 2, 3]),  # consecutive: no copy
+        ([rows[1], rows[2]], [1, 2]),  # consecutive, not from the start
+        ([rows[0], rows[2]], [0, 2]),  # a gap
+        ([rows[2], rows[1]], [2, 1]),  # reversed
+        ([rows[0], np.array(rows[1])], [0, 1]),  # two buffers
+    ):
+        got = runner.blocks_from_prefix(runner.prefix_from_blocks(blocks), 0, len(blocks))
+        assert [bytes(b) for b in got] == [want[i] for i in order]
+
+
+def test_prefill_on_a_prefix_never_writes_the_prefix(runner: ModelRunner) -> None:
+    """The cache hands the prefix's tensors to the model without a copy; extending it must not write them."""
+    bs = runner.layout.block_size
+    prompt = list(range(3, 3 + 2 * bs + 5))
+    _, cache = runner.prefill(prompt[: 2 * bs])
+    before = [(k.clone(), v.clone()) for k, v in cache.layers]
+    logits_a, _ = runner.prefill(prompt[2 * bs :], cache)
+    logits_b, _ = runner.prefill(prompt[2 * bs :], cache)
+    assert torch.equal(logits_a, logits_b)
+    assert all(
+        torch.equal(k, k0) and torch.equal(v, v0)
+        for (k, v), (k0, v0) in zip(cache.layers, before, strict=True)
+    )

@@ -77,6 +77,8 @@ class LoadedPrefix:
 
     blocks: list[np.ndarray] = field(default_factory=list)
     stats: LoadStats = field(default_factory=LoadStats)
+    pulled: list[tuple[bytes, np.ndarray]] = field(default_factory=list)
+    """(block hash, bytes) of the pulled blocks, for `KVConnector.keep_pulled` off the TTFT path."""
 
 
 class KVConnector:
@@ -260,8 +262,14 @@ class KVConnector:
             out.blocks.extend(pulled)
             stats.num_pulled_tokens = len(pulled) * self.block_size
             stats.pulled_bytes = sum(b.nbytes for b in pulled)
-            for h, block in zip(candidates[start:], pulled, strict=False):
-                self.local_tier.put(ns, h, block)
+            out.pulled = list(zip(candidates[start:], pulled, strict=False))
+
+    def keep_pulled(self, ns: bytes, loaded: LoadedPrefix) -> None:
+        """Copy a load's pulled blocks into the node-local tier (called once the first token is out, so
+        the copy stays off the TTFT path); clears `loaded.pulled`."""
+        for h, block in loaded.pulled:
+            self.local_tier.put(ns, h, block)
+        loaded.pulled = []
 
     def publish(
         self,

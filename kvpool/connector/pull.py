@@ -66,7 +66,10 @@ def pull_blocks(
 
     if end <= start:
         return [], 0
-    buffers = {i: np.empty(block_nbytes, dtype=np.uint8) for i in range(start, end)}
+    # One buffer for the whole run: the blocks arrive back to back, so the model scatters them without
+    # gathering them into one first (kvpool.model.kv.scatter_blocks).
+    run_buffer = np.empty((end - start, block_nbytes), dtype=np.uint8)
+    buffers = {i: run_buffer[i - start] for i in range(start, end)}
     done: dict[int, bool] = {}
     tried: dict[int, set[Location]] = defaultdict(set)
     num_failed = 0

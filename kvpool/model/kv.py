@@ -47,7 +47,19 @@ class KVPrefix:
         """A fresh `DynamicCache` holding a copy of this prefix, for a forward to extend."""
         from transformers import DynamicCache
 
+        from transformers.cache_utils import DynamicLayer
+
         cache = DynamicCache(config=config)
+        if len(cache.layers) == len(self.layers) and all(
+            type(layer) is DynamicLayer for layer in cache.layers
+        ):
+            # Hand our tensors to the cache without the copy `update` makes (a cat onto an empty
+            # tensor): the forward's own `update` concatenates into a new tensor, never writing ours.
+            for layer, (k, v) in zip(cache.layers, self.layers, strict=True):
+                assert isinstance(layer, DynamicLayer)  # narrowed for mypy; checked above
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+            return cache
         for i, (k, v) in enumerate(self.layers):
             cache.update(k, v, i)
         return cache
@@ -121,6 +133,23 @@ def _as_uint8(block: BlockBytes) -> np.ndarray:
     return np.frombuffer(memoryview(block).cast("B"), dtype=np.uint8)
 
 
+def _consecutive(arrays: Sequence[np.ndarray], nb_bytes: int) -> np.ndarray | None:
+    """One flat view over `arrays` when they are back-to-back rows of one buffer (as a pull delivers
+    them), so scattering skips a copy; None otherwise."""
+    first = arrays[0]
+    base = first.base
+    if not isinstance(base, np.ndarray) or not base.flags.c_contiguous or base.dtype != np.uint8:
+        return None
+    start = first.ctypes.data - base.ctypes.data
+    if start < 0 or start + len(arrays) * nb_bytes > base.nbytes:
+        return None
+    addr = first.ctypes.data
+    for i, arr in enumerate(arrays):
+        if arr.base is not base or arr.ctypes.data != addr + i * nb_bytes:
+            return None
+    return base.reshape(-1)[start : start + len(arrays) * nb_bytes]
+
+
 def scatter_blocks(
     blocks: Sequence[BlockBytes], layout: KVLayout, device: str | torch.device, base: KVPrefix | None = None
 ) -> KVPrefix:
@@ -135,14 +164,17 @@ def scatter_blocks(
     if not blocks:
         return base
     nb_bytes = layout.block_nbytes
-    buf = np.empty(len(blocks) * nb_bytes, dtype=np.uint8)
-    for i, block in enumerate(blocks):
-        arr = _as_uint8(block)
+    arrays = [_as_uint8(block) for block in blocks]
+    for i, arr in enumerate(arrays):
         if arr.size != nb_bytes:
             raise InvalidArgument(
                 f"block {i} has {arr.size} bytes, layout {layout.fingerprint()} needs {nb_bytes}"
             )
-        buf[i * nb_bytes : (i + 1) * nb_bytes] = arr
+    buf = _consecutive(arrays, nb_bytes)
+    if buf is None:
+        buf = np.empty(len(arrays) * nb_bytes, dtype=np.uint8)
+        for i, arr in enumerate(arrays):
+            buf[i * nb_bytes : (i + 1) * nb_bytes] = arr
     nb, bs = len(blocks), layout.block_size
     t = torch.from_numpy(buf).view(_torch_dtype(layout)).reshape(len(blocks), *layout.shape)
     t = t.to(device)  # [nb, L, 2, H, bs, D]

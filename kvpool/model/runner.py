@@ -7,6 +7,7 @@ KV is held in `KVPrefix` (see kv.py) on the runner's device in the model's dtype
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from kvpool.model.tokenizer import Tokenizer, load_tokenizer
 from kvpool.types import KVLayout
 
 log = logging.getLogger(__name__)
+_FORCE_GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
 def _resolve_dtype(dtype: str | None, config: Any) -> torch.dtype:
@@ -91,6 +93,13 @@ class ModelRunner:
         recurrent architecture), `InvalidArgument` (bad dtype or block_size).
         """
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        if torch.device(device).type == "cpu":
+            # transformers' SDPA path expands grouped KV heads with `repeat_kv` (a copy of the whole cache
+            # per layer per forward) whenever a mask is present; torch's CPU kernel takes grouped heads
+            # natively (`enable_gqa`), which halves the memory traffic of a suffix over a long prefix.
+            # CUDA keeps the default: there a masked GQA call falls back to the math kernel.
+            os.environ.setdefault(_FORCE_GQA_ENV, "1")
 
         path = Path(model_dir) if model_dir is not None else embedded_model_dir()
         if not (path / "config.json").is_file():
