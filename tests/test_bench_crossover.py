@@ -72,6 +72,16 @@ def test_auto_choice_reconstruction_matches_decide_reuse() -> None:
         cell = predict_cell(model, t_transfer_s(h * nbytes, link), prompt, h * bs, margin)
         assert cell["choice"] == ("pull" if d.num_load_blocks == h else "recompute")
         assert cell["predicted_recompute_ttft_s"] == pytest.approx(d.predicted_recompute_all_s)
+        # The node corrected its model online (a uniform scale) since the heartbeat the bench read: its
+        # own recompute-all prediction rescales the heartbeat model to the one it decided with.
+        scale = rng.uniform(0.3, 3.0)
+        now = RecomputeModel(overhead_s=model.overhead_s * scale, per_token_s=model.per_token_s * scale,
+                             per_pair_s=model.per_pair_s * scale)  # fmt: skip
+        d = decide_reuse(h, bs, prompt, nbytes, link, now, margin=margin)
+        cell = predict_cell(
+            model, t_transfer_s(h * nbytes, link), prompt, h * bs, margin, d.predicted_recompute_all_s
+        )
+        assert cell["choice"] == ("pull" if d.num_load_blocks == h else "recompute")
 
 
 def test_breakeven_and_interpolation_exact() -> None:

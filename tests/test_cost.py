@@ -204,3 +204,65 @@ def test_accepts_transfer_link_estimates() -> None:
     d = decide_reuse(8, BS, 8 * BS + 1, BLOCK_NBYTES, Other(), RECOMPUTE)
     assert d.num_load_blocks == 8
     assert LinkEstimate.of(Other()).beta_bytes_per_s == 10e9
+
+
+# ---------------------------------------------------------------- online calibration (kvpool.cost.online)
+
+
+def _base_model() -> RecomputeModel:
+    return RecomputeModel(overhead_s=0.01, per_token_s=2e-4, per_pair_s=1e-8, source="calibrated")
+
+
+def test_online_recompute_scale_follows_observed_forwards() -> None:
+    from kvpool.cost.online import OnlineCalibration
+
+    cal = OnlineCalibration(_base_model(), weight=0.25)
+    assert cal.recompute_scale == 1.0 and cal.recompute == _base_model()
+    predicted = _base_model().t_recompute_s(512, 1024)
+    cal.observe_compute(512, 1024, 3.0 * predicted)  # the machine got 3x slower
+    assert cal.recompute_scale == pytest.approx(3.0)
+    assert cal.recompute.t_recompute_s(512, 1024) == pytest.approx(3.0 * predicted)
+    for _ in range(40):  # it recovers: EWMA back towards 1x
+        cal.observe_compute(512, 1024, predicted)
+    assert cal.recompute_scale == pytest.approx(1.0, rel=1e-3)
+    # shape kept: every coefficient scaled alike
+    cal.observe_compute(512, 0, 2.0 * _base_model().t_recompute_s(512, 0))
+    m, b, s = cal.recompute, _base_model(), cal.recompute_scale
+    assert (m.overhead_s, m.per_token_s, m.per_pair_s) == pytest.approx(
+        (b.overhead_s * s, b.per_token_s * s, b.per_pair_s * s)
+    )
+
+
+def test_online_recompute_ignores_noise_and_clamps_outliers() -> None:
+    from kvpool.cost.online import OnlineCalibration
+
+    cal = OnlineCalibration(RecomputeModel(overhead_s=0.0, per_token_s=1e-6, per_pair_s=0.0), max_scale=5.0)
+    cal.observe_compute(10, 0, 1.0)  # predicted 10 us: below MIN_PREDICTED_S, ignored
+    cal.observe_compute(0, 5, 1.0)
+    cal.observe_compute(10, 0, float("nan"))
+    assert cal.num_compute_observations == 0 and cal.recompute_scale == 1.0
+    cal.observe_compute(10_000, 0, 1000.0)  # 100000x: clamped
+    assert cal.recompute_scale == pytest.approx(5.0)
+    with pytest.raises(InvalidArgument):
+        OnlineCalibration(_base_model(), weight=0.0)
+    with pytest.raises(InvalidArgument):
+        OnlineCalibration(_base_model(), min_scale=2.0)
+
+
+def test_online_pull_overhead_is_learned_and_flips_a_marginal_decision() -> None:
+    from kvpool.cost.online import OnlineCalibration
+
+    link = LinkEstimate(alpha_s=1e-4, beta_bytes_per_s=1e9)
+    cal = OnlineCalibration(_base_model())
+    block_nbytes, bs = 262_144, 64
+    # one block of a 96-token prompt: the wire says pull (0.36 ms vs ~13 ms of compute saved)
+    before = decide_reuse(1, bs, 96, block_nbytes, cal.link(link), cal.recompute)
+    assert before.num_load_blocks == 1
+    for nbytes in (1 << 20, 8 << 20, 32 << 20):  # every real pull took 40 ms more than the wire
+        cal.observe_pull(nbytes, link.alpha_s + nbytes / link.beta_bytes_per_s + 0.040, link)
+    assert cal.pull_overhead_s == pytest.approx(0.040)
+    assert cal.link(link).alpha_s == pytest.approx(0.040 + 1e-4)
+    after = decide_reuse(1, bs, 96, block_nbytes, cal.link(link), cal.recompute)
+    assert after.num_load_blocks == 0 and after.reason == "recompute_cheaper"
+    cal.observe_pull(1 << 20, 1e-6, link)  # faster than the wire: residual clamps at 0
+    assert cal.pull_overhead_s == pytest.approx(0.75 * 0.040)

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -113,12 +113,27 @@ def recompute_model_of(load: Any) -> RecomputeModel:
 
 
 def predict_cell(
-    model: RecomputeModel, predicted_load_s: float, prompt_tokens: int, reused_tokens: int, margin: float
+    model: RecomputeModel,
+    predicted_load_s: float,
+    prompt_tokens: int,
+    reused_tokens: int,
+    margin: float,
+    node_recompute_all_s: float | None = None,
 ) -> dict[str, Any]:
-    """Predicted TTFT pulled / recomputed and auto's choice (see the module docstring)."""
+    """Predicted TTFT pulled / recomputed and auto's choice (see the module docstring).
+
+    `node_recompute_all_s`: the node's own prediction of recomputing the whole prompt at decision time.
+    The node corrects its model online by a uniform scale (kvpool.cost.online), so the heartbeat's model
+    rescaled to agree with it is exactly the model the node decided with.
+    """
     n_new = max(1, prompt_tokens - reused_tokens)
-    compute_rest = model.t_recompute_s(n_new, prompt_tokens - n_new)
     recompute_all = model.t_recompute_s(prompt_tokens, 0)
+    if node_recompute_all_s and recompute_all > 0:
+        scale = node_recompute_all_s / recompute_all
+        model = replace(model, overhead_s=model.overhead_s * scale, per_token_s=model.per_token_s * scale,
+                        per_pair_s=model.per_pair_s * scale)  # fmt: skip
+        recompute_all = model.t_recompute_s(prompt_tokens, 0)
+    compute_rest = model.t_recompute_s(n_new, prompt_tokens - n_new)
     pull = (1.0 + margin) * predicted_load_s + compute_rest < recompute_all
     return {
         "predicted_pull_ttft_s": predicted_load_s + compute_rest,
@@ -436,7 +451,9 @@ def _measure_cell(call: PrefillCaller, case: ModelCase, link: LinkCase, prefix: 
                             "per_pair_s": recompute.per_pair_s},
         "ok": ok,
     }  # fmt: skip
-    rec |= predict_cell(recompute, pred_load, prompt_tokens, prefix, job.margin)
+    node_rec_all = statistics.median(s["predicted_recompute_s"] for s in node)
+    rec["node_predicted_recompute_s"] = node_rec_all
+    rec |= predict_cell(recompute, pred_load, prompt_tokens, prefix, job.margin, node_rec_all)
     rec |= score_cell(rec["pull_ttft_s"], rec["recompute_ttft_s"], rec["choice"])
     return rec
 

@@ -29,6 +29,7 @@ from kvpool.connector.breaker import PoolBreaker
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.pull import pull_blocks
 from kvpool.cost import LOCAL_LINK, LinkEstimate, RecomputeModel, decide_reuse, t_transfer_s
+from kvpool.cost.online import OnlineCalibration
 from kvpool.errors import DeadlineExceeded, TransferError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ class KVConnector:
         pool: a `kvpool.client.PoolClient` (publishes: reserve, write, commit).
         transport: a `transfer.Transport` (pulls).
         block_size, block_nbytes: the KV layout's figures.
-        recompute: the calibrated recompute model of this node's runner.
+        recompute: the calibrated recompute model of this node's runner (corrected online by
+            `calibration` from the forwards and pulls this node runs; see kvpool.cost.online).
         local_tier: the node-local tier (may have capacity 0).
         lease_ttl_ms: read lease for pulls; pull_timeout_s: deadline per pull batch.
     """
@@ -117,13 +119,18 @@ class KVConnector:
         self.node_id = node_id
         self.block_size = block_size
         self.block_nbytes = block_nbytes
-        self.recompute = recompute
+        self.calibration = OnlineCalibration(recompute)
         self.local_tier = local_tier
         self.num_replicas = num_replicas
         self.lease_ttl_ms = lease_ttl_ms
         self.pull_timeout_s = pull_timeout_s
         self.margin = margin
         self.breaker = breaker or PoolBreaker()
+
+    @property
+    def recompute(self) -> RecomputeModel:
+        """The recompute model decisions use now (the calibrated one, corrected online)."""
+        return self.calibration.recompute
 
     def pull_deadline_s(self, load_deadline_s: float) -> float:
         """How long a pull may run before it is abandoned and the rest recomputed: the cost model's
@@ -212,13 +219,14 @@ class KVConnector:
         addresses = [match.data_address(loc.node_id) for reps in match.replicas for loc in reps
                      if not loc.local and match.data_address(loc.node_id)] if match else []  # fmt: skip
         link = self.link_to_pool(addresses) if num_pool > num_local else None
+        cal = self.calibration
         decision = decide_reuse(
             num_hit,
             self.block_size,
             stats.num_prompt_tokens,
             self.block_nbytes,
-            link if link is not None else LOCAL_LINK,
-            self.recompute,
+            cal.link(link) if link is not None else LOCAL_LINK,
+            cal.recompute,
             num_local_blocks=num_local,
             margin=self.margin,
         )
@@ -231,7 +239,7 @@ class KVConnector:
             k = num_hit if force == "pull" else 0
             n_local = min(k, num_local)
             stats.predicted_pull_s = t_transfer_s(
-                (k - n_local) * self.block_nbytes, link if link is not None else LOCAL_LINK
+                (k - n_local) * self.block_nbytes, cal.link(link) if link is not None else LOCAL_LINK
             )
             stats.reason = f"forced_{force} (auto: {decision.reason})"
         if k == 0:
@@ -262,6 +270,8 @@ class KVConnector:
             out.blocks.extend(pulled)
             stats.num_pulled_tokens = len(pulled) * self.block_size
             stats.pulled_bytes = sum(b.nbytes for b in pulled)
+            if link is not None and failed == 0 and pulled:
+                cal.observe_pull(stats.pulled_bytes, stats.pull_s, link)
             out.pulled = list(zip(candidates[start:], pulled, strict=False))
 
     def keep_pulled(self, ns: bytes, loaded: LoadedPrefix) -> None:

@@ -43,7 +43,7 @@ def workload(vocab: int = 256) -> list[list[int]]:
 def cluster(runner) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
     spec = LocalClusterSpec(
         layout=runner.layout.fingerprint(), block_size=BLOCK, segment_size="64MiB", num_replicas=2,
-        heartbeat_timeout_ms=2000, extra_env={"KVPOOL_LOCAL_TIER_BYTES": "0"},
+        heartbeat_timeout_ms=2000, extra_env={"KVPOOL_LOCAL_TIER_BYTES": "0", "KVPOOL_FORCE_DECISION": "pull"},
     )  # fmt: skip
     with LocalCluster(spec) as c:
         yield c
