@@ -186,3 +186,39 @@ def transfer_cmd(
         json_out=json_out, plot_out=plot, quick=quick, reps=reps, batch=batch, endpoints=endpoints,
         blocks_per_message=blocks_per_message, mooncake=mooncake,
     )  # fmt: skip
+
+
+@bench_app.command("routing")
+def routing_cmd(
+    json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG: p90 TTFT per policy per node count."),
+    quick: bool = typer.Option(
+        False, help="Bundled 400-request trace, 4 and 8 nodes, no real run: a smoke test."
+    ),
+    nodes: str = typer.Option("", help="Simulated prefill node counts, comma-separated (default 4,8,16)."),
+    seed: int = typer.Option(0, help="Seed of the router's tie-breaking and the service-time noise."),
+    trace: Path | None = typer.Option(None, "--trace", help="Mooncake-format JSONL (default: conversation)."),
+    load: float = typer.Option(0.9, help="Offered cold prefill work per node (1 = saturated without cache)."),
+    profile: str = typer.Option("embedded-cpu", help="Node calibration: embedded-cpu or llama3-8b-h100."),
+    max_requests: int = typer.Option(0, help="Replay only the first N requests (0: all)."),
+    real: bool | None = typer.Option(
+        None, "--real/--no-real", help="Also a live 2-prefill run (default: on, off with --quick)."
+    ),
+    real_requests: int = typer.Option(40, help="Requests per policy in the live run."),
+) -> None:
+    """Routing policies: simulated p50/p90 TTFT, hit rate and imbalance over 4-16 nodes, plus a live check."""
+    from kvpool.bench.routing import run_routing
+    from kvpool.errors import InvalidArgument
+
+    try:
+        node_list = [int(x) for x in nodes.split(",") if x.strip()] or ([4, 8] if quick else [4, 8, 16])
+    except ValueError:
+        raise typer.BadParameter(f"--nodes: {nodes!r} is not a list of integers") from None
+    try:
+        run_routing(
+            trace_path=trace, nodes=node_list, profile=profile, load=load, seed=seed, quick=quick,
+            real=(not quick) if real is None else real, real_requests=real_requests,
+            max_requests=max_requests or None, json_out=json_out, plot_out=plot,
+        )  # fmt: skip
+    except (InvalidArgument, OSError) as exc:
+        raise typer.BadParameter(str(exc)) from None

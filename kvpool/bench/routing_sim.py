@@ -1,0 +1,397 @@
+"""Discrete-event simulation of prefill routing (`kvpool bench routing`, mode "sim"; issue #11).
+
+What is real and what is modelled:
+- **Real**: the router's placement code (`kvpool.router.state.node_states` on a peek, `Inflight`,
+  `kvpool.router.policy.RoutingPolicy`), the global index (`kvpool.index.RadixIndex` with the master's
+  default eviction policy) and the cost model (`kvpool.cost.decide_reuse`, the same call a prefill
+  node's connector makes).
+- **Modelled**: each prefill node is one FIFO server. When a request reaches the head of its queue the
+  node matches the pool (`count_hit=True`), takes its node-local tier's leading run, and
+  `decide_reuse` picks what to load; the service time is that decision's `predicted_total_s` (local
+  blocks free, pool blocks over the profile's link, the rest recomputed with the profile's calibrated
+  model) times a lognormal factor whose sigma is the calibration's relative RMS fit error (the model
+  is only that good). The request's first token ends its service (TTFT = end − arrival); then its full
+  blocks are published into the pool (the index, evicted down to `pool_capacity_frac` of the trace's
+  unique blocks) and into the node's local tier (an LRU of `local_capacity_frac` of them), whose
+  stored/evicted blocks become/leave `local` locations in the index as the master records them.
+  Heartbeats report no queue (one router: its own in-flight count is the whole load, DESIGN B21).
+
+Workload: a Mooncake-format trace (`kvpool.bench.trace.load_trace`). Each hash id is one block of
+`block_tokens` tokens (512: the trace's own; the real-run mirror uses fewer tokens per hash id, prompt
+lengths scaled alike); only full blocks are published, as the live system does. Requests sharing a
+quantised timestamp are spread evenly up to the next distinct timestamp. Timestamps are then scaled so
+that the **cold demand** (every prompt recomputed in full, no cache at all) is `load` × `num_nodes`
+node-seconds per second: the same offered load per node for every node count and every policy. Reuse
+makes the real utilisation lower (each record reports it: busy node-seconds / (nodes × makespan)).
+`time_scale` (simulated seconds per trace second) is recorded.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvpool.bench.trace import TRACE_BLOCK_TOKENS, Trace
+from kvpool.client.types import Match, NodeInfo, NodeLoad, NodeStatus
+from kvpool.cost import LinkEstimate, RecomputeModel, decide_reuse
+from kvpool.errors import InvalidArgument, NotFound
+from kvpool.index import DEFAULT_POLICY, RadixIndex
+from kvpool.router.policy import COST_MARGIN, RouteRequest, RoutingPolicy
+from kvpool.router.state import Inflight, node_states
+from kvpool.types import BlockHash, FakeClock, Location, NamespaceId
+
+_NS = NamespaceId(b"routing-sim-ns\x00\x00")
+_POOL_LOC = Location("store0", 0, 0)
+_EPOCH = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimProfile:
+    """A serving node's calibration: recompute model, KV bytes per token, link to the pool, fit noise."""
+
+    name: str
+    recompute: RecomputeModel
+    kv_bytes_per_token: int
+    link: LinkEstimate
+    source: str
+
+    @property
+    def noise_sigma(self) -> float:
+        """Lognormal sigma of actual/predicted service time: the calibration's relative RMS error."""
+        return self.recompute.fit_rel_rmse
+
+    def node_load(self) -> NodeLoad:
+        """What a node with this calibration reports in its heartbeats (queue 0, see module docstring)."""
+        r = self.recompute
+        return NodeLoad(
+            queue_len=0, recompute_s_per_token=r.per_token_s, recompute_s_per_token_ctx=r.per_pair_s,
+            recompute_overhead_s=r.overhead_s, link_alpha_s=self.link.alpha_s,
+            link_beta_bytes_per_s=self.link.beta_bytes_per_s,
+        )  # fmt: skip
+
+
+EMBEDDED_CPU = SimProfile(
+    name="embedded-cpu",
+    recompute=RecomputeModel(
+        overhead_s=0.004602,
+        per_token_s=9.885e-5,
+        per_pair_s=1.1958e-7,
+        source="calibrated",
+        fit_rel_rmse=0.106,
+        num_samples=9,
+    ),  # fmt: skip
+    kv_bytes_per_token=4096,
+    link=LinkEstimate(alpha_s=0.001, beta_bytes_per_s=0.58e9),
+    source=(
+        "kvpool.model.calibrate.calibrate_recompute of the embedded default model (4 layers, hidden 256, "
+        "fp32) on the 2-core x86_64 VM (default grid, 9 samples, rel. RMSE 10.6 %); KV 4096 B/token; "
+        "link 1 ms + 0.58 GB/s (README: UCX tcp, 1 MiB reads between two processes)"
+    ),
+)
+LLAMA3_8B_H100 = SimProfile(
+    name="llama3-8b-h100",
+    recompute=RecomputeModel.from_flops(
+        flop_params=7_000_000_000, num_layers=32, attn_dim=4096, flops_per_s=400e12, overhead_s=0.010
+    ),
+    kv_bytes_per_token=32 * 2 * 8 * 128 * 2,
+    link=LinkEstimate(alpha_s=0.001, beta_bytes_per_s=25e9),
+    source=(
+        "FLOP model (RecomputeModel.from_flops): Llama-3-8B decoder (7e9 matmul params, 32 layers, 4096 "
+        "attention dim) at 400 TFLOP/s, 10 ms overhead; bf16 KV 128 KiB/token; link 1 ms + 25 GB/s "
+        "(one 200 Gb/s RDMA NIC); no fit error known (noise 0)"
+    ),
+)
+PROFILES = {p.name: p for p in (EMBEDDED_CPU, LLAMA3_8B_H100)}
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """One arrival: time (s), prompt length (tokens) and the hashes of its full blocks."""
+
+    arrival_s: float
+    prompt_len: int
+    hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    """Requests in arrival order; `time_scale` = simulated seconds per trace second."""
+
+    name: str
+    requests: tuple[SimRequest, ...]
+    block_tokens: int
+    num_unique_blocks: int
+    time_scale: float
+    load: float
+
+
+def block_hash(hash_id: int) -> BlockHash:
+    return BlockHash(hash_id.to_bytes(16, "big"))
+
+
+def spread_arrivals_s(timestamps_ms: list[int]) -> list[float]:
+    """Trace seconds per request: requests sharing a timestamp spread evenly up to the next one."""
+    distinct = sorted(set(timestamps_ms))
+    if len(distinct) > 1:
+        gaps = [b - a for a, b in zip(distinct, distinct[1:], strict=False)]
+        nxt = dict(zip(distinct, distinct[1:] + [distinct[-1] + sum(gaps) / len(gaps)], strict=True))
+    else:
+        nxt = {distinct[0]: distinct[0] + 1000.0}
+    counts: dict[int, int] = {}
+    for ts in timestamps_ms:
+        counts[ts] = counts.get(ts, 0) + 1
+    seen: dict[int, int] = {}
+    out = []
+    for ts in timestamps_ms:
+        j = seen.get(ts, 0)
+        seen[ts] = j + 1
+        out.append((ts + (nxt[ts] - ts) * j / counts[ts]) / 1000.0)
+    return out
+
+
+def build_workload(
+    trace: Trace,
+    profile: SimProfile,
+    *,
+    num_nodes: int,
+    load: float,
+    block_tokens: int = TRACE_BLOCK_TOKENS,
+    max_requests: int | None = None,
+) -> Workload:
+    """Arrivals scaled so the cold demand is `load` x `num_nodes` (see the module docstring)."""
+    if num_nodes < 1 or not load > 0 or block_tokens < 1:
+        raise InvalidArgument("num_nodes >= 1, load > 0 and block_tokens >= 1 are required")
+    reqs = trace.requests[:max_requests] if max_requests else trace.requests
+    arrivals = spread_arrivals_s([r.timestamp_ms for r in reqs])
+    seen: set[int] = set()
+    cold_s, out = 0.0, []
+    for r in reqs:
+        prompt_len = max(1, round(r.input_length * block_tokens / TRACE_BLOCK_TOKENS))
+        ids = r.hash_ids[: prompt_len // block_tokens]
+        cold_s += profile.recompute.t_recompute_s(prompt_len, 0)
+        seen.update(ids)
+        out.append((prompt_len, tuple(block_hash(i) for i in ids)))
+    span_s = max(arrivals[-1] - arrivals[0], 1e-9)
+    span_s *= len(reqs) / max(1, len(reqs) - 1)  # one mean gap more: the last request's share
+    scale = cold_s / (load * num_nodes) / span_s
+    t0 = arrivals[0]
+    requests = tuple(SimRequest((t - t0) * scale, n, h) for t, (n, h) in zip(arrivals, out, strict=True))
+    return Workload(
+        name=trace.name, requests=requests, block_tokens=block_tokens, num_unique_blocks=len(seen),
+        time_scale=scale, load=load,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimConfig:
+    """One simulated cluster. Capacities are fractions of the workload's unique full blocks."""
+
+    policy: str
+    num_nodes: int
+    profile: SimProfile
+    pool_capacity_frac: float = 0.1
+    local_capacity_frac: float = 0.01
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimResult:
+    """Per request (arrival order): TTFT (s) and the node; per node: prompt and computed tokens."""
+
+    policy: str
+    num_nodes: int
+    ttft_s: tuple[float, ...]
+    node_of: tuple[int, ...]
+    prompt_tokens: int
+    reused_tokens: int
+    local_tokens: int
+    """Reused tokens that came from the serving node's own local tier (the rest were pulled)."""
+    computed_tokens_per_node: tuple[int, ...]
+    utilization: float
+    """Busy node-seconds / (nodes x makespan): the load the nodes really carried."""
+
+    def record(self) -> dict[str, Any]:
+        """The issue-#11 record: `mode`, `policy`, p50/p90 TTFT, token hit rate, imbalance (+ extras)."""
+        rec = ttft_record("sim", self.policy, self.num_nodes, self.ttft_s, self.prompt_tokens,
+                          self.reused_tokens, self.computed_tokens_per_node)  # fmt: skip
+        rec["local_hit_rate"] = (
+            round(self.local_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0
+        )
+        rec["utilization"] = round(self.utilization, 4)
+        return rec
+
+
+def ttft_record(
+    mode: str, policy: str, num_nodes: int, ttft_s: Any, prompt_tokens: int, reused_tokens: int,
+    computed_per_node: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """imbalance = max / mean computed (prefilled) tokens per node (1 = even; `num_nodes` = one node)."""
+    t = np.asarray(ttft_s, dtype=float)
+    work = np.asarray(computed_per_node, dtype=float)
+    return {
+        "mode": mode, "policy": policy, "num_nodes": num_nodes, "num_requests": int(t.size),
+        "p50_ttft_s": round(float(np.percentile(t, 50)), 4), "p90_ttft_s": round(float(np.percentile(t, 90)), 4),
+        "p99_ttft_s": round(float(np.percentile(t, 99)), 4), "mean_ttft_s": round(float(t.mean()), 4),
+        "token_hit_rate": round(reused_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
+        "imbalance": round(float(work.max() / work.mean()), 4) if work.sum() > 0 else 1.0,
+    }  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Node:
+    node_id: str
+    local_capacity: int
+    queue: list[int] = field(default_factory=list)
+    busy: bool = False
+    local: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
+    computed_tokens: int = 0
+
+
+class _Sim:
+    def __init__(self, wl: Workload, cfg: SimConfig) -> None:
+        if cfg.num_nodes < 1:
+            raise InvalidArgument("num_nodes must be >= 1")
+        self.wl, self.cfg, p = wl, cfg, cfg.profile
+        self.block_nbytes = wl.block_tokens * p.kv_bytes_per_token
+        self.clock = FakeClock(0)
+        self.index = RadixIndex(clock=self.clock, policy=DEFAULT_POLICY)
+        self.index.register_namespace(_NS)
+        self.pool_capacity = max(1, round(cfg.pool_capacity_frac * wl.num_unique_blocks))
+        local_cap = round(cfg.local_capacity_frac * wl.num_unique_blocks)
+        self.nodes = [_Node(f"prefill{i:02d}", local_cap) for i in range(cfg.num_nodes)]
+        infos = [NodeInfo(n.node_id, "prefill", "sim", "", _EPOCH) for n in self.nodes]
+        self.infos = {i.node_id: i for i in infos}
+        load = p.node_load()
+        self.statuses = [NodeStatus(i, True, False, 0, 0, 0, 0, load) for i in infos]
+        self.policy = RoutingPolicy(cfg.policy, seed=cfg.seed)
+        self.inflight = Inflight()
+        rng = np.random.default_rng(cfg.seed)  # the same draws for every policy (common random numbers)
+        sigma = p.noise_sigma
+        self.noise = np.exp(sigma * rng.standard_normal(len(wl.requests)) - sigma**2 / 2)
+        self.ttft = [0.0] * len(wl.requests)
+        self.node_of = [0] * len(wl.requests)
+        self.predicted = [0.0] * len(wl.requests)
+        self.prompt_tokens = self.reused_tokens = self.local_tokens = 0
+        self.busy_s = 0.0
+
+    def run(self) -> SimResult:
+        events: list[tuple[float, int, int, int]] = []  # (time, 0 = done / 1 = arrival, seq, payload)
+        for i, r in enumerate(self.wl.requests):
+            heapq.heappush(events, (r.arrival_s, 1, i, i))
+        now = 0.0
+        while events:
+            now, kind, _, i = heapq.heappop(events)
+            self.clock.set(max(self.clock.now_ms(), int(now * 1000)))
+            if kind == 1:
+                k = self._route(i)
+                node = self.nodes[k]
+                node.queue.append(i)
+                if not node.busy:
+                    self._start(k, now, events)
+            else:
+                k = self.node_of[i]
+                self.ttft[i] = now - self.wl.requests[i].arrival_s
+                self.inflight.end(self.nodes[k].node_id, _EPOCH, self.predicted[i])
+                self._publish(k, i)
+                self.nodes[k].busy = False
+                if self.nodes[k].queue:
+                    self._start(k, now, events)
+        return SimResult(
+            policy=self.cfg.policy, num_nodes=self.cfg.num_nodes, ttft_s=tuple(self.ttft),
+            node_of=tuple(self.node_of), prompt_tokens=self.prompt_tokens, reused_tokens=self.reused_tokens,
+            local_tokens=self.local_tokens,
+            computed_tokens_per_node=tuple(n.computed_tokens for n in self.nodes),
+            utilization=self.busy_s / (len(self.nodes) * max(now, 1e-9)),
+        )  # fmt: skip
+
+    def _route(self, i: int) -> int:
+        """The router's `place` (kvpool.router.service), minus hashing and gRPC: peek, states, choose."""
+        req = self.wl.requests[i]
+        bs = self.wl.block_tokens
+        max_blocks = max(0, (req.prompt_len - 1) // bs)
+        res = self.index.match_prefix(_NS, req.hashes[:max_blocks], count_hit=False, lease_ttl_ms=0)
+        match = None
+        if res.num_matched:
+            names = {loc.node_id for locs in res.locations for loc in locs if loc.local}
+            match = Match(res.num_matched, res.locations, None, {n: self.infos[n] for n in names})
+        route = RouteRequest(prompt_len=req.prompt_len, block_size=bs, block_nbytes=self.block_nbytes,
+                             pool_blocks=res.num_matched)  # fmt: skip
+        states = node_states(self.statuses, match, self.inflight, max_blocks)
+        choice = self.policy.choose(route, states)
+        k = int(choice.node_id.removeprefix("prefill"))
+        self.node_of[i] = k
+        self.predicted[i] = choice.prediction.service_s
+        self.inflight.begin(choice.node_id, _EPOCH, choice.prediction.service_s)
+        return k
+
+    def _start(self, k: int, now: float, events: list[tuple[float, int, int, int]]) -> None:
+        """The head of node k's queue starts: match (counted), local run, the connector's decision."""
+        node = self.nodes[k]
+        i = node.queue.pop(0)
+        node.busy = True
+        req, bs, p = self.wl.requests[i], self.wl.block_tokens, self.cfg.profile
+        max_blocks = max(0, (req.prompt_len - 1) // bs)
+        cand = req.hashes[:max_blocks]
+        num_pool = self.index.match_prefix(_NS, cand, count_hit=True, lease_ttl_ms=0).num_matched
+        num_local = 0
+        while num_local < len(cand) and cand[num_local] in node.local:
+            num_local += 1
+        h = max(num_pool, num_local)
+        dec = decide_reuse(h, bs, req.prompt_len, self.block_nbytes, p.link, p.recompute,
+                           num_local_blocks=min(num_local, h), margin=COST_MARGIN)  # fmt: skip
+        for bh in cand[: dec.num_local_used]:
+            node.local.move_to_end(bh)
+        self.prompt_tokens += req.prompt_len
+        self.reused_tokens += dec.reused_tokens
+        self.local_tokens += min(dec.reused_tokens, dec.num_local_used * bs)
+        node.computed_tokens += dec.computed_tokens
+        service_s = dec.predicted_total_s * float(self.noise[i])
+        self.busy_s += service_s
+        heapq.heappush(events, (now + service_s, 0, i, i))
+
+    def _publish(self, k: int, i: int) -> None:
+        """After the first token: full blocks into the pool (then evict) and into node k's local tier."""
+        hashes, node = self.wl.requests[i].hashes, self.nodes[k]
+        if not hashes:
+            return
+        nbytes = self.block_nbytes
+        self.index.insert(_NS, hashes, parent=None, locations=[(_POOL_LOC,)] * len(hashes), size_bytes=nbytes)
+        over = self.index.num_blocks - self.pool_capacity
+        if over > 0:
+            self.index.evict(over)
+        loc = Location(node.node_id, 0, 0, local=True)
+        if node.local_capacity <= 0:
+            return
+        for bh in hashes:
+            node.local[bh] = None
+            node.local.move_to_end(bh)
+        while len(node.local) > node.local_capacity:
+            gone, _ = node.local.popitem(last=False)
+            self._note_local(gone, loc, stored=False)
+        for bh in hashes:
+            if bh in node.local:
+                self._note_local(bh, loc, stored=True)
+
+    def _note_local(self, bh: BlockHash, loc: Location, *, stored: bool) -> None:
+        """`Master.report_local`: a stored block gains a local location (if the pool holds it)."""
+        try:
+            if stored:
+                self.index.add_location(_NS, bh, loc)
+            else:
+                self.index.remove_location(_NS, bh, loc)
+        except NotFound:
+            pass
+
+
+def simulate(workload: Workload, cfg: SimConfig) -> SimResult:
+    """Run `workload` through one simulated cluster (deterministic for a given `cfg.seed`)."""
+    if not workload.requests:
+        raise InvalidArgument("empty workload")
+    if math.isnan(cfg.pool_capacity_frac) or cfg.pool_capacity_frac <= 0:
+        raise InvalidArgument("pool_capacity_frac must be > 0")
+    return _Sim(workload, cfg).run()
