@@ -42,6 +42,11 @@ class Unauthenticated(KVPoolError, PermissionError):
     """The caller did not present valid credentials (bearer token) where authentication is on."""
 
 
+class PermissionDenied(KVPoolError, PermissionError):
+    """The credential does not allow the operation: a data-plane capability missing, forged, for another
+    slot, generation, block or operation, or expired (`kvpool.capability`)."""
+
+
 class ResourceExhausted(KVPoolError):
     """No capacity (no evictable slot, queue full, batch too large)."""
 

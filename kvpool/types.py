@@ -6,7 +6,7 @@ This module imports nothing from the project; `kvpool.index` depends on it alone
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NewType, Protocol
 
 HASH_NBYTES = 16
@@ -88,12 +88,16 @@ class Location:
     """One replica of a block: a slot on a store node, valid for one slot generation.
 
     `local=True` marks a node-local tier copy (visible to the router's peek, never readable by others).
+    `capability` is the master's opaque grant to read (match) or write (reserve) this replica until
+    `capability_expiry_ms` (b"" when none); it is not part of the location's identity (equality, hash).
     """
 
     node_id: str
     slot: int
     generation: int
     local: bool = False
+    capability: bytes = field(default=b"", compare=False, repr=False)
+    capability_expiry_ms: int = field(default=0, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,21 +34,30 @@ def as_bytes_view(data: memoryview | bytes | bytearray | np.ndarray) -> memoryvi
 
 @dataclass(frozen=True, slots=True)
 class BlockRead:
-    """Read `nbytes` from `slot`, valid only while the slot is at `generation`."""
+    """Read `nbytes` from `slot`, valid only while the slot is at `generation`.
+
+    `capability` (opaque bytes from the master, empty when none) and its `expiry_ms` travel to the
+    store, which refuses the block without a valid one when capabilities are on.
+    """
 
     slot: int
     generation: int
     nbytes: int
+    capability: bytes = b""
+    expiry_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class BlockWrite:
-    """Write `data` into a reserved `slot` at `generation`; `checksum` is xxh3_64 of `data`."""
+    """Write `data` into a reserved `slot` at `generation`; `checksum` is xxh3_64 of `data`;
+    `capability`/`expiry_ms` as for `BlockRead` (a write capability)."""
 
     slot: int
     generation: int
     data: memoryview | bytes | np.ndarray
     checksum: int
+    capability: bytes = b""
+    expiry_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,14 +149,20 @@ class BlockHandler(Protocol):
     successful `begin_*` is followed by exactly one `end_*`, whatever happens to the transfer.
     """
 
-    def begin_read(self, slot: int, generation: int, nbytes: int) -> tuple[memoryview, int]:
-        """The committed block's bytes and its stored checksum; raises if stale, unknown or uncommitted."""
+    def begin_read(
+        self, slot: int, generation: int, nbytes: int, capability: bytes = b"", expiry_ms: int = 0
+    ) -> tuple[memoryview, int]:
+        """The committed block's bytes and its stored checksum; raises if stale, unknown, uncommitted or
+        (when the handler checks capabilities) without a valid read capability."""
         ...
 
     def end_read(self, slot: int) -> None: ...
 
-    def begin_write(self, slot: int, generation: int, nbytes: int) -> memoryview:
-        """The reserved slot's buffer to receive into; raises if not reserved at `generation`."""
+    def begin_write(
+        self, slot: int, generation: int, nbytes: int, capability: bytes = b"", expiry_ms: int = 0
+    ) -> memoryview:
+        """The reserved slot's buffer to receive into; raises if not reserved at `generation` or (when
+        the handler checks capabilities) without a valid write capability."""
         ...
 
     def end_write(self, slot: int, generation: int, checksum: int, ok: bool) -> None:

@@ -68,7 +68,7 @@ class LoopbackTransport:
                 results.append(BlockResult(False, error=f"output buffer is {dst.nbytes} B, not {r.nbytes}"))
                 continue
             try:
-                src, stored = handler.begin_read(r.slot, r.generation, r.nbytes)
+                src, stored = handler.begin_read(r.slot, r.generation, r.nbytes, r.capability, r.expiry_ms)
             except Exception as exc:  # noqa: BLE001 - per-block result
                 results.append(BlockResult(False, error=f"{type(exc).__name__}: {exc}"))
                 continue
@@ -93,7 +93,7 @@ class LoopbackTransport:
         for w in writes:
             src = as_bytes_view(w.data)
             try:
-                dst = handler.begin_write(w.slot, w.generation, src.nbytes)
+                dst = handler.begin_write(w.slot, w.generation, src.nbytes, w.capability, w.expiry_ms)
             except Exception as exc:  # noqa: BLE001 - per-block result
                 results.append(BlockResult(False, error=f"{type(exc).__name__}: {exc}"))
                 continue

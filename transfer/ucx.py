@@ -10,6 +10,8 @@ are tagged messages straight from/into the slot and caller buffers; tag = (reque
            client -> one tagged send per accepted block
            server -> {id, ph:1, r:[[ok, checksum, error], ...]}   (after the checksum of what landed)
     ping   client -> {op:"ping", id}           server -> {id, ph:0}
+    read and write may add c:[[expiry_ms, capability bytes], ...], one per block of b (opaque here:
+    the server passes them to its `BlockHandler`, which verifies them; see kvpool/capability.py)
     bw     client -> {op:"bw", id, n}          server -> {id, ph:0}, then n bytes tagged (link probe)
 
 Modules: `ucx_runtime` (context, loop thread, shared helpers), `ucx_server` (`UcxBlockServer`),

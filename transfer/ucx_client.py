@@ -317,13 +317,14 @@ class UcxTransport:
     ) -> list[tuple[bool, int, str]]:
         async def one(conn: _Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
             rid = next(self._ids)
-            reply = await conn.request(
-                {
-                    "op": "read",
-                    "id": rid,
-                    "b": [[reads[i].slot, reads[i].generation, reads[i].nbytes] for i in idxs],
-                }
-            )
+            msg = {
+                "op": "read",
+                "id": rid,
+                "b": [[reads[i].slot, reads[i].generation, reads[i].nbytes] for i in idxs],
+            }
+            if any(reads[i].capability for i in idxs):
+                msg["c"] = [[reads[i].expiry_ms, bytes(reads[i].capability)] for i in idxs]
+            reply = await conn.request(msg)
             recvs = []
             got: list[tuple[int, int]] = []  # (index, checksum the peer sent)
             for j, (ok, cs, err) in enumerate(reply["r"]):
@@ -349,16 +350,16 @@ class UcxTransport:
         async def one(conn: _Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
             rid = next(self._ids)
             final = conn.expect(rid, 1)
-            reply = await conn.request(
-                {
-                    "op": "write",
-                    "id": rid,
-                    "b": [
-                        [writes[i].slot, writes[i].generation, views[i].nbytes, writes[i].checksum]
-                        for i in idxs
-                    ],
-                }
-            )
+            msg = {
+                "op": "write",
+                "id": rid,
+                "b": [
+                    [writes[i].slot, writes[i].generation, views[i].nbytes, writes[i].checksum] for i in idxs
+                ],
+            }
+            if any(writes[i].capability for i in idxs):
+                msg["c"] = [[writes[i].expiry_ms, bytes(writes[i].capability)] for i in idxs]
+            reply = await conn.request(msg)
             sends = [conn.ep.send(views[idxs[j]], tag=_tag(rid, j)) for j, h in enumerate(reply["r"]) if h[0]]
             await asyncio.gather(*sends)
             for j, (ok, cs, err) in enumerate((await final)["r"]):

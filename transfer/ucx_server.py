@@ -22,6 +22,8 @@ from transfer.ucx_runtime import (
 )
 
 log = logging.getLogger(__name__)
+MAX_CAPABILITY_NBYTES = 64
+"""Longest capability a request may carry (the project's are 16 bytes; see kvpool/capability.py)."""
 _HASHERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-ucx-end-write")
 """Where written blocks are checksummed (`end_write`), off the UCX loop thread."""
 
@@ -118,9 +120,9 @@ class UcxBlockServer:
     async def _serve(self, ep: Any, op: str, rid: int, msg: dict[str, Any]) -> None:
         try:
             if op == "read":
-                await self._serve_read(ep, rid, msg.get("b", []))
+                await self._serve_read(ep, rid, msg.get("b", []), msg.get("c"))
             elif op == "write":
-                await self._serve_write(ep, rid, msg.get("b", []))
+                await self._serve_write(ep, rid, msg.get("b", []), msg.get("c"))
             elif op == "ping":
                 await ep.am_send(_pack({"id": rid, "ph": 0}))
             elif op == "bw":
@@ -143,8 +145,26 @@ class UcxBlockServer:
                 return "malformed block entry"
         return ""
 
-    async def _serve_read(self, ep: Any, rid: int, blocks: Any) -> None:
-        problem = self._check_batch(blocks, 3)
+    def _check_caps(self, caps: Any, n: int) -> str:
+        """`caps` (optional) is one [expiry_ms, capability bytes] per block, parallel to the blocks."""
+        if caps is None:
+            return ""
+        if not isinstance(caps, list) or len(caps) != n:
+            return "capabilities do not match the blocks"
+        for c in caps:
+            if not (
+                isinstance(c, list)
+                and len(c) == 2
+                and isinstance(c[0], int)
+                and c[0] >= 0
+                and isinstance(c[1], bytes)
+                and len(c[1]) <= MAX_CAPABILITY_NBYTES
+            ):
+                return "malformed capability entry"
+        return ""
+
+    async def _serve_read(self, ep: Any, rid: int, blocks: Any, caps: Any = None) -> None:
+        problem = self._check_batch(blocks, 3) or self._check_caps(caps, len(blocks))
         if problem:
             await ep.am_send(_pack({"id": rid, "ph": 0, "error": problem}))
             return
@@ -154,7 +174,8 @@ class UcxBlockServer:
         try:
             for i, (slot, gen, nbytes) in enumerate(blocks):
                 try:
-                    view, stored = self._handler.begin_read(slot, gen, nbytes)
+                    exp, cap = caps[i] if caps else (0, b"")
+                    view, stored = self._handler.begin_read(slot, gen, nbytes, cap, exp)
                 except Exception as exc:  # noqa: BLE001 - per-block result
                     header.append([False, 0, _err(exc)])
                     continue
@@ -180,8 +201,8 @@ class UcxBlockServer:
                 except Exception:  # noqa: BLE001
                     log.exception("end_read(%d) failed", slot)
 
-    async def _serve_write(self, ep: Any, rid: int, blocks: Any) -> None:
-        problem = self._check_batch(blocks, 4)
+    async def _serve_write(self, ep: Any, rid: int, blocks: Any, caps: Any = None) -> None:
+        problem = self._check_batch(blocks, 4) or self._check_caps(caps, len(blocks))
         if problem:
             await ep.am_send(_pack({"id": rid, "ph": 0, "error": problem}))
             return
@@ -194,7 +215,8 @@ class UcxBlockServer:
         try:
             for i, (slot, gen, nbytes, cs) in enumerate(blocks):
                 try:
-                    view = self._handler.begin_write(slot, gen, nbytes)
+                    exp, cap = caps[i] if caps else (0, b"")
+                    view = self._handler.begin_write(slot, gen, nbytes, cap, exp)
                 except Exception as exc:  # noqa: BLE001 - per-block result
                     header.append([False, 0, _err(exc)])
                     continue

@@ -53,8 +53,16 @@ def load_trace(path: Path) -> Trace:
     """Parse a JSONL trace; raises `InvalidArgument` naming the file and line of any malformed record."""
     requests: list[TraceRequest] = []
     unique: set[int] = set()
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, 1):
+    try:
+        fh = path.open("rb")
+    except OSError as exc:
+        raise InvalidArgument(f"{path}: cannot read trace: {exc.strerror}") from None
+    with fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode()
+            except UnicodeDecodeError as exc:
+                raise InvalidArgument(f"{path}:{lineno}: not UTF-8 text (byte {exc.start})") from None
             if not line.strip():
                 continue
             requests.append(_parse_line(path, lineno, line))
@@ -70,6 +78,8 @@ def _parse_line(path: Path, lineno: int, line: str) -> TraceRequest:
         rec = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InvalidArgument(f"{where}: not JSON ({exc.msg})") from None
+    except (ValueError, RecursionError) as exc:  # an int of > 4300 digits; nesting too deep
+        raise InvalidArgument(f"{where}: not a usable JSON record ({type(exc).__name__}: {exc})") from None
     if not isinstance(rec, dict):
         raise InvalidArgument(f"{where}: a record must be a JSON object")
     for key in ("timestamp", "input_length", "hash_ids"):

@@ -71,6 +71,7 @@ def _echo_logs(paths: list[Path], stop: threading.Event) -> None:
 
 def run_up(spec: object, *, timeout_s: float, echo: bool) -> int:
     """Start and supervise; returns the exit code (0 on a clean stop, 1 when a role failed)."""
+    from kvpool.capability import SECRET_ROLES, new_secret_env
     from kvpool.cluster.process import RoleProcess
     from kvpool.cluster.spec import ClusterSpec, plan
     from kvpool.router.model_info import ModelInfo
@@ -80,6 +81,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool) -> int:
     layout = ModelInfo.load(spec.cluster.model or None, block_size=spec.cluster.block_size).layout
     launches = plan(spec, layout.fingerprint())
     log_dir = Path(tempfile.mkdtemp(prefix="kvpool-up-"))
+    secret_env = new_secret_env(log_dir)  # data-plane capabilities on: master and stores share it
     procs: list[RoleProcess] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -95,13 +97,16 @@ def run_up(spec: object, *, timeout_s: float, echo: bool) -> int:
         for launch in launches:
             if stop.is_set():
                 break
+            holds_secret = launch.role in SECRET_ROLES and secret_env
             if not launch.local:
-                remote.append(f"  on {launch.host}: {launch.command(master)}")
+                note = f"  (KVPOOL_CLUSTER_SECRET_FILE = a 0600 copy of {log_dir / 'cluster_secret'})"
+                remote.append(
+                    f"  on {launch.host}: {launch.command(master)}" + (note if holds_secret else "")
+                )
                 continue
             args = [a.replace("{master}", master) for a in launch.args]
-            proc = RoleProcess(
-                launch.name, args, log_path=log_dir / f"{launch.name}.log", env=dict(os.environ)
-            )
+            env = dict(os.environ) | (secret_env if holds_secret else {})
+            proc = RoleProcess(launch.name, args, log_path=log_dir / f"{launch.name}.log", env=env)
             procs.append(proc)
             logs.append(proc.log_path)
             info = proc.wait_ready(timeout_s)

@@ -20,7 +20,9 @@ from kvpool.v1 import kvpool_pb2 as pb
 
 
 def location(loc: Any) -> Location:
-    return Location(loc.node_id, loc.slot, loc.generation, loc.local)
+    return Location(
+        loc.node_id, loc.slot, loc.generation, loc.local, loc.capability, loc.capability_expiry_ms
+    )
 
 
 def location_pb(loc: Location) -> pb.BlockLocation:
@@ -78,7 +80,12 @@ def _packed_replicas(resp: Any) -> list[tuple[Location, ...]]:
     local = [False] * len(node_ids)
     for i in resp.replica_local:
         local[i] = True
-    flat = list(map(Location, node_ids, resp.replica_slot, resp.replica_generation, local))
+    if resp.replica_capability:
+        expiry = [resp.capability_expiry_ms] * len(node_ids)
+        caps = resp.replica_capability
+        flat = list(map(Location, node_ids, resp.replica_slot, resp.replica_generation, local, caps, expiry))
+    else:
+        flat = list(map(Location, node_ids, resp.replica_slot, resp.replica_generation, local))
     if not resp.replica_count:
         return [(loc,) for loc in flat]
     out, at = [], 0

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpool import capability
 from kvpool.client.master_client import MasterClient
 from kvpool.client.types import BlockGet, CommitBlock, GetResult, Match, PutResult
 from kvpool.errors import InvalidArgument, KVPoolError
@@ -105,7 +106,12 @@ class PoolClient:
             if not plan:
                 break
             for peer, items in plan.items():
-                reads = [BlockRead(loc.slot, loc.generation, self.block_nbytes) for _, loc in items]
+                reads = [
+                    BlockRead(
+                        loc.slot, loc.generation, self.block_nbytes, loc.capability, loc.capability_expiry_ms
+                    )
+                    for _, loc in items
+                ]
                 out = [as_bytes_view(bufs[i]) for i, _ in items]
                 results = self.transport.read_blocks(peer, reads, out, timeout_s=self.transfer_timeout_s)
                 for (i, loc), res in zip(items, results, strict=True):
@@ -113,7 +119,8 @@ class PoolClient:
                         ok[i] = True
                         continue
                     errors[i] = res.error or "read failed"
-                    self._report(namespace, block_hashes[i], loc, errors[i])
+                    if not capability.refused(errors[i]):  # a refused capability is no bad replica
+                        self._report(namespace, block_hashes[i], loc, errors[i])
         if match.lease_id is not None and (time.monotonic() - started) * 1000 > self.lease_ttl_ms:
             return GetResult(
                 match.num_matched, [BlockGet(block_hashes[i], False, error="lease expired") for i in range(n)]
@@ -185,7 +192,12 @@ class PoolClient:
                         plan.setdefault(node.data_address, []).append((i, loc))
             written: list[list[Location]] = [[] for _ in res.blocks]
             for peer, items in plan.items():
-                writes = [BlockWrite(loc.slot, loc.generation, views[i], sums[i]) for i, loc in items]
+                writes = [
+                    BlockWrite(
+                        loc.slot, loc.generation, views[i], sums[i], loc.capability, loc.capability_expiry_ms
+                    )
+                    for i, loc in items
+                ]
                 results = self.transport.write_blocks(peer, writes, timeout_s=self.transfer_timeout_s)
                 for (i, loc), r in zip(items, results, strict=True):
                     if r.ok:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from kvpool.capability import SECRET_ROLES, new_secret_env
 from kvpool.cluster.process import RoleProcess
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class LocalClusterSpec:
     host: str = "127.0.0.1"
     heartbeat_timeout_ms: int = 3000
     extra_env: dict[str, str] = field(default_factory=dict)
+    capabilities: bool = True  # master and stores share a fresh cluster secret (kvpool.capability)
 
 
 class LocalCluster:
@@ -43,6 +45,7 @@ class LocalCluster:
         self.spec = spec
         self._own_log_dir = log_dir is None
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
+        self._secret_env = new_secret_env() if spec.capabilities else {}
         self.processes: list[RoleProcess] = []
         self.master_address = ""
         self.stores: list[RoleProcess] = []
@@ -62,7 +65,7 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str]) -> RoleProcess:
         import os
 
-        env = dict(os.environ) | self.spec.extra_env
+        env = dict(os.environ) | self.spec.extra_env | (self._secret_env if args[0] in SECRET_ROLES else {})
         proc = RoleProcess(name, args, log_path=self.log_dir / f"{name}.log", env=env)
         self.processes.append(proc)
         return proc

@@ -85,7 +85,8 @@ def pull_blocks(
 
         def read(peer: str, items: list[tuple[int, Location]]) -> list[tuple[int, Location, Any]]:
             reads = [
-                BlockRead(slot=loc.slot, generation=loc.generation, nbytes=block_nbytes) for _, loc in items
+                BlockRead(loc.slot, loc.generation, block_nbytes, loc.capability, loc.capability_expiry_ms)
+                for _, loc in items
             ]
             outs = [memoryview(buffers[i].data) for i, _ in items]
             try:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvpool.capability import Capabilities, process_capabilities
 from kvpool.client.types import NodeLoad
 from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvpool.index.radix import RadixIndex
@@ -69,9 +70,16 @@ class Master:
     """See the module docstring. Every public method validates its input and raises `kvpool.errors`."""
 
     def __init__(
-        self, settings: MasterSettings, *, clock: Clock | None = None, stores: StoreCalls | None = None
+        self,
+        settings: MasterSettings,
+        *,
+        clock: Clock | None = None,
+        stores: StoreCalls | None = None,
+        capabilities: Capabilities | None = None,
     ) -> None:
         self.settings = settings
+        self.capabilities = capabilities or process_capabilities()
+        """Signs the data-plane capabilities of leases and reservations (None: off, no cluster secret)."""
         self.layout = settings.kv_layout
         self.clock = clock or MonotonicClock()
         self.lock = threading.RLock()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.errors import KVPoolError
 from kvpool.master.core import BlockKey, BlockMeta
+from kvpool.master.grants import read_grant
 from kvpool.master.stores import InventoryItem, SlotOrder
 from kvpool.types import BlockHash, Location, NamespaceId
 
@@ -253,7 +254,8 @@ class Maintenance:
         try:
             order = SlotOrder(job.dst.slot, job.dst.generation, ns, h, job.parent)
             m.stores.reserve(job.dst_address, [order], m.settings.default_write_lease_ms)
-            errs = m.stores.copy(job.dst_address, job.src_data_address, [(job.src, job.dst, job.checksum)])
+            src = read_grant(m.capabilities, ns, h, job.src, m.settings.default_write_lease_ms)
+            errs = m.stores.copy(job.dst_address, job.src_data_address, [(src, job.dst, job.checksum)])
             err = errs.get((job.dst.slot, job.dst.generation), "")
             if not err:
                 err = m.stores.commit(job.dst_address, [job.dst]).get((job.dst.slot, job.dst.generation), "")

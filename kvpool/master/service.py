@@ -12,6 +12,7 @@ from kvpool.client.types import NodeLoad
 from kvpool.errors import InvalidArgument
 from kvpool.index.results import MatchResult
 from kvpool.master.core import Master
+from kvpool.master.grants import match_grants, write_grants
 from kvpool.master.nodes import NodeRecord
 from kvpool.master.ops import admin_evict, drain
 from kvpool.master.publish import CommitBlock
@@ -38,7 +39,14 @@ def _loc(loc: pb.BlockLocation) -> Location:
 
 
 def _pb_loc(loc: Location) -> pb.BlockLocation:
-    return pb.BlockLocation(node_id=loc.node_id, slot=loc.slot, generation=loc.generation, local=loc.local)
+    return pb.BlockLocation(
+        node_id=loc.node_id,
+        slot=loc.slot,
+        generation=loc.generation,
+        local=loc.local,
+        capability=loc.capability,
+        capability_expiry_ms=loc.capability_expiry_ms,
+    )
 
 
 def _short(value: str, what: str) -> str:
@@ -139,7 +147,13 @@ class MasterServicer(pb_grpc.MasterServicer):
             lease_ttl_ms=request.lease_ttl_ms,
             num_prompt_tokens=request.num_prompt_tokens,
         )
-        return match_response(res, nodes, request.request_id, request.lease_ttl_ms, request.packed_replicas)
+        caps = self.m.capabilities
+        grants: tuple[Sequence[bytes], int] = ((), 0)
+        if caps is not None and res.lease_id and res.num_matched:
+            grants = match_grants(caps, request.namespace, request.block_hashes, res, request.lease_ttl_ms)
+        return match_response(
+            res, nodes, request.request_id, request.lease_ttl_ms, request.packed_replicas, grants
+        )
 
     @rpc_errors
     def MatchPrefix(
@@ -178,11 +192,16 @@ class MasterServicer(pb_grpc.MasterServicer):
             costs=list(request.recompute_cost_s),
             write_lease_ms=request.write_lease_ms,
         )
+        locations = out.locations
+        if self.m.capabilities is not None:
+            locations = write_grants(
+                self.m.capabilities, request.namespace, out.hashes, locations, out.write_lease_ms
+            )
         return pb.ReserveResponse(
             reservation_id=out.rid,
             blocks=[
                 pb.ReservedBlock(block_hash=h, already_present=p, locations=[_pb_loc(x) for x in locs])
-                for h, p, locs in zip(out.hashes, out.present, out.locations, strict=True)
+                for h, p, locs in zip(out.hashes, out.present, locations, strict=True)
             ],
             write_lease_ms=out.write_lease_ms,
             nodes=[endpoint(n) for n in out.nodes],
@@ -282,8 +301,10 @@ def match_response(
     request_id: str,
     lease_ttl_ms: int = 0,
     packed: bool = False,
+    grants: tuple[Sequence[bytes], int] = ((), 0),
 ) -> pb.MatchPrefixResponse:
-    """The response; `packed`: replicas as the replica_* columns (no message per replica)."""
+    """The response; `packed`: replicas as the replica_* columns (no message per replica); `grants`: a
+    read capability per replica in packed order, and their expiry (see `grants.match_grants`)."""
     resp = pb.MatchPrefixResponse(
         num_matched=res.num_matched,
         lease_id=res.lease_id or 0,
@@ -293,9 +314,16 @@ def match_response(
     )
     if not res.num_matched:
         return resp
+    caps, expiry = grants
     if not packed:
         resp.replicas.extend(pb.BlockReplicas(locations=[_pb_loc(x) for x in locs]) for locs in res.locations)
+        flat = [x for r in resp.replicas for x in r.locations]
+        for x, cap in zip(flat if caps else (), caps, strict=True):
+            x.capability, x.capability_expiry_ms = cap, expiry
         return resp
+    if caps:
+        resp.replica_capability.extend(caps)
+        resp.capability_expiry_ms = expiry
     if res.extra:  # some block has several replicas: flatten them in order
         flat = [loc for locs in res.locations for loc in locs]
         names = list(dict.fromkeys(loc.node_id for loc in flat))

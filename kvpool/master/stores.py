@@ -117,7 +117,8 @@ class StoreCalls:
     def copy(
         self, address: str, src_data_address: str, blocks: Sequence[tuple[Location, Location, int]]
     ) -> dict[tuple[int, int], str]:
-        """Have the store at `address` pull (src, dst, checksum) blocks; {(dst slot, gen): error}."""
+        """Have the store at `address` pull (src, dst, checksum) blocks (with the read capability `src`
+        carries); {(dst slot, gen): error}."""
         req = pb.CopyBlocksRequest(
             src_data_address=src_data_address,
             blocks=[
@@ -125,6 +126,8 @@ class StoreCalls:
                     src=pb.SlotRef(slot=s.slot, generation=s.generation),
                     dst=pb.SlotRef(slot=d.slot, generation=d.generation),
                     checksum=c,
+                    src_capability=s.capability,
+                    src_capability_expiry_ms=s.capability_expiry_ms,
                 )
                 for s, d, c in blocks
             ],

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpool.rpc.security import bind, secure_channel, security, server_interceptors
+from kvpool.rpc.status import DecodeErrors
 from kvpool.v1 import kvpool_pb2
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def start_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         options=_OPTIONS,
-        interceptors=server_interceptors(sec),
+        interceptors=[*server_interceptors(sec), DecodeErrors()],
     )
     names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
     health_servicer = health.HealthServicer()

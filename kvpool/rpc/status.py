@@ -2,7 +2,8 @@
 
 Server side: `rpc_errors` wraps a servicer method so any `KVPoolError` becomes its status with the
 message, and any other exception becomes INTERNAL (logged with its stack) — the server never crashes.
-Client side: `raise_from_rpc_error` turns a `grpc.RpcError` into the matching kvpool exception.
+`DecodeErrors` (a server interceptor) answers INVALID_ARGUMENT for a request that does not parse (gRPC
+itself would answer INTERNAL). Client side: `raise_from_rpc_error` turns a `grpc.RpcError` into the matching kvpool exception.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _TO_STATUS: list[tuple[type[errors.KVPoolError], grpc.StatusCode]] = [
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.TransferError, grpc.StatusCode.UNAVAILABLE),
@@ -48,7 +50,7 @@ _FROM_STATUS: dict[grpc.StatusCode, type[errors.KVPoolError]] = {
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
     grpc.StatusCode.DATA_LOSS: errors.ChecksumMismatch,
     grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: errors.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
 }
 
 
@@ -100,6 +102,9 @@ def _abort(context: grpc.ServicerContext, name: str, exc: Exception) -> NoReturn
     if isinstance(exc, grpc.RpcError) and not isinstance(exc, errors.KVPoolError):
         # an abort raised by context.abort inside the method: propagate unchanged
         raise exc
+    code_set = getattr(context, "code", None)
+    if code_set is not None and code_set() not in (None, grpc.StatusCode.OK):
+        raise exc  # aborted already (e.g. an undecodable request in a stream): keep that status
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error in %s", name)
@@ -109,3 +114,32 @@ def _abort(context: grpc.ServicerContext, name: str, exc: Exception) -> NoReturn
         message = str(exc) or type(exc).__name__
     context.abort(code, message)
     raise AssertionError("unreachable")  # context.abort raises
+
+
+class DecodeErrors(grpc.ServerInterceptor):
+    """Parse requests inside the handler, so that undecodable bytes get INVALID_ARGUMENT, not INTERNAL."""
+
+    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        parse = getattr(handler, "request_deserializer", None)
+        if parse is None:
+            return handler
+        kind = ("stream" if handler.request_streaming else "unary") + "_"
+        kind += "stream" if handler.response_streaming else "unary"
+        behavior = getattr(handler, kind)
+        method = handler_call_details.method
+
+        def decode(raw: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                return parse(raw)
+            except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's bad input
+                log.debug("%s: undecodable request: %s", method, exc)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request for {method}: {exc}")
+                raise AssertionError("unreachable") from None  # context.abort raises
+
+        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+            if handler.request_streaming:  # an iterator of raw requests
+                return behavior((decode(r, context) for r in request), context)
+            return behavior(decode(request, context), context)
+
+        return handler._replace(request_deserializer=None, **{kind: wrapped})

@@ -10,6 +10,7 @@ import socket
 import threading
 from typing import Any
 
+from kvpool.capability import process_capabilities
 from kvpool.errors import KVPoolError
 from kvpool.rpc.server import GrpcServer, start_server
 from kvpool.store.master_link import MasterLink
@@ -33,7 +34,7 @@ class StoreNode:
         self.segment = Segment(
             settings.segment_bytes, self.layout.block_nbytes, pin_memory=settings.pin_memory
         )
-        self.table = SlotTable(self.segment, clock)
+        self.table = SlotTable(self.segment, clock, capabilities=process_capabilities(), node_id=self.node_id)
         self.host = settings.advertise_host or settings.bind_host
         self._data: Any = None
         self._grpc: GrpcServer | None = None
@@ -146,30 +147,31 @@ class StoreNode:
             return self._transport
 
     def copy_blocks(
-        self, src_address: str, blocks: list[tuple[int, int, int, int, int]]
+        self, src_address: str, blocks: list[tuple[int, int, int, int, int, bytes, int]]
     ) -> list[tuple[int, int, str]]:
-        """Pull blocks from the store at `src_address` into reserved slots here (re-replication)."""
+        """Pull blocks from the store at `src_address` into reserved slots here (re-replication); each is
+        (src slot, src gen, dst slot, dst gen, checksum, src read capability, its expiry ms)."""
         from transfer import BlockRead
 
         nbytes = self.table.block_nbytes
         errors = [""] * len(blocks)
         began: list[int] = []
         reads, outs = [], []
-        for i, (src_slot, src_gen, dst_slot, dst_gen, _) in enumerate(blocks):
+        for i, (src_slot, src_gen, dst_slot, dst_gen, _, cap, cap_expiry_ms) in enumerate(blocks):
             try:
-                outs.append(self.table.begin_write(dst_slot, dst_gen, nbytes))
+                outs.append(self.table.begin_copy_write(dst_slot, dst_gen, nbytes))
             except KVPoolError as exc:
                 errors[i] = f"{type(exc).__name__}: {exc}"
                 continue
             began.append(i)
-            reads.append(BlockRead(src_slot, src_gen, nbytes))
+            reads.append(BlockRead(src_slot, src_gen, nbytes, cap, cap_expiry_ms))
         results = []
         if reads:
             results = self.transport().read_blocks(
                 src_address, reads, outs, timeout_s=self.settings.transfer_timeout_s
             )
         for i, res in zip(began, results, strict=True):
-            _, _, dst_slot, dst_gen, expected = blocks[i]
+            _, _, dst_slot, dst_gen, expected, _, _ = blocks[i]
             try:
                 self.table.end_write(dst_slot, dst_gen, expected or res.checksum, res.ok)
             except KVPoolError as exc:

@@ -20,8 +20,9 @@ log = logging.getLogger(__name__)
 INVENTORY_CHUNK = 1024
 """Entries per streamed `InventoryResponse`."""
 
-CopyFn = Callable[[str, list[tuple[int, int, int, int, int]]], list[tuple[int, int, str]]]
-"""(src data address, [(src slot, src gen, dst slot, dst gen, checksum)]) -> [(dst slot, dst gen, error)]."""
+CopyFn = Callable[[str, list[tuple[int, int, int, int, int, bytes, int]]], list[tuple[int, int, str]]]
+"""(src data address, [(src slot, src gen, dst slot, dst gen, checksum, src read capability, its expiry
+ms)]) -> [(dst slot, dst gen, error)]."""
 
 
 class StoreServicer(pb_grpc.StoreServicer):
@@ -136,7 +137,15 @@ class StoreServicer(pb_grpc.StoreServicer):
         results = self._copy(
             request.src_data_address,
             [
-                (b.src.slot, b.src.generation, b.dst.slot, b.dst.generation, b.checksum)
+                (
+                    b.src.slot,
+                    b.src.generation,
+                    b.dst.slot,
+                    b.dst.generation,
+                    b.checksum,
+                    b.src_capability,
+                    b.src_capability_expiry_ms,
+                )
                 for b in request.blocks
             ],
         )

@@ -8,6 +8,9 @@ transfer ends; deferred frees and reclaimed (expired) reservations are reported 
 
 Slots start at generation 1. A reservation of a FREE slot may name a generation above the current one
 (the slot jumps forward: a master that lost track after a restart stays safe); never one below.
+With `capabilities` (see kvpool/capability.py), every read and write must carry a capability the master
+signed for this node, the slot, its generation and the block the slot records (namespace and hash), for
+that operation, not yet expired; without one the block is refused with `PermissionDenied` and no bytes move.
 Implements `transfer.BlockHandler`. Thread-safe (one lock; the checksum of a write is computed outside it).
 """
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvpool.capability import READ, WRITE, Capabilities
 from kvpool.errors import (
     AlreadyExists,
     ChecksumMismatch,
@@ -68,10 +72,20 @@ class FreeResult:
 
 
 class SlotTable:
-    """The store's slots over one `Segment`; `clock` decides write-lease expiry."""
+    """The store's slots over one `Segment`; `clock` decides write-lease expiry; `capabilities` (None:
+    off) check the capability of every read and write for store node `node_id`."""
 
-    def __init__(self, segment: Segment, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        segment: Segment,
+        clock: Clock | None = None,
+        *,
+        capabilities: Capabilities | None = None,
+        node_id: str = "",
+    ) -> None:
         self.segment = segment
+        self.capabilities = capabilities
+        self.node_id = node_id
         self.block_nbytes = segment.block_nbytes
         self.num_slots = segment.num_slots
         self._clock = clock or MonotonicClock()
@@ -103,6 +117,16 @@ class SlotTable:
             raise InvalidArgument(
                 f"block size {nbytes} B does not match this store's layout ({self.block_nbytes} B)"
             )
+
+    def _check_capability(
+        self, op: str, slot: int, generation: int, capability: bytes, expiry_ms: int
+    ) -> None:
+        meta = self._meta.get(slot)
+        if self.capabilities is None or meta is None:  # a FREE slot refuses every transfer anyway
+            return
+        self.capabilities.check(
+            op, meta.namespace, meta.block_hash, self.node_id, slot, generation, expiry_ms, capability
+        )
 
     def _in_flight(self, slot: int) -> bool:
         return bool(self._readers[slot] > 0 or self._writing[slot])
@@ -249,11 +273,14 @@ class SlotTable:
 
     # ---------------------------------------------------------------- data plane (transfer.BlockHandler)
 
-    def begin_read(self, slot: int, generation: int, nbytes: int) -> tuple[memoryview, int]:
+    def begin_read(
+        self, slot: int, generation: int, nbytes: int, capability: bytes = b"", expiry_ms: int = 0
+    ) -> tuple[memoryview, int]:
         with self._lock:
             self._check_slot(slot)
             self._check_nbytes(nbytes)
             self._check_gen(slot, generation)
+            self._check_capability(READ, slot, generation, capability, expiry_ms)
             if slot in self._free_pending:
                 raise StaleGeneration(f"slot {slot} generation {generation} is being freed")
             if self._state[slot] != SlotState.COMMITTED:
@@ -272,11 +299,25 @@ class SlotTable:
             self.num_inflight -= 1
             self._maybe_finish_free(slot)
 
-    def begin_write(self, slot: int, generation: int, nbytes: int) -> memoryview:
+    def begin_write(
+        self, slot: int, generation: int, nbytes: int, capability: bytes = b"", expiry_ms: int = 0
+    ) -> memoryview:
+        return self._begin_write(slot, generation, nbytes, (capability, expiry_ms))
+
+    def begin_copy_write(self, slot: int, generation: int, nbytes: int) -> memoryview:
+        """`begin_write` for this store's own copy of a block it pulls on a master's `CopyBlocks` order
+        (re-replication): the order came over the control plane, so no data-plane capability applies."""
+        return self._begin_write(slot, generation, nbytes, None)
+
+    def _begin_write(
+        self, slot: int, generation: int, nbytes: int, grant: tuple[bytes, int] | None
+    ) -> memoryview:
         with self._lock:
             self._check_slot(slot)
             self._check_nbytes(nbytes)
             self._check_gen(slot, generation)
+            if grant is not None:
+                self._check_capability(WRITE, slot, generation, *grant)
             state = self._state[slot]
             if state in (SlotState.WRITTEN, SlotState.COMMITTED):
                 raise AlreadyExists(

@@ -7,16 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BlockLocation(_message.Message):
-    __slots__ = ("node_id", "slot", "generation", "local")
+    __slots__ = ("node_id", "slot", "generation", "local", "capability", "capability_expiry_ms")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     slot: int
     generation: int
     local: bool
-    def __init__(self, node_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., local: _Optional[bool] = ...) -> None: ...
+    capability: bytes
+    capability_expiry_ms: int
+    def __init__(self, node_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., local: _Optional[bool] = ..., capability: _Optional[bytes] = ..., capability_expiry_ms: _Optional[int] = ...) -> None: ...
 
 class BlockReplicas(_message.Message):
     __slots__ = ("locations",)
@@ -174,7 +178,7 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., count_hit: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., packed_replicas: _Optional[bool] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
-    __slots__ = ("num_matched", "replicas", "lease_id", "lease_ttl_ms", "nodes", "request_id", "replica_node_ids", "replica_node", "replica_slot", "replica_generation", "replica_count", "replica_local")
+    __slots__ = ("num_matched", "replicas", "lease_id", "lease_ttl_ms", "nodes", "request_id", "replica_node_ids", "replica_node", "replica_slot", "replica_generation", "replica_count", "replica_local", "replica_capability", "capability_expiry_ms")
     NUM_MATCHED_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +191,8 @@ class MatchPrefixResponse(_message.Message):
     REPLICA_GENERATION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_COUNT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
     num_matched: int
     replicas: _containers.RepeatedCompositeFieldContainer[BlockReplicas]
     lease_id: int
@@ -199,7 +205,9 @@ class MatchPrefixResponse(_message.Message):
     replica_generation: _containers.RepeatedScalarFieldContainer[int]
     replica_count: _containers.RepeatedScalarFieldContainer[int]
     replica_local: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_matched: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[BlockReplicas, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., request_id: _Optional[str] = ..., replica_node_ids: _Optional[_Iterable[str]] = ..., replica_node: _Optional[_Iterable[int]] = ..., replica_slot: _Optional[_Iterable[int]] = ..., replica_generation: _Optional[_Iterable[int]] = ..., replica_count: _Optional[_Iterable[int]] = ..., replica_local: _Optional[_Iterable[int]] = ...) -> None: ...
+    replica_capability: _containers.RepeatedScalarFieldContainer[bytes]
+    capability_expiry_ms: int
+    def __init__(self, num_matched: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[BlockReplicas, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., request_id: _Optional[str] = ..., replica_node_ids: _Optional[_Iterable[str]] = ..., replica_node: _Optional[_Iterable[int]] = ..., replica_slot: _Optional[_Iterable[int]] = ..., replica_generation: _Optional[_Iterable[int]] = ..., replica_count: _Optional[_Iterable[int]] = ..., replica_local: _Optional[_Iterable[int]] = ..., replica_capability: _Optional[_Iterable[bytes]] = ..., capability_expiry_ms: _Optional[int] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "ttl_ms")
@@ -594,14 +602,18 @@ class InventoryResponse(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[InventoryEntry, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class CopyBlock(_message.Message):
-    __slots__ = ("src", "dst", "checksum")
+    __slots__ = ("src", "dst", "checksum", "src_capability", "src_capability_expiry_ms")
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SRC_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    SRC_CAPABILITY_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
     src: SlotRef
     dst: SlotRef
     checksum: int
-    def __init__(self, src: _Optional[_Union[SlotRef, _Mapping]] = ..., dst: _Optional[_Union[SlotRef, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
+    src_capability: bytes
+    src_capability_expiry_ms: int
+    def __init__(self, src: _Optional[_Union[SlotRef, _Mapping]] = ..., dst: _Optional[_Union[SlotRef, _Mapping]] = ..., checksum: _Optional[int] = ..., src_capability: _Optional[bytes] = ..., src_capability_expiry_ms: _Optional[int] = ...) -> None: ...
 
 class CopyBlocksRequest(_message.Message):
     __slots__ = ("src_data_address", "blocks")

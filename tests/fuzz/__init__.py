@@ -1,0 +1,1 @@
+"""Bad-input fuzzing (issue #12): every gRPC method, the HTTP API, cluster specs and traces."""
