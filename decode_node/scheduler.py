@@ -130,7 +130,7 @@ class DecodeScheduler:
         s = loaded.stats
         job.stats.update(
             num_reused_tokens=s.num_reused_tokens, num_pulled_tokens=s.num_pulled_tokens,
-            pulled_bytes=s.pulled_bytes, decision=s.decision, load_s=time.perf_counter() - t0,
+            pulled_bytes=s.pulled_bytes, decision=s.decision, pull_s=s.pull_s, load_s=time.perf_counter() - t0,
             t_decode_start=time.perf_counter(),
         )  # fmt: skip
         job.generated = [job.first_token]

@@ -59,6 +59,13 @@ class DecodeService(pb_grpc.DecodeServicer):
         if job.error is not None:
             raise job.error
         s = job.stats
+        num_generated = s.get("num_generated", 1)
+        rt.metrics.observe_request(
+            num_prompt_tokens=len(prompt), num_reused_tokens=s.get("num_reused_tokens", 0),
+            num_pulled_tokens=s.get("num_pulled_tokens", 0), decision=s.get("decision", "none"),
+            pulled_bytes=s.get("pulled_bytes", 0), pull_s=s.get("pull_s", 0.0),
+            latency_s=s.get("decode_s", 0.0) / (num_generated - 1) if num_generated > 1 else None,
+        )  # fmt: skip
         yield pb.DecodeEvent(
             finished=True,
             stats=pb.DecodeStats(

@@ -137,6 +137,9 @@ port = 0
                 break
         assert url, "".join(lines[-40:])
         assert any(line.startswith("[prefill0] ") for line in lines)  # prefixed role logs
+        metrics = [line.split("(metrics: ")[1].rstrip(")\n") for line in lines if "(metrics: http://" in line]
+        assert len(metrics) == 5, "".join(lines[-40:])  # master, store0, prefill0, decode0, router
+        assert "kvpool_master_nodes_alive" in httpx.get(metrics[0], timeout=10).text
         r = httpx.post(f"{url}/completions", json={"model": "kvpool-tiny-llama-l4-h256-a8-kv4-i688",
                                                    "prompt": "hello", "max_tokens": 3}, timeout=60)  # fmt: skip
         assert r.status_code == 200, r.text

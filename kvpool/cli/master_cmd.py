@@ -1,4 +1,5 @@
-"""`kvpool master`: run the master; prints `KVPOOL_READY {"grpc_address": ...}` once serving."""
+"""`kvpool master`: run the master; prints `KVPOOL_READY {"grpc_address": ..., "metrics_address": ...}`
+once serving."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def register_master_command(app: typer.Typer) -> None:
         rebuild_grace_ms: int | None = typer.Option(
             None, help="Unclaimed inventory blocks are freed after this."
         ),
+        metrics: bool | None = typer.Option(
+            None, "--metrics/--no-metrics", help="Serve Prometheus /metrics."
+        ),
+        metrics_port: int | None = typer.Option(None, help="/metrics port on the bind host (0: ephemeral)."),
         config: Path | None = typer.Option(None, help="TOML config file."),
     ) -> None:
         """Run the master (index, placement, leases, node registry)."""
@@ -46,12 +51,15 @@ def register_master_command(app: typer.Typer) -> None:
                 replicas=replicas,
                 policy=policy,
                 rebuild_grace_ms=rebuild_grace_ms,
+                metrics=metrics,
+                metrics_port=metrics_port,
             )
             server = serve(settings)
         except Exception as exc:  # noqa: BLE001 - one clear line, no traceback
             typer.echo(f"kvpool master: {exc}", err=True)
             raise typer.Exit(2) from None
-        print("KVPOOL_READY " + json.dumps({"grpc_address": server.address}), flush=True)
+        ready = {"grpc_address": server.address, "metrics_address": server.metrics_address}
+        print("KVPOOL_READY " + json.dumps(ready), flush=True)
         done = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: done.set())

@@ -23,6 +23,8 @@ def _register(app: typer.Typer, role: str) -> None:
         block_size: int = typer.Option(None, help="tokens per KV block"),
         local_tier_bytes: int = typer.Option(None, help="node-local tier capacity in bytes (0 = off)"),
         replicas: int = typer.Option(None, help="replicas per published block"),
+        metrics: bool = typer.Option(None, "--metrics/--no-metrics", help="serve Prometheus /metrics"),
+        metrics_port: int = typer.Option(None, help="/metrics port on the bind host (0 = ephemeral)"),
         config: Path = typer.Option(None, help="TOML config file"),
     ) -> None:
         from kvpool.config import load_config
@@ -31,6 +33,7 @@ def _register(app: typer.Typer, role: str) -> None:
         settings = load_config(
             ServingSettings, config, master=master, bind_host=listen, port=port, node_id=node_id, model=model,
             device=device, block_size=block_size, local_tier_bytes=local_tier_bytes, num_replicas=replicas,
+            metrics=metrics, metrics_port=metrics_port,
         )  # fmt: skip
         if role == "prefill":
             from prefill_node.main import main

@@ -20,6 +20,10 @@ def register_store_command(app: typer.Typer) -> None:
         ),
         node_id: str | None = typer.Option(None, help="Node id (default store-<host>-<pid>)."),
         pin_memory: str | None = typer.Option(None, help="auto | on | off (pinned host memory)."),
+        metrics: bool | None = typer.Option(
+            None, "--metrics/--no-metrics", help="Serve Prometheus /metrics."
+        ),
+        metrics_port: int | None = typer.Option(None, help="/metrics port on the bind host (0: ephemeral)."),
         config: Path | None = typer.Option(None, help="TOML config file."),
     ) -> None:
         """Run a store node; prints `KVPOOL_READY {json}` on stdout when serving. SIGTERM/SIGINT stop it."""
@@ -42,6 +46,8 @@ def register_store_command(app: typer.Typer) -> None:
             layout=layout,
             node_id=node_id,
             pin_memory=pin_memory,
+            metrics=metrics,
+            metrics_port=metrics_port,
         )
         node = StoreNode(settings)
         for sig in (signal.SIGTERM, signal.SIGINT):

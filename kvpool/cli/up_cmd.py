@@ -2,9 +2,9 @@
 
 Starts master → stores → prefill/decode → router (those whose host is this machine), waits until each
 announced itself and passes its health check (gRPC health for the gRPC roles, `GET /health` for the
-router), prints the endpoints and, for roles on other hosts, the command to run there. Each role's output
-is echoed with a `[name]` prefix. Ctrl-C or SIGTERM stops everything (children also die with this
-process on Linux), freeing the ports.
+router), prints the endpoints (each with its Prometheus `/metrics`) and, for roles on other hosts, the
+command to run there. Each role's output is echoed with a `[name]` prefix. Ctrl-C or SIGTERM stops
+everything (children also die with this process on Linux), freeing the ports.
 """
 
 from __future__ import annotations
@@ -112,14 +112,19 @@ def run_up(spec: object, *, timeout_s: float, echo: bool) -> int:
             info = proc.wait_ready(timeout_s)
             if launch.role == "router":
                 _wait_http(f"http://{info['http_address']}/health", timeout_s)
-                endpoints.append(f"  router   http://{info['http_address']}/v1  (metrics: /metrics)")
+                http = f"http://{info['http_address']}"
+                endpoints.append(f"  router   {http}/v1  (metrics: {http}/metrics)")
             else:
                 address = info.get("grpc_address", "")
                 if address:
                     wait_healthy(address, timeout_s)
                 if launch.role == "master":
                     master = address
-                endpoints.append(f"  {launch.name:<8} {address}")
+                metrics = info.get("metrics_address", "")
+                endpoints.append(
+                    f"  {launch.name:<8} {address}"
+                    + (f"  (metrics: http://{metrics}/metrics)" if metrics else "")
+                )
         if not stop.is_set():
             typer.echo("kvpool cluster up:\n" + "\n".join(endpoints))
             if remote:

@@ -149,5 +149,10 @@ class LocalCluster:
     def decode_addresses(self) -> list[str]:
         return [p.info["grpc_address"] for p in self.decode]
 
+    @property
+    def metrics_addresses(self) -> dict[str, str]:
+        """Process name -> its Prometheus `/metrics` host:port (processes that announced one)."""
+        return {p.name: p.info["metrics_address"] for p in self.processes if p.info.get("metrics_address")}
+
     def logs(self) -> str:
         return "\n".join(p.log_tail(40) for p in self.processes)

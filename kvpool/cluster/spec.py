@@ -72,6 +72,9 @@ class MasterSection(_Section):
     high_watermark: float = Field(default=0.9, gt=0.0, le=1.0)
     low_watermark: float = Field(default=0.8, gt=0.0, le=1.0)
     heartbeat_timeout_ms: int = Field(default=3000, gt=0)
+    metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="Prometheus /metrics port (0: ephemeral)"
+    )
 
     @field_validator("eviction_policy")
     @classmethod
@@ -92,6 +95,9 @@ class RoleSection(_Section):
     hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1"], min_length=1)
     port: int = Field(
         default=0, ge=0, le=65535, description="first port; instance i uses port + i (0: ephemeral)"
+    )
+    metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="first /metrics port; instance i uses + i (0: ephemeral)"
     )
 
 
@@ -240,6 +246,7 @@ def plan(spec: ClusterSpec, layout: str) -> list[Launch]:
                 str(m.low_watermark),
                 "--heartbeat-timeout-ms",
                 str(m.heartbeat_timeout_ms),
+                *(["--metrics-port", str(m.metrics_port)] if m.metrics_port else []),
             ],
         )  # fmt: skip
     ]
@@ -247,12 +254,15 @@ def plan(spec: ClusterSpec, layout: str) -> list[Launch]:
     def port(section: RoleSection, i: int) -> str:
         return str(section.port + i) if section.port else "0"
 
+    def metrics(section: RoleSection, i: int) -> list[str]:
+        return ["--metrics-port", str(section.metrics_port + i)] if section.metrics_port else []
+
     for i in range(spec.store.count):
         host = spec.store.hosts[i % len(spec.store.hosts)]
         out.append(Launch(f"store{i}", "store", host, [
             "store", "--master", "{master}", "--listen", host, "--grpc-port", port(spec.store, i),
             "--data-port", "0", "--segment-size", spec.store.segment_size, "--layout", layout,
-            "--node-id", f"store{i}",
+            "--node-id", f"store{i}", *metrics(spec.store, i),
         ]))  # fmt: skip
     model = ["--model", c.model] if c.model else []
     for role, section in (("prefill", spec.prefill), ("decode", spec.decode)):
@@ -261,7 +271,7 @@ def plan(spec: ClusterSpec, layout: str) -> list[Launch]:
             out.append(Launch(f"{role}{i}", role, host, [
                 role, "--master", "{master}", "--listen", host, "--port", port(section, i), "--node-id",
                 f"{role}{i}", "--device", c.device, "--block-size", str(c.block_size),
-                "--replicas", str(m.replicas), *model,
+                "--replicas", str(m.replicas), *model, *metrics(section, i),
             ]))  # fmt: skip
     r = spec.router
     if r.enabled:

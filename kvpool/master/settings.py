@@ -30,6 +30,8 @@ class MasterSettings(KVPoolSettings):
     rereplicate_batch_blocks: int = 256
     store_timeout_s: float = 5.0
     max_workers: int = 16
+    metrics: bool = True  # serve Prometheus /metrics (kvpool.metrics)
+    metrics_port: int = 0  # on bind_host; 0 = ephemeral (announced as metrics_address)
 
     @field_validator("layout")
     @classmethod
@@ -45,8 +47,8 @@ class MasterSettings(KVPoolSettings):
             raise ValueError("replicas must be >= 1")
         if self.heartbeat_timeout_ms <= self.heartbeat_interval_ms:
             raise ValueError("heartbeat_timeout_ms must exceed heartbeat_interval_ms")
-        if not 0 <= self.port <= 65535:
-            raise ValueError("port must be in [0, 65535]")
+        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
+            raise ValueError("port and metrics_port must be in [0, 65535]")
         return self
 
     @property

@@ -26,6 +26,10 @@ class ServingSettings(KVPoolSettings):
     max_prompt_tokens: int = Field(default=32_768, gt=0)
     max_batch_size: int = Field(default=8, gt=0)
     cost_margin: float = Field(default=0.1, ge=0.0)
+    metrics: bool = Field(default=True, description="serve Prometheus /metrics (kvpool.metrics)")
+    metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="/metrics port on bind_host (0 = ephemeral)"
+    )
 
 
 def validate_tokens(token_ids: Sequence[int], *, vocab_size: int, max_tokens: int) -> list[int]:

@@ -14,6 +14,7 @@ from kvpool.connector.agent import NodeAgent
 from kvpool.connector.connector import KVConnector
 from kvpool.connector.local_tier import LocalTier
 from kvpool.serving.common import ServingSettings
+from kvpool.serving.metrics import MeteredTransport, ServingMetrics
 from kvpool.types import NamespaceId
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class NodeRuntime:
     agent: NodeAgent | None
     model_lock: threading.Lock
     role: str
+    metrics: ServingMetrics
 
     @classmethod
     def start(cls, settings: ServingSettings, *, role: str, grpc_address_fn: Any = None) -> NodeRuntime:
@@ -72,7 +74,8 @@ class NodeRuntime:
             log.info("model %s: SYNTHETIC weights (embedded demo model, random but fixed)", runner.model_id)
         recompute = calibrate_recompute(runner)
         master = MasterClient(settings.master, timeout_s=2.0)
-        transport = UcxTransport()
+        metrics = ServingMetrics(role)
+        transport = MeteredTransport(UcxTransport(), metrics)
         pool = PoolClient(settings.master, transport, block_nbytes=runner.layout.block_nbytes)
         connector = KVConnector(
             master=master,
@@ -89,7 +92,17 @@ class NodeRuntime:
             margin=settings.cost_margin,
         )
         return cls(
-            settings, runner, recompute, master, pool, transport, connector, None, threading.Lock(), role
+            settings,
+            runner,
+            recompute,
+            master,
+            pool,
+            transport,
+            connector,
+            None,
+            threading.Lock(),
+            role,
+            metrics,
         )
 
     def attach_agent(self, grpc_address: str, load_fn: Any) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.cluster.process import print_ready
+from kvpool.metrics import address_of, maybe_start
 from kvpool.rpc.server import start_server
 from kvpool.serving.common import ServingSettings
 from kvpool.serving.runtime import NodeRuntime
@@ -23,7 +24,8 @@ def serve_node(
     build: Callable[[NodeRuntime], tuple[list[tuple[Any, Any, str]], Callable[[], int], Callable[[], None]]],
 ) -> None:
     """Start the runtime, the gRPC server (`build` returns its registrations, a queue-length function and a
-    stop hook), register with the master, print the READY line, and block until a stop signal."""
+    stop hook) and `/metrics`, register with the master, print the READY line, and block until a stop
+    signal."""
     if not settings.node_id:
         import socket
 
@@ -34,6 +36,10 @@ def serve_node(
     registrations, queue_len, on_stop = build(rt)
     server = start_server(registrations, host=settings.bind_host, port=settings.port)
     address = f"{settings.bind_host}:{server.port}"
+    rt.metrics.set_queue_len(queue_len)
+    metrics = maybe_start(
+        rt.metrics.registry, enabled=settings.metrics, host=settings.bind_host, port=settings.metrics_port
+    )
 
     def load() -> dict[str, Any]:
         return {"queue_len": queue_len(), **rt.load_info()}
@@ -43,11 +49,14 @@ def serve_node(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print_ready({"node_id": settings.node_id, "role": role, "grpc_address": address,
-                 "model_id": rt.runner.model_id, "synthetic": rt.runner.synthetic})  # fmt: skip
+                 "metrics_address": address_of(metrics), "model_id": rt.runner.model_id,
+                 "synthetic": rt.runner.synthetic})  # fmt: skip
     try:
         stop.wait()
     finally:
         log.info("%s %s stopping", role, settings.node_id)
         server.stop(1.0)
+        if metrics is not None:
+            metrics.stop()
         on_stop()
         rt.close()

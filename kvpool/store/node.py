@@ -12,8 +12,10 @@ from typing import Any
 
 from kvpool.capability import process_capabilities
 from kvpool.errors import KVPoolError
+from kvpool.metrics import MetricsServer, address_of, maybe_start
 from kvpool.rpc.server import GrpcServer, start_server
 from kvpool.store.master_link import MasterLink
+from kvpool.store.metrics import MeteredHandler, StoreMetrics
 from kvpool.store.segment import Segment
 from kvpool.store.service import StoreServicer
 from kvpool.store.settings import StoreSettings
@@ -35,6 +37,8 @@ class StoreNode:
             settings.segment_bytes, self.layout.block_nbytes, pin_memory=settings.pin_memory
         )
         self.table = SlotTable(self.segment, clock, capabilities=process_capabilities(), node_id=self.node_id)
+        self.metrics = StoreMetrics(self.table)
+        self._metrics_server: MetricsServer | None = None
         self.host = settings.advertise_host or settings.bind_host
         self._data: Any = None
         self._grpc: GrpcServer | None = None
@@ -73,7 +77,10 @@ class StoreNode:
         from transfer import UcxBlockServer
 
         self._data = UcxBlockServer(
-            self.table, self.host, self.settings.data_port, send_timeout_s=self.settings.transfer_timeout_s
+            MeteredHandler(self.table, self.metrics),
+            self.host,
+            self.settings.data_port,
+            send_timeout_s=self.settings.transfer_timeout_s,
         )
         self._data.start()
         servicer = StoreServicer(
@@ -91,6 +98,14 @@ class StoreNode:
             port=self.settings.grpc_port,
             max_workers=self.settings.max_workers,
         )
+        s = self.settings
+        self._metrics_server = maybe_start(
+            self.metrics.registry,
+            enabled=s.metrics,
+            host=s.bind_host,
+            port=s.metrics_port,
+            advertise_host=self.host,
+        )
         self._reaper.start()
         self.master.start()
         log.info("store %s: grpc %s, data %s", self.node_id, self.grpc_address, self.data_address)
@@ -100,6 +115,7 @@ class StoreNode:
             "node_id": self.node_id,
             "grpc_address": self.grpc_address,
             "data_address": self.data_address,
+            "metrics_address": address_of(self._metrics_server),
             "epoch": self.epoch,
             "num_slots": self.table.num_slots,
             "block_nbytes": self.table.block_nbytes,
@@ -118,6 +134,8 @@ class StoreNode:
             self._grpc.stop(0.5)
         if self._data is not None:
             self._data.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
         if self._transport is not None:
             self._transport.close()
 

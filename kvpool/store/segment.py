@@ -45,12 +45,15 @@ class Segment:
         else:
             self.array = np.zeros(self.nbytes, dtype=np.uint8)  # pages are mapped on first touch
         self._view = memoryview(self.array)  # type: ignore[arg-type]
+        # The base address is logged for fault injection (tests/faults corrupt committed bytes through
+        # /proc/<pid>/mem, as a bit flip in RAM would, to check every read detects it).
         log.info(
-            "segment: %d slots x %d B = %d MiB%s",
+            "segment: %d slots x %d B = %d MiB%s at %#x",
             self.num_slots,
             block_nbytes,
             self.nbytes >> 20,
             " (pinned)" if self.pinned else "",
+            self.array.ctypes.data,
         )
 
     def slot_view(self, slot: int) -> memoryview:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from kvpool.config import KVPoolSettings
 from kvpool.types import KVLayout
@@ -44,6 +44,8 @@ class StoreSettings(KVPoolSettings):
     endpoints_per_peer: int = 2
     transfer_timeout_s: float = 30.0
     max_workers: int = 16
+    metrics: bool = True  # serve Prometheus /metrics (kvpool.metrics)
+    metrics_port: int = Field(default=0, ge=0, le=65535)  # on bind_host; 0 = ephemeral
 
     @field_validator("layout")
     @classmethod

@@ -1,0 +1,91 @@
+"""The master's Prometheus metrics, read from its live state at scrape time (no second bookkeeping).
+
+Hit rate = `kvpool_master_hit_tokens_total / kvpool_master_requested_tokens_total`: the denominator is
+explicit (every prompt token of every counted match; the router's peeks and decode matches count none).
+Pool usage per store node: `kvpool_master_store_used_slots{node}` of `kvpool_master_store_capacity_slots`,
+and the same in bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvpool.master.core import ROLES, Master
+
+P = "kvpool_master_"
+
+
+class MasterCollector(Collector):
+    """Collects from `master` under its lock (as the `Stats` RPC does)."""
+
+    def __init__(self, master: Master) -> None:
+        self.m = master
+
+    def collect(self) -> Iterator[Metric]:
+        m, c = self.m, self.m.counters
+        counters = [
+            ("match_requests", "Prefix matches that counted a hit (prefill requests).", c.num_match_requests),
+            ("requested_tokens", "Prompt tokens of counted matches (the hit-rate denominator).", c.requested_tokens),
+            ("hit_tokens", "Prompt tokens found in the pool by counted matches.", c.hit_tokens),
+            ("requested_blocks", "Full blocks of counted matches.", c.requested_blocks),
+            ("hit_blocks", "Blocks found in the pool by counted matches.", c.hit_blocks),
+            ("evictions", "Blocks evicted (watermark, admin or policy).", c.num_evictions),
+            ("rereplications", "Block copies made to restore the replica count.", c.num_rereplications),
+            ("bad_replicas", "Replicas reported unreadable by readers.", c.num_bad_replicas),
+        ]  # fmt: skip
+        for name, doc, value in counters:
+            yield CounterMetricFamily(P + name, doc, value=value)
+        used_slots = GaugeMetricFamily(
+            P + "store_used_slots", "Allocated slots per store node.", labels=["node"]
+        )
+        cap_slots = GaugeMetricFamily(P + "store_capacity_slots", "Slots per store node.", labels=["node"])
+        used_bytes = GaugeMetricFamily(
+            P + "store_used_bytes", "Bytes of indexed blocks per store node.", labels=["node"]
+        )
+        cap_bytes = GaugeMetricFamily(
+            P + "store_capacity_bytes", "Segment bytes per store node.", labels=["node"]
+        )
+        alive = GaugeMetricFamily(P + "nodes_alive", "Registered live nodes by role.", labels=["role"])
+        with m.lock:
+            num_blocks = m.index.num_blocks
+            num_leases = m.index.num_live_leases
+            num_reserved = m.publisher.num_reserved_blocks
+            num_namespaces = len(m.namespaces)
+            by_role = dict.fromkeys(ROLES, 0)
+            total_bytes = 0
+            for rec in m.st.nodes.values():
+                if rec.alive:
+                    by_role[rec.role] = by_role.get(rec.role, 0) + 1
+                if not (rec.is_store and rec.alive):
+                    continue
+                node_bytes = m.index.bytes_on_node(rec.node_id)
+                total_bytes += node_bytes
+                used_slots.add_metric([rec.node_id], rec.num_allocated)
+                cap_slots.add_metric([rec.node_id], rec.num_slots)
+                used_bytes.add_metric([rec.node_id], node_bytes)
+                cap_bytes.add_metric([rec.node_id], rec.num_slots * rec.block_nbytes)
+        for role, n in sorted(by_role.items()):
+            alive.add_metric([role], n)
+        yield from (used_slots, cap_slots, used_bytes, cap_bytes, alive)
+        yield GaugeMetricFamily(P + "index_blocks", "Blocks in the index (resident).", value=num_blocks)
+        yield GaugeMetricFamily(
+            P + "index_bytes", "Bytes of block replicas on live store nodes.", value=total_bytes
+        )
+        yield GaugeMetricFamily(
+            P + "live_leases", "Read leases not yet released or expired.", value=num_leases
+        )
+        yield GaugeMetricFamily(
+            P + "reserved_blocks", "Slots reserved by unfinished publishes.", value=num_reserved
+        )
+        yield GaugeMetricFamily(P + "namespaces", "Registered namespaces.", value=num_namespaces)
+
+
+def master_registry(master: Master) -> CollectorRegistry:
+    """A fresh registry holding one `MasterCollector` (one per master instance)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(MasterCollector(master))
+    return registry

@@ -1,0 +1,107 @@
+"""A store node's Prometheus metrics.
+
+Occupancy (slots used/free, bytes, in-flight transfers) is read from the slot table at scrape time.
+Data-plane traffic is counted by `MeteredHandler`, the `transfer.BlockHandler` the UCX block server is
+given: it forwards every call to the slot table and counts the blocks it served (reads), the blocks that
+landed intact (writes), their bytes, and the refusals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvpool.store.slots import SlotTable
+
+P = "kvpool_store_"
+
+
+class StoreCollector(Collector):
+    """Slot-table gauges, read at scrape time."""
+
+    def __init__(self, table: SlotTable) -> None:
+        self.table = table
+
+    def collect(self) -> Iterator[Metric]:
+        t = self.table
+        used = t.num_used
+        yield GaugeMetricFamily(P + "slots", "Slots in the segment.", value=t.num_slots)
+        yield GaugeMetricFamily(P + "used_slots", "Slots reserved, written or committed.", value=used)
+        yield GaugeMetricFamily(P + "free_slots", "Free slots.", value=t.num_slots - used)
+        yield GaugeMetricFamily(P + "block_bytes", "Bytes per block (slot).", value=t.block_nbytes)
+        yield GaugeMetricFamily(
+            P + "capacity_bytes", "Bytes of the segment's slots.", value=t.num_slots * t.block_nbytes
+        )
+        yield GaugeMetricFamily(P + "used_bytes", "Bytes of used slots.", value=used * t.block_nbytes)
+        yield GaugeMetricFamily(
+            P + "inflight_transfers", "Block reads and writes in flight.", value=t.num_inflight
+        )
+
+
+class StoreMetrics:
+    """One registry per store node: the slot-table collector plus data-plane counters."""
+
+    def __init__(self, table: SlotTable) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        r.register(StoreCollector(table))
+        self.blocks = Counter(
+            P + "blocks_served", "Blocks read (sent) or written (landed intact) over the data plane.", ["op"],
+            registry=r,
+        )  # fmt: skip
+        self.bytes = Counter(P + "served_bytes", "Bytes of blocks read or written.", ["op"], registry=r)
+        self.errors = Counter(
+            P + "transfer_errors", "Block reads or writes refused or failed.", ["op"], registry=r
+        )
+
+
+class MeteredHandler:
+    """A `transfer.BlockHandler` that forwards to `table` and counts into `metrics` (thread-safe)."""
+
+    def __init__(self, table: SlotTable, metrics: StoreMetrics) -> None:
+        self._table = table
+        self._nbytes = table.block_nbytes
+        self._blocks = {op: metrics.blocks.labels(op) for op in ("read", "write")}
+        self._bytes = {op: metrics.bytes.labels(op) for op in ("read", "write")}
+        self._errors = {op: metrics.errors.labels(op) for op in ("read", "write")}
+
+    def begin_read(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            out = self._table.begin_read(*args, **kwargs)
+        except Exception:
+            self._errors["read"].inc()
+            raise
+        self._blocks["read"].inc()
+        self._bytes["read"].inc(self._nbytes)
+        return out
+
+    def end_read(self, *args: Any, **kwargs: Any) -> Any:
+        return self._table.end_read(*args, **kwargs)
+
+    def begin_write(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._table.begin_write(*args, **kwargs)
+        except Exception:
+            self._errors["write"].inc()
+            raise
+
+    def end_write(
+        self, slot: int, generation: int, checksum: int, ok: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        try:
+            self._table.end_write(slot, generation, checksum, ok, *args, **kwargs)
+        except Exception:
+            self._errors["write"].inc()
+            raise
+        if ok:
+            self._blocks["write"].inc()
+            self._bytes["write"].inc(self._nbytes)
+        else:
+            self._errors["write"].inc()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._table, name)
