@@ -6,6 +6,9 @@
 pulls (b → a) and publishes (a → b) see the same link. `close()` deletes both namespaces (and with them
 the veth pair); use it as a context manager so a failure still cleans up.
 
+`NamespaceGroup(n)` creates `n` namespaces (`<prefix>-0` …) that act as `n` hosts on one private subnet:
+each joined by a veth pair to a bridge in a hub namespace (`<prefix>-hub`); `close()` deletes them all.
+
 `python_in_netns(name)`: role processes started inside the block (through `RoleProcess`) run in `name`.
 """
 
@@ -140,6 +143,66 @@ class ThrottledPair:
                 _run("ip", "netns", "del", ns)
 
     def __enter__(self) -> ThrottledPair:
+        return self.open()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class NamespaceGroup:
+    """`n` namespaces on one /24 (`addresses[i]` in `names[i]`), bridged in a hub namespace. Root only.
+
+    Names and device names carry `prefix` (default: pid-derived), so parallel runs never collide; the
+    addresses exist only inside the namespaces (each run has its own bridge), the root namespace is untouched.
+    """
+
+    def __init__(self, n: int, prefix: str | None = None, *, subnet: int | None = None) -> None:
+        if not 1 <= n <= 200:
+            raise ValueError(f"need 1 <= n <= 200 namespaces, got {n}")
+        self.tag = prefix or f"kvg{os.getpid() % 100000}"
+        octet = subnet if subnet is not None else 20 + os.getpid() % 200
+        self.hub = f"{self.tag}-hub"
+        self.names = [f"{self.tag}-{i}" for i in range(n)]
+        self.addresses = [f"10.232.{octet}.{i + 1}" for i in range(n)]
+        self._bridge = f"{self.tag}br"[:15]
+        self._created: list[str] = []
+
+    def open(self) -> NamespaceGroup:
+        try:
+            for ns in (self.hub, *self.names):
+                _run("ip", "netns", "add", ns)
+                self._created.append(ns)
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "-n", self.hub, "link", "add", self._bridge, "type", "bridge")
+            _run("ip", "-n", self.hub, "link", "set", self._bridge, "up")
+            for i, (ns, ip) in enumerate(zip(self.names, self.addresses, strict=True)):
+                hub_dev, dev = f"{self.tag}h{i}"[:15], f"{self.tag}n{i}"[:15]
+                _run(
+                    "ip", "link", "add", hub_dev, "netns", self.hub, "type", "veth", "peer", dev, "netns", ns
+                )
+                _run("ip", "-n", self.hub, "link", "set", hub_dev, "master", self._bridge)
+                _run("ip", "-n", self.hub, "link", "set", hub_dev, "up")
+                _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+                _run("ip", "-n", ns, "link", "set", dev, "up")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def exec_args(self, i: int) -> list[str]:
+        """The command prefix that runs a program in namespace `i`."""
+        return ["ip", "netns", "exec", self.names[i]]
+
+    def close(self) -> None:
+        """Delete every namespace created (the veth pairs and the bridge go with them). Idempotent."""
+        while self._created:
+            ns = self._created.pop()
+            with contextlib.suppress(RuntimeError):
+                _run("ip", "netns", "del", ns)
+
+    def __enter__(self) -> NamespaceGroup:
         return self.open()
 
     def __exit__(
