@@ -124,8 +124,7 @@ class DecodeScheduler:
             job.ns, job.prompt, hashes, count_hit=False, request_id=job.request_id,
             use_cache=job.use_cache and job.prompt_committed,
         )  # fmt: skip
-        prefix = rt.runner.prefix_from_blocks(loaded.blocks) if loaded.blocks else None
-        _logits, job.cache = rt.runner.prefill_prompt(job.prompt, prefix)
+        _logits, job.cache = rt.compute_prompt(job.prompt, loaded)
         rt.connector.keep_pulled(job.ns, loaded)
         s = loaded.stats
         job.stats.update(

@@ -58,8 +58,7 @@ class PrefillService(pb_grpc.PrefillServicer):
                 )
                 stats = loaded.stats
                 t_compute = time.perf_counter()
-                prefix = rt.runner.prefix_from_blocks(loaded.blocks) if loaded.blocks else None
-                logits, full = rt.runner.prefill_prompt(tokens, prefix)
+                logits, full = rt.compute_prompt(tokens, loaded)
                 first = _sample(logits, params)
                 compute_s = time.perf_counter() - t_compute
         finally:

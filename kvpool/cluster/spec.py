@@ -166,8 +166,11 @@ def _line_of(text: str, loc: tuple[Any, ...]) -> int | None:
     section = str(loc[0]) if loc else ""
     key = str(loc[1]) if len(loc) > 1 else None
     start = next((i for i, ln in enumerate(lines) if ln.strip() == f"[{section}]"), None)
-    if start is None:
-        return None
+    if start is None:  # a top-level key (a stray one, or a section written as `name = value`)
+        first = next((i for i, ln in enumerate(lines) if ln.strip().startswith("[")), len(lines))
+        at = (i for i in range(first) if re.match(rf"^\s*{re.escape(section)}\s*=", lines[i]))
+        found = next(at, None)
+        return None if found is None else found + 1
     if key is None:
         return start + 1
     for i in range(start + 1, len(lines)):
@@ -179,6 +182,11 @@ def _line_of(text: str, loc: tuple[Any, ...]) -> int | None:
     return start + 1
 
 
+def text_line_of_byte(data: bytes, offset: int) -> int:
+    """The 1-based line holding byte `offset` of `data`."""
+    return data.count(b"\n", 0, offset) + 1
+
+
 def load_spec(path: str | Path) -> ClusterSpec:
     """Read and validate a cluster spec; `InvalidArgument("FILE:LINE: FIELD: message")` on any error."""
     p = Path(path)
@@ -186,6 +194,9 @@ def load_spec(path: str | Path) -> ClusterSpec:
         text = p.read_text()
     except OSError as exc:
         raise InvalidArgument(f"{p}: cannot read cluster spec: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        at = text_line_of_byte(p.read_bytes(), exc.start)
+        raise InvalidArgument(f"{p}:{at}: not UTF-8 text (byte {exc.start})") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

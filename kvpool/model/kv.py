@@ -44,9 +44,9 @@ class KVPrefix:
         return cls(layers, n)
 
     def to_cache(self, config: Any) -> Any:
-        """A fresh `DynamicCache` holding a copy of this prefix, for a forward to extend."""
+        """A fresh `DynamicCache` over this prefix's tensors (no copy), for a forward to extend; the forward
+        concatenates into new tensors, so this prefix is never written."""
         from transformers import DynamicCache
-
         from transformers.cache_utils import DynamicLayer
 
         cache = DynamicCache(config=config)

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -69,8 +70,8 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = Field(default=None, ge=0)
+    top_k: int = Field(default=0, ge=0, le=2**32 - 1)  # the wire is uint32
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)  # the wire is uint64
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
@@ -78,6 +79,7 @@ class _Common(BaseModel):
     logprobs: Any = None
     cache_salt: str = ""
     user: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: each choice also carries its generated `token_ids`
 
 
 class CompletionBody(_Common):
@@ -177,8 +179,8 @@ class OpenAIApp:
     async def _body(self, request: Request, cls: type[_Common]) -> Any:
         try:
             raw = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "the request body is not valid JSON") from None
+        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError; nesting too deep
+            raise APIError(400, "the request body is not valid JSON (or nests too deeply)") from None
         if not isinstance(raw, dict):
             raise APIError(400, "the request body must be a JSON object")
         try:
@@ -213,6 +215,10 @@ class OpenAIApp:
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary of {m.vocab_size}", param="prompt")
 
+    def _default(self, max_tokens: int) -> int:
+        """The max_tokens of a request that names none: never above the configured limit."""
+        return min(max_tokens, self.service.settings.max_tokens_limit)
+
     def _sampling(self, body: Any, max_tokens: int) -> Sampling:
         eos = self.service.model.eos_token_id
         return Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
@@ -235,7 +241,9 @@ class OpenAIApp:
             tokens = [int(t) for t in prompt]
         if not tokens:
             raise APIError(400, "the prompt is empty", param="prompt")
-        return await self._serve(request, "completions", body, tokens, salt, body.max_tokens or 16)
+        return await self._serve(
+            request, "completions", body, tokens, salt, body.max_tokens or self._default(16)
+        )
 
     async def chat(self, request: Request) -> Response:
         body: ChatBody = await self._body(request, ChatBody)
@@ -244,7 +252,7 @@ class OpenAIApp:
         salt = self._tenant_salt(request, body.cache_salt)
         messages = [{"role": m.role, "content": _text_content(m, i)} for i, m in enumerate(body.messages)]
         tokens = await run_in_threadpool(self.service.model.chat_prompt_ids, messages)
-        max_tokens = body.max_completion_tokens or body.max_tokens or 256
+        max_tokens = body.max_completion_tokens or body.max_tokens or self._default(256)
         return await self._serve(request, "chat", body, tokens, salt, max_tokens)
 
     async def _serve(
@@ -296,6 +304,8 @@ class OpenAIApp:
             choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
                       "finish_reason": reason}  # fmt: skip
             obj = "chat.completion"
+        if body.return_token_ids:
+            choice["token_ids"] = list(text.ids)
         svc.metrics.requests.labels(kind, "200").inc()
         return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
                              "choices": [choice], "usage": usage})  # fmt: skip
@@ -401,4 +411,11 @@ def build_app(service: RouterService, tenants: Tenants, *, model_name: str | Non
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        """Starlette's own 404 / 405 in OpenAI's error shape too."""
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+        return APIError(status, f"{request.method} {request.url.path}: {detail}").response()
+
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

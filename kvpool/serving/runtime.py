@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,9 +126,22 @@ class NodeRuntime:
             return ns.digest()
         return self.agent.namespace(ns)
 
+    def compute_prompt(self, tokens: Sequence[int], loaded: Any) -> tuple[Any, Any]:
+        """Scatter a load's blocks and prefill the rest of `tokens` (>= the last token) on them.
+
+        Returns `(logits, prefix)` as `ModelRunner.prefill_prompt`; the forward's time is folded into
+        the connector's online recompute calibration. Callers hold `model_lock`.
+        """
+        prefix = self.runner.prefix_from_blocks(loaded.blocks) if loaded.blocks else None
+        n_ctx = min(prefix.num_tokens if prefix is not None else 0, len(tokens) - 1)
+        t0 = time.perf_counter()
+        out = self.runner.prefill_prompt(tokens, prefix)
+        self.connector.calibration.observe_compute(len(tokens) - n_ctx, n_ctx, time.perf_counter() - t0)
+        return out
+
     def load_info(self) -> dict[str, Any]:
-        """Calibration figures for heartbeats (`NodeLoad` fields)."""
-        r = self.recompute
+        """Calibration figures for heartbeats (`NodeLoad` fields): the recompute model decisions use now."""
+        r = self.connector.recompute
         return {"recompute_s_per_token": r.per_token_s, "recompute_s_per_token_ctx": r.per_pair_s,
                 "recompute_overhead_s": r.overhead_s}  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""Fault suite (slow): a stream of greedy requests through real processes while faults are injected.
+"""Fault suite, processes (slow): 200 greedy requests through the router while processes are killed.
 
 Every answer is checked against an in-process cold reference of the same model: a fault may cost time
 (recompute), never a wrong token or a lost request. Prints requests, failures, wrong tokens and the
@@ -10,16 +10,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
 pytest.importorskip("torch")
 
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec  # noqa: E402
-from kvpool.demo.orchestrator import Orchestrator, Sampling  # noqa: E402
+from tests.faults.common import BLOCK, Api, Tally, references, start_router, workload  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
-BLOCK = 16
 NUM_REQUESTS = 200
 
 
@@ -28,15 +26,6 @@ def runner():  # type: ignore[no-untyped-def]
     from kvpool.model import ModelRunner
 
     return ModelRunner.load(None, block_size=BLOCK)
-
-
-def workload(vocab: int = 256) -> list[list[int]]:
-    """10 shared documents of 6 blocks, 20 distinct questions each: 200 prompts."""
-    rng = np.random.default_rng(42)
-    docs = [[int(t) for t in rng.integers(3, vocab, size=6 * BLOCK)] for _ in range(10)]
-    return [
-        docs[i % 10] + [int(t) for t in rng.integers(3, vocab, size=5 + i % 7)] for i in range(NUM_REQUESTS)
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -49,49 +38,28 @@ def cluster(runner) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
         yield c
 
 
-def _serve(
-    orch: Orchestrator, prompts: list[list[int]], refs: list[list[int]], eos: int | None
-) -> tuple[int, int, int]:
-    """Returns (failed requests, requests with wrong tokens, requests that reused cache)."""
-    failed = wrong = hits = 0
-    for i, prompt in enumerate(prompts):
-        t0 = time.perf_counter()
-        try:
-            res = orch.run(prompt, sampling=Sampling(max_tokens=3), request_id=f"f{i}")
-        except Exception as exc:  # noqa: BLE001 - counted, the suite asserts none
-            print(f"request {i} failed: {exc}")
-            failed += 1
-            continue
-        if time.perf_counter() - t0 > 2.0:
-            print(
-                f"request {i}: {time.perf_counter() - t0:.1f} s {res.prefill['decision']} {res.decode['decision']}"
-            )
-        tokens = [t for t in res.tokens if t != eos]
-        wrong += tokens != refs[i]
-        hits += res.prefill["num_reused_tokens"] > 0
-    return failed, wrong, hits
-
-
 def test_store_kill_and_master_restart_lose_nothing(cluster: LocalCluster, runner) -> None:  # type: ignore[no-untyped-def]
     from kvpool.client import MasterClient
     from kvpool.hashing import hash_blocks
-    from kvpool.model import SamplingParams
 
-    prompts = workload()
-    refs = [runner.generate(p, params=SamplingParams(max_tokens=3)) for p in prompts]
-    orch = Orchestrator(cluster.prefill_addresses[0], cluster.decode_addresses[0], timeout_s=120)
-    report = []
+    prompts = workload(NUM_REQUESTS)
+    refs = references(runner, prompts)
+    eos = runner.eos_token_id
+    api = Api(start_router(cluster))
+    report: list[Tally] = []
     try:
         # phase 1: healthy
-        f, w, h = _serve(orch, prompts[:60], refs[:60], runner.eos_token_id)
-        report.append(("healthy", 60, f, w, h, 0.0))
+        t = api.serve(Tally("healthy"), prompts[:60], refs[:60], eos)
+        report.append(t)
+        assert (t.failed, t.wrong) == (0, 0), t.notes
         # phase 2: kill -9 a store node; replicas=2 keeps every block readable
         cluster.stores[0].kill()
         t0 = time.perf_counter()
-        f, w, h = _serve(orch, prompts[60:120], refs[60:120], runner.eos_token_id)
-        report.append(("store kill -9 (replicas=2)", 60, f, w, h, time.perf_counter() - t0))
-        assert (f, w) == (0, 0)
-        assert h > 0  # the surviving replicas still served hits
+        t = api.serve(Tally("store kill -9 (replicas=2)"), prompts[60:120], refs[60:120], eos)
+        t.recovery_s = time.perf_counter() - t0
+        report.append(t)
+        assert (t.failed, t.wrong) == (0, 0), t.notes
+        assert t.hits > 0  # the surviving replicas still served hits
         # phase 3: kill -9 the master and restart it from nothing on the same address
         ns = runner.namespace().digest()
         probe = hash_blocks(ns, prompts[119], BLOCK)[:6]
@@ -109,12 +77,13 @@ def test_store_kill_and_master_restart_lose_nothing(cluster: LocalCluster, runne
                     pass
                 time.sleep(0.1)
         assert rebuild_s is not None, "the index was not rebuilt from the store inventories"
-        f, w, h = _serve(orch, prompts[120:], refs[120:], runner.eos_token_id)
-        report.append(("master kill -9 + restart", 80, f, w, h, rebuild_s))
-        assert (f, w) == (0, 0)
-        assert h > 0
+        t = api.serve(Tally("master kill -9 + restart"), prompts[120:], refs[120:], eos)
+        t.recovery_s = rebuild_s
+        report.append(t)
+        assert (t.failed, t.wrong) == (0, 0), t.notes
+        assert t.hits > 0
     finally:
-        orch.close()
-        print("\nfault                        requests failed wrong hits recovery_s")
-        for name, n, f, w, h, rec in report:
-            print(f"{name:28s} {n:8d} {f:6d} {w:5d} {h:4d} {rec:10.2f}")
+        api.close()
+        print("\nfault                              requests failed wrong hits recovery_s")
+        for t in report:
+            print(t.row())
