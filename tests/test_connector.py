@@ -149,3 +149,20 @@ def test_only_proven_bad_replicas_are_reported(error: str, bad: bool) -> None:
     from kvpool.connector.pull import is_replica_fault
 
     assert is_replica_fault(error) is bad
+
+
+def test_unmeasured_links_are_ignored_not_divided_by() -> None:
+    """A store whose probe measured no bandwidth (beta 0) gives no estimate; the others still do."""
+    from transfer import LinkEstimate
+
+    class Links:
+        def link(self, peer: str) -> LinkEstimate:
+            if peer == "dead:1":
+                raise ConnectionError("refused")
+            return LinkEstimate(1e-4, 0.0 if peer == "unprobed:1" else 1e9, 1)
+
+    c = make(DownMaster())
+    c.transport = Links()
+    assert c.link_to_pool(["unprobed:1", "dead:1"]) is None
+    link = c.link_to_pool(["unprobed:1", "ok:1", "dead:1"])
+    assert link is not None and link.beta_bytes_per_s == 1e9

@@ -147,9 +147,12 @@ class KVConnector:
         links = []
         for address in set(addresses):
             try:
-                links.append(self.transport.link(address))
+                link = self.transport.link(address)
             except Exception as exc:  # noqa: BLE001 - an unreachable store: no link estimate
                 log.debug("no link estimate for %s: %s", address, exc)
+                continue
+            if link.beta_bytes_per_s > 0:  # 0: the probe measured no bandwidth (e.g. probe_bytes=0)
+                links.append(link)
         if not links:
             return None
         return min(links, key=lambda lk: lk.beta_bytes_per_s)
