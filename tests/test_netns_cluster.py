@@ -1,6 +1,7 @@
-"""A cluster across three Linux network namespaces ("hosts") on one private subnet (issue #11).
+"""A cluster across four Linux network namespaces ("hosts") on one private subnet (issues #11, #12).
 
-ns 0: master + store0; ns 1: store1 + prefill0; ns 2: decode0 + router. Each namespace is joined by a
+ns 0: master + store0; ns 1: store1 + prefill0; ns 2: decode0 + router; ns 3: store2 alone (the one cut
+off the network in the fault test). Each namespace is joined by a
 veth pair to a bridge in a hub namespace; the addresses exist only inside them (`NamespaceGroup`). Every
 role is its own `kvpool <role> --listen ADDR --master HOST:PORT` process under `ip netns exec`, with
 `UCX_TLS=tcp` (UCX would otherwise see one host and use shared memory) and no node-local tier, so every
@@ -94,14 +95,14 @@ def cluster() -> Iterator[NetnsCluster]:
     from kvpool.router.model_info import ModelInfo
 
     layout = ModelInfo.load(None, block_size=BLOCK).layout.fingerprint()
-    group = NamespaceGroup(3)
+    group = NamespaceGroup(4)
     try:
         group.open()
     except RuntimeError as exc:
         pytest.skip(f"cannot create network namespaces here: {exc}")
     workdir = Path(tempfile.mkdtemp(prefix="kvpool-netns-"))
     c = NetnsCluster(group, workdir)
-    a, b, cc = group.addresses
+    a, b, cc, d = group.addresses
     try:
         master = c.spawn(0, "master", ["master", "--listen", a, "--port", "0", "--layout", layout,
                                        "--heartbeat-timeout-ms", "30000"])  # fmt: skip
@@ -109,6 +110,7 @@ def cluster() -> Iterator[NetnsCluster]:
         store = ["--grpc-port", "0", "--data-port", "0", "--segment-size", "32MiB", "--layout", layout]
         c.spawn(0, "store0", ["store", "--master", m, "--listen", a, "--node-id", "store0", *store])
         c.spawn(1, "store1", ["store", "--master", m, "--listen", b, "--node-id", "store1", *store])
+        c.spawn(3, "store2", ["store", "--master", m, "--listen", d, "--node-id", "store2", *store])
         serving = ["--master", m, "--port", "0", "--block-size", str(BLOCK)]
         c.spawn(1, "prefill0", ["prefill", "--listen", b, "--node-id", "prefill0", *serving])
         c.spawn(2, "decode0", ["decode", "--listen", cc, "--node-id", "decode0", *serving])
@@ -164,8 +166,39 @@ def test_requests_across_three_namespaces_hit_and_match_a_cold_reference(cluster
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert warm["choices"][0]["text"] == cold["choices"][0]["text"]  # greedy: hits change nothing
     # bytes crossed namespaces: decode (ns 2) pulled from store nodes in ns 0 and 1 over the veth links
-    stores = {c.procs[n].info["data_address"] for n in ("store0", "store1")}
+    stores = {c.procs[n].info["data_address"] for n in ("store0", "store1", "store2")}
     decode_reads = _link_read_bytes(c, "decode0")
     assert set(decode_reads) <= stores and sum(decode_reads.values()) > 0, decode_reads
     prefill_reads = _link_read_bytes(c, "prefill0")
     assert set(prefill_reads) <= stores and sum(prefill_reads.values()) > 0, prefill_reads
+
+
+def test_a_store_cut_off_the_network_costs_time_not_answers(cluster: NetnsCluster) -> None:
+    """Namespace 3 (store2 alone) loses its link: pulls of its blocks time out and the nodes recompute
+    exactly the missing span; every answer still equals a cold one. Then the link comes back."""
+    c = cluster
+    router = c.procs["router"].info["http_address"]
+    c.model_id = json.loads(c.fetch(2, f"http://{router}/v1/models"))["data"][0]["id"]
+    docs = [f"Document {i}: the pool spreads blocks over every store node it knows. " * 4 for i in range(4)]
+    for doc in docs:  # publish: with one replica per block, some blocks of each document land on store2
+        _complete(c, doc + "Warm up?")
+    time.sleep(0.5)
+    c.group.set_link(3, up=False)
+    try:
+        t0 = time.perf_counter()
+        for i, doc in enumerate(docs):
+            q = doc + f"Question {i}?"
+            cut = _complete(c, q)
+            cold = _complete(c, q, cache_salt=f"cold-cut-{os.getpid()}")
+            assert cut["choices"][0]["text"] == cold["choices"][0]["text"], (i, c.logs())
+        elapsed_s = time.perf_counter() - t0
+    finally:
+        c.group.set_link(3, up=True)
+    print(f"\nstore cut off: {len(docs)} requests (+ cold references) answered right in {elapsed_s:.1f} s")
+    after = _complete(c, docs[0] + "After the cut?")
+    assert (
+        after["choices"][0]["text"]
+        == _complete(c, docs[0] + "After the cut?", cache_salt=f"cold-after-{os.getpid()}")["choices"][0][
+            "text"
+        ]
+    )

@@ -195,6 +195,10 @@ class NamespaceGroup:
         """The command prefix that runs a program in namespace `i`."""
         return ["ip", "netns", "exec", self.names[i]]
 
+    def set_link(self, i: int, up: bool) -> None:
+        """Cut (`up=False`) or restore namespace `i`'s link to the bridge: a node cut off the network."""
+        _run("ip", "-n", self.hub, "link", "set", f"{self.tag}h{i}"[:15], "up" if up else "down")
+
     def close(self) -> None:
         """Delete every namespace created (the veth pairs and the bridge go with them). Idempotent."""
         while self._created:
