@@ -221,6 +221,8 @@ class Maintenance:
         if len(good) >= meta.target_replicas or (
             good and not draining and len(good) >= self._max_placeable()
         ):
+            if draining and info.num_leases:
+                return None, True  # a reader may hold a draining replica: free it once the lease ends
             for loc in draining:
                 m.on_dropped(m.index.remove_location(NamespaceId(key[0]), BlockHash(key[1]), loc))
                 m.queue_free(loc)
