@@ -23,6 +23,9 @@ def test_calibration_fits_and_is_cached(tmp_path: Path, monkeypatch: pytest.Monk
     assert model.source in ("calibrated", "flops")
     assert model.t_recompute_s(512, 0) > model.t_recompute_s(64, 0) > 0
     files = list((tmp_path / "calibration").glob("recompute-*.json"))
+    if model.fit_rel_rmse > calibrate_mod.MAX_CACHED_FIT_RMSE:  # measured under heavy load: not cached
+        assert files == []
+        return
     assert len(files) == 1 and runner.weights_version[:16] in files[0].name
 
     def boom(*args: object, **kwargs: object) -> None:
@@ -43,3 +46,33 @@ def test_flops_fallback_on_runner(tmp_path: Path) -> None:
     assert flops > 1e6
     m = calibrate_mod.flops_fallback(runner)
     assert isinstance(m, RecomputeModel) and m.source == "flops" and m.per_token_s > 0
+
+
+def test_a_noisy_cached_fit_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fit measured under heavy load (large fit error) is neither trusted from the cache nor written."""
+    import json
+
+    runner = ModelRunner.load(embedded_model_dir(TINY, cache_dir=tmp_path), block_size=16)
+    good = RecomputeModel(
+        overhead_s=0.001, per_token_s=1e-5, per_pair_s=1e-9, source="calibrated", fit_rel_rmse=0.05
+    )
+    noisy = RecomputeModel(
+        overhead_s=0.4, per_token_s=1.6e-3, per_pair_s=0.0, source="calibrated", fit_rel_rmse=0.5
+    )
+    fits = iter([(noisy, []), (noisy, []), (good, [])])
+    calls = []
+
+    def fake(*args: object, **kwargs: object) -> tuple[RecomputeModel, list[object]]:
+        calls.append(1)
+        return next(fits)
+
+    monkeypatch.setattr(calibrate_mod, "_measure_and_fit", fake)
+    assert calibrate_recompute(runner, cache_dir=tmp_path, **GRID) == noisy  # type: ignore[arg-type]
+    assert len(calls) == 2  # measured twice (the first fit was noisy), kept the better one
+    assert not list((tmp_path / "calibration").glob("recompute-*.json"))  # and cached nothing
+    assert calibrate_recompute(runner, cache_dir=tmp_path, **GRID) == good  # type: ignore[arg-type]
+    (path,) = (tmp_path / "calibration").glob("recompute-*.json")
+    # a noisy file written by an older version is ignored too
+    path.write_text(json.dumps({"model": noisy.to_dict()}))
+    monkeypatch.setattr(calibrate_mod, "_measure_and_fit", lambda *a, **k: (good, []))
+    assert calibrate_recompute(runner, cache_dir=tmp_path, **GRID) == good  # type: ignore[arg-type]
