@@ -42,6 +42,8 @@ class DecodeJob:
     cache: Any = None
     stats: dict[str, Any] = field(default_factory=dict)
     error: BaseException | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    """Set when the caller went away: the job leaves the batch at the next step (nothing published)."""
 
 
 class DecodeScheduler:
@@ -98,6 +100,9 @@ class DecodeScheduler:
                 job = self._waiting.get_nowait()
             except queue.Empty:
                 return
+            if job.cancelled.is_set():  # the caller went away while it waited
+                job.out.put(_DONE)
+                continue
             try:
                 if self._load_prompt(job):
                     self._active.append(job)
@@ -145,6 +150,10 @@ class DecodeScheduler:
         still: list[DecodeJob] = []
         for i, job in enumerate(self._active):
             job.cache = caches[i]
+            if job.cancelled.is_set():
+                job.stats["finish_reason"] = "cancelled"
+                self._finish(job, publish=False)
+                continue
             tok = sample_next(logits[i], job.params, make_step_generator(job.params, len(job.generated)))
             if tok in job.stats["stops"]:
                 job.stats["finish_reason"] = "stop"

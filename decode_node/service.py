@@ -33,6 +33,12 @@ class DecodeService(pb_grpc.DecodeServicer):
         if request.first_token >= rt.runner.vocab_size:
             raise InvalidArgument(f"first_token {request.first_token} is outside the vocabulary")
         params = sampling_from_proto(request.sampling)
+        limit = rt.runner.max_model_len
+        if len(prompt) + params.max_tokens > limit:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceed the model's "
+                f"context of {limit} tokens"
+            )
         ns = rt.namespace(request.cache_salt)
         if request.block_hashes:
             ours = hash_blocks(ns, prompt, rt.runner.layout.block_size)
@@ -48,12 +54,14 @@ class DecodeService(pb_grpc.DecodeServicer):
             publish=request.publish,
             use_cache=request.use_cache,
         )
+        context.add_callback(job.cancelled.set)  # the caller hung up or the deadline passed
         self.scheduler.submit(job)
         while True:
             item = job.out.get()
             if is_done(item):
                 break
             if not context.is_active():
+                job.cancelled.set()
                 break
             yield pb.DecodeEvent(token_ids=item)
         if job.error is not None:

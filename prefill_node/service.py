@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from kvpool.errors import InvalidArgument
 from kvpool.hashing import hash_blocks
 from kvpool.rpc.status import rpc_errors
 from kvpool.serving.common import validate_tokens
@@ -46,6 +47,10 @@ class PrefillService(pb_grpc.PrefillServicer):
             request.token_ids, vocab_size=rt.runner.vocab_size, max_tokens=rt.settings.max_prompt_tokens
         )
         params = sampling_from_proto(request.sampling)
+        if len(tokens) >= rt.runner.max_model_len:
+            raise InvalidArgument(
+                f"the prompt has {len(tokens)} tokens; the model's context is {rt.runner.max_model_len}"
+            )
         ns = rt.namespace(request.cache_salt)
         block_size = rt.runner.layout.block_size
         hashes = hash_blocks(ns, tokens, block_size)

@@ -140,3 +140,51 @@ def test_failed_pull_reuses_exactly_the_blocks_before(
     assert result.prefill["num_reused_tokens"] == k * BLOCK
     assert result.prefill["num_failed_blocks"] >= 1
     assert result.tokens == reference.tokens
+
+
+def _decode_queue_length(cluster: LocalCluster) -> float:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    addr = cluster.metrics_addresses["decode0"]
+    for family in text_string_to_metric_families(httpx.get(f"http://{addr}/metrics", timeout=10).text):
+        for s in family.samples:
+            if s.name == "kvpool_decode_queue_length":
+                return float(s.value)
+    raise AssertionError("no kvpool_decode_queue_length")
+
+
+def test_decode_refuses_past_the_context_and_drops_cancelled_requests(cluster: LocalCluster) -> None:
+    import grpc
+
+    from kvpool.rpc.server import channel
+    from kvpool.v1 import kvpool_pb2 as pb
+    from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+    prompt = _prompt(9, 40)
+    with channel(cluster.decode_addresses[0]) as ch:
+        stub = pb_grpc.DecodeStub(ch)
+        too_long = pb.DecodeRequest(
+            token_ids=prompt, first_token=5, sampling=pb.SamplingParams(max_tokens=40_000)
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Decode(too_long, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in str(err.value.details())
+        # a long generation whose caller hangs up after 2 tokens leaves the batch at once
+        call = stub.Decode(
+            pb.DecodeRequest(
+                token_ids=prompt,
+                first_token=5,
+                sampling=pb.SamplingParams(max_tokens=5000),
+                request_id="cancel-me",
+            ),  # fmt: skip
+            timeout=120,
+        )
+        for i, _event in enumerate(call):
+            if i == 1:
+                break
+        call.cancel()
+    deadline = time.monotonic() + 20
+    while _decode_queue_length(cluster) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _decode_queue_length(cluster) == 0, "a cancelled request kept decoding"

@@ -42,7 +42,8 @@ class ModelRunner:
 
     Attributes: `layout` (KVLayout), `model_id`, `weights_version` (digest of the weight files), `device`,
     `synthetic` (True for the embedded model: its weights are random), `vocab_size`, `eos_token_id`,
-    `bos_token_id`, `num_params`, `batch_invariant` (decode computes each request alone; B27).
+    `bos_token_id`, `num_params`, `batch_invariant` (decode computes each request alone; B27),
+    `max_model_len` (tokens of context: prompt + generated).
     Not thread-safe: one forward at a time (callers serialise).
     """
 
@@ -69,6 +70,7 @@ class ModelRunner:
         self.synthetic = synthetic
         self.batch_invariant = batch_invariant
         self.vocab_size = int(config.vocab_size)
+        self.max_model_len = int(getattr(config, "max_position_embeddings", None) or 32768)
         eos = config.eos_token_id
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) and eos else eos
         self.bos_token_id: int | None = config.bos_token_id
