@@ -26,6 +26,10 @@ class ServingSettings(KVPoolSettings):
     max_prompt_tokens: int = Field(default=32_768, gt=0)
     max_batch_size: int = Field(default=8, gt=0)
     cost_margin: float = Field(default=0.1, ge=0.0)
+    pull_endpoints_per_peer: int = Field(default=2, ge=1, le=16, description="UCX endpoints per store node")
+    pull_blocks_per_message: int = Field(
+        default=64, ge=1, le=4096, description="blocks per UCX read message (a pull splits into messages)"
+    )
     metrics: bool = Field(default=True, description="serve Prometheus /metrics (kvpool.metrics)")
     metrics_port: int = Field(
         default=0, ge=0, le=65535, description="/metrics port on bind_host (0 = ephemeral)"

@@ -77,7 +77,13 @@ class NodeRuntime:
         recompute = calibrate_recompute(runner)
         master = MasterClient(settings.master, timeout_s=2.0)
         metrics = ServingMetrics(role)
-        transport = MeteredTransport(UcxTransport(), metrics)
+        transport = MeteredTransport(
+            UcxTransport(
+                endpoints_per_peer=settings.pull_endpoints_per_peer,
+                blocks_per_message=settings.pull_blocks_per_message,
+            ),
+            metrics,
+        )
         pool = PoolClient(settings.master, transport, block_nbytes=runner.layout.block_nbytes)
         connector = KVConnector(
             master=master,
