@@ -23,29 +23,25 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvpool.cluster.local import LocalCluster, LocalClusterSpec  # noqa: E402
-from tests.faults.common import BLOCK, DOC_BLOCKS, Api, Tally, corrupt, references, start_router, workload  # noqa: E402
+from kvpool.cluster.local import LocalCluster  # noqa: E402
+from tests.faults.common import (  # noqa: E402
+    BLOCK,
+    DOC_BLOCKS,
+    Api,
+    Tally,
+    corrupt,
+    fault_cluster_spec,
+    references,
+    start_router,
+    workload,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")
-def runner():  # type: ignore[no-untyped-def]
-    from kvpool.model import ModelRunner
-
-    return ModelRunner.load(None, block_size=BLOCK)
-
-
-@pytest.fixture(scope="module")
 def cluster(runner) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
-    spec = LocalClusterSpec(
-        layout=runner.layout.fingerprint(), block_size=BLOCK, segment_size="64MiB", num_replicas=2,
-        heartbeat_timeout_ms=5000,
-        # every hit is a pull from the stores (no node-local tier), and pulls are forced: these faults
-        # live on the pull path, which the cost model may skip for 96-token prefixes on a busy host
-        extra_env={"KVPOOL_LOCAL_TIER_BYTES": "0", "KVPOOL_FORCE_DECISION": "pull"},
-    )  # fmt: skip
-    with LocalCluster(spec) as c:
+    with LocalCluster(fault_cluster_spec(runner, heartbeat_timeout_ms=5000)) as c:
         yield c
 
 
