@@ -155,10 +155,7 @@ def calibrate_recompute(
         except (ValueError, KeyError) as exc:
             log.warning("ignoring unreadable calibration %s: %s", path, exc)
     model, samples = _measure_and_fit(runner, ctx_points, new_points, repeats)
-    if model.fit_rel_rmse > MAX_CACHED_FIT_RMSE:  # a noisy machine: one more try, keep the better fit
-        model, samples = min((model, samples), _measure_and_fit(runner, ctx_points, new_points, repeats),
-                             key=lambda fit: fit[0].fit_rel_rmse)  # fmt: skip
-    if model.fit_rel_rmse > MAX_CACHED_FIT_RMSE:
+    if model.fit_rel_rmse > MAX_CACHED_FIT_RMSE:  # a noisy machine: used now, measured again next start
         log.warning("recompute fit error %.0f%%: not cached (the node corrects its level online)",
                     model.fit_rel_rmse * 100)  # fmt: skip
         return model
