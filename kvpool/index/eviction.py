@@ -16,6 +16,7 @@ with several replicas on the node frees them all, so `num_freed_on_node` may pas
 from __future__ import annotations
 
 import heapq
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,12 +26,20 @@ from kvpool.index.results import DroppedBlock, EvictResult
 
 if TYPE_CHECKING:
     from kvpool.index.radix import RadixIndex
+    from kvpool.types import NamespaceId
 
 
-def evict(index: RadixIndex, num_blocks: int, node_id: str | None) -> EvictResult:
-    """Raises `InvalidArgument` on a negative `num_blocks`. Expired leases are dropped first."""
+def evict(
+    index: RadixIndex, num_blocks: int, node_id: str | None, namespaces: Collection[NamespaceId] = ()
+) -> EvictResult:
+    """Raises `InvalidArgument` on a negative `num_blocks`. Expired leases are dropped first.
+    `namespaces` (non-empty): only leaves of those namespaces, on any node (`node_id` is ignored)."""
     v.check_count(num_blocks, "num_blocks")
     index.expire_leases()
+    if namespaces:
+        slots = {index._ns_active[ns] for ns in namespaces if ns in index._ns_active}
+        dropped = _evict_leaves(index, num_blocks, None, slots) if slots else []
+        return EvictResult(dropped, len(dropped), num_blocks - len(dropped))
     if node_id is None:
         dropped = _evict_leaves(index, num_blocks, None)
         return EvictResult(dropped, len(dropped), num_blocks - len(dropped))
@@ -43,9 +52,12 @@ def evict(index: RadixIndex, num_blocks: int, node_id: str | None) -> EvictResul
     return EvictResult(dropped, freed, max(0, num_blocks - freed))
 
 
-def _evict_leaves(index: RadixIndex, budget: int, node_id: str | None) -> list[DroppedBlock]:
+def _evict_leaves(
+    index: RadixIndex, budget: int, node_id: str | None, ns_slots: set[int] | None = None
+) -> list[DroppedBlock]:
     """Pop evictable leaves in key order; with `node_id`, only those with a replica on that node count
-    (`budget` then counts that node's slots); the others go back into the heap unchanged."""
+    (`budget` then counts that node's slots); with `ns_slots`, only leaves of those namespace slots
+    (`budget` counts blocks); the others go back into the heap unchanged."""
     c, heap, dropped = index._c, index._heap, []
     skipped: list[tuple[float, int, int, int]] = []
     freed = 0
@@ -57,7 +69,12 @@ def _evict_leaves(index: RadixIndex, budget: int, node_id: str | None) -> list[D
         if c.stale_key[row]:  # accessed since pushed: its key only rose; push it again with the new key
             index._push(row)
             continue
-        if node_id is not None:
+        if ns_slots is not None:
+            if int(c.ns_slot[row]) not in ns_slots:
+                skipped.append(entry)
+                continue
+            freed += 1
+        elif node_id is not None:
             on_node = sum(1 for loc in c.locations[row] if loc.node_id == node_id)
             if not on_node:
                 skipped.append(entry)

@@ -12,7 +12,7 @@ block; `invalidate_namespace` O(1) (reclamation happens in `reclaim_invalidated`
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -335,12 +335,20 @@ class RadixIndex(LeaseLockMixin):
         return self._space.num_bytes(node_id)
 
     # ---- eviction ---------------------------------------------------------------------------------
-    def evict(self, num_blocks: int, *, node_id: str | None = None) -> EvictResult:
-        """Free up to `num_blocks` blocks (or, with `node_id`, slots on that node); see `eviction.py`."""
+    def evict(
+        self, num_blocks: int, *, node_id: str | None = None, namespaces: Collection[NamespaceId] = ()
+    ) -> EvictResult:
+        """Free up to `num_blocks` blocks (or, with `node_id`, slots on that node); with `namespaces`,
+        only leaves of those (a tenant's quota); see `eviction.py`."""
         from kvpool.index.eviction import evict
 
         self.flush_stats()
-        return evict(self, num_blocks, node_id)
+        return evict(self, num_blocks, node_id, namespaces)
+
+    def num_blocks_in(self, ns: NamespaceId) -> int:
+        """Resident blocks of an active namespace (0 when unknown or invalidated)."""
+        slot = self._ns_active.get(ns)
+        return 0 if slot is None else len(self._ns_rows[slot])
 
     @property
     def num_blocks(self) -> int:

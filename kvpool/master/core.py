@@ -19,6 +19,7 @@ from kvpool.index.radix import RadixIndex
 from kvpool.index.results import DroppedBlock, MatchResult
 from kvpool.master.namespaces import NamespaceRegistry
 from kvpool.master.nodes import NodeRecord
+from kvpool.master.quotas import TenantQuotas
 from kvpool.master.settings import MasterSettings
 from kvpool.master.stores import StoreCalls
 from kvpool.rpc import PROTOCOL_VERSION
@@ -85,6 +86,7 @@ class Master:
         self.lock = threading.RLock()
         self.index = RadixIndex(clock=self.clock, policy=settings.policy)
         self.namespaces = NamespaceRegistry(self.layout)
+        self.quotas = TenantQuotas.from_file(settings.tenants)
         self.st = MasterState()
         self.counters = Counters()
         self.stores = stores or StoreCalls(settings.store_timeout_s)
@@ -269,6 +271,7 @@ class Master:
             )
             if self.namespaces.is_active(record.digest):
                 self.index.register_namespace(record.digest)
+            self.quotas.note_namespace(record.digest, cache_salt)
             self.wake.set()  # blocks from store inventories may now be claimed
             return bytes(record.digest), self.namespaces.active_version(model_id)
 

@@ -55,6 +55,7 @@ class MasterCollector(Collector):
             num_leases = m.index.num_live_leases
             num_reserved = m.publisher.num_reserved_blocks
             num_namespaces = len(m.namespaces)
+            tenants = m.quotas.usage_by_tenant(m)
             by_role = dict.fromkeys(ROLES, 0)
             total_bytes = 0
             for rec in m.st.nodes.values():
@@ -82,6 +83,28 @@ class MasterCollector(Collector):
             P + "reserved_blocks", "Slots reserved by unfinished publishes.", value=num_reserved
         )
         yield GaugeMetricFamily(P + "namespaces", "Registered namespaces.", value=num_namespaces)
+        yield from _tenant_metrics(m, tenants)
+
+
+def _tenant_metrics(m: Master, tenants: dict[str, tuple[int, int]]) -> Iterator[Metric]:
+    """Per-tenant pool usage and quota (tenants with a `pool_quota_blocks`: `kvpool.master.quotas`)."""
+    used = GaugeMetricFamily(
+        P + "tenant_pool_blocks", "Blocks (resident + reserved) per tenant.", labels=["tenant"]
+    )
+    quota = GaugeMetricFamily(P + "tenant_pool_quota_blocks", "Pool quota per tenant.", labels=["tenant"])
+    for name, (n, q) in sorted(tenants.items()):
+        used.add_metric([name], n)
+        quota.add_metric([name], q)
+    yield from (used, quota)
+    quotas = m.quotas
+    yield CounterMetricFamily(
+        P + "tenant_quota_evictions",
+        "Blocks evicted to keep a tenant in its quota.",
+        value=quotas.num_quota_evictions,
+    )
+    yield CounterMetricFamily(
+        P + "tenant_quota_refusals", "Reserves refused by a tenant quota.", value=quotas.num_refused
+    )
 
 
 def master_registry(master: Master) -> CollectorRegistry:

@@ -177,6 +177,7 @@ class Publisher:
         k = min(num_replicas, len(nodes))
         if k == 0:
             raise ResourceExhausted("no store node can take blocks")
+        m.quotas.make_room(m, ns, num_new, hashes)  # per-tenant pool quota: kvpool.master.quotas
         shortfall = num_new * k - sum(min(len(n.free), num_new) for n in nodes)
         if shortfall <= 0:
             r = self._place(ns, parent, hashes, present, nodes, k, costs, write_lease_ms, num_replicas)

@@ -57,6 +57,7 @@ def serve(settings: MasterSettings, *, clock: Clock | None = None) -> MasterServ
         host=settings.bind_host,
         port=settings.port,
         max_workers=settings.max_workers,
+        max_concurrent_rpcs=settings.max_concurrent_rpcs,
     )
     try:
         metrics = maybe_start(

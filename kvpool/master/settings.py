@@ -30,6 +30,8 @@ class MasterSettings(KVPoolSettings):
     rereplicate_batch_blocks: int = 256
     store_timeout_s: float = 5.0
     max_workers: int = 16
+    max_concurrent_rpcs: int = 256  # more in flight are refused with RESOURCE_EXHAUSTED (bounded queue)
+    tenants: str | None = None  # tenants TOML (kvpool.tenants): per-tenant pool quotas (master.quotas)
     metrics: bool = True  # serve Prometheus /metrics (kvpool.metrics)
     metrics_port: int = 0  # on bind_host; 0 = ephemeral (announced as metrics_address)
 

@@ -97,6 +97,7 @@ class StoreNode:
             host=self.settings.bind_host,
             port=self.settings.grpc_port,
             max_workers=self.settings.max_workers,
+            max_concurrent_rpcs=self.settings.max_concurrent_rpcs,
         )
         s = self.settings
         self._metrics_server = maybe_start(

@@ -44,6 +44,7 @@ class StoreSettings(KVPoolSettings):
     endpoints_per_peer: int = 2
     transfer_timeout_s: float = 30.0
     max_workers: int = 16
+    max_concurrent_rpcs: int = 256  # more in flight are refused with RESOURCE_EXHAUSTED (bounded queue)
     metrics: bool = True  # serve Prometheus /metrics (kvpool.metrics)
     metrics_port: int = Field(default=0, ge=0, le=65535)  # on bind_host; 0 = ephemeral
 
