@@ -3,8 +3,9 @@
 A master process and one store process on 127.0.0.1; `prompts` chains of `blocks` blocks are published
 for real (reserve → UCX write → commit: `publish_per_s` counts prompts). Then `clients` client processes
 (real clients are separate nodes: one interpreter each, so no client shares another's GIL), each with its
-own channel, match one prompt per stream message (or per unary call with `--unary`), counting the hit
-and taking no lease, for `duration_s`; the rate counts from the common start until the last client
+own channel, match one prompt per stream message (or per unary call with `--unary`; `--depth D`: D
+messages in flight per stream, each still one prompt, latency from its send to its answer), counting
+the hit and taking no lease, for `duration_s`; the rate counts from the common start until the last client
 reports. Baseline measured in the same run: one client alone.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ def _client(
     k: int,
     clients: int,
     unary: bool,
+    depth: int,
     ready: Any,
     go: Any,
     duration_s: float,
@@ -48,7 +51,22 @@ def _client(
         go.wait()
         stop_at = time.perf_counter() + duration_s
         i = k
-        while time.perf_counter() < stop_at:
+        if stream is not None and depth > 1:  # pipelined: `depth` prompts in flight, one per message
+            sent: deque[float] = deque()
+            while True:
+                more = time.perf_counter() < stop_at
+                if not more and not sent:
+                    break
+                while more and len(sent) < depth:
+                    sent.append(time.perf_counter())
+                    stream.send(ns, chains[i % len(chains)], count_hit=True)
+                    i += clients
+                m = stream.receive()
+                lat.append(time.perf_counter() - sent.popleft())
+                errors += m.num_matched != len(chains[0])
+        while stream is None or depth <= 1:
+            if time.perf_counter() >= stop_at:
+                break
             t0 = time.perf_counter()
             m = call(ns, chains[i % len(chains)], count_hit=True, num_prompt_tokens=0)
             lat.append(time.perf_counter() - t0)
@@ -60,12 +78,21 @@ def _client(
 
 
 def _phase(
-    address: str, ns: bytes, chains: Sequence[Sequence[bytes]], clients: int, duration_s: float, unary: bool
+    address: str,
+    ns: bytes,
+    chains: Sequence[Sequence[bytes]],
+    clients: int,
+    duration_s: float,
+    unary: bool,
+    depth: int,
 ) -> dict[str, Any]:
     ctx = mp.get_context("spawn")  # no fork: the parent holds gRPC channels
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
     procs = [
-        ctx.Process(target=_client, args=(address, ns, chains, k, clients, unary, ready, go, duration_s, out))
+        ctx.Process(
+            target=_client,
+            args=(address, ns, chains, k, clients, unary, depth, ready, go, duration_s, out),
+        )
         for k in range(clients)
     ]
     for p in procs:
@@ -82,7 +109,7 @@ def _phase(
     all_ms = np.array([x for _, per, _ in results for x in per]) * 1000
     return {
         "clients": clients,
-        "mode": "unary" if unary else "stream",
+        "mode": "unary" if unary else "stream" if depth <= 1 else f"stream x{depth}",
         "matches": int(all_ms.size),
         "match_per_s": round(all_ms.size / elapsed, 1),
         "match_p50_ms": round(float(np.percentile(all_ms, 50)), 3),
@@ -92,7 +119,14 @@ def _phase(
 
 
 def run_master_bench(
-    *, clients: int, blocks: int, prompts: int, duration_s: float, unary: bool, json_out: Path | None
+    *,
+    clients: int,
+    blocks: int,
+    prompts: int,
+    duration_s: float,
+    unary: bool,
+    json_out: Path | None,
+    depth: int = 1,
 ) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
@@ -121,8 +155,8 @@ def run_master_bench(
                 pc.put_blocks(ns, None, chain, data)
             publish_s = time.perf_counter() - t0
         records = [
-            _phase(master.grpc_address, ns, chains, 1, duration_s / 2, unary),
-            _phase(master.grpc_address, ns, chains, clients, duration_s, unary),
+            _phase(master.grpc_address, ns, chains, 1, duration_s / 2, unary, depth),
+            _phase(master.grpc_address, ns, chains, clients, duration_s, unary, depth),
         ]
     finally:
         transport.close()
@@ -139,6 +173,7 @@ def run_master_bench(
         "baseline_one_client_match_per_s": records[0]["match_per_s"],
         "blocks_per_match": blocks,
         "clients": clients,
+        "stream_depth": 0 if unary else depth,
         "target": "match_per_s >= 3000 and match_p99_ms <= 10",
     }
     table = Table(title=f"kvpool bench master ({blocks}-block prompts)")

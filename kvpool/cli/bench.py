@@ -158,13 +158,22 @@ def master_cmd(
     prompts: int = typer.Option(32, help="Prompts published (and matched round-robin)."),
     duration_s: float = typer.Option(5.0, "--duration", help="Seconds of matching."),
     unary: bool = typer.Option(False, help="One unary call per match instead of a stream message."),
+    depth: int = typer.Option(
+        1, min=1, max=64, help="Stream messages in flight per client (pipelined; each one prompt)."
+    ),
     json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
 ) -> None:
     """Master match throughput and latency from concurrent clients, and publish rate."""
     from kvpool.bench.master_bench import run_master_bench
 
     run_master_bench(
-        clients=clients, blocks=blocks, prompts=prompts, duration_s=duration_s, unary=unary, json_out=json_out
+        clients=clients,
+        blocks=blocks,
+        prompts=prompts,
+        duration_s=duration_s,
+        unary=unary,
+        json_out=json_out,
+        depth=depth,
     )
 
 

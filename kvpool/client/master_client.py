@@ -278,7 +278,8 @@ class MasterClient:
 
 
 class MatchStream:
-    """Matches over one `MatchPrefixStream` call: one request in flight at a time. `close()` when done."""
+    """Matches over one `MatchPrefixStream` call, answered in order: `match` (one in flight) or
+    `send`/`receive` (pipelined). One caller thread; `close()` when done."""
 
     def __init__(self, stub: pb_grpc.MasterStub, address: str) -> None:
         self._address = address
@@ -301,9 +302,29 @@ class MatchStream:
         lease_ttl_ms: int = 0,
         num_prompt_tokens: int = 0,
     ) -> Match:
+        self.send(
+            namespace, block_hashes, count_hit=count_hit, lease_ttl_ms=lease_ttl_ms,
+            num_prompt_tokens=num_prompt_tokens,
+        )  # fmt: skip
+        return self.receive()
+
+    def send(
+        self,
+        namespace: bytes,
+        block_hashes: Sequence[bytes],
+        *,
+        count_hit: bool = False,
+        lease_ttl_ms: int = 0,
+        num_prompt_tokens: int = 0,
+    ) -> None:
+        """Queue one match (one prompt) without waiting: pipelining, several in flight on the stream.
+        Each `receive()` returns the answer to the oldest one sent and not yet received."""
         self._requests.put(
             cv.match_pb(namespace, block_hashes, count_hit, lease_ttl_ms, num_prompt_tokens, "")
         )
+
+    def receive(self) -> Match:
+        """The answer to the oldest match sent and not yet received (blocks until it arrives)."""
         try:
             return cv.match(next(self._responses))
         except grpc.RpcError as exc:

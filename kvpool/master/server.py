@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 
+from kvpool.master.aio_service import AioMasterServicer
 from kvpool.master.core import Master
 from kvpool.master.maintenance import Maintenance
 from kvpool.master.metrics import master_registry
-from kvpool.master.service import MasterServicer
 from kvpool.master.settings import MasterSettings
 from kvpool.metrics import MetricsServer, address_of, maybe_start
-from kvpool.rpc.server import GrpcServer, start_server
+from kvpool.rpc.aio_server import AioGrpcServer, service_handler, start_aio_server
+from kvpool.rpc.server import GrpcServer
 from kvpool.types import Clock
-from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from kvpool.v1 import kvpool_pb2 as pb
+
+MASTER = pb.DESCRIPTOR.services_by_name["Master"]
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +27,7 @@ class MasterServer:
     def __init__(
         self,
         master: Master,
-        grpc_server: GrpcServer,
+        grpc_server: GrpcServer | AioGrpcServer,
         maintenance: Maintenance,
         host: str,
         metrics: MetricsServer | None = None,
@@ -52,8 +55,8 @@ def serve(settings: MasterSettings, *, clock: Clock | None = None) -> MasterServ
     `settings.metrics`) Prometheus `/metrics` on `settings.metrics_port`."""
     master = Master(settings, clock=clock)
     maintenance = Maintenance(master)
-    grpc_server = start_server(
-        [(pb_grpc.add_MasterServicer_to_server, MasterServicer(master), "kvpool.v1.Master")],
+    grpc_server = start_aio_server(
+        [(service_handler(MASTER, pb, AioMasterServicer(master)), "kvpool.v1.Master")],
         host=settings.bind_host,
         port=settings.port,
         max_workers=settings.max_workers,
