@@ -340,3 +340,42 @@ def test_heap_compaction_keeps_eviction_order(policy: str) -> None:
     index._rebuild_heap()
     index.check_invariants()
     assert sorted(evicted(index, 5)) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 40])
+def test_match_over_runs_and_fragmented_rows(pieces: int) -> None:
+    """Chains whose rows are one run, a few runs, or one row per run (past the walk's limit) match the
+    same: count, locations, hits, recency, and a lease over exactly the matched blocks."""
+    index, clock = make("lru")
+    ids_a, ids_b = list(range(1, 41)), list(range(101, 141))
+    step = 40 // pieces
+    for lo in range(0, 40, step):  # interleave the two chains' pieces so their rows alternate
+        for ids in (ids_a, ids_b):
+            put(index, ids[lo : lo + step], parent=ids[lo - 1] if lo else None)
+    clock.advance(5)
+    query = [h(i) for i in ids_a[:30]] + [h(999)]
+    res = index.match_prefix(NS, query, count_hit=True, lease_ttl_ms=100)
+    assert res.num_matched == 30 and res.lease_id is not None
+    assert res.locations == [(loc(i),) for i in ids_a[:30]]
+    index.check_invariants()
+    for i in (1, 30):
+        info = index.lookup(NS, h(i))
+        assert info is not None and (info.hit_count, info.last_access_ms, info.num_leases) == (1, 1_005, 1)
+    info = index.lookup(NS, h(31))
+    assert info is not None and (info.hit_count, info.num_leases) == (0, 0)
+    assert index.match_prefix(NS, [h(i) for i in ids_b], count_hit=False, lease_ttl_ms=0).num_matched == 40
+    assert index.match_prefix(NS, [h(1), h(102)], count_hit=False, lease_ttl_ms=0).num_matched == 1
+    assert index.match_prefix(NS, [h(2), h(3)], count_hit=False, lease_ttl_ms=0).num_matched == 0
+    index.release_lease(res.lease_id)
+    index.check_invariants()
+
+
+def test_peek_changes_nothing_and_extra_replicas_come_back() -> None:
+    index, clock = make("fwlru")
+    put(index, [1, 2, 3])
+    index.add_location(NS, h(2), loc(77, "s1"))
+    clock.advance(10)
+    before = [index.lookup(NS, h(i)) for i in (1, 2, 3)]
+    res = index.match_prefix(NS, (h(1), h(2), h(3)), count_hit=False, lease_ttl_ms=0)
+    assert res.num_matched == 3 and res.locations[1] == (loc(2), loc(77, "s1"))
+    assert [index.lookup(NS, h(i)) for i in (1, 2, 3)] == before

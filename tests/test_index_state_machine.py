@@ -134,6 +134,32 @@ class IndexMachine(RuleBasedStateMachine):
         else:
             assert res.lease_id is None
 
+    @rule(
+        ns_i=st.integers(0, 1),
+        picks=st.lists(st.integers(-1, 10**6), max_size=6),
+        count_hit=st.booleans(),
+    )
+    def match_any_sequence(self, ns_i: int, picks: list[int], count_hit: bool) -> None:
+        """A query that need not be a chain (blocks out of order, absent ones, other branches): the
+        match is still the longest leading run that is a path from the root."""
+        ns = NAMESPACES[ns_i]
+        existing = list(self.blocks[ns])
+        query = [
+            existing[p % len(existing)] if existing and p >= 0 else BlockHash(b"\xfe" * 16) for p in picks
+        ]
+        expected, parent = 0, None
+        for h in query:
+            b = self.blocks[ns].get(h)
+            if b is None or b.parent != parent:
+                break
+            expected, parent = expected + 1, h
+        res = self.index.match_prefix(ns, tuple(query), count_hit=count_hit, lease_ttl_ms=0)
+        assert res.num_matched == expected and res.lease_id is None
+        for h, locs in zip(query, res.locations, strict=False):
+            assert set(locs) == self.blocks[ns][h].locations
+            if count_hit:
+                self.blocks[ns][h].hits += 1
+
     @precondition(lambda self: self.leases)
     @rule(pick=st.integers(0, 10**6))
     def release(self, pick: int) -> None:

@@ -53,6 +53,9 @@ def check_invariants(index: RadixIndex) -> None:
         children = c.children(row)
         if len(children) != c.num_children[row] or any(int(c.parent[ch]) != row for ch in children):
             _fail(f"row {row}: child links disagree with num_children {c.num_children[row]}")
+        head = int(c.run_head[row])
+        if head > row or (head < row and (parent != row - 1 or int(c.run_head[row - 1]) != head)):
+            _fail(f"row {row}: run head {head} is not the start of a run of parent links")
         if c.lock_ref[row] < 0:
             _fail(f"row {row}: negative lock_ref")
         if c.num_leases[row] != pins[row]:

@@ -5,8 +5,9 @@ granularity) with kvpool's chained 16-byte block hashes: a block hash names its 
 is a dict from hash to row plus parent links (struct-of-arrays, see `columns.py`). A pure data
 structure: no I/O, time only from the injected `Clock`. Not thread-safe: the master serialises calls.
 
-Complexities: `match_prefix` O(matched blocks) (vectorised); `insert` O(blocks); `evict` O(log n) per
-block; `invalidate_namespace` O(1) (reclamation happens in `reclaim_invalidated` steps).
+Complexities: `match_prefix` O(log asked + runs) Python steps plus O(matched) vectorised work (see
+`matching.py`); `insert` O(blocks); `evict` O(log n) per block; `invalidate_namespace` O(1)
+(reclamation happens in `reclaim_invalidated` steps, see `reclaim.py`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ from kvpool.errors import InvalidArgument, NotFound
 from kvpool.index import validate as v
 from kvpool.index.columns import NO_ROW, Columns
 from kvpool.index.leases import LeaseLockMixin, LeaseTable
+from kvpool.index.matching import match_prefix as _match_prefix
 from kvpool.index.policies import DEFAULT_POLICY, BlockStats, EvictionPolicy, make_policy
 from kvpool.index.results import BlockInfo, DroppedBlock, EvictResult, InsertResult, MatchResult
 from kvpool.index.space import NodeSpace
 from kvpool.types import BlockHash, Clock, Location, NamespaceId
-
-_MAX_TOUCHED = 1024
-"""Matches whose hit/recency updates may wait for `flush_stats`."""
 
 _REBASE_EXPONENT = 512.0
 """Decayed-hit weights are 2**((t - epoch)/half_life); past this exponent the epoch moves to now."""
@@ -51,8 +50,6 @@ class RadixIndex(LeaseLockMixin):
         self._heap: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._decay_epoch_ms = clock.now_ms()
-        self._touched: list[tuple[np.ndarray, int, float, bool]] = []
-        """Deferred match updates (rows, now, hit weight, counted), applied by `flush_stats`."""
         self.num_evictions = 0
         self.num_lookup_blocks = 0
         """Blocks asked for by counted matches (`count_hit=True`)."""
@@ -82,36 +79,10 @@ class RadixIndex(LeaseLockMixin):
     def reclaim_invalidated(self, max_blocks: int = 1024) -> list[DroppedBlock]:
         """Drop up to `max_blocks` blocks of invalidated namespaces, leaves first (the tree stays
         prefix-closed); leased or locked blocks wait until they are released. Returns what was dropped,
-        with the slots to free."""
-        v.check_count(max_blocks, "max_blocks")
-        self.flush_stats()
-        self.expire_leases()
-        c, dropped = self._c, list[DroppedBlock]()
-        for slot in list(self._pending):
-            rows_map = self._ns_rows[slot]
-            work = self._reclaim_work.get(slot)
-            if not work:
-                work = [(r, int(c.gen[r])) for r in rows_map.values() if c.num_children[r] == 0]
-                self._reclaim_work[slot] = work
-            blocked: list[tuple[int, int]] = []
-            while work and len(dropped) < max_blocks:
-                row, gen = work.pop()
-                if not c.alive[row] or c.gen[row] != gen or c.ns_slot[row] != slot or c.num_children[row]:
-                    continue
-                if c.num_leases[row] or c.lock_ref[row]:
-                    blocked.append((row, gen))
-                    continue
-                parent = int(c.parent[row])
-                dropped.append(self._drop_row(row, "invalidate"))
-                if parent != NO_ROW and c.num_children[parent] == 0:
-                    work.append((parent, int(c.gen[parent])))
-            work.extend(blocked)
-            if not rows_map:
-                self._pending.remove(slot)
-                self._reclaim_work.pop(slot, None)
-            if len(dropped) >= max_blocks:
-                break
-        return dropped
+        with the slots to free. See `reclaim.py`."""
+        from kvpool.index.reclaim import reclaim_invalidated
+
+        return reclaim_invalidated(self, max_blocks)
 
     @property
     def num_invalidated_blocks(self) -> int:
@@ -129,77 +100,7 @@ class RadixIndex(LeaseLockMixin):
         `lease_ttl_ms > 0` and a non-empty match, a lease pins the matched blocks. Unknown or invalidated
         namespaces match nothing. Raises `InvalidArgument` on a negative `lease_ttl_ms`.
         """
-        if lease_ttl_ms < 0:
-            raise InvalidArgument(f"lease_ttl_ms must be >= 0, got {lease_ttl_ms}")
-        slot = self._ns_active.get(ns)
-        if count_hit:
-            self.num_lookup_blocks += len(block_hashes)
-        if slot is None or not block_hashes:
-            return MatchResult()
-        rows = list(map(self._ns_rows[slot].get, block_hashes))
-        try:  # the common case, every block present, pays no scan for a miss
-            idx = np.array(rows, dtype=np.int32)
-        except TypeError:
-            n = rows.index(None)
-            if n == 0:
-                return MatchResult()
-            idx = np.array(rows[:n], dtype=np.int32)
-        c = self._c
-        rec = c.gather(idx)  # one gather: a snapshot of every matched row (one cache line each)
-        parents = rec["parent"]
-        if parents[0] != NO_ROW:
-            return MatchResult()
-        n = len(idx)
-        if n > 1 and parents[1:].tobytes() != idx[:-1].tobytes():  # int32 both: compare raw bytes
-            n = int((parents[1:] != idx[:-1]).argmax()) + 1
-            idx, rec = idx[:n], rec[:n]
-        lease_id, expiry_ms = None, 0
-        if count_hit or lease_ttl_ms > 0:
-            now = self._clock.now_ms()
-            weight = 0.0
-            if count_hit:
-                self.num_hit_blocks += n
-                if self.policy.half_life_ms is not None:
-                    weight = self._hit_weight(now)
-            self._touched.append((idx, now, weight, count_hit))
-            if len(self._touched) >= _MAX_TOUCHED:
-                self.flush_stats()
-            last = rows[n - 1]
-            assert last is not None
-            if lease_ttl_ms > 0:
-                self.expire_leases()
-                c.num_leases[idx] += 1
-                expiry_ms = now + lease_ttl_ms
-                lease_id = self._leases.grant(expiry_ms, idx, rec["gen"].copy())
-            elif rec["num_children"][n - 1] == 0:
-                if self.policy.keys_rise_on_access:
-                    c.stale_key[last] = True  # re-keyed lazily when popped
-                else:
-                    self._push(last)
-        extra = None
-        if c.extra:
-            extra = {i: c.extra[rows[i]] for i in np.flatnonzero(rec["has_extra"]).tolist()}  # type: ignore[index]
-        return MatchResult(n, lease_id, expiry_ms, node_ids=c.node_ids, records=rec, extra=extra)
-
-    def flush_stats(self) -> None:
-        """Apply the hit counts and recency of matches so far. Matches defer these (a few vectorised
-        operations per batch instead of per match); everything that reads them (lookups, eviction keys,
-        drops, invariants) flushes first."""
-        touched, self._touched = self._touched, []
-        if not touched:
-            return
-        c = self._c
-        rows = np.concatenate([t[0] for t in touched])
-        lens = [len(t[0]) for t in touched]
-        np.maximum.at(c.last_access_ms, rows, np.repeat(np.array([t[1] for t in touched], np.int64), lens))
-        counted = [t for t in touched if t[3]]
-        if not counted:
-            return
-        hit_rows = rows if len(counted) == len(touched) else np.concatenate([t[0] for t in counted])
-        np.add.at(c.hit_count, hit_rows, 1)
-        if any(t[2] for t in counted):
-            weights = np.repeat(np.array([t[2] for t in counted]), [len(t[0]) for t in counted])
-            np.add.at(c.decayed, hit_rows, weights)
+        return _match_prefix(self, ns, block_hashes, count_hit, lease_ttl_ms)
 
     def insert(
         self,
@@ -250,27 +151,52 @@ class RadixIndex(LeaseLockMixin):
             row = rows_map[hashes[i]]
             for loc in locs[i]:
                 self._add_location_row(row, loc)
-        now = self._clock.now_ms()
-        prev = expected
-        for i in range(num_existing, n):
-            row = c.alloc()
-            c.ns_slot[row] = slot
-            c.last_access_ms[row] = now
-            c.size_bytes[row] = sizes[i]
-            c.recompute_cost_s[row] = costs[i]
-            c.hashes[row] = hashes[i]
-            c.link_child(prev, row)
-            rows_map[hashes[i]] = row
-            for loc in locs[i]:
-                self._add_location_row(row, loc)
-            prev = row
         if n > num_existing:
-            self._push(prev)
+            self._insert_new(
+                slot,
+                expected,
+                hashes[num_existing:],
+                locs[num_existing:],
+                sizes[num_existing:],
+                costs[num_existing:],
+            )
         return InsertResult(num_existing, n - num_existing)
+
+    def _insert_new(
+        self,
+        slot: int,
+        parent: int,
+        hashes: list[BlockHash],
+        locs: list[tuple[Location, ...]],
+        sizes: list[int],
+        costs: list[float],
+    ) -> None:
+        """Append the validated new chain `hashes` below row `parent`: O(blocks), vectorised per column."""
+        c = self._c
+        rows = c.alloc_chain(parent, len(hashes))
+        c.ns_slot[rows] = slot
+        c.last_access_ms[rows] = self._clock.now_ms()
+        c.size_bytes[rows] = sizes
+        c.recompute_cost_s[rows] = costs
+        row_list = rows.tolist()
+        for row, block_hash in zip(row_list, hashes, strict=True):
+            c.hashes[row] = block_hash
+        self._ns_rows[slot].update(zip(hashes, row_list, strict=True))
+        firsts = [x[0] for x in locs]
+        c.rep_node[rows] = [c.node_index(x.node_id) for x in firsts]
+        c.rep_slot[rows] = [x.slot for x in firsts]
+        c.rep_gen[rows] = [x.generation for x in firsts]
+        c.rep_local[rows] = [x.local for x in firsts]
+        c.has_extra[rows] = False
+        for x, size in zip(firsts, sizes, strict=True):
+            self._space.add(x.node_id, size)
+        for row, row_locs in zip(row_list, locs, strict=True):
+            for loc in row_locs[1:]:
+                self._add_location_row(row, loc)
+        self._push(row_list[-1])
 
     def lookup(self, ns: NamespaceId, block_hash: BlockHash) -> BlockInfo | None:
         """A snapshot of one block of an active namespace, or None."""
-        self.flush_stats()
         slot = self._ns_active.get(ns)
         row = None if slot is None else self._ns_rows[slot].get(block_hash)
         if row is None:
@@ -342,7 +268,6 @@ class RadixIndex(LeaseLockMixin):
         only leaves of those (a tenant's quota); see `eviction.py`."""
         from kvpool.index.eviction import evict
 
-        self.flush_stats()
         return evict(self, num_blocks, node_id, namespaces)
 
     def num_blocks_in(self, ns: NamespaceId) -> int:
@@ -371,7 +296,6 @@ class RadixIndex(LeaseLockMixin):
         """Raise `RuntimeError` on any broken invariant (tests call this after every mutation)."""
         from kvpool.index.invariants import check_invariants
 
-        self.flush_stats()
         check_invariants(self)
 
     # ---- internals --------------------------------------------------------------------------------
@@ -393,13 +317,11 @@ class RadixIndex(LeaseLockMixin):
         assert half_life_ms is not None
         exponent = (now - self._decay_epoch_ms) / half_life_ms
         if exponent > _REBASE_EXPONENT:
-            self.flush_stats()  # pending weights are relative to the old epoch
             self._c.decayed *= 2.0**-exponent
             self._decay_epoch_ms, exponent = now, 0.0
         return float(2.0**exponent)
 
     def _stats(self, row: int) -> BlockStats:
-        self.flush_stats()
         c = self._c
         last_ms = int(c.last_access_ms[row])
         decayed = 0.0
@@ -459,7 +381,6 @@ class RadixIndex(LeaseLockMixin):
 
     def _drop_row(self, row: int, reason: str) -> DroppedBlock:
         """Remove a childless row from every structure; its parent may become an evictable leaf."""
-        self.flush_stats()  # no deferred update may land on a freed (and reused) row
         c = self._c
         slot, block_hash, locs = int(c.ns_slot[row]), c.hashes[row], c.locations[row]
         assert block_hash is not None

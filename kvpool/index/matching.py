@@ -1,0 +1,148 @@
+"""`RadixIndex.match_prefix`: find the matched run with O(log n) dict probes, then update it in bulk.
+
+Chained hashes make presence prefix-closed (a block is resident only if its parent is; eviction is
+leaf-only), so the matched length is the largest k with `block_hashes[k-1]` present: a binary search over
+the hashes finds it with about log2(n) + 1 dict lookups (one when the whole chain is present). The k
+matched rows are then found from the last one upwards by whole runs: `run_head[row]` is the first row of
+the run of consecutive rows, each the parent of the next, that ends at `row` (a chain inserted in one
+call is one run), so a match costs one Python step per run, not per block. The rows found are checked
+against the hashes asked for (one list comparison) and the root; inputs that are not chains, or chains
+spread over more than `_MAX_RUNS` runs, take the plain path (one dict lookup per block, then a
+vectorised parent-link check). Either way the per-block work is a handful of numpy operations on a
+slice (or an index array) of the matched rows: one record copy for the result, recency, hit counts.
+
+Cost per match: O(log n + runs) Python steps and O(k) numpy work, k = matched blocks, n = asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpool.errors import InvalidArgument
+from kvpool.index.columns import NO_ROW, Columns
+from kvpool.index.results import MatchResult
+from kvpool.types import BlockHash, NamespaceId
+
+if TYPE_CHECKING:
+    from kvpool.index.radix import RadixIndex
+
+_MAX_RUNS = 8
+"""Runs walked before a match falls back to one dict lookup per block."""
+_MIN_RUN = 4
+"""A shorter run (but for the top one) sends the match to one dict lookup per block at once."""
+
+
+def match_prefix(
+    index: RadixIndex, ns: NamespaceId, block_hashes: Sequence[BlockHash], count_hit: bool, lease_ttl_ms: int
+) -> MatchResult:
+    """See `RadixIndex.match_prefix`."""
+    if lease_ttl_ms < 0:
+        raise InvalidArgument(f"lease_ttl_ms must be >= 0, got {lease_ttl_ms}")
+    slot = index._ns_active.get(ns)
+    if count_hit:
+        index.num_lookup_blocks += len(block_hashes)
+    if slot is None or not block_hashes:
+        return MatchResult()
+    hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+    get = index._ns_rows[slot].get
+    n = len(hashes)
+    last = get(hashes[-1])
+    k = n
+    if last is None:  # binary search: the largest k with hashes[k-1] present (k >= the true match)
+        lo, hi = 0, n - 1
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            row = get(hashes[mid])
+            if row is None:
+                hi = mid
+            else:
+                lo, last = mid + 1, row
+        k = lo
+        if last is None:
+            return MatchResult()
+    c = index._c
+    sel = _runs(c, hashes, k, last)
+    if sel is not None:
+        rec = c.gather(sel)  # a snapshot of the matched rows (one record each)
+    else:  # not a chain of the tree, or too fragmented: one lookup per block
+        sel, rec = _walk(c, get, hashes, k)
+        if sel is None:
+            return MatchResult()
+        last = int(sel[-1])
+    k = len(rec)
+    lease_id, expiry_ms = None, 0
+    if count_hit or lease_ttl_ms > 0:
+        now = index._clock.now_ms()
+        c.last_access_ms[sel] = now
+        if count_hit:
+            index.num_hit_blocks += k
+            c.hit_count[sel] += 1
+            if index.policy.half_life_ms is not None:
+                c.decayed[sel] += index._hit_weight(now)
+        if lease_ttl_ms > 0:
+            index.expire_leases()
+            rows = np.arange(sel.start, sel.stop) if isinstance(sel, slice) else sel
+            c.num_leases[rows] += 1
+            expiry_ms = now + lease_ttl_ms
+            lease_id = index._leases.grant(expiry_ms, rows, rec["gen"].copy())
+        elif c.num_children[last] == 0:
+            if index.policy.keys_rise_on_access:
+                c.stale_key[last] = True  # re-keyed lazily when popped
+            else:
+                index._push(last)
+    extra = None
+    if c.extra:
+        rows_of = range(sel.start, sel.stop) if isinstance(sel, slice) else sel.tolist()
+        extra = {i: c.extra[rows_of[i]] for i in np.flatnonzero(rec["has_extra"]).tolist()}
+    return MatchResult(k, lease_id, expiry_ms, node_ids=c.node_ids, records=rec, extra=extra)
+
+
+def _runs(c: Columns, hashes: list[BlockHash], k: int, last: int) -> slice | np.ndarray | None:
+    """The rows of `hashes[:k]` found upwards from `last` (the row of `hashes[k-1]`) by runs: a slice
+    when they are one run, else an index array; None when they do not match `hashes[:k]` from the root,
+    or span more than `_MAX_RUNS` runs or one shorter than `_MIN_RUN` (cheaper block by block)."""
+    run_head, parent, stored = c.run_head, c.parent, c.hashes
+    runs: list[range] = []
+    remaining, bottom = k, last
+    while True:
+        head = int(run_head[bottom])
+        length = bottom - head + 1
+        if length >= remaining:  # the top run (maybe cut: then the root check fails)
+            top = bottom - remaining + 1
+            if parent[top] != NO_ROW:
+                return None
+            if not runs:
+                return slice(top, last + 1) if stored[top : last + 1] == hashes[:k] else None
+            runs.append(range(top, bottom + 1))
+            rows = [r for run in reversed(runs) for r in run]
+            return np.array(rows, dtype=np.int64) if [stored[r] for r in rows] == hashes[:k] else None
+        if length < _MIN_RUN or len(runs) == _MAX_RUNS - 1:
+            return None
+        runs.append(range(head, bottom + 1))
+        remaining -= length
+        bottom = int(parent[head])
+        if bottom == NO_ROW:
+            return None
+
+
+def _walk(
+    c: Columns, get: Callable[[BlockHash], int | None], hashes: list[BlockHash], k: int
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """The plain path: the rows of the leading `hashes[:k]` that form a chain from the root (an index
+    array, None when there are none) and their records."""
+    try:  # the common case, every block present, builds the array straight from the lookups
+        idx = np.fromiter(map(get, hashes[:k]), np.int32, k)
+    except TypeError:  # a block is absent: keep those before it
+        found = list(map(get, hashes[:k]))
+        idx = np.array(found[: found.index(None)], dtype=np.int32)
+    rec = c.gather(idx)
+    parents = rec["parent"]  # int32, like idx: the chain check compares raw bytes
+    if not len(idx) or parents[0] != NO_ROW:
+        return None, rec
+    if len(idx) > 1 and parents[1:].tobytes() != idx[:-1].tobytes():
+        n = int((parents[1:] != idx[:-1]).argmax()) + 1
+        idx, rec = idx[:n], rec[:n]
+    return idx, rec
