@@ -22,10 +22,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Generator
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -34,21 +34,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpool import errors
+from kvpool.router.schemas import APIError, ChatBody, CommonBody, CompletionBody, text_content
 from kvpool.router.service import Event, RouterService, Sampling
 from kvpool.router.tenants import Tenants
 
 log = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
 
 
 def _from_kvpool(exc: errors.KVPoolError) -> APIError:
@@ -61,59 +51,6 @@ def _from_kvpool(exc: errors.KVPoolError) -> APIError:
     if isinstance(exc, errors.DeadlineExceeded):
         return APIError(504, str(exc), type_="timeout", code="timeout")
     return APIError(500, str(exc), type_="server_error", code="internal_error")
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, le=2**32 - 1)  # the wire is uint32
-    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)  # the wire is uint64
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1)
-    logprobs: Any = None
-    cache_salt: str = ""
-    user: str | None = None
-    return_token_ids: bool = False  # vLLM's extension: each choice also carries its generated `token_ids`
-
-
-class CompletionBody(_Common):
-    prompt: str | list[str] | list[int]
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatBody(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[Any] | None = None
-
-
-def _text_content(msg: ChatMessage, i: int) -> str:
-    if msg.content is None:
-        return ""
-    if isinstance(msg.content, str):
-        return msg.content
-    parts = []
-    for part in msg.content:
-        if part.get("type") != "text":
-            raise APIError(400, f"messages[{i}]: only text content parts are supported",
-                           param=f"messages[{i}].content")  # fmt: skip
-        parts.append(str(part.get("text", "")))
-    return "".join(parts)
 
 
 class _TextStream:
@@ -176,7 +113,7 @@ class OpenAIApp:
             raise APIError(401, "invalid API key", type_="invalid_request_error", code="invalid_api_key")
         return self.tenants.cache_salt(tenant, client_salt)
 
-    async def _body(self, request: Request, cls: type[_Common]) -> Any:
+    async def _body(self, request: Request, cls: type[CommonBody]) -> Any:
         try:
             raw = await request.json()
         except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError; nesting too deep
@@ -250,7 +187,7 @@ class OpenAIApp:
         if body.tools:
             raise APIError(400, "tools are not supported", param="tools")
         salt = self._tenant_salt(request, body.cache_salt)
-        messages = [{"role": m.role, "content": _text_content(m, i)} for i, m in enumerate(body.messages)]
+        messages = [{"role": m.role, "content": text_content(m, i)} for i, m in enumerate(body.messages)]
         tokens = await run_in_threadpool(self.service.model.chat_prompt_ids, messages)
         max_tokens = body.max_completion_tokens or body.max_tokens or self._default(256)
         return await self._serve(request, "chat", body, tokens, salt, max_tokens)
