@@ -102,6 +102,7 @@ class PrefillService(pb_grpc.PrefillServicer):
                     ttft_s=ttft_s,
                     predicted_pull_s=stats.predicted_pull_s,
                     predicted_recompute_s=stats.predicted_recompute_s,
+                    predicted_compute_s=stats.predicted_compute_s,
                     num_failed_blocks=stats.num_failed_blocks,
                 ),
             )

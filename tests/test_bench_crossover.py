@@ -82,6 +82,14 @@ def test_auto_choice_reconstruction_matches_decide_reuse() -> None:
             model, t_transfer_s(h * nbytes, link), prompt, h * bs, margin, d.predicted_recompute_all_s
         )
         assert cell["choice"] == ("pull" if d.num_load_blocks == h else "recompute")
+        # with the node's own compute-of-the-rest prediction too, any (refitted) model reconstructs exactly
+        other = RecomputeModel(overhead_s=rng.uniform(0, 0.05), per_token_s=rng.uniform(1e-5, 2e-3),
+                               per_pair_s=rng.uniform(0, 1e-6))  # fmt: skip
+        d = decide_reuse(h, bs, prompt, nbytes, link, other, margin=margin)
+        rest = max(1, prompt - h * bs)
+        cell = predict_cell(model, t_transfer_s(h * nbytes, link), prompt, h * bs, margin,
+                            d.predicted_recompute_all_s, other.t_recompute_s(rest, prompt - rest))  # fmt: skip
+        assert cell["choice"] == ("pull" if d.num_load_blocks == h else "recompute")
 
 
 def test_breakeven_and_interpolation_exact() -> None:

@@ -225,12 +225,23 @@ def test_online_recompute_scale_follows_observed_forwards() -> None:
     for _ in range(40):  # it recovers: EWMA back towards 1x
         cal.observe_compute(512, 1024, predicted)
     assert cal.recompute_scale == pytest.approx(1.0, rel=1e-3)
-    # shape kept: every coefficient scaled alike
-    cal.observe_compute(512, 0, 2.0 * _base_model().t_recompute_s(512, 0))
-    m, b, s = cal.recompute, _base_model(), cal.recompute_scale
-    assert (m.overhead_s, m.per_token_s, m.per_pair_s) == pytest.approx(
-        (b.overhead_s * s, b.per_token_s * s, b.per_pair_s * s)
-    )
+
+
+def test_online_refit_learns_the_shape_where_forwards_are_observed() -> None:
+    """A start-up fit whose attention term is 6x too steep (fitted on small prompts) is corrected by the
+    long prompts the node really runs, while small prompts stay right."""
+    from kvpool.cost.online import OnlineCalibration
+
+    true = RecomputeModel(overhead_s=0.005, per_token_s=1e-4, per_pair_s=5e-9)
+    startup = RecomputeModel(overhead_s=0.005, per_token_s=1e-4, per_pair_s=3e-8, source="calibrated")
+    cal = OnlineCalibration(startup)
+    for n_new, n_ctx in [(2048, 0), (8192, 0), (4096, 0), (50, 8192), (512, 0), (128, 1024)] * 4:
+        cal.observe_compute(n_new, n_ctx, true.t_recompute_s(n_new, n_ctx))
+    for n_new, n_ctx in [(8192, 0), (2048, 0), (50, 8192), (256, 0)]:
+        want = true.t_recompute_s(n_new, n_ctx)
+        assert cal.recompute.t_recompute_s(n_new, n_ctx) == pytest.approx(want, rel=0.15), (n_new, n_ctx)
+    assert startup.t_recompute_s(8192, 0) > 1.5 * true.t_recompute_s(8192, 0)  # the start-up fit was off
+    assert cal.recompute.source == "calibrated"
 
 
 def test_online_recompute_ignores_noise_and_clamps_outliers() -> None:

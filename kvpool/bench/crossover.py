@@ -119,14 +119,23 @@ def predict_cell(
     reused_tokens: int,
     margin: float,
     node_recompute_all_s: float | None = None,
+    node_compute_rest_s: float | None = None,
 ) -> dict[str, Any]:
     """Predicted TTFT pulled / recomputed and auto's choice (see the module docstring).
 
-    `node_recompute_all_s`: the node's own prediction of recomputing the whole prompt at decision time.
-    The node corrects its model online by a uniform scale (kvpool.cost.online), so the heartbeat's model
-    rescaled to agree with it is exactly the model the node decided with.
+    The node corrects its model online (kvpool.cost.online), so the heartbeat's model may lag the one it
+    decided with. With both of the node's own per-request predictions (`node_recompute_all_s`: the whole
+    prompt; `node_compute_rest_s`: the rest once every hit block is loaded) the choice is exactly the
+    node's; with only the first, the heartbeat model is rescaled to agree with it.
     """
     n_new = max(1, prompt_tokens - reused_tokens)
+    if node_recompute_all_s and node_compute_rest_s:
+        pull = (1.0 + margin) * predicted_load_s + node_compute_rest_s < node_recompute_all_s
+        return {
+            "predicted_pull_ttft_s": predicted_load_s + node_compute_rest_s,
+            "predicted_recompute_ttft_s": node_recompute_all_s,
+            "choice": "pull" if pull else "recompute",
+        }
     recompute_all = model.t_recompute_s(prompt_tokens, 0)
     if node_recompute_all_s and recompute_all > 0:
         scale = node_recompute_all_s / recompute_all
@@ -452,8 +461,9 @@ def _measure_cell(call: PrefillCaller, case: ModelCase, link: LinkCase, prefix: 
         "ok": ok,
     }  # fmt: skip
     node_rec_all = statistics.median(s["predicted_recompute_s"] for s in node)
-    rec["node_predicted_recompute_s"] = node_rec_all
-    rec |= predict_cell(recompute, pred_load, prompt_tokens, prefix, job.margin, node_rec_all)
+    node_rest = statistics.median(s.get("predicted_compute_s", 0.0) for s in node)
+    rec["node_predicted_recompute_s"], rec["node_predicted_compute_s"] = node_rec_all, node_rest
+    rec |= predict_cell(recompute, pred_load, prompt_tokens, prefix, job.margin, node_rec_all, node_rest)
     rec |= score_cell(rec["pull_ttft_s"], rec["recompute_ttft_s"], rec["choice"])
     return rec
 

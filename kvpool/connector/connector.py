@@ -66,6 +66,7 @@ class LoadStats:
     pull_s: float = 0.0
     predicted_pull_s: float = 0.0
     predicted_recompute_s: float = 0.0
+    predicted_compute_s: float = 0.0
     reason: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -235,6 +236,8 @@ class KVConnector:
         )
         stats.predicted_pull_s = decision.predicted_load_s
         stats.predicted_recompute_s = decision.predicted_recompute_all_s
+        n_rest = max(1, stats.num_prompt_tokens - num_hit * self.block_size)  # every hit block loaded
+        stats.predicted_compute_s = cal.recompute.t_recompute_s(n_rest, stats.num_prompt_tokens - n_rest)
         stats.reason = decision.reason
         k = decision.num_load_blocks
         force = forced_decision()

@@ -6,9 +6,11 @@ machine's load has changed since (issue 10 measured 3× on a shared 2-core host)
 hand-offs: tens of ms here, more than the wire latency). Both biases flip pull/recompute decisions near
 the break-even. `OnlineCalibration` removes them with two exponentially weighted estimates:
 
-- **recompute scale** `s`: the geometric EWMA of `observed / predicted` over real forwards; the model used
-  for decisions is the calibrated one with every coefficient multiplied by `s` (so its shape, fitted
-  carefully at start, is kept and only its level follows the machine);
+- **recompute model**: the geometric EWMA `s` of `observed / predicted` over real forwards follows the
+  machine's level; the model used for decisions is refitted (non-negative least squares, as at start-up)
+  to the start-up model's grid scaled by `s` (9 anchor points that keep its shape where nothing was
+  observed) plus the last `MAX_OBSERVED` real forwards (which correct its shape where they fall: a
+  start-up grid of <= 768 new tokens extrapolates the attention term poorly to 8K-token prompts);
 - **pull overhead** `o` (seconds): the EWMA of `observed_pull_s − (alpha_s + bytes / beta)` over completed
   pulls, clamped at >= 0, added to the link's `alpha_s` when a load is predicted.
 
@@ -20,14 +22,19 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from dataclasses import replace
 
 from kvpool.cost.link import LinkEstimate, LinkLike
-from kvpool.cost.recompute import RecomputeModel
+from kvpool.cost.recompute import RecomputeModel, RecomputeSample
 from kvpool.errors import InvalidArgument
 
 MIN_PREDICTED_S = 0.005
 """Forwards predicted shorter than this are not folded in: timer and scheduler noise dominates them."""
+MAX_OBSERVED = 64
+"""Real forwards kept for the refit (the most recent)."""
+_ANCHOR_NEW = (64, 256, 768)
+_ANCHOR_CTX = (0, 1024, 2048)
 
 
 class OnlineCalibration:
@@ -59,6 +66,8 @@ class OnlineCalibration:
         self._lock = threading.Lock()
         self._log_scale = 0.0
         self._overhead_s = 0.0
+        self._observed: deque[RecomputeSample] = deque(maxlen=MAX_OBSERVED)
+        self._model = recompute
         self.num_compute_observations = 0
         self.num_pull_observations = 0
 
@@ -74,12 +83,20 @@ class OnlineCalibration:
 
     @property
     def recompute(self) -> RecomputeModel:
-        """The calibrated model with every coefficient times `recompute_scale`."""
-        s = self.recompute_scale
-        b = self.base
-        return replace(
-            b, overhead_s=b.overhead_s * s, per_token_s=b.per_token_s * s, per_pair_s=b.per_pair_s * s
-        )
+        """The model decisions use now: the start-up one until a forward is observed, then the refit."""
+        return self._model
+
+    def _refit(self) -> None:
+        """Refit to the scaled start-up anchors + the observed forwards (called under the lock)."""
+        s, b = self.recompute_scale, self.base
+        anchors = [RecomputeSample(n_new=n, n_ctx=c, seconds=b.t_recompute_s(n, c) * s)
+                   for n in _ANCHOR_NEW for c in _ANCHOR_CTX]  # fmt: skip
+        try:
+            fitted = RecomputeModel.fit(anchors + list(self._observed))
+        except InvalidArgument:  # degenerate start-up model (e.g. all zero): keep the level only
+            fitted = replace(b, overhead_s=b.overhead_s * s, per_token_s=b.per_token_s * s,
+                             per_pair_s=b.per_pair_s * s)  # fmt: skip
+        self._model = replace(fitted, source=b.source)
 
     def link(self, link: LinkLike) -> LinkEstimate:
         """`link` with the observed per-pull overhead added to its `alpha_s`."""
@@ -97,6 +114,8 @@ class OnlineCalibration:
             w = self._weight if self.num_compute_observations else 1.0  # the first sample replaces the prior
             self._log_scale = (1.0 - w) * self._log_scale + w * ratio
             self.num_compute_observations += 1
+            self._observed.append(RecomputeSample(n_new=n_new, n_ctx=n_ctx, seconds=seconds))
+            self._refit()
 
     def observe_pull(self, nbytes: int, seconds: float, link: LinkLike) -> None:
         """Fold in one completed pull of `nbytes` over `link` (its calibrated figures) that took `seconds`."""

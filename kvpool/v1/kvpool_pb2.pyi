@@ -664,7 +664,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., publish: _Optional[bool] = ..., use_cache: _Optional[bool] = ...) -> None: ...
 
 class PrefillStats(_message.Message):
-    __slots__ = ("num_prompt_tokens", "num_matched_tokens", "num_reused_tokens", "num_pulled_tokens", "num_local_tokens", "pulled_bytes", "decision", "match_s", "pull_s", "compute_s", "ttft_s", "predicted_pull_s", "predicted_recompute_s", "num_failed_blocks")
+    __slots__ = ("num_prompt_tokens", "num_matched_tokens", "num_reused_tokens", "num_pulled_tokens", "num_local_tokens", "pulled_bytes", "decision", "match_s", "pull_s", "compute_s", "ttft_s", "predicted_pull_s", "predicted_recompute_s", "num_failed_blocks", "predicted_compute_s")
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -679,6 +679,7 @@ class PrefillStats(_message.Message):
     PREDICTED_PULL_S_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     num_prompt_tokens: int
     num_matched_tokens: int
     num_reused_tokens: int
@@ -693,7 +694,8 @@ class PrefillStats(_message.Message):
     predicted_pull_s: float
     predicted_recompute_s: float
     num_failed_blocks: int
-    def __init__(self, num_prompt_tokens: _Optional[int] = ..., num_matched_tokens: _Optional[int] = ..., num_reused_tokens: _Optional[int] = ..., num_pulled_tokens: _Optional[int] = ..., num_local_tokens: _Optional[int] = ..., pulled_bytes: _Optional[int] = ..., decision: _Optional[str] = ..., match_s: _Optional[float] = ..., pull_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., predicted_pull_s: _Optional[float] = ..., predicted_recompute_s: _Optional[float] = ..., num_failed_blocks: _Optional[int] = ...) -> None: ...
+    predicted_compute_s: float
+    def __init__(self, num_prompt_tokens: _Optional[int] = ..., num_matched_tokens: _Optional[int] = ..., num_reused_tokens: _Optional[int] = ..., num_pulled_tokens: _Optional[int] = ..., num_local_tokens: _Optional[int] = ..., pulled_bytes: _Optional[int] = ..., decision: _Optional[str] = ..., match_s: _Optional[float] = ..., pull_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., predicted_pull_s: _Optional[float] = ..., predicted_recompute_s: _Optional[float] = ..., num_failed_blocks: _Optional[int] = ..., predicted_compute_s: _Optional[float] = ...) -> None: ...
 
 class PrefillFirstToken(_message.Message):
     __slots__ = ("token_id", "block_hashes", "stats")
