@@ -85,7 +85,9 @@ def cluster() -> Iterator[LocalCluster]:
     layout = ModelInfo.load(None, block_size=BLOCK).layout.fingerprint()
     spec = LocalClusterSpec(
         layout=layout, num_stores=1, block_size=BLOCK, segment_size="32MiB", heartbeat_timeout_ms=30_000,
-        extra_env={"KVPOOL_LOCAL_TIER_BYTES": "0"},  # every reuse is a pull over UCX
+        # every reuse is a pull over UCX, forced: for these short prompts the cost model may (rightly)
+        # prefer recomputing on a loaded host, and this test checks the counters of a pull
+        extra_env={"KVPOOL_LOCAL_TIER_BYTES": "0", "KVPOOL_FORCE_DECISION": "pull"},
     )  # fmt: skip
     with LocalCluster(spec) as c:
         router = RoleProcess(

@@ -28,6 +28,9 @@ def cluster() -> Iterator[LocalCluster]:
     spec = LocalClusterSpec(
         layout=layout, num_stores=1, num_prefill=2, num_decode=1, block_size=BLOCK, segment_size="64MiB",
         heartbeat_timeout_ms=30_000,
+        # every hit is loaded: these tests check what the API reports for reuse, and for prompts this
+        # short the cost model may (rightly) prefer recomputing over a pull on a loaded host
+        extra_env={"KVPOOL_FORCE_DECISION": "pull"},
     )  # fmt: skip
     with LocalCluster(spec) as c:
         yield c
