@@ -30,12 +30,12 @@ def workload(num: int, *, seed: int = 42, num_docs: int = 10, vocab: int = 256) 
     return [docs[i % num_docs] + [int(t) for t in rng.integers(3, vocab, size=5 + i % 7)] for i in range(num)]
 
 
-def fault_cluster_spec(runner: Any, *, heartbeat_timeout_ms: int) -> LocalClusterSpec:
-    """master + 2 stores (`replicas=2`) + prefill + decode for the fault suite. Every hit is a pull from the
+def fault_cluster_spec(runner: Any, *, heartbeat_timeout_ms: int, num_replicas: int = 2) -> LocalClusterSpec:
+    """master + 2 stores + prefill + decode for the fault suite. Every hit is a pull from the
     stores (no node-local tier), and pulls are forced: the faults live on the pull path, which the cost
     model may (rightly) skip for 96-token prefixes on a busy host."""
     return LocalClusterSpec(
-        layout=runner.layout.fingerprint(), block_size=BLOCK, segment_size="64MiB", num_replicas=2,
+        layout=runner.layout.fingerprint(), block_size=BLOCK, segment_size="64MiB", num_replicas=num_replicas,
         heartbeat_timeout_ms=heartbeat_timeout_ms,
         extra_env={"KVPOOL_LOCAL_TIER_BYTES": "0", "KVPOOL_FORCE_DECISION": "pull"},
     )  # fmt: skip

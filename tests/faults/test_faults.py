@@ -76,3 +76,24 @@ def test_store_kill_and_master_restart_lose_nothing(cluster: LocalCluster, runne
         print("\nfault                              requests failed wrong hits recovery_s")
         for t in report:
             print(t.row())
+
+
+def test_store_kill_with_one_replica_gives_no_wrong_token(runner) -> None:  # type: ignore[no-untyped-def]
+    """replica_num=1: a killed store takes its blocks with it; requests may recompute, never answer wrong."""
+    prompts = workload(80, seed=5, num_docs=8)
+    refs = references(runner, prompts)
+    eos = runner.eos_token_id
+    with LocalCluster(fault_cluster_spec(runner, heartbeat_timeout_ms=2000, num_replicas=1)) as cluster:
+        api = Api(start_router(cluster))
+        try:
+            t = api.serve(Tally("healthy (replicas=1)"), prompts[:40], refs[:40], eos)
+            assert (t.failed, t.wrong) == (0, 0), t.notes
+            cluster.stores[0].kill()
+            t0 = time.perf_counter()
+            t = api.serve(Tally("store kill -9 (replicas=1)"), prompts[40:], refs[40:], eos)
+            t.recovery_s = time.perf_counter() - t0
+            print(f"\n{t.row()}")
+            assert t.wrong == 0, t.notes
+            assert t.failed == 0, t.notes  # the lost blocks are recomputed (and re-published on store1)
+        finally:
+            api.close()
