@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -113,12 +114,28 @@ class RoleProcess:
         """SIGTERM, then SIGKILL after `timeout_s`."""
         if self.alive:
             self.proc.send_signal(signal.SIGTERM)
+            if not self._wait_exit(timeout_s):
+                self.proc.kill()
+            self.proc.wait()  # a blocking waitpid: releases the GIL while it waits
+        self._pump.join(timeout=2.0)
+
+    def _wait_exit(self, timeout_s: float) -> bool:
+        """Whether the process exits within `timeout_s`. Waits in one `select` on a pidfd (Linux), not in
+        `Popen.wait(timeout)`'s sleep loop, which needs the GIL every few ms and can be starved for
+        minutes by a busy thread in this process (a UCX progress thread spinning on dead endpoints)."""
+        try:
+            fd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):  # not Linux >= 5.3, or already reaped
             try:
                 self.proc.wait(timeout=timeout_s)
+                return True
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._pump.join(timeout=2.0)
+                return False
+        try:
+            ready, _, _ = select.select([fd], [], [], timeout_s)
+        finally:
+            os.close(fd)
+        return bool(ready)
 
 
 def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.05) -> bool:
