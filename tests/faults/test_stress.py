@@ -236,6 +236,26 @@ def burst(address: str, tally: Tally, num_calls: int = 400) -> None:
             code = f.exception().code() if f.exception() is not None else grpc.StatusCode.OK
             with tally.lock:
                 tally.burst_codes[code.name] += 1
+        # Streams held open count against `max_concurrent_rpcs` until they end, however fast the server
+        # answers each message (the asyncio master clears a unary burst before it piles up): 48 at once.
+        release = threading.Event()
+
+        def held() -> Iterator[pb.MatchPrefixRequest]:
+            yield req
+            release.wait(10)
+
+        streams = [stubs[i % len(stubs)].MatchPrefixStream(held(), timeout=30) for i in range(48)]
+        time.sleep(1.0)  # every stream admitted or refused by now
+        release.set()
+        for call in streams:
+            try:
+                for _reply in call:
+                    pass
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                code = exc.code()
+            with tally.lock:
+                tally.burst_codes[code.name] += 1
     finally:
         for ch in chans:
             ch.close()
