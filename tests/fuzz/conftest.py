@@ -18,17 +18,17 @@ from tests.fuzz.cluster import BLOCK, MAX_NEW, MAX_PROMPT, SEGMENT, Cases  # noq
 from tests.fuzz.grpc_fuzz import Servers, connect  # noqa: E402
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cases() -> Cases:
     return Cases()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model() -> ModelInfo:
     return ModelInfo.load(None, block_size=BLOCK)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster(model: ModelInfo) -> Iterator[LocalCluster]:
     spec = LocalClusterSpec(
         layout=model.layout.fingerprint(), num_stores=1, num_prefill=1, num_decode=1, block_size=BLOCK,
@@ -39,7 +39,7 @@ def cluster(model: ModelInfo) -> Iterator[LocalCluster]:
         yield c
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def router(cluster: LocalCluster) -> str:
     """The router's base URL (`http://host:port`)."""
     env = dict(os.environ) | {
@@ -57,7 +57,7 @@ def router(cluster: LocalCluster) -> str:
     return f"http://{proc.info['http_address']}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def servers(cluster: LocalCluster) -> Iterator[Servers]:
     """Channels to the master, the store, the prefill and the decode node (baselines taken first)."""
     s = connect(cluster)

@@ -16,7 +16,7 @@ DEFAULT_CASES = 25
 """Per route in the default run."""
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def http(router: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=router, timeout=60) as c:
         yield c
