@@ -30,3 +30,13 @@ def test_bad_flag_is_a_clear_error() -> None:
     result = CliRunner().invoke(app, ["demo", "--no-such-flag"])
     assert result.exit_code == 2
     assert "No such option" in result.output
+
+
+def test_bad_setting_is_one_line_not_a_traceback() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "store", "--segment-size", "12XB"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "invalid setting segment_size" in out.stderr and "malformed size" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import typer
 
@@ -44,7 +45,17 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug log
 
 
 def main() -> None:
-    app()
+    from pydantic import ValidationError
+
+    try:
+        app()
+    except (
+        ValidationError
+    ) as exc:  # a bad flag, env var or config value: one clear line per field, no traceback
+        for err in exc.errors():
+            field = ".".join(str(x) for x in err.get("loc", ())) or exc.title
+            print(f"kvpool: invalid setting {field}: {err.get('msg', '')}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
