@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from transfer.backoff import PeerBackoff
 from transfer.base import (
     BlockRead,
     BlockResult,
@@ -32,6 +33,7 @@ from transfer.ucx_runtime import (
     _tag,
     _unpack,
     abort_ep,
+    connect_endpoint,
     ep_handle,
 )
 
@@ -51,6 +53,10 @@ def _verify(
         ok = cs == sent
         out.append((i, (ok, cs, "" if ok else f"checksum mismatch: got {cs:#x}, peer sent {sent:#x}")))
     return out
+
+
+class _PeerRefused(TransferError):
+    """The peer answered with an error: the request was bad, not the link."""
 
 
 class _Conn:
@@ -92,7 +98,7 @@ class _Conn:
         await self.ep.am_send(_pack(msg))
         reply: dict[str, Any] = await fut
         if "error" in reply:
-            raise TransferError(f"peer refused the request: {reply['error']}")
+            raise _PeerRefused(f"peer refused the request: {reply['error']}")
         return reply
 
     def abort(self) -> None:
@@ -155,6 +161,7 @@ class UcxTransport:
         probe_bytes: int = 4 << 20,
         probe_pings: int = 5,
         connect_timeout_s: float = 5.0,
+        peer_backoff_s: float = 1.0,
     ) -> None:
         if endpoints_per_peer < 1 or not 1 <= blocks_per_message <= MAX_BLOCKS_PER_MESSAGE:
             raise ValueError("endpoints_per_peer >= 1 and 1 <= blocks_per_message <= 4096 are required")
@@ -168,6 +175,8 @@ class UcxTransport:
         self._ids = self._rt.ids  # process-wide: a stray reply never matches another request
         self._links = LinkTracker()
         self._closed = False
+        self.backoff = PeerBackoff(first_s=peer_backoff_s)
+        """Peers that could not be reached are skipped for a while (`transfer.backoff`)."""
 
     # -- sync API
 
@@ -175,6 +184,8 @@ class UcxTransport:
         self, peer: str, reads: Sequence[BlockRead], out: Sequence[memoryview], *, timeout_s: float
     ) -> list[BlockResult]:
         validate_batch(len(reads), len(out))
+        if why := self.backoff.down(peer):
+            return [BlockResult(False, error=why)] * len(reads)
         views = [as_bytes_view(o) for o in out]
         pre = [
             "" if v.nbytes == r.nbytes and not v.readonly else f"output buffer unusable for {r.nbytes} B"
@@ -190,6 +201,8 @@ class UcxTransport:
         return results
 
     def write_blocks(self, peer: str, writes: Sequence[BlockWrite], *, timeout_s: float) -> list[BlockResult]:
+        if why := self.backoff.down(peer):
+            return [BlockResult(False, error=why)] * len(writes)
         views = [as_bytes_view(w.data) for w in writes]
         raw = self._call(self._write(peer, writes, views, timeout_s), timeout_s, len(writes))
         return [BlockResult(ok, cs, err) for ok, cs, err in raw]
@@ -197,6 +210,8 @@ class UcxTransport:
     def link(self, peer: str) -> LinkEstimate:
         est = self._links.get(peer)
         if est is None:
+            if why := self.backoff.down(peer):
+                raise TransferError(why)
             self._rt.run(self._conn(peer, 0), self._connect_timeout_s + 10.0)
             est = self._links.get(peer)
         if est is None:
@@ -242,10 +257,7 @@ class UcxTransport:
                 return conn
             host, _, port = peer.rpartition(":")
             try:
-                ep = await asyncio.wait_for(
-                    self._rt.ucxx.create_endpoint(host, int(port), connect_timeout=self._connect_timeout_s),
-                    self._connect_timeout_s + 1.0,
-                )
+                ep = await connect_endpoint(self._rt.ucxx, host, int(port), self._connect_timeout_s)
             except Exception as exc:  # noqa: BLE001
                 raise TransferError(f"cannot connect to {peer}: {_err(exc)}") from exc
             conn = _Conn(ep)
@@ -291,16 +303,25 @@ class UcxTransport:
         used: list[_Conn | None] = [None] * len(chunks)
         errors: list[str] = [""] * len(chunks)
 
+        refused = [False] * len(chunks)
+
         async def run(k: int) -> None:
             try:
                 conn = used[k] = await self._conn(peer, k)
                 await one(conn, chunks[k], results)
                 done[k] = True
+            except _PeerRefused as exc:  # it answered: the link is fine
+                errors[k], refused[k] = _err(exc), True
             except Exception as exc:  # noqa: BLE001 - the chunk fails as a whole
                 errors[k] = _err(exc)
 
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(run(k) for k in range(len(chunks)))), timeout_s)
+        lost = [k for k in range(len(chunks)) if not done[k] and not refused[k]]
+        if lost:
+            self.backoff.failed(peer, errors[lost[0]] or f"deadline of {timeout_s:.3g} s passed")
+        elif chunks:
+            self.backoff.ok(peer)
         for k, idxs in enumerate(chunks):
             if done[k]:
                 continue

@@ -58,6 +58,10 @@ def _pack(obj: Any) -> bytes:
 
 
 def _unpack(buf: Any) -> Any:
+    """Decode an active message. ucxx hands over a numpy array owning the received bytes; after an
+    endpoint error it can hand over one whose data pointer is NULL (reading it would segfault)."""
+    if getattr(buf, "nbytes", 0) and getattr(getattr(buf, "ctypes", None), "data", 1) == 0:
+        raise TransferError(f"active message of {buf.nbytes} B with no data (endpoint failed)")
     return msgpack.unpackb(memoryview(buf).cast("B"), raw=False)
 
 
@@ -138,6 +142,40 @@ def abort_ep(ep: Any, *, recv_pending: bool) -> None:
         stale[handle] = stale.get(handle, 0) + 1
     with contextlib.suppress(Exception):
         ep.abort(period=_ABORT_PERIOD_NS)
+
+
+PEER_INFO_TIMEOUT_S = 24 * 3600.0
+"""ucxx's own peer-info timeout, effectively never: see `connect_endpoint`."""
+_CONNECTS: set[asyncio.Task[Any]] = set()
+
+
+def _close_late(task: asyncio.Task[Any]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    abort_ep(task.result(), recv_pending=False)
+
+
+async def connect_endpoint(ucxx: Any, host: str, port: int, timeout_s: float) -> Any:
+    """`ucxx.create_endpoint`, waited for at most `timeout_s` but never abandoned midway.
+
+    ucxx's peer-info exchange posts a stream receive into a buffer local to its coroutine; its own timeout,
+    or a cancellation, frees that buffer while UCX may still write the peer's 16-byte reply into it (seen:
+    heap corruption and a segfault once a store cut off the network came back). So the attempt runs as its
+    own task with ucxx's timeout off; after `timeout_s` (or if the caller is cancelled) we stop waiting, and
+    an endpoint it still produces is aborted. A peer that never answers ends the attempt through UCX's
+    endpoint error handling (connection refused/reset, TCP timeouts). Raises `TimeoutError`."""
+    task = asyncio.ensure_future(ucxx.create_endpoint(host, port, connect_timeout=PEER_INFO_TIMEOUT_S))
+    _CONNECTS.add(task)
+    task.add_done_callback(_CONNECTS.discard)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)  # a cancelled wait leaves `task` running
+    except asyncio.CancelledError:
+        task.add_done_callback(_close_late)
+        raise
+    if not done:
+        task.add_done_callback(_close_late)
+        raise TimeoutError(f"no connection to {host}:{port} in {timeout_s:.3g} s")
+    return task.result()
 
 
 def ucx_available() -> str | None:

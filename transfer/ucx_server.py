@@ -13,6 +13,7 @@ import numpy as np
 from transfer.base import BlockHandler
 from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
+    PEER_INFO_TIMEOUT_S,
     _err,
     _pack,
     _Runtime,
@@ -67,7 +68,10 @@ class UcxBlockServer:
 
     async def _start(self) -> None:
         assert self._rt is not None
-        self._listener = self._rt.ucxx.create_listener(self._on_connect, port=self._port)
+        # ucxx's peer-info timeout off: on expiry it frees a buffer UCX may still write (`connect_endpoint`)
+        self._listener = self._rt.ucxx.create_listener(
+            self._on_connect, port=self._port, connect_timeout=PEER_INFO_TIMEOUT_S
+        )
 
     def stop(self) -> None:
         if self._rt is None:

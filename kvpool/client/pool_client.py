@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvpool import capability
+from kvpool.client.faults import is_replica_fault
 from kvpool.client.master_client import MasterClient
 from kvpool.client.types import BlockGet, CommitBlock, GetResult, Match, PutResult
 from kvpool.errors import InvalidArgument, KVPoolError
@@ -119,7 +120,9 @@ class PoolClient:
                         ok[i] = True
                         continue
                     errors[i] = res.error or "read failed"
-                    if not capability.refused(errors[i]):  # a refused capability is no bad replica
+                    # only a replica proven bad is reported: not a refused capability, not a peer this
+                    # reader cannot reach (that may be its own network; dead nodes miss heartbeats)
+                    if is_replica_fault(errors[i]) and not capability.refused(errors[i]):
                         self._report(namespace, block_hashes[i], loc, errors[i])
         if match.lease_id is not None and (time.monotonic() - started) * 1000 > self.lease_ttl_ms:
             return GetResult(

@@ -18,22 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.client.faults import is_replica_fault
 from kvpool.types import Location
 
 log = logging.getLogger(__name__)
-
-
-# Errors that prove the replica itself is bad (its bytes, its slot, its generation). A timeout or a refused
-# connection may be this reader's own network: reporting those would let one broken reader strip the pool
-# of replicas every other node can read, so they are only retried; the master learns of dead nodes from
-# missed heartbeats.
-_REPLICA_FAULTS = ("checksum mismatch", "StaleGeneration", "FailedPrecondition", "NotFound", "LeaseExpired",
-                   "ChecksumMismatch", "InvalidArgument")  # fmt: skip
-
-
-def is_replica_fault(error: str) -> bool:
-    """True when a failed read's error says the replica is bad (not merely unreachable from here)."""
-    return any(marker in error for marker in _REPLICA_FAULTS)
 
 
 def _pick(replicas: Sequence[Location], addresses: dict[str, str], skip: set[Location]) -> Location | None:

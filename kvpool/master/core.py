@@ -172,6 +172,21 @@ class Master:
                     rec.give_back(slot, gen)
             return True
 
+    def reachable(self, rec: NodeRecord) -> bool:
+        """Under the lock: worth sending new work to now (`NodeRecord.reachable`)."""
+        s = self.settings
+        return rec.reachable(self.clock.now_ms(), min(s.stale_after_ms, s.heartbeat_timeout_ms))
+
+    def mark_unreachable(self, node_id: str, why: object) -> None:
+        """A control call to a store failed: no placements or free orders to it for a back-off."""
+        with self.lock:
+            rec = self.st.nodes.get(node_id)
+            if rec is not None:
+                rec.unreachable_until_ms = self.clock.now_ms() + self.settings.unreachable_backoff_ms
+        log.warning(
+            "store %s unreachable, backing off %d ms: %s", node_id, self.settings.unreachable_backoff_ms, why
+        )
+
     def node(self, node_id: str) -> NodeRecord:
         rec = self.st.nodes.get(node_id)
         if rec is None:
@@ -224,6 +239,8 @@ class Master:
                 work, self.st.free_q = self.st.free_q, {}
             else:
                 work = {only: self.st.free_q.pop(only, [])}
+            for n in [n for n in work if work[n] and not self.reachable(self.st.nodes[n])]:
+                self.st.free_q.setdefault(n, []).extend(work.pop(n))  # kept for when it answers again
             targets = {n: (self.st.nodes[n].grpc_address, self.st.nodes[n].epoch) for n in work if work[n]}
         done = 0
         for node_id, (address, epoch) in targets.items():
@@ -232,7 +249,7 @@ class Master:
                 answers = self.stores.free(address, slots)
                 failed = False
             except Exception as exc:  # noqa: BLE001 - a store down: retried while it lives
-                log.warning("FreeSlots on %s failed: %s", node_id, exc)
+                self.mark_unreachable(node_id, exc)
                 answers, failed = [], True
             with self.lock:
                 rec = self.st.nodes.get(node_id)

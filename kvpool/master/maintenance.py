@@ -230,7 +230,9 @@ class Maintenance:
         if not store_locs:
             return None, False
         have = {x.node_id for x in store_locs}
-        dsts = [n for n in nodes.values() if n.placeable and n.node_id not in have and n.free]
+        dsts = [
+            n for n in nodes.values() if n.placeable and m.reachable(n) and n.node_id not in have and n.free
+        ]
         if not dsts:
             return None, bool(draining)
         dst_node = max(dsts, key=lambda n: len(n.free))

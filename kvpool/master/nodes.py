@@ -29,6 +29,7 @@ class NodeRecord:
     alive: bool = True
     draining: bool = False
     ready: bool = False  # store: its inventory was adopted, slots may be placed
+    unreachable_until_ms: int = 0  # a control call to it failed: no placements or free orders till then
     num_used_slots_reported: int = 0
     load: NodeLoad = field(default_factory=NodeLoad)
     free: deque[tuple[int, int]] = field(default_factory=deque)  # (slot, generation), acknowledged
@@ -42,6 +43,11 @@ class NodeRecord:
     @property
     def placeable(self) -> bool:
         return self.is_store and self.alive and self.ready and not self.draining
+
+    def reachable(self, now_ms: int, stale_ms: int) -> bool:
+        """Heard from within `stale_ms` and not backing off after a failed call: a node cut off the
+        network (alive until its heartbeat timeout) gets no new work meanwhile."""
+        return now_ms >= self.unreachable_until_ms and now_ms - self.last_seen_ms <= stale_ms
 
     @property
     def num_allocated(self) -> int:

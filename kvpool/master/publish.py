@@ -175,6 +175,9 @@ class Publisher:
             return ReserveOutcome(0, list(hashes), present, [[] for _ in hashes], write_lease_ms, [], 0)
         nodes = [n for n in m.st.nodes.values() if n.placeable]
         k = min(num_replicas, len(nodes))
+        fresh = [n for n in nodes if m.reachable(n)]
+        if len(fresh) >= max(k, 1):  # a node cut off (silent, or its last call failed) only as a last resort
+            nodes = fresh
         if k == 0:
             raise ResourceExhausted("no store node can take blocks")
         m.quotas.make_room(m, ns, num_new, hashes)  # per-tenant pool quota: kvpool.master.quotas
@@ -269,7 +272,7 @@ class Publisher:
             try:
                 m.stores.reserve(address, orders, write_lease_ms)
             except KVPoolError as exc:
-                log.warning("ReserveSlots on %s failed: %s", node_id, exc)
+                m.mark_unreachable(node_id, exc)
                 failed.append(node_id)
         if not failed:
             return
@@ -336,7 +339,7 @@ class Publisher:
             try:
                 errs = m.stores.commit(addresses[node_id], node_locs)
             except (KVPoolError, KeyError) as exc:
-                log.warning("CommitSlots on %s failed: %s", node_id, exc)
+                m.mark_unreachable(node_id, exc)
                 continue
             ok.update(loc for loc in node_locs if not errs.get((loc.slot, loc.generation)))
         with m.lock:

@@ -28,7 +28,11 @@ class MasterSettings(KVPoolSettings):
     tick_ms: int = 100
     reclaim_batch_blocks: int = 4096
     rereplicate_batch_blocks: int = 256
-    store_timeout_s: float = 5.0
+    store_timeout_s: float = (
+        3.0  # below clients' 5 s deadline, so a call to a cut-off store leaves time to answer
+    )
+    stale_after_ms: int = 2000  # no heartbeat for this long: no new placements there (still alive)
+    unreachable_backoff_ms: int = 5000  # after a failed call to a store: no placements or calls to it
     max_workers: int = 16
     max_concurrent_rpcs: int = 256  # more in flight are refused with RESOURCE_EXHAUSTED (bounded queue)
     tenants: str | None = None  # tenants TOML (kvpool.tenants): per-tenant pool quotas (master.quotas)
@@ -49,6 +53,8 @@ class MasterSettings(KVPoolSettings):
             raise ValueError("replicas must be >= 1")
         if self.heartbeat_timeout_ms <= self.heartbeat_interval_ms:
             raise ValueError("heartbeat_timeout_ms must exceed heartbeat_interval_ms")
+        if self.stale_after_ms <= 0 or self.unreachable_backoff_ms < 0:
+            raise ValueError("stale_after_ms must be > 0 and unreachable_backoff_ms >= 0")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise ValueError("port and metrics_port must be in [0, 65535]")
         return self
