@@ -201,3 +201,33 @@ def test_reserve_pins_the_parent_until_commit(cluster, transport) -> None:
         c.abort(res.reservation_id)
         c.evict(1.0)  # released: now the chain is evictable
         assert c.match(ns, hashes[:2]).num_matched == 0
+
+
+def test_two_writers_of_one_block_leave_replicas_on_distinct_nodes(cluster, transport) -> None:
+    """Two publishers reserve the same new block at once (both see it absent); after both commit, the
+    block keeps at most its target replicas, on distinct nodes; the second writer's extra slot is freed."""
+    from kvpool.client.types import CommitBlock
+    from transfer import BlockWrite, checksum
+
+    master, _ = cluster
+    with MasterClient(master.grpc_address) as c:
+        ns, _ = c.register_namespace("two-writers", "v1", LAYOUT)
+        for target in (1, 2):
+            h = hash_blocks(ns, [target] * 64, LAY.block_size)
+            data = blocks_for(1, 10 + target)[0]
+            cs = checksum(memoryview(data))
+            rs = [
+                c.reserve(ns, None, h, num_replicas=target, block_nbytes=LAY.block_nbytes) for _ in range(2)
+            ]
+            for r in rs:
+                assert not r.blocks[0].already_present
+                for loc in r.blocks[0].locations:
+                    w = BlockWrite(
+                        loc.slot, loc.generation, data, cs, loc.capability, loc.capability_expiry_ms
+                    )
+                    peer = r.nodes[loc.node_id].data_address
+                    assert transport.write_blocks(peer, [w], timeout_s=10)[0].ok
+            for r in rs:
+                c.commit(r.reservation_id, [CommitBlock(h[0], cs, r.blocks[0].locations)])
+            reps = c.match(ns, h).replicas[0]
+            assert len(reps) == target and len({x.node_id for x in reps}) == target, reps

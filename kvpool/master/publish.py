@@ -358,7 +358,10 @@ class Publisher:
         chain_locs: list[list[Location]] = []
         for i, h in enumerate(r.hashes):
             got = [loc for loc in r.locations[i] if loc in ok and loc in written.get(h, (0, set()))[1]]
-            if not got and m.index.lookup(ns, BlockHash(h)) is None:
+            info = m.index.lookup(ns, BlockHash(h))
+            if info is not None:  # committed meanwhile by another writer: only replicas it still lacks
+                got = _new_replicas(info.locations, got, r.target)
+            elif not got:
                 break
             chain.append(BlockHash(h))
             chain_locs.append(got)
@@ -442,3 +445,17 @@ class Publisher:
     @property
     def num_reserved_blocks(self) -> int:
         return sum(len(locs) for r in self.reservations.values() for locs in r.locations)
+
+
+def _new_replicas(have: Sequence[Location], got: list[Location], target: int) -> list[Location]:
+    """Of a second writer's replicas of a block already in the index, the ones to add: on nodes holding
+    none of its replicas yet, up to `target` in all (the rest are freed): replicas stay on distinct nodes."""
+    nodes = {loc.node_id for loc in have if not loc.local}
+    room = target - len(nodes)
+    out = []
+    for loc in got:
+        if room > 0 and loc.node_id not in nodes:
+            out.append(loc)
+            nodes.add(loc.node_id)
+            room -= 1
+    return out
