@@ -25,6 +25,7 @@ from transfer.base import (
     checksum,
     validate_batch,
 )
+from transfer.coalesce import adjacent_groups, check_merged, span
 from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
     _err,
@@ -345,13 +346,27 @@ class UcxTransport:
             }
             if any(reads[i].capability for i in idxs):
                 msg["c"] = [[reads[i].expiry_ms, bytes(reads[i].capability)] for i in idxs]
+            groups = adjacent_groups([views[i] for i in idxs])
+            if len(groups) < len(idxs):  # some destinations adjacent: runs may come as one message each
+                msg["g"] = groups
             reply = await conn.request(msg)
+            header = reply["r"]
+            try:
+                runs = check_merged(reply.get("m"), [bool(h[0]) for h in header], groups)
+            except ValueError as exc:
+                raise _PeerRefused(f"bad reply: {exc}") from None
             recvs = []
+            in_run: set[int] = set()
+            for first, count in runs:
+                nbytes = sum(views[idxs[j]].nbytes for j in range(first, first + count))
+                recvs.append(conn.ep.recv(span(views[idxs[first]], nbytes), tag=_tag(rid, first)))
+                in_run.update(range(first, first + count))
             got: list[tuple[int, int]] = []  # (index, checksum the peer sent)
-            for j, (ok, cs, err) in enumerate(reply["r"]):
+            for j, (ok, cs, err) in enumerate(header):
                 results[idxs[j]] = (bool(ok), int(cs), str(err))
                 if ok:
-                    recvs.append(conn.ep.recv(views[idxs[j]], tag=_tag(rid, j)))
+                    if j not in in_run:
+                        recvs.append(conn.ep.recv(views[idxs[j]], tag=_tag(rid, j)))
                     got.append((idxs[j], int(cs)))
             await asyncio.gather(*recvs)
             # Verify this message's blocks on a helper thread (xxh3 releases the GIL) while the other
@@ -380,8 +395,26 @@ class UcxTransport:
             }
             if any(writes[i].capability for i in idxs):
                 msg["c"] = [[writes[i].expiry_ms, bytes(writes[i].capability)] for i in idxs]
+            groups = adjacent_groups([views[i] for i in idxs])
+            if len(groups) < len(idxs):  # some sources adjacent: runs may go as one message each
+                msg["g"] = groups
             reply = await conn.request(msg)
-            sends = [conn.ep.send(views[idxs[j]], tag=_tag(rid, j)) for j, h in enumerate(reply["r"]) if h[0]]
+            header = reply["r"]
+            try:
+                runs = check_merged(reply.get("m"), [bool(h[0]) for h in header], groups)
+            except ValueError as exc:
+                raise _PeerRefused(f"bad reply: {exc}") from None
+            sends = []
+            in_run: set[int] = set()
+            for first, count in runs:
+                nbytes = sum(views[idxs[j]].nbytes for j in range(first, first + count))
+                sends.append(conn.ep.send(span(views[idxs[first]], nbytes), tag=_tag(rid, first)))
+                in_run.update(range(first, first + count))
+            sends += [
+                conn.ep.send(views[idxs[j]], tag=_tag(rid, j))
+                for j, h in enumerate(header)
+                if h[0] and j not in in_run
+            ]
             await asyncio.gather(*sends)
             for j, (ok, cs, err) in enumerate((await final)["r"]):
                 results[idxs[j]] = (bool(ok), int(cs), str(err))

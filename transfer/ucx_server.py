@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from transfer.base import BlockHandler
+from transfer.coalesce import merge, valid_groups
 from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
     PEER_INFO_TIMEOUT_S,
@@ -51,6 +52,8 @@ class UcxBlockServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._probe_buf = np.zeros(0, dtype=np.uint8)
         self.inflight = 0
+        self.num_merged_runs = 0
+        """Runs of adjacent blocks sent or received as one message (`transfer.coalesce`)."""
 
     @property
     def port(self) -> int:
@@ -124,9 +127,9 @@ class UcxBlockServer:
     async def _serve(self, ep: Any, op: str, rid: int, msg: dict[str, Any]) -> None:
         try:
             if op == "read":
-                await self._serve_read(ep, rid, msg.get("b", []), msg.get("c"))
+                await self._serve_read(ep, rid, msg.get("b", []), msg.get("c"), msg.get("g"))
             elif op == "write":
-                await self._serve_write(ep, rid, msg.get("b", []), msg.get("c"))
+                await self._serve_write(ep, rid, msg.get("b", []), msg.get("c"), msg.get("g"))
             elif op == "ping":
                 await ep.am_send(_pack({"id": rid, "ph": 0}))
             elif op == "bw":
@@ -167,8 +170,10 @@ class UcxBlockServer:
                 return "malformed capability entry"
         return ""
 
-    async def _serve_read(self, ep: Any, rid: int, blocks: Any, caps: Any = None) -> None:
+    async def _serve_read(self, ep: Any, rid: int, blocks: Any, caps: Any = None, groups: Any = None) -> None:
         problem = self._check_batch(blocks, 3) or self._check_caps(caps, len(blocks))
+        if not problem and groups is not None and not valid_groups(groups, len(blocks)):
+            problem = "malformed destination groups"
         if problem:
             await ep.am_send(_pack({"id": rid, "ph": 0, "error": problem}))
             return
@@ -190,8 +195,13 @@ class UcxBlockServer:
                 header.append([True, stored, ""])
                 views.append((i, view))
             self.inflight += len(began)
-            await ep.am_send(_pack({"id": rid, "ph": 0, "r": header}))
-            sends = [ep.send(view, tag=_tag(rid, i)) for i, view in views]
+            plan = merge(views, groups) if groups else [(i, 1, v) for i, v in views]
+            reply: dict[str, Any] = {"id": rid, "ph": 0, "r": header}
+            if merged := [[i, n] for i, n, _ in plan if n > 1]:
+                reply["m"] = merged  # one message per run of adjacent slots (transfer.coalesce)
+                self.num_merged_runs += len(merged)
+            await ep.am_send(_pack(reply))
+            sends = [ep.send(view, tag=_tag(rid, i)) for i, _, view in plan]
             try:
                 await asyncio.wait_for(asyncio.gather(*sends), self._send_timeout_s)
             except BaseException:
@@ -205,14 +215,18 @@ class UcxBlockServer:
                 except Exception:  # noqa: BLE001
                     log.exception("end_read(%d) failed", slot)
 
-    async def _serve_write(self, ep: Any, rid: int, blocks: Any, caps: Any = None) -> None:
+    async def _serve_write(
+        self, ep: Any, rid: int, blocks: Any, caps: Any = None, groups: Any = None
+    ) -> None:
         problem = self._check_batch(blocks, 4) or self._check_caps(caps, len(blocks))
+        if not problem and groups is not None and not valid_groups(groups, len(blocks)):
+            problem = "malformed source groups"
         if problem:
             await ep.am_send(_pack({"id": rid, "ph": 0, "error": problem}))
             return
         header: list[list[Any]] = []
         accepted: list[tuple[int, int, int, int]] = []  # index, slot, gen, checksum
-        recvs: list[asyncio.Task[Any]] = []
+        served: list[tuple[int, memoryview]] = []
         landed: list[bool] = []
         final: list[list[Any]] = []
         ended = False
@@ -227,12 +241,17 @@ class UcxBlockServer:
                 accepted.append((i, slot, gen, cs))
                 if view.nbytes != nbytes:
                     header.append([False, 0, f"slot is {view.nbytes} B, request names {nbytes} B"])
-                    recvs.append(asyncio.create_task(asyncio.sleep(0, result=False)))
                     continue
                 header.append([True, 0, ""])
-                recvs.append(asyncio.create_task(ep.recv(view, tag=_tag(rid, i))))
+                served.append((i, view))
             self.inflight += len(accepted)
-            await ep.am_send(_pack({"id": rid, "ph": 0, "r": header}))
+            plan = merge(served, groups) if groups else [(i, 1, v) for i, v in served]
+            recvs = [asyncio.create_task(ep.recv(v, tag=_tag(rid, i))) for i, _, v in plan]
+            reply: dict[str, Any] = {"id": rid, "ph": 0, "r": header}
+            if merged := [[i, n] for i, n, _ in plan if n > 1]:
+                reply["m"] = merged  # one message per run of adjacent slots (transfer.coalesce)
+                self.num_merged_runs += len(merged)
+            await ep.am_send(_pack(reply))
             try:
                 done = await asyncio.wait_for(
                     asyncio.gather(*recvs, return_exceptions=True), self._send_timeout_s
@@ -240,7 +259,11 @@ class UcxBlockServer:
             except BaseException:
                 self._abort(ep)
                 raise
-            landed = [d is not False and not isinstance(d, BaseException) for d in done]
+            arrived = {
+                j for (i, n, _), d in zip(plan, done, strict=True) if not isinstance(d, BaseException)
+                for j in range(i, i + n)
+            }  # fmt: skip
+            landed = [i in arrived for i, *_ in accepted]
             # end_write hashes what landed: on a helper thread (xxh3 releases the GIL), so the loop keeps
             # moving other messages' bytes meanwhile. Shielded: once submitted it runs to the end, and
             # `ended` keeps the finally below from ending these writes a second time.
