@@ -231,3 +231,20 @@ def test_two_writers_of_one_block_leave_replicas_on_distinct_nodes(cluster, tran
                 c.commit(r.reservation_id, [CommitBlock(h[0], cs, r.blocks[0].locations)])
             reps = c.match(ns, h).replicas[0]
             assert len(reps) == target and len({x.node_id for x in reps}) == target, reps
+
+
+def test_a_publish_places_runs_of_consecutive_blocks_together(cluster, transport) -> None:
+    """Runs of `placement_run_blocks` (16) consecutive new blocks share a node (one message per run when
+    pulled, `transfer.coalesce`); successive runs spread over the nodes."""
+    master, _ = cluster
+    with MasterClient(master.grpc_address) as c:
+        ns, _ = c.register_namespace("runs", "v1", LAYOUT)
+        hashes = hash_blocks(ns, list(range(64 * 40)), LAY.block_size)
+        r = c.reserve(ns, None, hashes, num_replicas=1, block_nbytes=LAY.block_nbytes)
+        try:
+            nodes = [b.locations[0].node_id for b in r.blocks]
+            runs = [set(nodes[i : i + 16]) for i in range(0, 40, 16)]
+            assert all(len(run) == 1 for run in runs), nodes
+            assert len(set(nodes)) == 2, nodes  # the next run goes to the node with more room
+        finally:
+            c.abort(r.reservation_id)

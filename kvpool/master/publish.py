@@ -236,12 +236,19 @@ class Publisher:
         target: int,
     ) -> Reservation:
         locations: list[list[Location]] = []
+        run = self.m.settings.placement_run_blocks
+        chosen: list[NodeRecord] = []
+        left = 0
         for is_present in present:
             if is_present:
                 locations.append([])
                 continue
-            chosen = sorted(nodes, key=lambda n: -len(n.free))[:k]
+            if left == 0 or any(not n.free for n in chosen):
+                # Runs of consecutive blocks share nodes: their slots come out of each free list in order,
+                # so a pull reads a run as one message (transfer.coalesce); runs spread over the nodes.
+                chosen, left = sorted(nodes, key=lambda n: -len(n.free))[:k], run
             locations.append([n.take(1)[0] for n in chosen])
+            left -= 1
         rid = self.next_rid
         self.next_rid += 1
         r = Reservation(

@@ -27,6 +27,7 @@ class MasterSettings(KVPoolSettings):
     rebuild_grace_ms: int = 30_000
     tick_ms: int = 100
     reclaim_batch_blocks: int = 4096
+    placement_run_blocks: int = 16  # consecutive new blocks of a publish placed on the same nodes
     rereplicate_batch_blocks: int = 256
     store_timeout_s: float = (
         3.0  # below clients' 5 s deadline, so a call to a cut-off store leaves time to answer
@@ -53,6 +54,8 @@ class MasterSettings(KVPoolSettings):
             raise ValueError("replicas must be >= 1")
         if self.heartbeat_timeout_ms <= self.heartbeat_interval_ms:
             raise ValueError("heartbeat_timeout_ms must exceed heartbeat_interval_ms")
+        if self.placement_run_blocks < 1:
+            raise ValueError("placement_run_blocks must be >= 1")
         if self.stale_after_ms <= 0 or self.unreachable_backoff_ms < 0:
             raise ValueError("stale_after_ms must be > 0 and unreachable_backoff_ms >= 0")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
