@@ -6,7 +6,8 @@ for real (reserve → UCX write → commit: `publish_per_s` counts prompts). The
 own channel, match one prompt per stream message (or per unary call with `--unary`; `--depth D`: D
 messages in flight per stream, each still one prompt, latency from its send to its answer), counting
 the hit and taking no lease, for `duration_s`; the rate counts from the common start until the last client
-reports. Baseline measured in the same run: one client alone.
+reports. Clients are the lean load generator (`master_load`, pre-serialized requests, default) or the
+library's `MasterClient` (`client="api"`). Baseline measured in the same run: one client alone.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.bench.master_load import lean_client
 from kvpool.bench.report import write_report
 from kvpool.client import MasterClient, PoolClient
+from kvpool.client import convert as cv
 from kvpool.hashing import hash_blocks
 from kvpool.master.procs import LAYOUT, start_master, start_store
 from kvpool.types import KVLayout
@@ -85,15 +88,18 @@ def _phase(
     duration_s: float,
     unary: bool,
     depth: int,
+    client: str = "lean",
 ) -> dict[str, Any]:
     ctx = mp.get_context("spawn")  # no fork: the parent holds gRPC channels
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
+    if client == "lean":
+        reqs = [cv.match_pb(ns, chain, True, 0, 0, "").SerializeToString() for chain in chains]
+        per_client: Any = lambda k: (address, reqs, len(chains[0]), k, clients, unary, depth)  # noqa: E731
+        target: Any = lean_client
+    else:
+        per_client, target = (lambda k: (address, ns, chains, k, clients, unary, depth)), _client
     procs = [
-        ctx.Process(
-            target=_client,
-            args=(address, ns, chains, k, clients, unary, depth, ready, go, duration_s, out),
-        )
-        for k in range(clients)
+        ctx.Process(target=target, args=(*per_client(k), ready, go, duration_s, out)) for k in range(clients)
     ]
     for p in procs:
         p.start()
@@ -109,7 +115,7 @@ def _phase(
     all_ms = np.array([x for _, per, _ in results for x in per]) * 1000
     return {
         "clients": clients,
-        "mode": "unary" if unary else "stream" if depth <= 1 else f"stream x{depth}",
+        "mode": ("unary" if unary else "stream" if depth <= 1 else f"stream x{depth}") + f", {client}",
         "matches": int(all_ms.size),
         "match_per_s": round(all_ms.size / elapsed, 1),
         "match_p50_ms": round(float(np.percentile(all_ms, 50)), 3),
@@ -127,6 +133,7 @@ def run_master_bench(
     unary: bool,
     json_out: Path | None,
     depth: int = 1,
+    client: str = "lean",
 ) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
@@ -155,8 +162,8 @@ def run_master_bench(
                 pc.put_blocks(ns, None, chain, data)
             publish_s = time.perf_counter() - t0
         records = [
-            _phase(master.grpc_address, ns, chains, 1, duration_s / 2, unary, depth),
-            _phase(master.grpc_address, ns, chains, clients, duration_s, unary, depth),
+            _phase(master.grpc_address, ns, chains, 1, duration_s / 2, unary, depth, client),
+            _phase(master.grpc_address, ns, chains, clients, duration_s, unary, depth, client),
         ]
     finally:
         transport.close()
@@ -174,6 +181,7 @@ def run_master_bench(
         "blocks_per_match": blocks,
         "clients": clients,
         "stream_depth": 0 if unary else depth,
+        "client": client,
         "target": "match_per_s >= 3000 and match_p99_ms <= 10",
     }
     table = Table(title=f"kvpool bench master ({blocks}-block prompts)")

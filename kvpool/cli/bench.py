@@ -161,10 +161,16 @@ def master_cmd(
     depth: int = typer.Option(
         1, min=1, max=64, help="Stream messages in flight per client (pipelined; each one prompt)."
     ),
+    client: str = typer.Option(
+        "lean", help="lean: pre-serialized requests (a load tool); api: the library's MasterClient."
+    ),
     json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
 ) -> None:
     """Master match throughput and latency from concurrent clients, and publish rate."""
     from kvpool.bench.master_bench import run_master_bench
+
+    if client not in ("lean", "api"):
+        raise typer.BadParameter("--client must be lean or api")
 
     run_master_bench(
         clients=clients,
@@ -174,6 +180,7 @@ def master_cmd(
         unary=unary,
         json_out=json_out,
         depth=depth,
+        client=client,
     )
 
 
