@@ -143,8 +143,21 @@ port = 0
         r = httpx.post(f"{url}/completions", json={"model": "kvpool-tiny-llama-l4-h256-a8-kv4-i688",
                                                    "prompt": "hello", "max_tokens": 3}, timeout=60)  # fmt: skip
         assert r.status_code == 200, r.text
+        # a store killed -9 is a fault the cluster rides out: `up` reports it and the rest keep serving
+        import psutil
+
+        stores = [c for c in psutil.Process(proc.pid).children(recursive=True) if "store" in c.cmdline()]
+        assert len(stores) == 1, [c.cmdline() for c in psutil.Process(proc.pid).children(recursive=True)]
+        stores[0].kill()
+        stores[0].wait(10)
+        time.sleep(1.0)
+        assert proc.poll() is None, "kvpool up stopped when one store died"
+        r = httpx.post(f"{url}/completions", json={"model": "kvpool-tiny-llama-l4-h256-a8-kv4-i688",
+                                                   "prompt": "hello again", "max_tokens": 3}, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0, out[-2000:]
+    assert "store0 exited (-9); the rest keep running" in out, out[-2000:]
     assert "kvpool cluster stopped" in out

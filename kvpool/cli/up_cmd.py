@@ -130,10 +130,20 @@ def run_up(spec: object, *, timeout_s: float, echo: bool) -> int:
             if remote:
                 typer.echo("start these on their hosts:\n" + "\n".join(remote))
             typer.echo(f"logs in {log_dir}; Ctrl-C stops everything")
+        reported: set[str] = set()
         while not stop.is_set():
-            dead = [p.name for p in procs if not p.alive]
-            if dead:
-                typer.echo(f"kvpool up: {', '.join(dead)} exited; stopping the cluster", err=True)
+            # A role that dies is a fault the cluster rides out (its peers detect it by heartbeat): report
+            # it once and keep the others serving; stop only when nothing is left.
+            for p in procs:
+                if not p.alive and p.name not in reported:
+                    reported.add(p.name)
+                    typer.echo(
+                        f"kvpool up: {p.name} exited ({p.proc.returncode}); the rest keep running "
+                        f"(its log: {p.log_path})",
+                        err=True,
+                    )
+            if procs and len(reported) == len(procs):
+                typer.echo("kvpool up: every process exited", err=True)
                 code = 1
                 break
             stop.wait(0.5)

@@ -33,7 +33,7 @@ class LocalClusterSpec:
     model_dir: str | None = None
     device: str = "cpu"
     host: str = "127.0.0.1"
-    heartbeat_timeout_ms: int = 3000
+    heartbeat_timeout_ms: int = 10_000
     extra_env: dict[str, str] = field(default_factory=dict)
     capabilities: bool = True  # master and stores share a fresh cluster secret (kvpool.capability)
 

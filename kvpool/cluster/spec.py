@@ -71,7 +71,7 @@ class MasterSection(_Section):
     eviction_policy: str = DEFAULT_POLICY
     high_watermark: float = Field(default=0.9, gt=0.0, le=1.0)
     low_watermark: float = Field(default=0.8, gt=0.0, le=1.0)
-    heartbeat_timeout_ms: int = Field(default=3000, gt=0)
+    heartbeat_timeout_ms: int = Field(default=10_000, gt=0)
     metrics_port: int = Field(
         default=0, ge=0, le=65535, description="Prometheus /metrics port (0: ephemeral)"
     )

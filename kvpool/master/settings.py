@@ -15,7 +15,7 @@ class MasterSettings(KVPoolSettings):
     port: int = 50051
     layout: str = "kv1:float32:b64:l4:h2:d32"
     heartbeat_interval_ms: int = 500
-    heartbeat_timeout_ms: int = 3000
+    heartbeat_timeout_ms: int = 10_000  # generous: a store starved by a long prefill on a small box is not dead (stale_after_ms already stops placements)
     high_watermark: float = 0.9
     low_watermark: float = 0.8
     replicas: int = 1

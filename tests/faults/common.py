@@ -95,7 +95,8 @@ class Api:
                 ids, cached = self.complete(prompt)
             except Exception as exc:  # noqa: BLE001 - counted; the suite asserts none
                 tally.failed += 1
-                tally.notes.append(f"{type(exc).__name__}: {exc}")
+                body = getattr(getattr(exc, "response", None), "text", "")  # the router's error message
+                tally.notes.append(f"{type(exc).__name__}: {exc} {body[:300]}")
                 continue
             tally.wrong += [t for t in ids if t != eos] != [t for t in ref if t != eos]
             tally.hits += cached > 0
