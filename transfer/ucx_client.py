@@ -26,22 +26,18 @@ from transfer.base import (
     validate_batch,
 )
 from transfer.coalesce import adjacent_groups, check_merged, span
+from transfer.ucx_conn import Conn, PeerConns, PeerRefused
 from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
     _err,
-    _pack,
     _Runtime,
     _tag,
-    _unpack,
-    abort_ep,
     connect_endpoint,
-    ep_handle,
 )
 
 log = logging.getLogger(__name__)
 _HASHERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-ucx-xxh3")
 """Checksum verification off the UCX loop thread, overlapping the transfers still in flight."""
-_HANDSHAKE_RETRY_S = 0.2  # first wait for a handshake reply before pinging again (doubles each time)
 
 
 def _verify(
@@ -54,96 +50,6 @@ def _verify(
         ok = cs == sent
         out.append((i, (ok, cs, "" if ok else f"checksum mismatch: got {cs:#x}, peer sent {sent:#x}")))
     return out
-
-
-class _PeerRefused(TransferError):
-    """The peer answered with an error: the request was bad, not the link."""
-
-
-class _Conn:
-    """One endpoint to a peer, with a reader task that routes response headers to waiting requests."""
-
-    def __init__(self, ep: Any) -> None:
-        self.ep = ep
-        self.dead = False
-        self._pending: dict[tuple[int, int], asyncio.Future[Any]] = {}
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
-
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                msg = _unpack(await self.ep.am_recv())
-                fut = self._pending.pop((int(msg["id"]), int(msg.get("ph", 0))), None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-        except Exception as exc:  # noqa: BLE001 - the endpoint failed: fail every waiter
-            self._fail(TransferError(f"connection lost: {_err(exc)}"))
-            abort_ep(self.ep, recv_pending=False)  # release it now; its am_recv has ended
-
-    def _fail(self, exc: Exception) -> None:
-        self.dead = True
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        self._pending.clear()
-
-    def expect(self, rid: int, phase: int) -> asyncio.Future[Any]:
-        if self.dead:
-            raise TransferError("connection lost")
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[(rid, phase)] = fut
-        return fut
-
-    async def request(self, msg: dict[str, Any]) -> dict[str, Any]:
-        fut = self.expect(msg["id"], 0)
-        await self.ep.am_send(_pack(msg))
-        reply: dict[str, Any] = await fut
-        if "error" in reply:
-            raise _PeerRefused(f"peer refused the request: {reply['error']}")
-        return reply
-
-    def abort(self) -> None:
-        """Close at once: cancels every posted receive (no late bytes land in a caller's buffer)."""
-        self._fail(TransferError("connection aborted"))
-        if not self._reader.done():
-            self._reader.cancel()
-            abort_ep(self.ep, recv_pending=True)  # its am_recv stays queued in ucxx: count it
-
-    async def handshake(self, rt: _Runtime, timeout_s: float) -> None:
-        """Ping until a reply comes back, absorbing active messages that ucxx hands to receives orphaned
-        on a recycled endpoint handle: ours are counted (one extra ping each, sent at once); the peer's are
-        unknown here, so a ping that gets no reply is sent again after a short, doubling wait."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout_s
-        wait = _HANDSHAKE_RETRY_S
-        count = 1 + rt.stale.pop(ep_handle(self.ep), 0)
-        futs: list[asyncio.Future[Any]] = []
-        rids: list[int] = []
-        try:
-            while True:
-                for _ in range(count):
-                    rids.append(next(rt.ids))
-                    futs.append(self.expect(rids[-1], 0))
-                    await self.ep.am_send(_pack({"op": "ping", "id": rids[-1]}))
-                left = end - loop.time()
-                if left <= 0:
-                    raise TransferError(f"no handshake reply in {timeout_s:.3g} s")
-                done, _ = await asyncio.wait(futs, timeout=min(wait, left), return_when="FIRST_COMPLETED")
-                for fut in done:
-                    fut.result()  # raises when the connection was lost
-                if done:
-                    return
-                count, wait = 1, wait * 2
-        finally:
-            for rid, fut in zip(rids, futs, strict=True):
-                self._pending.pop((rid, 0), None)
-                fut.cancel()
-
-
-class _Peer:
-    def __init__(self, size: int) -> None:
-        self.conns: list[_Conn | None] = [None] * size
-        self.lock = asyncio.Lock()
 
 
 class UcxTransport:
@@ -172,7 +78,7 @@ class UcxTransport:
         self._probe_bytes = probe_bytes
         self._probe_pings = probe_pings
         self._connect_timeout_s = connect_timeout_s
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, PeerConns] = {}
         self._ids = self._rt.ids  # process-wide: a stray reply never matches another request
         self._links = LinkTracker()
         self._closed = False
@@ -244,10 +150,10 @@ class UcxTransport:
                     c.abort()
         self._peers.clear()
 
-    async def _conn(self, peer: str, k: int) -> _Conn:
+    async def _conn(self, peer: str, k: int) -> Conn:
         p = self._peers.get(peer)
         if p is None:
-            p = self._peers[peer] = _Peer(self._size)
+            p = self._peers[peer] = PeerConns(self._size)
         k %= self._size
         conn = p.conns[k]
         if conn is not None and not conn.dead:
@@ -261,7 +167,7 @@ class UcxTransport:
                 ep = await connect_endpoint(self._rt.ucxx, host, int(port), self._connect_timeout_s)
             except Exception as exc:  # noqa: BLE001
                 raise TransferError(f"cannot connect to {peer}: {_err(exc)}") from exc
-            conn = _Conn(ep)
+            conn = Conn(ep)
             try:
                 await conn.handshake(self._rt, self._connect_timeout_s)
                 if self._links.get(peer) is None:
@@ -274,7 +180,7 @@ class UcxTransport:
             p.conns[k] = conn
             return conn
 
-    async def _probe(self, peer: str, conn: _Conn) -> None:
+    async def _probe(self, peer: str, conn: Conn) -> None:
         rtts = []
         for _ in range(self._probe_pings):
             t0 = time.perf_counter()
@@ -301,7 +207,7 @@ class UcxTransport:
         results: list[tuple[bool, int, str]] = [(False, 0, "deadline passed")] * n
         chunks = [list(range(s, min(s + self._per_msg, n))) for s in range(0, n, self._per_msg)]
         done = [False] * len(chunks)
-        used: list[_Conn | None] = [None] * len(chunks)
+        used: list[Conn | None] = [None] * len(chunks)
         errors: list[str] = [""] * len(chunks)
 
         refused = [False] * len(chunks)
@@ -311,7 +217,7 @@ class UcxTransport:
                 conn = used[k] = await self._conn(peer, k)
                 await one(conn, chunks[k], results)
                 done[k] = True
-            except _PeerRefused as exc:  # it answered: the link is fine
+            except PeerRefused as exc:  # it answered: the link is fine
                 errors[k], refused[k] = _err(exc), True
             except Exception as exc:  # noqa: BLE001 - the chunk fails as a whole
                 errors[k] = _err(exc)
@@ -337,7 +243,7 @@ class UcxTransport:
     async def _read(
         self, peer: str, reads: Sequence[BlockRead], views: Sequence[memoryview], timeout_s: float
     ) -> list[tuple[bool, int, str]]:
-        async def one(conn: _Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
+        async def one(conn: Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
             rid = next(self._ids)
             msg = {
                 "op": "read",
@@ -354,7 +260,7 @@ class UcxTransport:
             try:
                 runs = check_merged(reply.get("m"), [bool(h[0]) for h in header], groups)
             except ValueError as exc:
-                raise _PeerRefused(f"bad reply: {exc}") from None
+                raise PeerRefused(f"bad reply: {exc}") from None
             recvs = []
             in_run: set[int] = set()
             for first, count in runs:
@@ -383,7 +289,7 @@ class UcxTransport:
     async def _write(
         self, peer: str, writes: Sequence[BlockWrite], views: Sequence[memoryview], timeout_s: float
     ) -> list[tuple[bool, int, str]]:
-        async def one(conn: _Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
+        async def one(conn: Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
             rid = next(self._ids)
             final = conn.expect(rid, 1)
             msg = {
@@ -403,7 +309,7 @@ class UcxTransport:
             try:
                 runs = check_merged(reply.get("m"), [bool(h[0]) for h in header], groups)
             except ValueError as exc:
-                raise _PeerRefused(f"bad reply: {exc}") from None
+                raise PeerRefused(f"bad reply: {exc}") from None
             sends = []
             in_run: set[int] = set()
             for first, count in runs:

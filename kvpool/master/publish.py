@@ -1,7 +1,8 @@
 """Two-phase publish: `reserve` places new blocks on store slots, `commit` makes written ones visible.
 
-Placement: each new block gets `num_replicas` distinct placeable store nodes, the ones with the most free
-slots first (capacity-aware spread); fewer only when fewer nodes exist. When the nodes are full, the
+Placement (`kvpool.master.placement`): each new block gets `num_replicas` distinct placeable store nodes,
+the ones with the most free slots first, in runs of consecutive blocks (capacity-aware spread); fewer only
+when fewer nodes exist; stores silent or failing calls only as a last resort. When the nodes are full, the
 master evicts on them (and waits for the stores' free acknowledgements) before answering
 `ResourceExhausted`. A block becomes visible only after `Store.CommitSlots` succeeded for a replica.
 """
@@ -13,7 +14,6 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpool.errors import (
@@ -27,6 +27,14 @@ from kvpool.errors import (
 )
 from kvpool.master.core import BlockMeta, check_hash
 from kvpool.master.nodes import NodeRecord
+from kvpool.master.placement import (
+    CommitBlock,
+    Placed,
+    Reservation,
+    ReserveOutcome,
+    new_replicas,
+    place_runs,
+)
 from kvpool.master.stores import SlotOrder
 from kvpool.types import BlockHash, Location, NamespaceId
 
@@ -37,46 +45,6 @@ log = logging.getLogger(__name__)
 
 MAX_REPLICAS = 8
 _DONE_KEEP = 4096
-
-
-@dataclass
-class Reservation:
-    rid: int
-    ns: bytes
-    parent: bytes | None
-    hashes: list[bytes]
-    locations: list[list[Location]]  # empty for blocks already present
-    costs: list[float]
-    target: int
-    expiry_ms: int
-    committing: bool = False
-    aborted: bool = False
-    parent_locked: bool = False  # the parent chain is pinned (lock_ref) until the reservation ends
-
-
-@dataclass(frozen=True, slots=True)
-class _Placed:
-    r: Reservation
-    present: list[bool]
-    k: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReserveOutcome:
-    rid: int
-    hashes: list[bytes]
-    present: list[bool]
-    locations: list[list[Location]]
-    write_lease_ms: int
-    nodes: list[NodeRecord]
-    num_replicas_placed: int
-
-
-@dataclass(frozen=True, slots=True)
-class CommitBlock:
-    block_hash: bytes
-    checksum: int
-    written: list[Location] = field(default_factory=list)
 
 
 class Publisher:
@@ -122,7 +90,7 @@ class Publisher:
         write_lease_ms = write_lease_ms or s.default_write_lease_ms
         if not 0 < write_lease_ms <= s.max_write_lease_ms:
             raise InvalidArgument(f"write_lease_ms must be in (0, {s.max_write_lease_ms}]")
-        placed: _Placed | None = None
+        placed: Placed | None = None
         for attempt in range(2):
             with m.lock:
                 self._check_ns(ns)
@@ -137,7 +105,7 @@ class Publisher:
                 except BaseException:
                     self._unlock_parent(ns, parent, locked)
                     raise
-                if isinstance(step, _Placed):
+                if isinstance(step, Placed):
                     step.r.parent_locked = locked
                     placed = step
                     break
@@ -165,7 +133,7 @@ class Publisher:
         write_lease_ms: int,
         num_replicas: int,
         attempt: int,
-    ) -> _Placed | ReserveOutcome | list[str]:
+    ) -> Placed | ReserveOutcome | list[str]:
         """Under the lock: place the new blocks, or answer that all are present, or make room and return
         the nodes whose frees to flush before the next attempt (`ResourceExhausted` on the last one)."""
         m = self.m
@@ -184,7 +152,7 @@ class Publisher:
         shortfall = num_new * k - sum(min(len(n.free), num_new) for n in nodes)
         if shortfall <= 0:
             r = self._place(ns, parent, hashes, present, nodes, k, costs, write_lease_ms, num_replicas)
-            return _Placed(r, present, k)
+            return Placed(r, present, k)
         if attempt == 1:
             raise ResourceExhausted(f"no room for {num_new} blocks x {k} replicas (short {shortfall})")
         return self._make_room(nodes, num_new, shortfall)
@@ -235,20 +203,7 @@ class Publisher:
         write_lease_ms: int,
         target: int,
     ) -> Reservation:
-        locations: list[list[Location]] = []
-        run = self.m.settings.placement_run_blocks
-        chosen: list[NodeRecord] = []
-        left = 0
-        for is_present in present:
-            if is_present:
-                locations.append([])
-                continue
-            if left == 0 or any(not n.free for n in chosen):
-                # Runs of consecutive blocks share nodes: their slots come out of each free list in order,
-                # so a pull reads a run as one message (transfer.coalesce); runs spread over the nodes.
-                chosen, left = sorted(nodes, key=lambda n: -len(n.free))[:k], run
-            locations.append([n.take(1)[0] for n in chosen])
-            left -= 1
+        locations = place_runs(present, nodes, k, self.m.settings.placement_run_blocks)
         rid = self.next_rid
         self.next_rid += 1
         r = Reservation(
@@ -367,7 +322,7 @@ class Publisher:
             got = [loc for loc in r.locations[i] if loc in ok and loc in written.get(h, (0, set()))[1]]
             info = m.index.lookup(ns, BlockHash(h))
             if info is not None:  # committed meanwhile by another writer: only replicas it still lacks
-                got = _new_replicas(info.locations, got, r.target)
+                got = new_replicas(info.locations, got, r.target)
             elif not got:
                 break
             chain.append(BlockHash(h))
@@ -452,17 +407,3 @@ class Publisher:
     @property
     def num_reserved_blocks(self) -> int:
         return sum(len(locs) for r in self.reservations.values() for locs in r.locations)
-
-
-def _new_replicas(have: Sequence[Location], got: list[Location], target: int) -> list[Location]:
-    """Of a second writer's replicas of a block already in the index, the ones to add: on nodes holding
-    none of its replicas yet, up to `target` in all (the rest are freed): replicas stay on distinct nodes."""
-    nodes = {loc.node_id for loc in have if not loc.local}
-    room = target - len(nodes)
-    out = []
-    for loc in got:
-        if room > 0 and loc.node_id not in nodes:
-            out.append(loc)
-            nodes.add(loc.node_id)
-            room -= 1
-    return out

@@ -11,11 +11,12 @@ import numpy as np
 from kvpool.client.types import NodeLoad
 from kvpool.errors import InvalidArgument
 from kvpool.index.results import MatchResult
+from kvpool.master import replica_ops
 from kvpool.master.core import Master
 from kvpool.master.grants import match_grants, write_grants
 from kvpool.master.nodes import NodeRecord
 from kvpool.master.ops import admin_evict, drain
-from kvpool.master.publish import CommitBlock
+from kvpool.master.placement import CommitBlock
 from kvpool.rpc.status import rpc_errors
 from kvpool.types import Location
 from kvpool.v1 import kvpool_pb2 as pb
@@ -223,15 +224,15 @@ class MasterServicer(pb_grpc.MasterServicer):
     def RemoveBlocks(
         self, request: pb.RemoveBlocksRequest, context: grpc.ServicerContext
     ) -> pb.RemoveBlocksResponse:
-        n = self.m.remove_blocks(request.namespace, list(request.block_hashes), request.force)
+        n = replica_ops.remove_blocks(self.m, request.namespace, list(request.block_hashes), request.force)
         return pb.RemoveBlocksResponse(num_removed=n)
 
     @rpc_errors
     def ReportBadReplica(
         self, request: pb.ReportBadReplicaRequest, context: grpc.ServicerContext
     ) -> pb.ReportBadReplicaResponse:
-        self.m.report_bad_replica(
-            request.namespace, request.block_hash, _loc(request.location), request.reason
+        replica_ops.report_bad_replica(
+            self.m, request.namespace, request.block_hash, _loc(request.location), request.reason
         )
         return pb.ReportBadReplicaResponse()
 
@@ -239,7 +240,8 @@ class MasterServicer(pb_grpc.MasterServicer):
     def ReportLocal(
         self, request: pb.ReportLocalRequest, context: grpc.ServicerContext
     ) -> pb.ReportLocalResponse:
-        self.m.report_local(
+        replica_ops.report_local(
+            self.m,
             request.node_id,
             request.epoch,
             request.namespace,

@@ -1,0 +1,84 @@
+"""Placement and the records of two-phase publish (`kvpool.master.publish` runs them under the lock)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvpool.master.nodes import NodeRecord
+from kvpool.types import Location
+
+
+@dataclass
+class Reservation:
+    rid: int
+    ns: bytes
+    parent: bytes | None
+    hashes: list[bytes]
+    locations: list[list[Location]]  # empty for blocks already present
+    costs: list[float]
+    target: int
+    expiry_ms: int
+    committing: bool = False
+    aborted: bool = False
+    parent_locked: bool = False  # the parent chain is pinned (lock_ref) until the reservation ends
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    r: Reservation
+    present: list[bool]
+    k: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveOutcome:
+    rid: int
+    hashes: list[bytes]
+    present: list[bool]
+    locations: list[list[Location]]
+    write_lease_ms: int
+    nodes: list[NodeRecord]
+    num_replicas_placed: int
+
+
+@dataclass(frozen=True, slots=True)
+class CommitBlock:
+    block_hash: bytes
+    checksum: int
+    written: list[Location] = field(default_factory=list)
+
+
+def place_runs(
+    present: Sequence[bool], nodes: Sequence[NodeRecord], k: int, run: int
+) -> list[list[Location]]:
+    """One list of `k` slots on distinct nodes per new block ([] for a block already present). Runs of
+    `run` consecutive new blocks share their nodes, which hand out slots from their free lists in order, so a
+    pull reads a run as one message (`transfer.coalesce`); each run goes to the nodes with the most free
+    slots. The caller checked there is room (`Publisher._reserve_locked`)."""
+    locations: list[list[Location]] = []
+    chosen: list[NodeRecord] = []
+    left = 0
+    for is_present in present:
+        if is_present:
+            locations.append([])
+            continue
+        if left == 0 or any(not n.free for n in chosen):
+            chosen, left = sorted(nodes, key=lambda n: -len(n.free))[:k], run
+        locations.append([n.take(1)[0] for n in chosen])
+        left -= 1
+    return locations
+
+
+def new_replicas(have: Sequence[Location], got: list[Location], target: int) -> list[Location]:
+    """Of a second writer's replicas of a block already in the index, the ones to add: on nodes holding
+    none of its replicas yet, up to `target` in all (the rest are freed): replicas stay on distinct nodes."""
+    nodes = {loc.node_id for loc in have if not loc.local}
+    room = target - len(nodes)
+    out = []
+    for loc in got:
+        if room > 0 and loc.node_id not in nodes:
+            out.append(loc)
+            nodes.add(loc.node_id)
+            room -= 1
+    return out

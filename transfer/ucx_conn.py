@@ -1,0 +1,103 @@
+"""One client connection to a UCX block server: an endpoint, its reply router and the handshake."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from transfer.base import TransferError
+from transfer.ucx_runtime import _err, _pack, _Runtime, _unpack, abort_ep, ep_handle
+
+_HANDSHAKE_RETRY_S = 0.2  # first wait for a handshake reply before pinging again (doubles each time)
+
+
+class PeerRefused(TransferError):
+    """The peer answered with an error: the request was bad, not the link."""
+
+
+class Conn:
+    """One endpoint to a peer, with a reader task that routes response headers to waiting requests."""
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self.dead = False
+        self._pending: dict[tuple[int, int], asyncio.Future[Any]] = {}
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = _unpack(await self.ep.am_recv())
+                fut = self._pending.pop((int(msg["id"]), int(msg.get("ph", 0))), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except Exception as exc:  # noqa: BLE001 - the endpoint failed: fail every waiter
+            self._fail(TransferError(f"connection lost: {_err(exc)}"))
+            abort_ep(self.ep, recv_pending=False)  # release it now; its am_recv has ended
+
+    def _fail(self, exc: Exception) -> None:
+        self.dead = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._pending.clear()
+
+    def expect(self, rid: int, phase: int) -> asyncio.Future[Any]:
+        if self.dead:
+            raise TransferError("connection lost")
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[(rid, phase)] = fut
+        return fut
+
+    async def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        fut = self.expect(msg["id"], 0)
+        await self.ep.am_send(_pack(msg))
+        reply: dict[str, Any] = await fut
+        if "error" in reply:
+            raise PeerRefused(f"peer refused the request: {reply['error']}")
+        return reply
+
+    def abort(self) -> None:
+        """Close at once: cancels every posted receive (no late bytes land in a caller's buffer)."""
+        self._fail(TransferError("connection aborted"))
+        if not self._reader.done():
+            self._reader.cancel()
+            abort_ep(self.ep, recv_pending=True)  # its am_recv stays queued in ucxx: count it
+
+    async def handshake(self, rt: _Runtime, timeout_s: float) -> None:
+        """Ping until a reply comes back, absorbing active messages that ucxx hands to receives orphaned
+        on a recycled endpoint handle: ours are counted (one extra ping each, sent at once); the peer's are
+        unknown here, so a ping that gets no reply is sent again after a short, doubling wait."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        wait = _HANDSHAKE_RETRY_S
+        count = 1 + rt.stale.pop(ep_handle(self.ep), 0)
+        futs: list[asyncio.Future[Any]] = []
+        rids: list[int] = []
+        try:
+            while True:
+                for _ in range(count):
+                    rids.append(next(rt.ids))
+                    futs.append(self.expect(rids[-1], 0))
+                    await self.ep.am_send(_pack({"op": "ping", "id": rids[-1]}))
+                left = end - loop.time()
+                if left <= 0:
+                    raise TransferError(f"no handshake reply in {timeout_s:.3g} s")
+                done, _ = await asyncio.wait(futs, timeout=min(wait, left), return_when="FIRST_COMPLETED")
+                for fut in done:
+                    fut.result()  # raises when the connection was lost
+                if done:
+                    return
+                count, wait = 1, wait * 2
+        finally:
+            for rid, fut in zip(rids, futs, strict=True):
+                self._pending.pop((rid, 0), None)
+                fut.cancel()
+
+
+class PeerConns:
+    """A peer's small pool of connections (filled on first use) and the lock that serialises connecting."""
+
+    def __init__(self, size: int) -> None:
+        self.conns: list[Conn | None] = [None] * size
+        self.lock = asyncio.Lock()
