@@ -126,11 +126,9 @@ def test_drain_moves_blocks_off_while_reads_keep_working() -> None:
             for ch, d in zip(chains, data, strict=True):
                 assert pc.put_blocks(ns, None, ch, d, num_replicas=1).num_committed == len(ch)
             on = {n.node.node_id: n.num_blocks for n in c.list_nodes() if n.node.role == "store"}
-            node = max(on, key=lambda n: on[n])
+            k_held = 1  # a one-block prompt, on the node to drain (which may also hold others)
+            node = c.match(ns, chains[k_held]).replicas[0][0].node_id
             assert on[node] > 0
-            k_held = next(
-                k for k in range(1, len(chains)) if c.match(ns, chains[k]).replicas[0][0].node_id == node
-            )
             held = c.match(ns, chains[k_held], lease_ttl_ms=60_000)  # a reader that has not read yet
 
             failures: list[str] = []

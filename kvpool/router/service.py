@@ -77,6 +77,7 @@ class RouterService:
         self._nodes: list[NodeStatus] = []
         self._nodes_at = 0.0
         self._nodes_lock = threading.Lock()
+        self._last_serving: dict[str, tuple[list[NodeStatus], float]] = {}
         self._namespaces: dict[str, bytes] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
@@ -122,6 +123,21 @@ class RouterService:
                 raise Unavailable(f"master unreachable: {exc}") from None
         return nodes
 
+    def serving(self, role: str) -> list[NodeStatus]:
+        """The live nodes of `role`. When the master lists none (a restarted master knows no serving node
+        until each re-registers, which takes a heartbeat or two), the last ones seen within `node_grace_s`:
+        they keep serving meanwhile; one that is really gone fails its call and the request is answered 503."""
+        nodes = serving_nodes(self.nodes(), role)
+        now = time.monotonic()
+        with self._nodes_lock:
+            if nodes:
+                self._last_serving[role] = (nodes, now)
+                return nodes
+            last = self._last_serving.get(role)
+        if last is not None and now - last[1] <= self.settings.node_grace_s:
+            return last[0]
+        return []
+
     def health(self) -> dict[str, Any]:
         nodes = self.nodes()
         return {
@@ -154,7 +170,7 @@ class RouterService:
 
     def place(self, tokens: Sequence[int], cache_salt: str) -> tuple[Choice, NodeStatus]:
         """Choose the prefill node (peek + policy); `Unavailable` when no prefill node is alive."""
-        prefill = serving_nodes(self.nodes(), "prefill")
+        prefill = self.serving("prefill")
         if not prefill:
             raise Unavailable("no live prefill node")
         layout = self.model.layout
@@ -183,7 +199,7 @@ class RouterService:
 
     def pick_decode(self) -> NodeStatus:
         """The least-loaded decode node (own in-flight or reported queue); ties by a seeded choice."""
-        decode = serving_nodes(self.nodes(), "decode")
+        decode = self.serving("decode")
         if not decode:
             raise Unavailable("no live decode node")
 

@@ -22,6 +22,11 @@ class RouterSettings(KVPoolSettings):
     max_inflight: int = Field(default=64, gt=0, description="concurrent requests; more are answered 429")
     refresh_interval_s: float = Field(default=0.25, gt=0, description="node list refresh period")
     request_timeout_s: float = Field(default=300.0, gt=0)
+    node_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="keep routing to the last live nodes this long when the master lists none",
+    )
 
     @field_validator("policy")
     @classmethod
