@@ -121,3 +121,19 @@ def check_merged(merged: object, ok: Sequence[bool], groups: Sequence[int]) -> l
         covered.update(idx)
         runs.append((first, count))
     return runs
+
+
+def client_plan(
+    merged: object, ok: Sequence[bool], views: Sequence[memoryview], groups: Sequence[int]
+) -> list[tuple[int, memoryview]]:
+    """Client side: one (tag index, buffer) per message the peer moves for a request whose blocks are
+    `views`: a span over each merged run (checked by `check_merged`, which raises `ValueError`), the block's
+    own buffer for every other block the peer accepted (`ok`)."""
+    out: list[tuple[int, memoryview]] = []
+    in_run: set[int] = set()
+    for first, count in check_merged(merged, ok, groups):
+        run = views[first : first + count]
+        out.append((first, span(run[0], sum(v.nbytes for v in run))))
+        in_run.update(range(first, first + count))
+    out += [(j, views[j]) for j, accepted in enumerate(ok) if accepted and j not in in_run]
+    return out

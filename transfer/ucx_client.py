@@ -25,7 +25,7 @@ from transfer.base import (
     checksum,
     validate_batch,
 )
-from transfer.coalesce import adjacent_groups, check_merged, span
+from transfer.coalesce import adjacent_groups, client_plan
 from transfer.ucx_conn import Conn, PeerConns, PeerRefused
 from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
@@ -50,6 +50,22 @@ def _verify(
         ok = cs == sent
         out.append((i, (ok, cs, "" if ok else f"checksum mismatch: got {cs:#x}, peer sent {sent:#x}")))
     return out
+
+
+async def _request_runs(
+    conn: Conn, msg: dict[str, Any], views: Sequence[memoryview]
+) -> tuple[list[Any], list[tuple[int, memoryview]]]:
+    """Send a read or write request naming its runs of adjacent buffers; (the per-block header of the
+    reply, one (tag index, buffer) per message to post: `transfer.coalesce`)."""
+    groups = adjacent_groups(views)
+    if len(groups) < len(views):  # some buffers adjacent: runs may move as one message each
+        msg["g"] = groups
+    reply = await conn.request(msg)
+    header: list[Any] = reply["r"]
+    try:
+        return header, client_plan(reply.get("m"), [bool(h[0]) for h in header], views, groups)
+    except ValueError as exc:
+        raise PeerRefused(f"bad reply: {exc}") from None
 
 
 class UcxTransport:
@@ -252,29 +268,13 @@ class UcxTransport:
             }
             if any(reads[i].capability for i in idxs):
                 msg["c"] = [[reads[i].expiry_ms, bytes(reads[i].capability)] for i in idxs]
-            groups = adjacent_groups([views[i] for i in idxs])
-            if len(groups) < len(idxs):  # some destinations adjacent: runs may come as one message each
-                msg["g"] = groups
-            reply = await conn.request(msg)
-            header = reply["r"]
-            try:
-                runs = check_merged(reply.get("m"), [bool(h[0]) for h in header], groups)
-            except ValueError as exc:
-                raise PeerRefused(f"bad reply: {exc}") from None
-            recvs = []
-            in_run: set[int] = set()
-            for first, count in runs:
-                nbytes = sum(views[idxs[j]].nbytes for j in range(first, first + count))
-                recvs.append(conn.ep.recv(span(views[idxs[first]], nbytes), tag=_tag(rid, first)))
-                in_run.update(range(first, first + count))
+            header, plan = await _request_runs(conn, msg, [views[i] for i in idxs])
             got: list[tuple[int, int]] = []  # (index, checksum the peer sent)
             for j, (ok, cs, err) in enumerate(header):
                 results[idxs[j]] = (bool(ok), int(cs), str(err))
                 if ok:
-                    if j not in in_run:
-                        recvs.append(conn.ep.recv(views[idxs[j]], tag=_tag(rid, j)))
                     got.append((idxs[j], int(cs)))
-            await asyncio.gather(*recvs)
+            await asyncio.gather(*(conn.ep.recv(buf, tag=_tag(rid, j)) for j, buf in plan))
             # Verify this message's blocks on a helper thread (xxh3 releases the GIL) while the other
             # messages of the batch are still moving; shielded: a deadline never leaves it half-done.
             verified = await asyncio.shield(asyncio.wrap_future(_HASHERS.submit(_verify, views, got)))
@@ -301,27 +301,8 @@ class UcxTransport:
             }
             if any(writes[i].capability for i in idxs):
                 msg["c"] = [[writes[i].expiry_ms, bytes(writes[i].capability)] for i in idxs]
-            groups = adjacent_groups([views[i] for i in idxs])
-            if len(groups) < len(idxs):  # some sources adjacent: runs may go as one message each
-                msg["g"] = groups
-            reply = await conn.request(msg)
-            header = reply["r"]
-            try:
-                runs = check_merged(reply.get("m"), [bool(h[0]) for h in header], groups)
-            except ValueError as exc:
-                raise PeerRefused(f"bad reply: {exc}") from None
-            sends = []
-            in_run: set[int] = set()
-            for first, count in runs:
-                nbytes = sum(views[idxs[j]].nbytes for j in range(first, first + count))
-                sends.append(conn.ep.send(span(views[idxs[first]], nbytes), tag=_tag(rid, first)))
-                in_run.update(range(first, first + count))
-            sends += [
-                conn.ep.send(views[idxs[j]], tag=_tag(rid, j))
-                for j, h in enumerate(header)
-                if h[0] and j not in in_run
-            ]
-            await asyncio.gather(*sends)
+            _, plan = await _request_runs(conn, msg, [views[i] for i in idxs])
+            await asyncio.gather(*(conn.ep.send(buf, tag=_tag(rid, j)) for j, buf in plan))
             for j, (ok, cs, err) in enumerate((await final)["r"]):
                 results[idxs[j]] = (bool(ok), int(cs), str(err))
 

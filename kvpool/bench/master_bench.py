@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bench.master_load import lean_client
+from kvpool.bench.master_load import LeanJob, lean_client
 from kvpool.bench.report import write_report
 from kvpool.client import MasterClient, PoolClient
 from kvpool.client import convert as cv
@@ -94,13 +94,18 @@ def _phase(
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
     if client == "lean":
         reqs = [cv.match_pb(ns, chain, True, 0, 0, "").SerializeToString() for chain in chains]
-        per_client: Any = lambda k: (address, reqs, len(chains[0]), k, clients, unary, depth)  # noqa: E731
+        args: list[tuple[Any, ...]] = [
+            (LeanJob(address, reqs, len(chains[0]), k, clients, unary, depth, duration_s), ready, go, out)
+            for k in range(clients)
+        ]
         target: Any = lean_client
     else:
-        per_client, target = (lambda k: (address, ns, chains, k, clients, unary, depth)), _client
-    procs = [
-        ctx.Process(target=target, args=(*per_client(k), ready, go, duration_s, out)) for k in range(clients)
-    ]
+        args = [
+            (address, ns, chains, k, clients, unary, depth, ready, go, duration_s, out)
+            for k in range(clients)
+        ]
+        target = _client
+    procs = [ctx.Process(target=target, args=a) for a in args]
     for p in procs:
         p.start()
     for _ in procs:

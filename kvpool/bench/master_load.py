@@ -14,79 +14,71 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 _STREAM = "/kvpool.v1.Master/MatchPrefixStream"
 _UNARY = "/kvpool.v1.Master/MatchPrefix"
 
 
-def lean_client(
-    address: str,
-    requests: Sequence[bytes],
-    want: int,
-    k: int,
-    clients: int,
-    unary: bool,
-    depth: int,
-    ready: Any,
-    go: Any,
-    duration_s: float,
-    out: Any,
-) -> None:
-    """One client process: matches `requests` round-robin (starting at `k`, step `clients`) for
-    `duration_s` after `go`; puts (k, latencies in s, number of answers that did not match `want` blocks)."""
-    out.put(asyncio.run(_run(address, requests, want, k, clients, unary, depth, ready, go, duration_s)))
+@dataclass(frozen=True)
+class LeanJob:
+    """One client's work: match `requests` (serialized `MatchPrefixRequest`s) round-robin from index `k`
+    in steps of `clients`, each answer expected to match `want` blocks, for `duration_s` seconds."""
+
+    address: str
+    requests: Sequence[bytes]
+    want: int
+    k: int
+    clients: int
+    unary: bool
+    depth: int
+    duration_s: float
 
 
-async def _run(
-    address: str,
-    requests: Sequence[bytes],
-    want: int,
-    k: int,
-    clients: int,
-    unary: bool,
-    depth: int,
-    ready: Any,
-    go: Any,
-    duration_s: float,
-) -> tuple[int, list[float], int]:
+def lean_client(job: LeanJob, ready: Any, go: Any, out: Any) -> None:
+    """One client process: after `go`, runs `job`; puts (k, latencies in s, answers short of `want`)."""
+    out.put(asyncio.run(_run(job, ready, go)))
+
+
+async def _run(job: LeanJob, ready: Any, go: Any) -> tuple[int, list[float], int]:
     import grpc
 
     from kvpool.v1 import kvpool_pb2 as pb
 
     lat: list[float] = []
     short = 0
-    async with grpc.aio.insecure_channel(address) as ch:
-        if unary:
+    async with grpc.aio.insecure_channel(job.address) as ch:
+        if job.unary:
             call = ch.unary_unary(_UNARY, request_serializer=None, response_deserializer=None)
-            await call(requests[0])
+            await call(job.requests[0])
         else:
             stream = ch.stream_stream(_STREAM, request_serializer=None, response_deserializer=None)()
-            await stream.write(requests[0])
+            await stream.write(job.requests[0])
             await stream.read()
         ready.release()
         while not go.is_set():
             await asyncio.sleep(0.001)
-        stop_at = time.perf_counter() + duration_s
-        i = k
+        stop_at = time.perf_counter() + job.duration_s
+        i = job.k
         sent: deque[float] = deque()
         while True:
             more = time.perf_counter() < stop_at
             if not more and not sent:
                 break
-            if unary:
+            if job.unary:
                 t0 = time.perf_counter()
-                raw = await call(requests[i % len(requests)])
+                raw = await call(job.requests[i % len(job.requests)])
                 lat.append(time.perf_counter() - t0)
-                i += clients
+                i += job.clients
             else:
-                while more and len(sent) < depth:
+                while more and len(sent) < job.depth:
                     sent.append(time.perf_counter())
-                    await stream.write(requests[i % len(requests)])
-                    i += clients
+                    await stream.write(job.requests[i % len(job.requests)])
+                    i += job.clients
                 raw = await stream.read()
                 lat.append(time.perf_counter() - sent.popleft())
-            short += pb.MatchPrefixResponse.FromString(raw).num_matched != want
-        if not unary:
+            short += pb.MatchPrefixResponse.FromString(raw).num_matched != job.want
+        if not job.unary:
             await stream.done_writing()
-    return k, lat, short
+    return job.k, lat, short

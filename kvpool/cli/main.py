@@ -54,7 +54,8 @@ def main() -> None:
     ) as exc:  # a bad flag, env var or config value: one clear line per field, no traceback
         for err in exc.errors():
             field = ".".join(str(x) for x in err.get("loc", ())) or exc.title
-            print(f"kvpool: invalid setting {field}: {err.get('msg', '')}", file=sys.stderr)
+            msg = str(err.get("msg", "")).removeprefix("Value error, ")
+            print(f"kvpool: invalid setting {field}: {msg}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

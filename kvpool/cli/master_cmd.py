@@ -10,6 +10,9 @@ import threading
 from pathlib import Path
 
 import typer
+from pydantic import ValidationError
+
+from kvpool.index.policies import DEFAULT_POLICY, POLICY_NAMES
 
 
 def register_master_command(app: typer.Typer) -> None:
@@ -23,7 +26,9 @@ def register_master_command(app: typer.Typer) -> None:
         high_watermark: float | None = typer.Option(None, help="Per store node: evict above this fill."),
         low_watermark: float | None = typer.Option(None, help="...down to this fill."),
         replicas: int | None = typer.Option(None, help="Default replicas per block."),
-        policy: str | None = typer.Option(None, help="Eviction policy (lru, lfu, fwlru, cost)."),
+        policy: str | None = typer.Option(
+            None, help=f"Eviction policy: {', '.join(POLICY_NAMES)} (default {DEFAULT_POLICY})."
+        ),
         rebuild_grace_ms: int | None = typer.Option(
             None, help="Unclaimed inventory blocks are freed after this."
         ),
@@ -55,6 +60,8 @@ def register_master_command(app: typer.Typer) -> None:
                 metrics_port=metrics_port,
             )
             server = serve(settings)
+        except ValidationError:
+            raise  # a bad setting: `kvpool.cli.main` prints one line per field
         except Exception as exc:  # noqa: BLE001 - one clear line, no traceback
             typer.echo(f"kvpool master: {exc}", err=True)
             raise typer.Exit(2) from None
