@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+import psutil
 import pytest
 
 from tests.test_store_node import (
@@ -40,6 +41,36 @@ def test_env_defaults_documented_and_set() -> None:
     assert os.environ["UCX_MM_ERROR_HANDLING"] == "y"
     assert os.environ["UCXPY_PROGRESS_MODE"] == "blocking"
     assert "tcp" in os.environ.get("UCX_TLS", "tcp")
+    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == os.environ["UCX_TCP_RX_SEG_SIZE"] == "512k"
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return float(t.user + t.system)
+
+
+def test_idle_connections_do_not_spin(transport: UcxTransport) -> None:
+    """A store with open connections and a client holding them, both idle, use ~no CPU: ucxx's blocking
+    mode left the worker's event fd unarmed and polled posted receives with sleep(0), which spun one core
+    in every process with a connection (transfer/ucx_wait.py)."""
+    from transfer.ucx_runtime import _Runtime
+
+    assert _Runtime.get().waker.installed
+    s = start_store(segment="8MiB")
+    try:
+        data = rand_blocks(4, seed=5)
+        put_blocks(s, transport, [0, 1, 2, 3], data)
+        res, out = read(transport, s, [0, 1, 2, 3])  # connections are open and have carried traffic
+        assert all(r.ok for r in res) and np.array_equal(out, data)
+        store, me = psutil.Process(s.proc.pid), psutil.Process()
+        c0, m0 = _cpu_s(store), _cpu_s(me)
+        time.sleep(2.0)
+        store_s, me_s = _cpu_s(store) - c0, _cpu_s(me) - m0
+        assert store_s < 0.5 and me_s < 0.5, (store_s, me_s)  # a spinning loop thread: ~2 s each
+        res, out = read(transport, s, [0, 1, 2, 3])  # and an idle connection still answers at once
+        assert all(r.ok for r in res) and np.array_equal(out, data)
+    finally:
+        s.kill()
 
 
 def _fill(s: StoreProc, t: UcxTransport, n: int) -> np.ndarray:

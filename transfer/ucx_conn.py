@@ -7,6 +7,7 @@ from typing import Any
 
 from transfer.base import TransferError
 from transfer.ucx_runtime import _err, _pack, _Runtime, _unpack, abort_ep, ep_handle
+from transfer.ucx_wait import am_recv
 
 _HANDSHAKE_RETRY_S = 0.2  # first wait for a handshake reply before pinging again (doubles each time)
 
@@ -27,7 +28,7 @@ class Conn:
     async def _read_loop(self) -> None:
         try:
             while True:
-                msg = _unpack(await self.ep.am_recv())
+                msg = _unpack(await am_recv(self.ep, _Runtime.get().waker))
                 fut = self._pending.pop((int(msg["id"]), int(msg.get("ph", 0))), None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)

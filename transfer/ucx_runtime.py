@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from transfer.base import TransferError
+from transfer.ucx_wait import ProgressWaker
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,11 @@ UCX_ENV_DEFAULTS = {
     "UCX_MM_ERROR_HANDLING": "y",
     "UCXPY_PROGRESS_MODE": "blocking",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
+    # UCX's tcp transport sends a large message as zero-copy segments of at most TX_SEG_SIZE (8 KiB by
+    # default): one syscall and one progress round each. 512 KiB segments move 4 MiB blocks 2.5-4x faster
+    # over loopback here (0.7-1.0 -> 2.3-3.4 GB/s, raw ucxx); RX must be >= TX in one process.
+    "UCX_TCP_TX_SEG_SIZE": "512k",
+    "UCX_TCP_RX_SEG_SIZE": "512k",
 }
 LOOP_THREAD_NICE = 19
 """Niceness of the UCX loop thread (see `_Runtime._run_loop`)."""
@@ -83,12 +89,11 @@ class _Runtime:
             return cls._instance
 
     def _run_loop(self) -> None:
-        # ucxx's blocking progress mode polls every pending receive with `asyncio.sleep(0)` (each connection
-        # keeps one posted), so this thread spins while connections exist. At the lowest CPU priority it
-        # takes only idle cycles from the model's compute on the same host (measured: an 8K-token prefill
-        # next to an idle connection: 2.3 s with this thread at nice 19, 5.9 s at nice 0); transfers run when
-        # the node is not computing. Thread mode with Python futures does not spin but aborted the process
-        # (ucxx C++ terminate in `Endpoint.send`) when a peer was killed, so it is not the default.
+        # The loop sleeps in epoll while no UCX request is in flight (`ucx_wait`); while transfers run,
+        # ucxx polls their requests with `asyncio.sleep(0)`. At the lowest CPU priority this thread takes
+        # only idle cycles from the model's compute on the same host. Thread mode with Python futures
+        # does not poll but aborted the process (ucxx C++ terminate in `Endpoint.send`) when a peer was
+        # killed, so it is not the default.
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOOP_THREAD_NICE)
         self.loop.run_forever()
@@ -101,6 +106,8 @@ class _Runtime:
         self.ucxx: Any = None
         self.ids = itertools.count(1)
         """Request ids, unique in the process (every transport and connection draws from it)."""
+        self.waker = ProgressWaker(self.loop)
+        """Wakes coroutines waiting on UCX requests after each worker progress (see `ucx_wait`)."""
         self.stale: dict[int, int] = {}
         """ucp_ep_h -> active-message receives orphaned on it by an abort (see the module docstring)."""
         try:
@@ -113,6 +120,8 @@ class _Runtime:
 
         ucxx.init()
         self.ucxx = ucxx
+        if not self.waker.install():
+            log.info("UCX progress is not in blocking mode: idle receives poll (see transfer.ucx_wait)")
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         if threading.current_thread() is self._thread:
@@ -142,6 +151,7 @@ def abort_ep(ep: Any, *, recv_pending: bool) -> None:
         stale[handle] = stale.get(handle, 0) + 1
     with contextlib.suppress(Exception):
         ep.abort(period=_ABORT_PERIOD_NS)
+    _Runtime.get().waker.wake()  # an abort completes requests outside progress
 
 
 PEER_INFO_TIMEOUT_S = 24 * 3600.0

@@ -22,6 +22,7 @@ from transfer.ucx_runtime import (
     _unpack,
     abort_ep,
 )
+from transfer.ucx_wait import am_recv
 
 log = logging.getLogger(__name__)
 MAX_CAPABILITY_NBYTES = 64
@@ -107,7 +108,7 @@ class UcxBlockServer:
         try:
             while True:
                 try:
-                    buf = await ep.am_recv()
+                    buf = await am_recv(ep, _Runtime.get().waker)
                 except Exception:  # noqa: BLE001 - the peer went away
                     break
                 try:

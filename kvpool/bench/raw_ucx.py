@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from transfer.ucx_runtime import _pack, _Runtime, _tag, _unpack
+from transfer.ucx_wait import am_recv
 
 
 class _Buffers:
@@ -42,7 +43,7 @@ class _Buffers:
 async def _serve_ep(ep: Any, bufs: _Buffers) -> None:
     while True:
         try:
-            msg = _unpack(await ep.am_recv())
+            msg = _unpack(await am_recv(ep, _Runtime.get().waker))
         except Exception:  # noqa: BLE001 - the peer went away
             return
         rid, n, nbytes = int(msg["id"]), int(msg["n"]), int(msg["nbytes"])
