@@ -178,23 +178,28 @@ class UcxTransport:
             conn = p.conns[k]
             if conn is not None and not conn.dead:
                 return conn
-            host, _, port = peer.rpartition(":")
-            try:
-                ep = await connect_endpoint(self._rt.ucxx, host, int(port), self._connect_timeout_s)
-            except Exception as exc:  # noqa: BLE001
+            with self._rt.waker.busy():
+                return await self._connect(peer, p, k)
+
+    async def _connect(self, peer: str, p: PeerConns, k: int) -> Conn:
+        """Open connection `k` of `p` (its lock held): endpoint, handshake, link probe once per peer."""
+        host, _, port = peer.rpartition(":")
+        try:
+            ep = await connect_endpoint(self._rt.ucxx, host, int(port), self._connect_timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"cannot connect to {peer}: {_err(exc)}") from exc
+        conn = Conn(ep)
+        try:
+            await conn.handshake(self._rt, self._connect_timeout_s)
+            if self._links.get(peer) is None:
+                await asyncio.wait_for(self._probe(peer, conn), self._connect_timeout_s + 5.0)
+        except BaseException as exc:
+            conn.abort()
+            if isinstance(exc, Exception):
                 raise TransferError(f"cannot connect to {peer}: {_err(exc)}") from exc
-            conn = Conn(ep)
-            try:
-                await conn.handshake(self._rt, self._connect_timeout_s)
-                if self._links.get(peer) is None:
-                    await asyncio.wait_for(self._probe(peer, conn), self._connect_timeout_s + 5.0)
-            except BaseException as exc:
-                conn.abort()
-                if isinstance(exc, Exception):
-                    raise TransferError(f"cannot connect to {peer}: {_err(exc)}") from exc
-                raise
-            p.conns[k] = conn
-            return conn
+            raise
+        p.conns[k] = conn
+        return conn
 
     async def _probe(self, peer: str, conn: Conn) -> None:
         rtts = []
@@ -238,7 +243,7 @@ class UcxTransport:
             except Exception as exc:  # noqa: BLE001 - the chunk fails as a whole
                 errors[k] = _err(exc)
 
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(TimeoutError), self._rt.waker.busy():
             await asyncio.wait_for(asyncio.gather(*(run(k) for k in range(len(chunks)))), timeout_s)
         lost = [k for k in range(len(chunks)) if not done[k] and not refused[k]]
         if lost:

@@ -126,6 +126,10 @@ class UcxBlockServer:
             self._abort(ep)
 
     async def _serve(self, ep: Any, op: str, rid: int, msg: dict[str, Any]) -> None:
+        with _Runtime.get().waker.busy():
+            await self._serve_op(ep, op, rid, msg)
+
+    async def _serve_op(self, ep: Any, op: str, rid: int, msg: dict[str, Any]) -> None:
         try:
             if op == "read":
                 await self._serve_read(ep, rid, msg.get("b", []), msg.get("c"), msg.get("g"))

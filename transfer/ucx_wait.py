@@ -1,30 +1,36 @@
-"""Waiting for a UCX request without spinning the loop thread.
+"""Waiting for UCX without spinning the loop thread when nothing is in flight.
 
-ucxx's blocking progress mode (our default, see `ucx_runtime`) progresses the worker when its epoll file
-descriptor fires, but a coroutine awaiting a request (`UCXRequest.wait`) polls `completed` with
-`asyncio.sleep(0)` until it is done. An idle connection keeps one active-message receive posted, so every
-process with a connection spun one core at 100 % (nice 19): on a 2-core host, the stores' and the
-prefill/decode nodes' loop threads competed with one another and with every transfer (a 32 MiB pull took
-40-80 ms inside a cluster, 12-15 ms between two quiet processes).
+ucxx's blocking progress mode (our default, see `ucx_runtime`) progresses the worker when its event fd
+fires but never re-arms it, so the fd stayed readable and the loop called back without pause; and a
+coroutine awaiting a request (`UCXRequest.wait`) polls `completed` with `asyncio.sleep(0)`. An idle
+connection keeps one active-message receive posted, so every process with a connection spun one core
+(nice 19): on a 2-core host the stores' and the prefill/decode nodes' loop threads competed with one
+another and with every transfer (a 32 MiB pull took 40-80 ms inside a cluster, 12-15 ms between two quiet
+processes).
 
-`ProgressWaker` wraps the worker ucxx's blocking-mode progress task calls, so each `progress()` (the only
-place UCX completes a posted request) resolves the futures of the waiters; a waiter rechecks its request
-and waits again. A completion outside progress (an endpoint abort cancels its requests) is caught by a
-fallback re-check every `FALLBACK_S`. `am_recv` is `ucxx.Endpoint.am_recv` with that wait: the readers that
-sit idle in one use it, so an idle node's UCX thread sleeps in epoll.
+`ProgressWaker` keeps two regimes:
+- **busy** (a transfer, connect or served request marked with `busy()`): a task progresses the worker on
+  every loop iteration, as ucxx did, because some UCX protocols complete only under progress with no fd
+  event (e.g. `UCX_RNDV_SCHEME=get_zcopy` over shared memory stalled ~1 s per message when waiting for
+  events alone);
+- **idle**: the worker is progressed until it arms, and the loop sleeps in epoll until UCX signals an
+  event. Every progress (the only place UCX completes a posted request) resolves the futures of `wait`ers,
+  which re-check their request; `am_recv` is `ucxx.Endpoint.am_recv` with that wait, for readers that sit
+  idle. A tick every `TICK_S` progresses and re-arms anyway, so nothing waits longer than that for an
+  event UCX did not signal (or a completion outside progress, such as an endpoint abort).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-FALLBACK_S = 0.05
-"""A waiter re-checks its request at least this often even without a progress (seconds)."""
-
-
+TICK_S = 0.05
+"""The idle worker is progressed (and re-armed) at least this often (seconds)."""
 _MAX_PROGRESS = 16
-"""Progress rounds per event-fd callback before yielding to other work on the loop."""
+"""Progress rounds before giving up on arming in one call (the fd stays readable: the loop calls again)."""
 
 
 class _WorkerProxy:
@@ -44,24 +50,21 @@ class _WorkerProxy:
         return getattr(self._worker, name)
 
 
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
 class ProgressWaker:
-    """Futures resolved after each UCX worker progress, for coroutines on `loop` waiting on requests."""
+    """Progress regimes of the UCX worker on `loop` and futures resolved after each progress (see above)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.installed = False
         self._waiters: list[asyncio.Future[None]] = []
         self._worker: Any = None
+        self._busy = 0
+        self._poll_task: asyncio.Task[None] | None = None
 
     def install(self) -> bool:
-        """Hook the progress task ucxx runs on `self.loop` (call on the loop, after `ucxx.init()`).
+        """Take over progress of the worker ucxx runs on `self.loop` (call on the loop, after `ucxx.init()`).
 
-        Returns False (and `wait` falls back to ucxx's own polling) when ucxx runs another progress mode
+        Returns False (ucxx's own progress and waits stay as they are) when ucxx runs another progress mode
         or its internals changed shape."""
         try:
             from ucxx._lib_async import application_context as app
@@ -74,26 +77,51 @@ class ProgressWaker:
         worker = task.worker
         try:
             epoll_fd = int(worker.epoll_file_descriptor)
-        except Exception:  # noqa: BLE001 - no event fd: leave ucxx's polling alone
+        except Exception:  # noqa: BLE001 - no event fd: leave ucxx's progress alone
             return False
         self._worker = worker
-        task.worker = _WorkerProxy(worker, self.wake)
-        # Replaces ucxx's reader of the worker's event fd, which progresses but never re-arms the worker,
-        # so the fd stayed readable and the loop called it back-to-back (a spinning thread even when idle).
-        self.loop.add_reader(epoll_fd, self._on_event)
+        task.worker = _WorkerProxy(worker, self.wake)  # ucxx's own progress calls wake waiters too
+        self.loop.add_reader(epoll_fd, self._progress_and_arm)  # replaces ucxx's reader of the fd
+        with contextlib.suppress(Exception):
+            task.progress_task.cancel()  # its 1 s progress without re-arming; our tick replaces it
         self.installed = True
+        self.loop.call_later(TICK_S, self._tick)
         return True
 
-    def _on_event(self) -> None:
-        """The worker's event fd fired: progress until the worker arms (no event left), then wake waiters.
-        Arming resets the fd, so the loop sleeps in epoll until UCX has something new. After
-        `_MAX_PROGRESS` busy rounds the fd stays readable and the loop calls back again."""
+    def _progress_and_arm(self) -> None:
+        """Progress until the worker arms (no event left: its fd is reset and the loop may sleep), unless
+        a busy period polls; then wake the waiters."""
         worker = self._worker
         for _ in range(_MAX_PROGRESS):
             worker.progress()
-            if worker.arm():
+            if self._busy or worker.arm():
                 break
         self.wake()
+
+    def _tick(self) -> None:
+        self._progress_and_arm()
+        self.loop.call_later(TICK_S, self._tick)
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Poll the worker on every loop iteration while the block runs (on the loop thread)."""
+        self._busy += 1
+        if self.installed and self._poll_task is None:
+            self._poll_task = self.loop.create_task(self._poll())
+        try:
+            yield
+        finally:
+            self._busy -= 1
+
+    async def _poll(self) -> None:
+        try:
+            while self._busy:
+                self._worker.progress()
+                self.wake()
+                await asyncio.sleep(0)
+        finally:
+            self._poll_task = None
+            self._progress_and_arm()
 
     def wake(self) -> None:
         """Resolve every waiting future (they re-check their requests)."""
@@ -112,11 +140,7 @@ class ProgressWaker:
         while not req.completed:
             fut = self.loop.create_future()
             self._waiters.append(fut)
-            timer = self.loop.call_later(FALLBACK_S, _resolve, fut)
-            try:
-                await fut
-            finally:
-                timer.cancel()
+            await fut
         req.check_error()
 
 

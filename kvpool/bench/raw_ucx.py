@@ -48,13 +48,18 @@ async def _serve_ep(ep: Any, bufs: _Buffers) -> None:
             return
         rid, n, nbytes = int(msg["id"]), int(msg["n"]), int(msg["nbytes"])
         buf = bufs.get(n, nbytes)
-        if msg["op"] == "get":
-            await asyncio.gather(*(ep.send(buf[i], tag=_tag(rid, i)) for i in range(n)))
-        elif msg["op"] == "put":
-            await asyncio.gather(*(ep.recv(buf[i], tag=_tag(rid, i)) for i in range(n)))
-            await ep.am_send(_pack({"id": rid}))
-        else:  # ping
-            await ep.am_send(_pack({"id": rid}))
+        with _Runtime.get().waker.busy():  # as the pool's server does per request
+            await _serve_op(ep, msg, rid, n, buf)
+
+
+async def _serve_op(ep: Any, msg: dict[str, Any], rid: int, n: int, buf: np.ndarray) -> None:
+    if msg["op"] == "get":
+        await asyncio.gather(*(ep.send(buf[i], tag=_tag(rid, i)) for i in range(n)))
+    elif msg["op"] == "put":
+        await asyncio.gather(*(ep.recv(buf[i], tag=_tag(rid, i)) for i in range(n)))
+        await ep.am_send(_pack({"id": rid}))
+    else:  # ping
+        await ep.am_send(_pack({"id": rid}))
 
 
 def serve(port: int = 0) -> None:
@@ -80,7 +85,7 @@ class RawUcxClient:
     def __init__(self, host: str, port: int, *, endpoints: int, blocks_per_message: int) -> None:
         self._rt = _Runtime.get()
         self._per_msg = blocks_per_message
-        self._eps: list[Any] = self._rt.run(self._connect(host, port, endpoints), 30.0)
+        self._eps: list[Any] = self._rt.run(self._busy(self._connect(host, port, endpoints)), 30.0)
 
     async def _connect(self, host: str, port: int, n: int) -> list[Any]:
         eps = [await self._rt.ucxx.create_endpoint(host, port) for _ in range(n)]
@@ -98,11 +103,15 @@ class RawUcxClient:
 
     def get(self, out: np.ndarray, timeout_s: float = 60.0) -> None:
         """Receive `out.shape[0]` blocks of `out.shape[1]` bytes into `out` (rows)."""
-        self._rt.run(self._get(out), timeout_s)
+        self._rt.run(self._busy(self._get(out)), timeout_s)
 
     def put(self, data: np.ndarray, timeout_s: float = 60.0) -> None:
         """Send the rows of `data`; returns once the peer has received all of them."""
-        self._rt.run(self._put(data), timeout_s)
+        self._rt.run(self._busy(self._put(data)), timeout_s)
+
+    async def _busy(self, coro: Any) -> Any:
+        with self._rt.waker.busy():  # as the pool's client does per batch
+            return await coro
 
     async def _get(self, out: np.ndarray) -> None:
         async def one(ep: Any, lo: int, hi: int) -> None:
