@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.rpc.loop import run
+
 _STREAM = "/kvpool.v1.Master/MatchPrefixStream"
 _UNARY = "/kvpool.v1.Master/MatchPrefix"
 
@@ -38,7 +40,7 @@ class LeanJob:
 
 def lean_client(job: LeanJob, ready: Any, go: Any, out: Any) -> None:
     """One client process: after `go`, runs `job`; puts (k, latencies in s, answers short of `want`)."""
-    out.put(asyncio.run(_run(job, ready, go)))
+    out.put(run(_run(job, ready, go)))
 
 
 async def _run(job: LeanJob, ready: Any, go: Any) -> tuple[int, list[float], int]:

@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpool import errors
+from kvpool.rpc.loop import new_event_loop
 from kvpool.rpc.security import _OPEN_METHODS, bind, security
 from kvpool.rpc.server import _CHANNEL_OPTIONS, _OPTIONS
 from kvpool.rpc.status import status_for
@@ -146,7 +147,7 @@ class AioGrpcServer:
 
     def __init__(self) -> None:
         self.port = 0
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvpool-grpc-aio", daemon=True)
