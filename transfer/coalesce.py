@@ -29,7 +29,10 @@ MAX_RUN_BYTES = 64 << 20
 
 def address(view: memoryview) -> int:
     """The address of a buffer's first byte (read-only buffers too)."""
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))  # ~0.5 us; writable, non-empty only
+    except (TypeError, ValueError):
+        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)  # ~3.5 us
 
 
 def span(first: memoryview, nbytes: int) -> memoryview:
