@@ -85,3 +85,43 @@ def test_runs_move_as_one_message_and_each_block_is_still_checked() -> None:
     finally:
         t.close()
         server.stop()
+
+
+def test_large_runs_are_verified_as_they_land() -> None:
+    """Messages of >= 1 MiB are hashed as soon as they land (reads on the client, writes on the store):
+    one corrupted block inside such a run is still caught, and only that block fails."""
+    require_ucx()
+    from kvpool.store import Segment, SlotTable
+    from kvpool.store.slots import Reservation
+    from transfer.ucx_client import _VERIFY_EARLY_BYTES
+    from transfer.ucx_server import _HASH_EARLY_BYTES
+
+    nb = 256 << 10
+    assert 8 * nb >= max(_VERIFY_EARLY_BYTES, _HASH_EARLY_BYTES)
+    table = SlotTable(Segment(16 * nb, nb, pin_memory="off"))
+    server = UcxBlockServer(table)
+    peer = f"127.0.0.1:{server.start()}"
+    t = UcxTransport(endpoints_per_peer=1, blocks_per_message=64, probe_bytes=0, probe_pings=1)
+    try:
+        data = rand_blocks(16, nb=nb, seed=31)
+        table.reserve([Reservation(s, 1, NS, h(s)) for s in range(16)], 10_000)
+        sums = [checksum(d) for d in data]
+        sums[5] ^= 1  # the writer names a wrong checksum for one block of the first run
+        before = server.num_merged_runs
+        res = t.write_blocks(peer, [BlockWrite(s, 1, data[s], sums[s]) for s in range(16)], timeout_s=10)
+        assert server.num_merged_runs > before  # the blocks really moved as merged runs
+        assert [i for i, r in enumerate(res) if not r.ok] == [5]
+        assert "ChecksumMismatch" in res[5].error
+        assert all(e == "" for _, _, e in table.commit([(s, 1) for s in range(16) if s != 5]))
+
+        table.segment.array[12 * nb + 7] ^= 0x01  # corrupt a committed block inside the second run
+        reads = [BlockRead(s, 1, nb) for s in range(16) if s != 5]
+        out = np.zeros((15, nb), dtype=np.uint8)
+        res = t.read_blocks(peer, reads, [memoryview(o) for o in out], timeout_s=10)
+        bad = [reads[i].slot for i, r in enumerate(res) if not r.ok]
+        assert bad == [12] and "checksum mismatch" in res[11].error
+        good = [i for i, r in enumerate(reads) if r.slot != 12]
+        assert np.array_equal(out[good], data[[reads[i].slot for i in good]])
+    finally:
+        t.close()
+        server.stop()

@@ -165,8 +165,12 @@ class BlockHandler(Protocol):
         the handler checks capabilities) without a valid write capability."""
         ...
 
-    def end_write(self, slot: int, generation: int, checksum: int, ok: bool) -> None:
-        """The transfer ended (`ok`: all bytes landed): verify `checksum`; raise on mismatch."""
+    def end_write(
+        self, slot: int, generation: int, checksum: int, ok: bool, landed_checksum: int | None = None
+    ) -> None:
+        """The transfer ended (`ok`: all bytes landed): verify `checksum`; raise on mismatch.
+        `landed_checksum`: the xxh3 of the slot's bytes, when the transport already hashed them after they
+        landed (the slot cannot change while it is being written); else the handler hashes them."""
         ...
 
 

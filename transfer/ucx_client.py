@@ -52,6 +52,20 @@ def _verify(
     return out
 
 
+_VERIFY_EARLY_BYTES = 1 << 20
+"""A received message at least this large is verified as soon as it lands (smaller ones together)."""
+
+
+def _covered(views: Sequence[memoryview], first: int, nbytes: int) -> list[int]:
+    """Indices of the consecutive `views` from `first` that a message of `nbytes` bytes fills."""
+    out: list[int] = []
+    n = 0
+    while n < nbytes and first + len(out) < len(views):
+        out.append(first + len(out))
+        n += views[out[-1]].nbytes
+    return out
+
+
 async def _request_runs(
     conn: Conn, msg: dict[str, Any], views: Sequence[memoryview]
 ) -> tuple[list[Any], list[tuple[int, memoryview]]]:
@@ -273,18 +287,33 @@ class UcxTransport:
             }
             if any(reads[i].capability for i in idxs):
                 msg["c"] = [[reads[i].expiry_ms, bytes(reads[i].capability)] for i in idxs]
-            header, plan = await _request_runs(conn, msg, [views[i] for i in idxs])
-            got: list[tuple[int, int]] = []  # (index, checksum the peer sent)
+            local = [views[i] for i in idxs]
+            header, plan = await _request_runs(conn, msg, local)
+            sent: dict[int, int] = {}  # local index -> checksum the peer sent
             for j, (ok, cs, err) in enumerate(header):
                 results[idxs[j]] = (bool(ok), int(cs), str(err))
                 if ok:
-                    got.append((idxs[j], int(cs)))
-            await asyncio.gather(*(conn.ep.recv(buf, tag=_tag(rid, j)) for j, buf in plan))
-            # Verify this message's blocks on a helper thread (xxh3 releases the GIL) while the other
-            # messages of the batch are still moving; shielded: a deadline never leaves it half-done.
-            verified = await asyncio.shield(asyncio.wrap_future(_HASHERS.submit(_verify, views, got)))
-            for i, res in verified:
-                results[i] = res
+                    sent[j] = int(cs)
+            small: list[tuple[int, int]] = []
+
+            async def land(j: int, buf: memoryview) -> list[tuple[int, tuple[bool, int, str]]]:
+                await conn.ep.recv(buf, tag=_tag(rid, j))
+                got = [(idxs[k], sent[k]) for k in _covered(local, j, buf.nbytes) if k in sent]
+                if buf.nbytes < _VERIFY_EARLY_BYTES:  # not worth a job of its own: verified at the end
+                    small.extend(got)
+                    return []
+                # Verify a large message's blocks on a helper thread (xxh3 releases the GIL) as soon as
+                # it lands, while later ones still move; shielded: a deadline never leaves it half-done.
+                return await asyncio.shield(asyncio.wrap_future(_HASHERS.submit(_verify, views, got)))
+
+            landed = await asyncio.gather(*(land(j, buf) for j, buf in plan))
+            if small:
+                landed.append(
+                    await asyncio.shield(asyncio.wrap_future(_HASHERS.submit(_verify, views, small)))
+                )
+            for verified in landed:
+                for i, res in verified:
+                    results[i] = res
 
         t0 = time.perf_counter()
         res = await self._batch(peer, len(reads), timeout_s, one)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from transfer.base import BlockHandler
+from transfer.base import BlockHandler, checksum
 from transfer.coalesce import merge, valid_groups
 from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
@@ -27,6 +27,16 @@ from transfer.ucx_wait import am_recv
 log = logging.getLogger(__name__)
 MAX_CAPABILITY_NBYTES = 64
 """Longest capability a request may carry (the project's are 16 bytes; see kvpool/capability.py)."""
+_HASH_EARLY_BYTES = 1 << 20
+"""A written message at least this large is hashed as soon as it lands (smaller ones in `end_write`)."""
+
+
+def _hash_parts(view: memoryview, n: int) -> list[int]:
+    """xxh3 of each of the `n` equal parts of `view` (the blocks of one merged message)."""
+    size = view.nbytes // n
+    return [checksum(view[k * size : (k + 1) * size]) for k in range(n)]
+
+
 _HASHERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-ucx-end-write")
 """Where written blocks are checksummed (`end_write`), off the UCX loop thread."""
 
@@ -251,7 +261,15 @@ class UcxBlockServer:
                 served.append((i, view))
             self.inflight += len(accepted)
             plan = merge(served, groups) if groups else [(i, 1, v) for i, v in served]
-            recvs = [asyncio.create_task(ep.recv(v, tag=_tag(rid, i))) for i, _, v in plan]
+            digests: dict[int, int] = {}  # request index -> xxh3 of its landed bytes
+
+            async def land(i: int, n: int, v: memoryview) -> None:
+                await ep.recv(v, tag=_tag(rid, i))
+                if v.nbytes >= _HASH_EARLY_BYTES:  # hash it now, while later messages still move
+                    sums = await asyncio.shield(asyncio.wrap_future(_HASHERS.submit(_hash_parts, v, n)))
+                    digests.update(zip(range(i, i + n), sums, strict=True))
+
+            recvs = [asyncio.create_task(land(i, n, v)) for i, n, v in plan]
             reply: dict[str, Any] = {"id": rid, "ph": 0, "r": header}
             if merged := [[i, n] for i, n, _ in plan if n > 1]:
                 reply["m"] = merged  # one message per run of adjacent slots (transfer.coalesce)
@@ -274,7 +292,7 @@ class UcxBlockServer:
             # `ended` keeps the finally below from ending these writes a second time.
             ended = True
             final = await asyncio.shield(
-                asyncio.wrap_future(_HASHERS.submit(self._end_writes, header, accepted, landed))
+                asyncio.wrap_future(_HASHERS.submit(self._end_writes, header, accepted, landed, digests))
             )
         finally:
             self.inflight -= len(accepted)
@@ -283,14 +301,19 @@ class UcxBlockServer:
         await ep.am_send(_pack({"id": rid, "ph": 1, "r": final}))
 
     def _end_writes(
-        self, header: list[list[Any]], accepted: list[tuple[int, int, int, int]], landed: list[bool]
+        self,
+        header: list[list[Any]],
+        accepted: list[tuple[int, int, int, int]],
+        landed: list[bool],
+        digests: dict[int, int] | None = None,
     ) -> list[list[Any]]:
         """`end_write` every accepted block exactly once; the per-block results of the write."""
         final = [list(h) for h in header]
+        digests = digests or {}
         for k, (i, slot, gen, cs) in enumerate(accepted):
             ok = k < len(landed) and landed[k] and final[i][0]
             try:
-                self._handler.end_write(slot, gen, cs, ok)
+                self._handler.end_write(slot, gen, cs, ok, digests.get(i))
             except Exception as exc:  # noqa: BLE001 - per-block result
                 final[i] = [False, 0, _err(exc)]
             else:

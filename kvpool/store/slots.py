@@ -338,8 +338,15 @@ class SlotTable:
             self.num_inflight += 1
             return self.segment.slot_view(slot)
 
-    def end_write(self, slot: int, generation: int, checksum: int, ok: bool) -> None:
-        got = xxhash.xxh3_64_intdigest(self.segment.slot_view(slot)) if ok else 0
+    def end_write(
+        self, slot: int, generation: int, checksum: int, ok: bool, landed_checksum: int | None = None
+    ) -> None:
+        if not ok:
+            got = 0
+        elif landed_checksum is not None:  # hashed by the transport once the bytes landed
+            got = landed_checksum
+        else:
+            got = xxhash.xxh3_64_intdigest(self.segment.slot_view(slot))
         with self._lock:
             if not self._writing[slot]:
                 return
