@@ -21,6 +21,15 @@ from pydantic_settings import (
 DEFAULT_BIND_HOST = "127.0.0.1"
 """Loopback by default: a server is reachable from other hosts only when told (`--listen`)."""
 
+
+def check_host_port(value: str) -> str:
+    """`value` if it is `HOST:PORT` with a port in 1-65535 (IPv6 hosts in brackets); else `ValueError`."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT with a port in 1-65535, got {value!r}")
+    return value
+
+
 _TOML_FILE: ContextVar[Path | None] = ContextVar("kvpool_toml_file", default=None)
 
 S = TypeVar("S", bound="KVPoolSettings")

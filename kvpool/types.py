@@ -21,6 +21,11 @@ NamespaceId = NewType("NamespaceId", bytes)
 _DTYPE_NBYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
+DEFAULT_LAYOUT = "kv1:float32:b64:l4:h4:d32"
+"""The KV layout of the embedded model at its default block size (64): the default of `kvpool master` and
+`kvpool store`, so a cluster started with defaults serves the default prefill/decode nodes."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KVLayout:
     """The layout of one KV block: `[num_layers, 2 (K,V), num_kv_heads, block_size, head_dim]`.

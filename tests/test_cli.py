@@ -40,3 +40,47 @@ def test_bad_setting_is_one_line_not_a_traceback() -> None:
     assert out.returncode == 2
     assert "invalid setting segment_size" in out.stderr and "malformed size" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def _kvpool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def _one_error_line(out: subprocess.CompletedProcess[str], prefix: str) -> str:
+    lines = [line for line in out.stderr.splitlines() if " INFO " not in line and " WARNING " not in line]
+    assert "Traceback" not in out.stderr, out.stderr
+    assert len(lines) == 1 and lines[0].startswith(prefix), lines
+    return lines[0]
+
+
+def test_serving_roles_fail_to_start_with_one_line() -> None:
+    """A role that cannot start (bad device, missing model, unreachable master) says why in one line and
+    exits 1; a malformed master address or routing policy is a bad setting (exit 2)."""
+    out = _kvpool("prefill", "--model", "/nonexistent/model", "--master", "127.0.0.1:1")
+    assert out.returncode == 1 and "no config.json" in _one_error_line(out, "kvpool prefill: NotFound")
+    out = _kvpool("decode", "--master", "127.0.0.1:1", "--port", "0")
+    assert out.returncode == 1 and "127.0.0.1:1" in _one_error_line(out, "kvpool decode: Unavailable")
+    out = _kvpool("prefill", "--master", "nohost")
+    assert out.returncode == 2 and "HOST:PORT" in _one_error_line(out, "kvpool: invalid setting master")
+    out = _kvpool("router", "--policy", "fastest")
+    assert out.returncode == 2 and "round-robin" in _one_error_line(out, "kvpool: invalid setting policy")
+
+
+def test_admin_refuses_a_bad_master_address_and_timeout() -> None:
+    result = CliRunner().invoke(app, ["admin", "--master", "127.0.0.1:99999", "status"])
+    assert result.exit_code == 2 and "1-65535" in result.output
+    result = CliRunner().invoke(app, ["admin", "--timeout", "-1", "status"])
+    assert result.exit_code == 2 and "must be > 0" in result.output
+
+
+def test_default_layouts_serve_the_default_model() -> None:
+    """`kvpool master` and `kvpool store` with no --layout accept the default prefill/decode node."""
+    from kvpool.master.settings import MasterSettings
+    from kvpool.model.runner import load_runner
+    from kvpool.store.settings import StoreSettings
+    from kvpool.types import DEFAULT_LAYOUT
+
+    assert MasterSettings().layout == StoreSettings().layout == DEFAULT_LAYOUT
+    assert load_runner().layout.fingerprint() == DEFAULT_LAYOUT

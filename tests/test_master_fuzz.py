@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvpool.master import MasterSettings, serve
 from kvpool.rpc.server import channel
+from kvpool.types import DEFAULT_LAYOUT
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -52,7 +53,7 @@ CALLS = st.one_of(
             pb.RegisterNodeRequest,
             node=node,
             protocol_version=u32,
-            layout_fingerprint=st.sampled_from(["", "kv1:float32:b64:l4:h2:d32"]),
+            layout_fingerprint=st.sampled_from(["", DEFAULT_LAYOUT, "kv1:float32:b64:l4:h2:d32"]),
             num_slots=u64,
             block_nbytes=u64,
         ),
@@ -142,3 +143,21 @@ def test_every_rpc_answers_a_status_and_the_master_keeps_serving(stub, calls) ->
         except grpc.RpcError as exc:
             assert exc.code() in OK, f"{name}: {exc.code()} {exc.details()}"
     assert stub.Stats(pb.StatsRequest(), timeout=5) is not None
+
+
+def test_huge_prompt_token_counts_are_refused(stub) -> None:
+    """Found by the fuzz: a match reporting ~2**64 prompt tokens overflowed the uint64 counters of Stats,
+    after which every Stats call failed."""
+    req = pb.MatchPrefixRequest(
+        namespace=b"\x00" * 16, block_hashes=[b"\x01" * 16], count_hit=True, num_prompt_tokens=2**64 - 1
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        stub.MatchPrefix(req, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_prompt_tokens" in err.value.details()
+    for _ in range(3):
+        stub.MatchPrefix(pb.MatchPrefixRequest(**{**_fields(req), "num_prompt_tokens": 2**32 - 1}), timeout=5)
+    assert stub.Stats(pb.StatsRequest(), timeout=5).requested_tokens >= 3 * (2**32 - 1)
+
+
+def _fields(msg) -> dict:
+    return {f.name: v for f, v in msg.ListFields()}

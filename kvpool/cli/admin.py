@@ -26,6 +26,14 @@ def _admin(
     master: str = typer.Option("127.0.0.1:50051", "--master", help="Master HOST:PORT."),
     timeout_s: float = typer.Option(5.0, "--timeout", help="Deadline per call (s)."),
 ) -> None:
+    from kvpool.config import check_host_port
+
+    try:
+        check_host_port(master)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--master") from None
+    if not timeout_s > 0:
+        raise typer.BadParameter(f"must be > 0 seconds, got {timeout_s}", param_hint="--timeout")
     _Ctx.master, _Ctx.timeout_s = master, timeout_s
 
 

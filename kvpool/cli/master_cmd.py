@@ -20,7 +20,10 @@ def register_master_command(app: typer.Typer) -> None:
     def master(
         listen: str | None = typer.Option(None, help="Bind host (default 127.0.0.1)."),
         port: int | None = typer.Option(None, help="gRPC port (0: ephemeral)."),
-        layout: str | None = typer.Option(None, help="The pool's KV layout, e.g. kv1:float32:b64:l4:h2:d32."),
+        layout: str | None = typer.Option(
+            None,
+            help="The pool's KV layout, e.g. kv1:float32:b64:l4:h4:d32 (the default: the embedded model).",
+        ),
         heartbeat_timeout_ms: int | None = typer.Option(None, help="A node silent this long is dead."),
         heartbeat_interval_ms: int | None = typer.Option(None, help="Interval told to nodes."),
         high_watermark: float | None = typer.Option(None, help="Per store node: evict above this fill."),

@@ -24,6 +24,9 @@ def register_router_command(app: typer.Typer) -> None:
         config: Path | None = typer.Option(None, help="TOML config file."),
     ) -> None:
         """Run the router: OpenAI-compatible API, prefix-affinity vs load placement, /metrics."""
+        from pydantic import ValidationError
+
+        from kvpool.cli.errors import run_or_exit
         from kvpool.config import load_config
         from kvpool.router.serve import serve
         from kvpool.router.settings import RouterSettings
@@ -34,7 +37,9 @@ def register_router_command(app: typer.Typer) -> None:
                 served_model_name=served_model_name, tenants=tenants, block_size=block_size, seed=seed,
                 max_inflight=max_inflight, max_prompt_tokens=max_prompt_tokens,
             )  # fmt: skip
+        except ValidationError:
+            raise  # a bad setting: `kvpool.cli.main` prints one line per field
         except Exception as exc:  # noqa: BLE001 - one clear line, no traceback
             typer.echo(f"kvpool router: {exc}", err=True)
             raise typer.Exit(2) from None
-        serve(settings)
+        run_or_exit("router", lambda: serve(settings))

@@ -27,6 +27,7 @@ def _register(app: typer.Typer, role: str) -> None:
         metrics_port: int = typer.Option(None, help="/metrics port on the bind host (0 = ephemeral)"),
         config: Path = typer.Option(None, help="TOML config file"),
     ) -> None:
+        from kvpool.cli.errors import run_or_exit
         from kvpool.config import load_config
         from kvpool.serving.common import ServingSettings
 
@@ -39,7 +40,7 @@ def _register(app: typer.Typer, role: str) -> None:
             from prefill_node.main import main
         else:
             from decode_node.main import main
-        main(settings)
+        run_or_exit(role, lambda: main(settings))
 
     command.__doc__ = f"Run a {role} node."
     app.command(name=role)(command)

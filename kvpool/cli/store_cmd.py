@@ -16,7 +16,8 @@ def register_store_command(app: typer.Typer) -> None:
         data_port: int | None = typer.Option(None, help="UCX data port (0: ephemeral)."),
         segment_size: str | None = typer.Option(None, help="Segment size, e.g. 256MiB, 4GiB."),
         layout: str | None = typer.Option(
-            None, help="KV layout fingerprint, e.g. kv1:float32:b64:l4:h2:d32."
+            None,
+            help="KV layout fingerprint, e.g. kv1:float32:b64:l4:h4:d32 (the default: the embedded model).",
         ),
         node_id: str | None = typer.Option(None, help="Node id (default store-<host>-<pid>)."),
         pin_memory: str | None = typer.Option(None, help="auto | on | off (pinned host memory)."),

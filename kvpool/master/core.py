@@ -26,6 +26,8 @@ from kvpool.rpc import PROTOCOL_VERSION
 from kvpool.types import HASH_NBYTES, BlockHash, Clock, Location, MonotonicClock, NamespaceId
 
 log = logging.getLogger(__name__)
+MAX_PROMPT_TOKENS = (1 << 32) - 1
+"""The most prompt tokens one match may report (the hit-rate denominator; keeps counters in uint64)."""
 
 ROLES = ("store", "prefill", "decode", "router")
 BlockKey = tuple[bytes, bytes]  # (namespace, block hash)
@@ -340,6 +342,8 @@ class Master:
                     raise InvalidArgument(f"block_hashes[{i}] must be {HASH_NBYTES} bytes, got {len(h)}")
         if not 0 <= lease_ttl_ms <= self.settings.max_lease_ttl_ms:
             raise InvalidArgument(f"lease_ttl_ms must be in [0, {self.settings.max_lease_ttl_ms}]")
+        if not 0 <= num_prompt_tokens <= MAX_PROMPT_TOKENS:  # summed into uint64 counters (Stats)
+            raise InvalidArgument(f"num_prompt_tokens must be in [0, {MAX_PROMPT_TOKENS}]")
         with self.lock:
             res = self.index.match_prefix(
                 NamespaceId(ns), hashes, count_hit=count_hit, lease_ttl_ms=lease_ttl_ms

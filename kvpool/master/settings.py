@@ -6,14 +6,14 @@ from pydantic import field_validator, model_validator
 
 from kvpool.config import KVPoolSettings
 from kvpool.index import DEFAULT_POLICY
-from kvpool.types import KVLayout
+from kvpool.types import DEFAULT_LAYOUT, KVLayout
 
 
 class MasterSettings(KVPoolSettings):
     """Everything `kvpool master` can be told. Times in ms unless named `_s`."""
 
     port: int = 50051
-    layout: str = "kv1:float32:b64:l4:h2:d32"
+    layout: str = DEFAULT_LAYOUT
     heartbeat_interval_ms: int = 500
     heartbeat_timeout_ms: int = 10_000  # generous: a store starved by a long prefill on a small box is not dead (stale_after_ms already stops placements)
     high_watermark: float = 0.9

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from kvpool.config import KVPoolSettings
+from kvpool.config import KVPoolSettings, check_host_port
 from kvpool.router.policy import POLICIES
 
 
 class RouterSettings(KVPoolSettings):
     master: str = Field(default="127.0.0.1:50051", description="master host:port")
+
+    @field_validator("master")
+    @classmethod
+    def _master_address(cls, value: str) -> str:
+        return check_host_port(value)
+
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (0 = ephemeral)")
     policy: str = Field(default="cost", description="cost | affinity | least-load | round-robin")
     model: str | None = Field(default=None, description="model directory; None = the embedded model")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from kvpool.config import KVPoolSettings
+from kvpool.config import KVPoolSettings, check_host_port
 from kvpool.errors import InvalidArgument
 
 
@@ -14,6 +14,12 @@ class ServingSettings(KVPoolSettings):
     """Settings of a serving node (env `KVPOOL_<FIELD>`, or a TOML file, or CLI flags)."""
 
     master: str = Field(default="127.0.0.1:50051", description="master host:port")
+
+    @field_validator("master")
+    @classmethod
+    def _master_address(cls, value: str) -> str:
+        return check_host_port(value)
+
     port: int = Field(default=0, ge=0, le=65535, description="gRPC port (0 = ephemeral)")
     node_id: str = ""
     model: str | None = Field(default=None, description="HF model directory; None = the embedded model")

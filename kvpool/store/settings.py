@@ -7,7 +7,7 @@ import re
 from pydantic import Field, field_validator
 
 from kvpool.config import KVPoolSettings
-from kvpool.types import KVLayout
+from kvpool.types import DEFAULT_LAYOUT, KVLayout
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3}
 _UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "t": 1000**4, "tb": 1000**4}
@@ -36,7 +36,7 @@ class StoreSettings(KVPoolSettings):
     data_port: int = 0
     advertise_host: str = ""  # the host put in grpc/data addresses; empty: bind_host
     segment_size: str = "256MiB"
-    layout: str = "kv1:float32:b64:l4:h2:d32"
+    layout: str = DEFAULT_LAYOUT
     pin_memory: str = "auto"  # auto (when CUDA is present) | on | off
     heartbeat_interval_ms: int = 1000  # until the master says otherwise
     reap_interval_ms: int = 100  # how often expired write leases are reclaimed
