@@ -222,3 +222,29 @@ def test_prefill_on_a_prefix_never_writes_the_prefix(runner: ModelRunner) -> Non
         torch.equal(k, k0) and torch.equal(v, v0)
         for (k, v), (k0, v0) in zip(cache.layers, before, strict=True)
     )
+
+
+def test_long_suffix_on_a_prefix_runs_in_chunks_with_the_same_result(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A suffix longer than PREFILL_CHUNK_TOKENS on a cached prefix is computed in chunks (the masked
+    kernel over the whole rectangle was slower than a cold prefill); logits and KV equal one forward's."""
+    from kvpool.model import runner as runner_module
+
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, runner.vocab_size, 3 * runner_module.PREFILL_CHUNK_TOKENS // 2 + 100).tolist()
+    _, prefix = runner.prefill(tokens[:100])
+    one_logits, one = runner._forward(runner._check_ids(tokens[100:]), prefix)  # noqa: SLF001 - the reference
+    calls = []
+    real = runner._forward  # noqa: SLF001
+    monkeypatch.setattr(runner, "_forward", lambda ids, p: calls.append(len(ids)) or real(ids, p))
+    logits, chunked = runner.prefill(tokens[100:], prefix)
+    assert calls == [
+        runner_module.PREFILL_CHUNK_TOKENS,
+        len(tokens) - 100 - runner_module.PREFILL_CHUNK_TOKENS,
+    ]
+    assert chunked.num_tokens == one.num_tokens == len(tokens)
+    assert float((logits - one_logits).abs().max()) < 1e-4
+    for (k1, v1), (k2, v2) in zip(chunked.layers, one.layers, strict=True):
+        assert float((k1 - k2).abs().max()) < 1e-4 and float((v1 - v2).abs().max()) < 1e-4
+    assert logits.argmax() == one_logits.argmax()

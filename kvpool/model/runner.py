@@ -37,6 +37,10 @@ def _resolve_dtype(dtype: str | None, config: Any) -> torch.dtype:
     return value
 
 
+PREFILL_CHUNK_TOKENS = 512
+"""A prompt suffix longer than this, computed on top of a cached prefix, runs in chunks of this size."""
+
+
 class ModelRunner:
     """One loaded causal LM with full attention on every layer, and its KV layout.
 
@@ -210,6 +214,19 @@ class ModelRunner:
         """
         ids = self._check_ids(token_ids)
         prefix = prefix or KVPrefix.empty()
+        if prefix.num_tokens and len(ids) > PREFILL_CHUNK_TOKENS:
+            # On top of a prefix the forward cannot use the causal SDPA kernel (queries and keys differ in
+            # length): it runs the masked kernel over the whole [suffix x context] rectangle. 3,229 tokens
+            # on an 832-token prefix took 1.41 s against 0.97 s for all 4,061 from scratch; in chunks of
+            # 512, 0.99 s. Same KV and logits (within float rounding; tested).
+            logits = None
+            for start in range(0, len(ids), PREFILL_CHUNK_TOKENS):
+                logits, prefix = self._forward(ids[start : start + PREFILL_CHUNK_TOKENS], prefix)
+            assert logits is not None
+            return logits, prefix
+        return self._forward(ids, prefix)
+
+    def _forward(self, ids: torch.Tensor, prefix: KVPrefix) -> tuple[torch.Tensor, KVPrefix]:
         cache = prefix.to_cache(self.config)
         pos = torch.arange(prefix.num_tokens, prefix.num_tokens + len(ids), device=self.device)
         with torch.inference_mode():
