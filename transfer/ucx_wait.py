@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 TICK_S = 0.05
 """The idle worker is progressed (and re-armed) at least this often (seconds)."""
@@ -99,7 +102,10 @@ class ProgressWaker:
         self.wake()
 
     def _tick(self) -> None:
-        self._progress_and_arm()
+        try:
+            self._progress_and_arm()
+        except Exception as exc:  # noqa: BLE001 - e.g. a worker torn down at exit: keep ticking quietly
+            log.debug("UCX progress tick failed: %s", exc)
         self.loop.call_later(TICK_S, self._tick)
 
     @contextlib.contextmanager
