@@ -147,6 +147,7 @@ class Master:
                 self._forget_node(old)
             rec = NodeRecord(node_id, role, grpc_address, data_address, epoch, num_slots, block_nbytes, now)
             rec.ready = role != "store"
+            rec.registered_ms = now
             self.st.nodes[node_id] = rec
             if role == "store":
                 self.st.to_adopt.add(node_id)

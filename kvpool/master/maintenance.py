@@ -102,6 +102,7 @@ class Maintenance:
             with m.lock:
                 rec = m.st.nodes.get(node_id)
                 if rec is not None and rec.epoch == epoch and rec.alive:
+                    rec.adopt_failures += 1
                     m.st.to_adopt.add(node_id)
             return
         with m.lock:

@@ -29,6 +29,8 @@ class NodeRecord:
     alive: bool = True
     draining: bool = False
     ready: bool = False  # store: its inventory was adopted, slots may be placed
+    registered_ms: int = 0
+    adopt_failures: int = 0  # store: failed inventory reads since it registered
     unreachable_until_ms: int = 0  # a control call to it failed: no placements or free orders till then
     num_used_slots_reported: int = 0
     load: NodeLoad = field(default_factory=NodeLoad)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from kvpool.master.core import Master
 
 log = logging.getLogger(__name__)
+ADOPTION_WAIT_S = 2.0
+"""How long a Reserve waits for a just-registered store's inventory to be adopted (see `_await_adoption`)."""
 
 MAX_REPLICAS = 8
 _DONE_KEEP = 4096
@@ -90,6 +93,7 @@ class Publisher:
         write_lease_ms = write_lease_ms or s.default_write_lease_ms
         if not 0 < write_lease_ms <= s.max_write_lease_ms:
             raise InvalidArgument(f"write_lease_ms must be in (0, {s.max_write_lease_ms}]")
+        self._await_adoption()
         placed: Placed | None = None
         for attempt in range(2):
             with m.lock:
@@ -123,6 +127,26 @@ class Publisher:
             nodes_used = {loc.node_id for locs in r.locations for loc in locs}
             records = [m.st.nodes[n] for n in nodes_used if n in m.st.nodes]
         return ReserveOutcome(r.rid, r.hashes, placed.present, r.locations, write_lease_ms, records, placed.k)
+
+    def _await_adoption(self) -> None:
+        """A store that just registered is placeable once its inventory is adopted (the next maintenance
+        tick). When no store is placeable yet but one registered less than `ADOPTION_WAIT_S` ago is waiting
+        for that (no failed inventory read), wait for it rather than refuse the first publish of a fresh
+        cluster; at most `ADOPTION_WAIT_S`."""
+        m = self.m
+        deadline = time.monotonic() + ADOPTION_WAIT_S
+        while time.monotonic() < deadline:
+            with m.lock:
+                now = m.clock.now_ms()
+                stores = [n for n in m.st.nodes.values() if n.is_store and n.alive and not n.draining]
+                pending = [
+                    n for n in stores
+                    if not n.ready and n.adopt_failures == 0 and now - n.registered_ms <= ADOPTION_WAIT_S * 1000
+                ]  # fmt: skip
+                if not pending or any(n.ready for n in stores):
+                    return
+            m.wake.set()  # adopt now, not at the next tick
+            time.sleep(0.02)
 
     def _reserve_locked(
         self,
