@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -44,16 +48,27 @@ def test_check_merged_refuses_runs_the_client_cannot_receive() -> None:
             check_merged(bad, ok, [5] if bad != [[3, 2]] else [4, 1])
 
 
-def test_runs_move_as_one_message_and_each_block_is_still_checked() -> None:
+@contextlib.contextmanager
+def _served_table(num_slots: int, nb: int) -> Iterator[tuple[Any, UcxBlockServer, str, UcxTransport]]:
+    """(slot table, its UCX block server, the server's address, a client transport), stopped after."""
     require_ucx()
     from kvpool.store import Segment, SlotTable
-    from kvpool.store.slots import Reservation
 
-    table = SlotTable(Segment(64 * NB, NB, pin_memory="off"))
+    table = SlotTable(Segment(num_slots * nb, nb, pin_memory="off"))
     server = UcxBlockServer(table)
     peer = f"127.0.0.1:{server.start()}"
     t = UcxTransport(endpoints_per_peer=1, blocks_per_message=64, probe_bytes=0, probe_pings=1)
     try:
+        yield table, server, peer, t
+    finally:
+        t.close()
+        server.stop()
+
+
+def test_runs_move_as_one_message_and_each_block_is_still_checked() -> None:
+    from kvpool.store.slots import Reservation
+
+    with _served_table(64, NB) as (table, server, peer, t):
         data = rand_blocks(32, nb=NB, seed=21)
         slots = [*range(0, 16), *range(20, 36)]  # two runs of adjacent slots
         table.reserve([Reservation(s, 1, NS, h(s)) for s in slots if s != 7], 10_000)
@@ -82,27 +97,18 @@ def test_runs_move_as_one_message_and_each_block_is_still_checked() -> None:
         res = t.read_blocks(peer, reads[:4], [memoryview(a) for a in apart], timeout_s=10)
         assert all(r.ok for r in res) and server.num_merged_runs == before
         assert all(np.array_equal(a, data[i]) for i, a in enumerate(apart))
-    finally:
-        t.close()
-        server.stop()
 
 
 def test_large_runs_are_verified_as_they_land() -> None:
     """Messages of >= 1 MiB are hashed as soon as they land (reads on the client, writes on the store):
     one corrupted block inside such a run is still caught, and only that block fails."""
-    require_ucx()
-    from kvpool.store import Segment, SlotTable
     from kvpool.store.slots import Reservation
     from transfer.ucx_client import _VERIFY_EARLY_BYTES
     from transfer.ucx_server import _HASH_EARLY_BYTES
 
     nb = 256 << 10
     assert 8 * nb >= max(_VERIFY_EARLY_BYTES, _HASH_EARLY_BYTES)
-    table = SlotTable(Segment(16 * nb, nb, pin_memory="off"))
-    server = UcxBlockServer(table)
-    peer = f"127.0.0.1:{server.start()}"
-    t = UcxTransport(endpoints_per_peer=1, blocks_per_message=64, probe_bytes=0, probe_pings=1)
-    try:
+    with _served_table(16, nb) as (table, server, peer, t):
         data = rand_blocks(16, nb=nb, seed=31)
         table.reserve([Reservation(s, 1, NS, h(s)) for s in range(16)], 10_000)
         sums = [checksum(d) for d in data]
@@ -122,6 +128,3 @@ def test_large_runs_are_verified_as_they_land() -> None:
         assert bad == [12] and "checksum mismatch" in res[11].error
         good = [i for i, r in enumerate(reads) if r.slot != 12]
         assert np.array_equal(out[good], data[[reads[i].slot for i in good]])
-    finally:
-        t.close()
-        server.stop()
