@@ -84,3 +84,9 @@ def test_default_layouts_serve_the_default_model() -> None:
 
     assert MasterSettings().layout == StoreSettings().layout == DEFAULT_LAYOUT
     assert load_runner().layout.fingerprint() == DEFAULT_LAYOUT
+
+
+def test_bench_ttft_refuses_a_non_positive_request_count() -> None:
+    """Checked before any cluster starts (it used to start one, then fail with an IndexError)."""
+    result = CliRunner().invoke(app, ["bench", "ttft", "--requests", "0"])
+    assert result.exit_code == 2 and "--requests" in result.output

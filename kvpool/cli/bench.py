@@ -11,10 +11,10 @@ bench_app = typer.Typer(no_args_is_help=True)
 
 @bench_app.command("ttft")
 def ttft(
-    prefix_tokens: int = typer.Option(8192, help="shared prefix length (tokens)"),
-    question_tokens: int = typer.Option(50, help="question length (tokens)"),
-    requests: int = typer.Option(3, help="warm and cold requests each"),
-    block_size: int = typer.Option(64, help="tokens per block"),
+    prefix_tokens: int = typer.Option(8192, min=1, help="shared prefix length (tokens)"),
+    question_tokens: int = typer.Option(50, min=1, help="question length (tokens)"),
+    requests: int = typer.Option(3, min=1, help="warm and cold requests each"),
+    block_size: int = typer.Option(64, min=1, help="tokens per block"),
     transport: str = typer.Option("tcp", help="tcp (forces UCX_TLS=tcp, the cross-host path) or auto"),
     device: str = typer.Option("cpu", help="torch device of the serving nodes"),
     model: str = typer.Option(None, help="HF model directory (default: embedded)"),
