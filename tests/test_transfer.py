@@ -73,6 +73,62 @@ def test_idle_connections_do_not_spin(transport: UcxTransport) -> None:
         s.kill()
 
 
+def test_a_stalled_peer_costs_no_cpu_while_the_transfer_waits(transport: UcxTransport) -> None:
+    """A read waiting on a SIGSTOPped store until its deadline: the busy regime naps once nothing moves
+    and the worker arms (transfer/ucx_wait.py); it used to poll the worker without pause, a whole core for
+    the length of the deadline."""
+    s = start_store(segment="8MiB")
+    try:
+        data = rand_blocks(4, seed=6)
+        put_blocks(s, transport, [0, 1, 2, 3], data)
+        res, _ = read(transport, s, [0, 1, 2, 3])  # the connections are open
+        assert all(r.ok for r in res)
+        os.kill(s.proc.pid, signal.SIGSTOP)
+        me = psutil.Process()
+        c0, t0 = _cpu_s(me), time.monotonic()
+        res, _ = read(transport, s, [0, 1, 2, 3], timeout_s=2.0)
+        cpu_s, wall_s = _cpu_s(me) - c0, time.monotonic() - t0
+        assert not any(r.ok for r in res)
+        assert cpu_s < 0.4 * wall_s, (cpu_s, wall_s)  # spinning: ~1.0 x wall
+    finally:
+        s.kill()
+
+
+def test_tagged_messages_interoperate_with_plain_ucxx() -> None:
+    """`tag_send`/`tag_recv` put the same tags on the wire as ucxx's `Endpoint.send`/`recv` (the raw-UCX
+    baseline and any ucxx peer use those), in both directions."""
+    require_ucx()
+    from transfer.ucx_runtime import _Runtime
+    from transfer.ucx_wait import tag_recv, tag_send
+
+    rt = _Runtime.get()
+    payload = np.arange(1 << 18, dtype=np.uint8)  # 256 KiB: a rendezvous-sized message
+    got_plain = np.zeros_like(payload)
+    got_ours = np.zeros_like(payload)
+    served: list[np.ndarray] = []
+
+    async def on_connect(ep: object) -> None:
+        buf = np.zeros_like(payload)
+        await tag_recv(ep, buf, 7, rt.waker)  # ours receives ucxx's send
+        served.append(buf)
+        await ep.send(buf, tag=8)  # type: ignore[attr-defined] # ucxx's send, received by ours below
+        await tag_send(ep, buf, 9, rt.waker)  # ours, received by ucxx's recv below
+
+    async def scenario() -> None:
+        listener = rt.ucxx.create_listener(on_connect)
+        ep = await rt.ucxx.create_endpoint("127.0.0.1", listener.port)
+        with rt.waker.busy():
+            await ep.send(payload, tag=7)
+            await tag_recv(ep, got_ours, 8, rt.waker)
+            await ep.recv(got_plain, tag=9)
+        ep.abort()
+        listener.close()
+
+    rt.run(scenario(), 30.0)
+    assert np.array_equal(served[0], payload)
+    assert np.array_equal(got_ours, payload) and np.array_equal(got_plain, payload)
+
+
 def _fill(s: StoreProc, t: UcxTransport, n: int) -> np.ndarray:
     data = rand_blocks(n, nb=MIB, seed=12)
     for start in range(0, n, 32):

@@ -12,10 +12,10 @@ from transfer.base import (
     LinkEstimate,
     TransferError,
     Transport,
-    checksum,
 )
 from transfer.loopback import LoopbackBlockServer, LoopbackTransport
 from transfer.ucx import UCX_ENV_DEFAULTS, UcxBlockServer, UcxTransport, apply_ucx_env_defaults, ucx_available
+from transfer.xxh3 import checksum, checksums
 
 __all__ = [
     "UCX_ENV_DEFAULTS",
@@ -33,5 +33,6 @@ __all__ = [
     "UcxTransport",
     "apply_ucx_env_defaults",
     "checksum",
+    "checksums",
     "ucx_available",
 ]

@@ -1,6 +1,6 @@
 """Values and seams of the transport: block requests, per-block results, link estimates, protocols.
 
-Depends on nothing in the project (stdlib, numpy, xxhash only).
+Depends on nothing in the project (stdlib, numpy only); checksums live in `transfer.xxh3`.
 """
 
 from __future__ import annotations
@@ -12,24 +12,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-import xxhash
 
 
 class TransferError(Exception):
     """Moving a block's bytes failed (peer died, deadline passed, refused, checksum mismatch)."""
-
-
-def checksum(data: memoryview | bytes | bytearray | np.ndarray) -> int:
-    """xxh3_64 of the bytes of `data` (a C-contiguous buffer), as an unsigned int."""
-    return xxhash.xxh3_64_intdigest(as_bytes_view(data))
-
-
-def as_bytes_view(data: memoryview | bytes | bytearray | np.ndarray) -> memoryview:
-    """A flat, byte-typed view of a C-contiguous buffer (no copy). Raises `ValueError` otherwise."""
-    view = memoryview(data)  # type: ignore[arg-type]
-    if not view.c_contiguous:
-        raise ValueError("block buffers must be C-contiguous")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,9 @@ from transfer.base import (
     BlockResult,
     BlockWrite,
     LinkEstimate,
-    as_bytes_view,
-    checksum,
     validate_batch,
 )
+from transfer.xxh3 import as_bytes_view, checksum
 
 _registry: dict[str, BlockHandler] = {}
 _registry_lock = threading.Lock()

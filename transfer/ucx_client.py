@@ -8,7 +8,6 @@ import logging
 import statistics
 import time
 from collections.abc import Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -21,8 +20,6 @@ from transfer.base import (
     LinkEstimate,
     LinkTracker,
     TransferError,
-    as_bytes_view,
-    checksum,
     validate_batch,
 )
 from transfer.coalesce import adjacent_groups, client_plan
@@ -34,10 +31,10 @@ from transfer.ucx_runtime import (
     _tag,
     connect_endpoint,
 )
+from transfer.ucx_wait import tag_recv, tag_send
+from transfer.xxh3 import HASH_POOL, as_bytes_view, checksum
 
 log = logging.getLogger(__name__)
-_HASHERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-ucx-xxh3")
-"""Checksum verification off the UCX loop thread, overlapping the transfers still in flight."""
 
 
 def _verify(
@@ -229,7 +226,7 @@ class UcxTransport:
                 rid = next(self._ids)
                 t0 = time.perf_counter()
                 reply = await conn.request({"op": "bw", "id": rid, "n": self._probe_bytes})
-                await conn.ep.recv(buf[: int(reply["n"])], tag=_tag(rid, 0))
+                await tag_recv(conn.ep, buf[: int(reply["n"])], _tag(rid, 0), self._rt.waker)
                 dt = time.perf_counter() - t0
                 beta = max(beta, self._probe_bytes / max(dt - alpha, dt * 0.1))
         est = self._links.set(peer, alpha, beta)
@@ -297,19 +294,19 @@ class UcxTransport:
             small: list[tuple[int, int]] = []
 
             async def land(j: int, buf: memoryview) -> list[tuple[int, tuple[bool, int, str]]]:
-                await conn.ep.recv(buf, tag=_tag(rid, j))
+                await tag_recv(conn.ep, buf, _tag(rid, j), self._rt.waker)
                 got = [(idxs[k], sent[k]) for k in _covered(local, j, buf.nbytes) if k in sent]
                 if buf.nbytes < _VERIFY_EARLY_BYTES:  # not worth a job of its own: verified at the end
                     small.extend(got)
                     return []
-                # Verify a large message's blocks on a helper thread (xxh3 releases the GIL) as soon as
+                # Verify a large message's blocks on a hashing thread (GIL released: transfer.xxh3) as soon as
                 # it lands, while later ones still move; shielded: a deadline never leaves it half-done.
-                return await asyncio.shield(asyncio.wrap_future(_HASHERS.submit(_verify, views, got)))
+                return await asyncio.shield(asyncio.wrap_future(HASH_POOL.submit(_verify, views, got)))
 
             landed = await asyncio.gather(*(land(j, buf) for j, buf in plan))
             if small:
                 landed.append(
-                    await asyncio.shield(asyncio.wrap_future(_HASHERS.submit(_verify, views, small)))
+                    await asyncio.shield(asyncio.wrap_future(HASH_POOL.submit(_verify, views, small)))
                 )
             for verified in landed:
                 for i, res in verified:
@@ -336,7 +333,7 @@ class UcxTransport:
             if any(writes[i].capability for i in idxs):
                 msg["c"] = [[writes[i].expiry_ms, bytes(writes[i].capability)] for i in idxs]
             _, plan = await _request_runs(conn, msg, [views[i] for i in idxs])
-            await asyncio.gather(*(conn.ep.send(buf, tag=_tag(rid, j)) for j, buf in plan))
+            await asyncio.gather(*(tag_send(conn.ep, buf, _tag(rid, j), self._rt.waker) for j, buf in plan))
             for j, (ok, cs, err) in enumerate((await final)["r"]):
                 results[idxs[j]] = (bool(ok), int(cs), str(err))
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from transfer.base import BlockHandler, checksum
+from transfer.base import BlockHandler
 from transfer.coalesce import merge, valid_groups
 from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
@@ -22,7 +21,8 @@ from transfer.ucx_runtime import (
     _unpack,
     abort_ep,
 )
-from transfer.ucx_wait import am_recv
+from transfer.ucx_wait import am_recv, tag_recv, tag_send
+from transfer.xxh3 import HASH_POOL, checksum
 
 log = logging.getLogger(__name__)
 MAX_CAPABILITY_NBYTES = 64
@@ -35,10 +35,6 @@ def _hash_parts(view: memoryview, n: int) -> list[int]:
     """xxh3 of each of the `n` equal parts of `view` (the blocks of one merged message)."""
     size = view.nbytes // n
     return [checksum(view[k * size : (k + 1) * size]) for k in range(n)]
-
-
-_HASHERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-ucx-end-write")
-"""Where written blocks are checksummed (`end_write`), off the UCX loop thread."""
 
 
 class UcxBlockServer:
@@ -216,7 +212,8 @@ class UcxBlockServer:
                 reply["m"] = merged  # one message per run of adjacent slots (transfer.coalesce)
                 self.num_merged_runs += len(merged)
             await ep.am_send(_pack(reply))
-            sends = [ep.send(view, tag=_tag(rid, i)) for i, _, view in plan]
+            waker = _Runtime.get().waker
+            sends = [tag_send(ep, view, _tag(rid, i), waker) for i, _, view in plan]
             try:
                 await asyncio.wait_for(asyncio.gather(*sends), self._send_timeout_s)
             except BaseException:
@@ -264,9 +261,9 @@ class UcxBlockServer:
             digests: dict[int, int] = {}  # request index -> xxh3 of its landed bytes
 
             async def land(i: int, n: int, v: memoryview) -> None:
-                await ep.recv(v, tag=_tag(rid, i))
+                await tag_recv(ep, v, _tag(rid, i), _Runtime.get().waker)
                 if v.nbytes >= _HASH_EARLY_BYTES:  # hash it now, while later messages still move
-                    sums = await asyncio.shield(asyncio.wrap_future(_HASHERS.submit(_hash_parts, v, n)))
+                    sums = await asyncio.shield(asyncio.wrap_future(HASH_POOL.submit(_hash_parts, v, n)))
                     digests.update(zip(range(i, i + n), sums, strict=True))
 
             recvs = [asyncio.create_task(land(i, n, v)) for i, n, v in plan]
@@ -287,12 +284,12 @@ class UcxBlockServer:
                 for j in range(i, i + n)
             }  # fmt: skip
             landed = [i in arrived for i, *_ in accepted]
-            # end_write hashes what landed: on a helper thread (xxh3 releases the GIL), so the loop keeps
+            # end_write hashes what landed: on a hashing thread (GIL released: transfer.xxh3), so the loop keeps
             # moving other messages' bytes meanwhile. Shielded: once submitted it runs to the end, and
             # `ended` keeps the finally below from ending these writes a second time.
             ended = True
             final = await asyncio.shield(
-                asyncio.wrap_future(_HASHERS.submit(self._end_writes, header, accepted, landed, digests))
+                asyncio.wrap_future(HASH_POOL.submit(self._end_writes, header, accepted, landed, digests))
             )
         finally:
             self.inflight -= len(accepted)
@@ -325,4 +322,6 @@ class UcxBlockServer:
         if self._probe_buf.nbytes < nbytes:
             self._probe_buf = np.zeros(nbytes, dtype=np.uint8)
         await ep.am_send(_pack({"id": rid, "ph": 0, "n": nbytes}))
-        await asyncio.wait_for(ep.send(self._probe_buf[:nbytes], tag=_tag(rid, 0)), self._send_timeout_s)
+        await asyncio.wait_for(
+            tag_send(ep, self._probe_buf[:nbytes], _tag(rid, 0), _Runtime.get().waker), self._send_timeout_s
+        )

@@ -12,7 +12,12 @@ processes).
 - **busy** (a transfer, connect or served request marked with `busy()`): a task progresses the worker on
   every loop iteration, as ucxx did, because some UCX protocols complete only under progress with no fd
   event (e.g. `UCX_RNDV_SCHEME=get_zcopy` over shared memory stalled ~1 s per message when waiting for
-  events alone);
+  events alone) — until `IDLE_SPINS` rounds in a row move nothing and the worker agrees to arm (UCX
+  refuses while it has local work queued, such as the copies of a shared-memory get): then the loop naps
+  until an event or a short timer (0.5 ms, doubling to 4 ms). A store waiting for its reader to pull a
+  block, or a client waiting on a stalled peer, no longer spins a core that the other side's copy or the
+  checksum threads need. Tagged sends and receives (`tag_send`, `tag_recv`) are waited for the same way
+  instead of ucxx's `sleep(0)` loop;
 - **idle**: the worker is progressed until it arms, and the loop sleeps in epoll until UCX signals an
   event. Every progress (the only place UCX completes a posted request) resolves the futures of `wait`ers,
   which re-check their request; `am_recv` is `ucxx.Endpoint.am_recv` with that wait, for readers that sit
@@ -32,6 +37,11 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.05
 """The idle worker is progressed (and re-armed) at least this often (seconds)."""
+IDLE_SPINS = 32
+"""Busy polling: progress rounds in a row that move nothing before the worker is armed and the loop naps."""
+BUSY_NAP_MIN_S = 0.0005
+BUSY_NAP_MAX_S = 0.004
+"""Busy polling: naps while armed start at the first and double to the second (an event wakes earlier)."""
 _MAX_PROGRESS = 16
 """Progress rounds before giving up on arming in one call (the fd stays readable: the loop calls again)."""
 
@@ -120,11 +130,27 @@ class ProgressWaker:
             self._busy -= 1
 
     async def _poll(self) -> None:
+        idle, nap_s = 0, BUSY_NAP_MIN_S
         try:
             while self._busy:
-                self._worker.progress()
+                if self._worker.progress_once():
+                    idle, nap_s = 0, BUSY_NAP_MIN_S
+                else:
+                    idle += 1
                 self.wake()
-                await asyncio.sleep(0)
+                if idle >= IDLE_SPINS and self._worker.arm():
+                    # Nothing moved for a while and UCX has no pending work (else it refuses to arm):
+                    # sleep until its event fd fires (`_progress_and_arm` wakes us) or the nap ends;
+                    # naps double while nothing moves (a peer that stalls costs no CPU).
+                    idle = 0
+                    fut = self.loop.create_future()
+                    self._waiters.append(fut)
+                    nap = self.loop.call_later(nap_s, _resolve, fut)
+                    await fut
+                    nap.cancel()
+                    nap_s = min(2 * nap_s, BUSY_NAP_MAX_S)
+                else:
+                    await asyncio.sleep(0)
         finally:
             self._poll_task = None
             self._progress_and_arm()
@@ -150,6 +176,11 @@ class ProgressWaker:
         req.check_error()
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 async def am_recv(ep: Any, waker: ProgressWaker) -> Any:
     """`ep.am_recv()` (a ucxx `Endpoint`) waited for by `waker`. Returns the received buffer.
 
@@ -168,3 +199,52 @@ async def am_recv(ep: Any, waker: ProgressWaker) -> Any:
     await waker.wait(req)
     ep._finished_recv_count += 1  # noqa: SLF001
     return req.recv_buffer
+
+
+def _ucxx_tag(ep: Any, key: str, tag: int) -> Any:
+    """The wire tag ucxx's `Endpoint.send`/`recv` use for user tag `tag` (hashed with the endpoint's own
+    tag, agreed at connection time, so that receives posted on the worker match this endpoint only)."""
+    from ucxx._lib_async.utils import hash64bits
+    from ucxx.types import Tag
+
+    return Tag(hash64bits(ep._tags[key], hash(tag)))  # noqa: SLF001 - ucxx's per-endpoint tags
+
+
+def _check_open(ep: Any) -> None:
+    ep._ep.raise_on_error()  # noqa: SLF001
+    if ep.closed:
+        from ucxx.exceptions import UCXCloseError
+
+        raise UCXCloseError("Endpoint closed")
+
+
+async def tag_send(ep: Any, buf: Any, tag: int, waker: ProgressWaker) -> None:
+    """`ep.send(buf, tag=tag)` (a ucxx `Endpoint`, same wire tag) waited for by `waker` instead of a
+    `sleep(0)` loop: while a transfer waits on its peer the loop thread may nap (see `busy`).
+
+    Raises as ucxx does: `UCXCloseError` on a closed endpoint, the endpoint's or the request's error
+    (a send cancelled by an abort raises `UCXCanceled`)."""
+    if not waker.installed:
+        await ep.send(buf, tag=tag)
+        return
+    from ucxx._lib.arr import Array
+
+    _check_open(ep)
+    req = ep._ep.tag_send(Array(buf), _ucxx_tag(ep, "msg_send", tag))  # noqa: SLF001
+    ep._send_count += 1  # noqa: SLF001 - the counters ucxx keeps for its own send
+    await waker.wait(req)
+
+
+async def tag_recv(ep: Any, buf: Any, tag: int, waker: ProgressWaker) -> None:
+    """`ep.recv(buf, tag=tag)` waited for by `waker` (see `tag_send`). Raises as ucxx does."""
+    if not waker.installed:
+        await ep.recv(buf, tag=tag)
+        return
+    from ucxx._lib.arr import Array
+    from ucxx.types import TagMaskFull
+
+    _check_open(ep)
+    req = ep._ep.tag_recv(Array(buf), _ucxx_tag(ep, "msg_recv", tag), TagMaskFull)  # noqa: SLF001
+    ep._recv_count += 1  # noqa: SLF001
+    await waker.wait(req)
+    ep._finished_recv_count += 1  # noqa: SLF001

@@ -200,7 +200,7 @@ def _measure_size(
     t: Any, raw: Any, store: _Store, size: int, batch: int, reps: int, rng: np.random.Generator
 ) -> dict[str, list[float]]:
     """Seed `batch` committed blocks, then interleave pool get/put, raw get/put and memcpy `reps` times."""
-    from transfer import BlockRead, BlockWrite, checksum
+    from transfer import BlockRead, BlockWrite, checksum, checksums
 
     data = rng.integers(0, 256, (batch, size), dtype=np.uint8)
     out = np.empty_like(data)
@@ -235,7 +235,8 @@ def _measure_size(
         gen = store.put_gen
         store.reserve(put_slots, gen)
         t0 = time.perf_counter()
-        writes = [BlockWrite(s, gen, data[i], checksum(data[i])) for i, s in enumerate(put_slots)]
+        sums = checksums(data)  # as `PoolClient.put_blocks` does: on the hashing threads
+        writes = [BlockWrite(s, gen, data[i], sums[i]) for i, s in enumerate(put_slots)]
         res = t.write_blocks(store.data_address, writes, timeout_s=120)
         dt = time.perf_counter() - t0
         if not all(r.ok for r in res):

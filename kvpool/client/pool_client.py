@@ -21,7 +21,8 @@ from kvpool.client.master_client import MasterClient
 from kvpool.client.types import BlockGet, CommitBlock, GetResult, Match, PutResult
 from kvpool.errors import InvalidArgument, KVPoolError
 from kvpool.types import Location
-from transfer.base import BlockRead, BlockWrite, Transport, as_bytes_view, checksum
+from transfer.base import BlockRead, BlockWrite, Transport
+from transfer.xxh3 import as_bytes_view, checksums
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ class PoolClient:
         if res.reservation_id == 0:
             return PutResult(0, len(block_hashes), 0, 0)
         try:
-            sums = [checksum(v) for v in views]
+            sums = checksums(views)  # on the hashing threads, GIL released
             plan: dict[str, list[tuple[int, Location]]] = {}
             for i, b in enumerate(res.blocks):
                 for loc in b.locations:

@@ -22,7 +22,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from kvpool.capability import READ, WRITE, Capabilities
 from kvpool.errors import (
@@ -35,6 +34,7 @@ from kvpool.errors import (
 )
 from kvpool.store.segment import Segment
 from kvpool.types import HASH_NBYTES, Clock, InventoryItem, MonotonicClock
+from transfer.xxh3 import checksum as block_checksum
 
 FIRST_GENERATION = 1
 
@@ -346,7 +346,7 @@ class SlotTable:
         elif landed_checksum is not None:  # hashed by the transport once the bytes landed
             got = landed_checksum
         else:
-            got = xxhash.xxh3_64_intdigest(self.segment.slot_view(slot))
+            got = block_checksum(self.segment.slot_view(slot))
         with self._lock:
             if not self._writing[slot]:
                 return
