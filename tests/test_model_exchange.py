@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -224,27 +225,35 @@ def test_prefill_on_a_prefix_never_writes_the_prefix(runner: ModelRunner) -> Non
     )
 
 
-def test_long_suffix_on_a_prefix_runs_in_chunks_with_the_same_result(
+def test_suffix_on_a_prefix_takes_the_merged_attention_with_the_masked_result(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A suffix longer than PREFILL_CHUNK_TOKENS on a cached prefix is computed in chunks (the masked
-    kernel over the whole rectangle was slower than a cold prefill); logits and KV equal one forward's."""
+    """A suffix on a cached prefix runs attention as two unmasked calls merged by log-sum-exp
+    (kvpool/model/attention.py; the masked kernel made partial hits slower than misses); logits and KV
+    equal those of transformers' masked SDPA path."""
+    import contextlib
+
+    from kvpool.model import attention
     from kvpool.model import runner as runner_module
 
     rng = np.random.default_rng(7)
-    tokens = rng.integers(0, runner.vocab_size, 3 * runner_module.PREFILL_CHUNK_TOKENS // 2 + 100).tolist()
+    tokens = rng.integers(0, runner.vocab_size, 700).tolist()
     _, prefix = runner.prefill(tokens[:100])
-    one_logits, one = runner._forward(runner._check_ids(tokens[100:]), prefix)  # noqa: SLF001 - the reference
-    calls = []
-    real = runner._forward  # noqa: SLF001
-    monkeypatch.setattr(runner, "_forward", lambda ids, p: calls.append(len(ids)) or real(ids, p))
-    logits, chunked = runner.prefill(tokens[100:], prefix)
-    assert calls == [
-        runner_module.PREFILL_CHUNK_TOKENS,
-        len(tokens) - 100 - runner_module.PREFILL_CHUNK_TOKENS,
-    ]
-    assert chunked.num_tokens == one.num_tokens == len(tokens)
-    assert float((logits - one_logits).abs().max()) < 1e-4
-    for (k1, v1), (k2, v2) in zip(chunked.layers, one.layers, strict=True):
+    calls: list[int] = []
+    real = attention.merged_prefix_attention
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "merged_prefix_attention", counted)
+    logits, merged = runner.prefill(tokens[100:], prefix)
+    assert len(calls) == runner.layout.num_layers  # once per layer
+    monkeypatch.setattr(runner_module, "prefix_prefill", contextlib.nullcontext)  # the masked SDPA path
+    ref_logits, ref = runner.prefill(tokens[100:], prefix)
+    assert len(calls) == runner.layout.num_layers
+    assert merged.num_tokens == ref.num_tokens == len(tokens)
+    assert float((logits - ref_logits).abs().max()) < 1e-4
+    for (k1, v1), (k2, v2) in zip(merged.layers, ref.layers, strict=True):
         assert float((k1 - k2).abs().max()) < 1e-4 and float((v1 - v2).abs().max()) < 1e-4
-    assert logits.argmax() == one_logits.argmax()
+    assert logits.argmax() == ref_logits.argmax()

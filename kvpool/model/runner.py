@@ -18,6 +18,8 @@ import torch
 from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvpool.hashing import Namespace
 from kvpool.model.arch import check_architecture, kv_dims
+from kvpool.model.attention import prefix_prefill
+from kvpool.model.attention import register as register_prefix_attention
 from kvpool.model.digest import weights_digest
 from kvpool.model.embedded import embedded_model_dir, read_marker
 from kvpool.model.kv import BlockBytes, KVPrefix, gather_blocks, scatter_blocks
@@ -35,10 +37,6 @@ def _resolve_dtype(dtype: str | None, config: Any) -> torch.dtype:
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
         raise InvalidArgument(f"unknown model dtype {name!r}")
     return value
-
-
-PREFILL_CHUNK_TOKENS = 512
-"""A prompt suffix longer than this, computed on top of a cached prefix, runs in chunks of this size."""
 
 
 class ModelRunner:
@@ -129,6 +127,8 @@ class ModelRunner:
 
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
+        if attn_implementation == "sdpa":  # SDPA, with a prefill over a cached prefix split in two
+            attn_implementation = register_prefix_attention()  # unmasked calls (kvpool/model/attention.py)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 str(path), dtype=torch_dtype, attn_implementation=attn_implementation
@@ -213,23 +213,14 @@ class ModelRunner:
         `prefix.num_tokens + len(token_ids)` tokens; `prefix` itself is unchanged.
         """
         ids = self._check_ids(token_ids)
-        prefix = prefix or KVPrefix.empty()
-        if prefix.num_tokens and len(ids) > PREFILL_CHUNK_TOKENS:
-            # On top of a prefix the forward cannot use the causal SDPA kernel (queries and keys differ in
-            # length): it runs the masked kernel over the whole [suffix x context] rectangle. 3,229 tokens
-            # on an 832-token prefix took 1.41 s against 0.97 s for all 4,061 from scratch; in chunks of
-            # 512, 0.99 s. Same KV and logits (within float rounding; tested).
-            logits = None
-            for start in range(0, len(ids), PREFILL_CHUNK_TOKENS):
-                logits, prefix = self._forward(ids[start : start + PREFILL_CHUNK_TOKENS], prefix)
-            assert logits is not None
-            return logits, prefix
-        return self._forward(ids, prefix)
+        # On top of a prefix, attention to it and within the new tokens run as two unmasked kernel calls
+        # (kvpool/model/attention.py): the masked kernel made a partial hit slower than a miss.
+        return self._forward(ids, prefix or KVPrefix.empty())
 
     def _forward(self, ids: torch.Tensor, prefix: KVPrefix) -> tuple[torch.Tensor, KVPrefix]:
         cache = prefix.to_cache(self.config)
         pos = torch.arange(prefix.num_tokens, prefix.num_tokens + len(ids), device=self.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), prefix_prefill():
             out = self._model(
                 input_ids=ids[None], position_ids=pos[None], cache=cache, use_cache=True, logits_to_keep=1
             )
