@@ -45,6 +45,20 @@ def test_build_report_ratios_and_targets() -> None:
     assert summary["all_targets_met"] is False
 
 
+def test_pool_over_raw_pairs_each_repeat() -> None:
+    """A slow repeat slows pool and raw alike: the paired ratio (median of per-repeat ratios) sees through
+    it where the ratio of medians (2.0 / 1.5 here) would not."""
+    s = {"get": [1.0, 3.0, 2.0], "put": [1.0] * 3, "raw_get": [1.0, 4.0, 1.5], "raw_put": [1.0] * 3,
+         "memcpy": [2.0, 6.0, 4.0]}  # fmt: skip
+    records, summary = build_report({"shm": {"sizes": {"65536": s}}}, {}, {})
+    get = next(r for r in records if r["op"] == "get")
+    assert get["gb_per_s"] == 2.0 and get["raw_ucx_gb_per_s"] == 1.5
+    assert get["pool_over_raw"] == pytest.approx(1.0)
+    ratios = {t["target"]: t["ratio"] for t in summary["targets"]}
+    assert ratios["shm get >= 85% raw UCX"] == pytest.approx(1.0)
+    assert ratios["shm get >= 50% memcpy"] == pytest.approx(0.5)
+
+
 def test_quick_run_writes_the_report_and_plot(tmp_path: Path) -> None:
     reason = ucx_available()
     if reason is not None:
