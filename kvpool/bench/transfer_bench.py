@@ -453,7 +453,8 @@ def run_mooncake(sizes: Sequence[int], batch: int, reps: int, on_step: Callable[
     storage: _Child | None = None
     try:
         time.sleep(1.0)
-        segment = (reps + 2) * max(sizes) * batch + 256 * MIB  # puts stay leased a while: no reuse
+        # puts stay leased a while, so removed values free no space: room for every rep of every size
+        segment = (reps + 2) * sum(sizes) * batch + 256 * MIB
         me = [sys.executable, "-m", "kvpool.bench.transfer_bench"]
         storage = _Child([*me, "mooncake-storage", meta, master_addr, str(segment)], "MOONCAKE_READY", env)
         cfg = {"sizes": list(sizes), "batch": batch, "reps": reps, "meta": meta, "master": master_addr}
