@@ -133,7 +133,9 @@ class ProgressWaker:
         idle, nap_s = 0, BUSY_NAP_MIN_S
         try:
             while self._busy:
-                if self._worker.progress_once():
+                moved = self._worker.progress_once()  # did UCX do anything?
+                self._worker.progress()  # ucxx's full progress: the rest, and cancellations it scheduled
+                if moved:
                     idle, nap_s = 0, BUSY_NAP_MIN_S
                 else:
                     idle += 1

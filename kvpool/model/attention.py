@@ -13,8 +13,9 @@ exactly (softmax over the union of the key sets):
 Source: the partial-softmax merge of FlashAttention's online softmax (Dao et al., NeurIPS 2022), as used
 for shared-prefix ("cascade") attention (FlashInfer `merge_state`, vLLM `merge_attn_states`).
 
-The split applies only inside `prefix_prefill()` (the runner's prefill: one sequence, no padding, so the
-mask transformers built is exactly "prefix visible, suffix causal") and on CPU; every other call (decode
+The split applies only inside `prefix_prefill()` (the runner's prefill: one sequence, no padding, and
+the runner refuses sliding-window and other non-full-attention models at load, so the mask transformers
+built is exactly "prefix visible, suffix causal") and on CPU; every other call (decode
 batches with padding masks, other devices, dropout) goes to transformers' SDPA path unchanged.
 """
 
