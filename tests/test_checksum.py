@@ -65,3 +65,25 @@ def test_large_buffers_are_hashed_with_the_gil_released() -> None:
     finally:
         sys.setswitchinterval(old)
     assert ran_during_hash
+
+
+def _checksums_of_rows(seed: int) -> list[int]:
+    rows = np.random.default_rng(seed).integers(0, 256, (16, 1 << 20), dtype=np.uint8)
+    return checksums(rows)
+
+
+def test_checksums_work_in_a_forked_child() -> None:
+    """Threads do not survive fork: a child inherited a pool whose threads did not exist and hung on its
+    first batch (found by a new-user pass). The child now starts its own pool."""
+    import multiprocessing as mp
+
+    parent = _checksums_of_rows(4)  # the pool is in use before the fork
+    with mp.get_context("fork").Pool(1) as pool:
+        child = pool.apply_async(_checksums_of_rows, (4,)).get(timeout=60)
+    assert child == parent
+
+
+@pytest.mark.parametrize("bad", [b"abc" * 100, np.zeros(1000, dtype=np.uint8), np.zeros((2, 2, 2))])
+def test_checksums_refuses_a_single_buffer(bad: object) -> None:
+    with pytest.raises(TypeError, match="sequence of buffers or a 2-D array"):
+        checksums(bad)  # type: ignore[arg-type]

@@ -17,9 +17,9 @@ import importlib
 import logging
 import os
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 import xxhash
@@ -29,20 +29,38 @@ log = logging.getLogger(__name__)
 GIL_FREE_MIN_BYTES = 64 << 10
 """Buffers at least this large are hashed with the GIL released."""
 NUM_HASH_THREADS = max(2, min(8, os.cpu_count() or 2))
-HASH_POOL = ThreadPoolExecutor(max_workers=NUM_HASH_THREADS, thread_name_prefix="kvpool-xxh3")
-"""The process's checksum threads (client verification, store write checks, `checksums`)."""
+T = TypeVar("T")
 
 
-def _start_threads(pool: ThreadPoolExecutor, n: int) -> None:
-    """Start the pool's `n` threads now, from the importing thread, so that they run at its priority: a
-    thread inherits its creator's niceness, and the UCX loop thread (nice 19, `transfer.ucx_runtime`) would
-    otherwise create them on first use and leave the hashing of landed bytes to idle cycles only."""
-    barrier = threading.Barrier(n)
-    for _ in range(n):  # each task holds its thread until all n have started: the pool makes n threads
-        pool.submit(barrier.wait, 10.0)
+class _HashPool:
+    """The process's checksum threads (client verification, store write checks, `checksums`).
+
+    `NUM_HASH_THREADS` threads, started at import from the importing thread so that they run at its
+    priority: a thread inherits its creator's niceness, and the UCX loop thread (nice 19,
+    `transfer.ucx_runtime`) would otherwise create them on first use and leave the hashing of landed bytes
+    to idle cycles only. A child made by `fork` gets a fresh pool (threads do not survive a fork: the
+    inherited executor would queue work for threads that do not exist and never answer)."""
+
+    def __init__(self) -> None:
+        self._executor = self._start()
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    @staticmethod
+    def _start() -> ThreadPoolExecutor:
+        executor = ThreadPoolExecutor(max_workers=NUM_HASH_THREADS, thread_name_prefix="kvpool-xxh3")
+        barrier = threading.Barrier(NUM_HASH_THREADS)
+        for _ in range(NUM_HASH_THREADS):  # each holds its thread until all have started: n threads
+            executor.submit(barrier.wait, 10.0)
+        return executor
+
+    def _after_fork(self) -> None:
+        self._executor = self._start()
+
+    def submit(self, fn: Callable[..., T], /, *args: Any) -> Future[T]:
+        return self._executor.submit(fn, *args)
 
 
-_start_threads(HASH_POOL, NUM_HASH_THREADS)
+HASH_POOL = _HashPool()
 
 
 def _load_xxh3() -> Any:
@@ -98,6 +116,10 @@ def checksum(data: Buffer) -> int:
 def checksums(views: Sequence[Buffer] | np.ndarray) -> list[int]:
     """`checksum` of each buffer (or of each row of a 2-D array), spread over `HASH_POOL`, in order.
     Call from outside `HASH_POOL`. Raises `ValueError` for a non-contiguous buffer."""
+    if isinstance(views, bytes | bytearray | memoryview) or (
+        isinstance(views, np.ndarray) and views.ndim != 2
+    ):
+        raise TypeError("checksums takes a sequence of buffers or a 2-D array (one checksum per row)")
     n = len(views)
     if n == 0:
         return []
