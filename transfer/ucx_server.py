@@ -29,6 +29,8 @@ MAX_CAPABILITY_NBYTES = 64
 """Longest capability a request may carry (the project's are 16 bytes; see kvpool/capability.py)."""
 _HASH_EARLY_BYTES = 1 << 20
 """A written message at least this large is hashed as soon as it lands (smaller ones in `end_write`)."""
+_END_INLINE_BYTES = 256 << 10
+"""Writes totalling at most this are ended (hashed) on the loop thread, not on a hashing thread."""
 
 
 def _hash_parts(view: memoryview, n: int) -> list[int]:
@@ -288,9 +290,12 @@ class UcxBlockServer:
             # moving other messages' bytes meanwhile. Shielded: once submitted it runs to the end, and
             # `ended` keeps the finally below from ending these writes a second time.
             ended = True
-            final = await asyncio.shield(
-                asyncio.wrap_future(HASH_POOL.submit(self._end_writes, header, accepted, landed, digests))
-            )
+            if sum(v.nbytes for _, v in served) <= _END_INLINE_BYTES:  # a thread hop costs more than the hash
+                final = self._end_writes(header, accepted, landed, digests)
+            else:
+                final = await asyncio.shield(
+                    asyncio.wrap_future(HASH_POOL.submit(self._end_writes, header, accepted, landed, digests))
+                )
         finally:
             self.inflight -= len(accepted)
             if not ended:
