@@ -115,7 +115,8 @@ def checksum(data: Buffer) -> int:
 
 def checksums(views: Sequence[Buffer] | np.ndarray) -> list[int]:
     """`checksum` of each buffer (or of each row of a 2-D array), spread over `HASH_POOL`, in order.
-    Call from outside `HASH_POOL`. Raises `ValueError` for a non-contiguous buffer."""
+    Call from outside `HASH_POOL`. Raises `ValueError` for a non-contiguous buffer, `TypeError` when given
+    one buffer (bytes, a memoryview, an array that is not 2-D) instead of a sequence of them."""
     if isinstance(views, bytes | bytearray | memoryview) or (
         isinstance(views, np.ndarray) and views.ndim != 2
     ):
