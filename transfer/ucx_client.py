@@ -32,7 +32,7 @@ from transfer.ucx_runtime import (
     connect_endpoint,
 )
 from transfer.ucx_wait import tag_recv, tag_send
-from transfer.xxh3 import HASH_POOL, as_bytes_view, checksum
+from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, as_bytes_view, checksum
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,6 @@ def _verify(
 
 _VERIFY_EARLY_BYTES = 1 << 20
 """A received message at least this large is verified as soon as it lands (smaller ones together)."""
-_VERIFY_INLINE_BYTES = 256 << 10
-"""Small messages totalling at most this are verified on the loop thread (~15 us of xxh3), not handed to a
-hashing thread and back (a hop that cost more than the hash in single-block reads)."""
 
 
 def _covered(views: Sequence[memoryview], first: int, nbytes: int) -> list[int]:
@@ -308,9 +305,7 @@ class UcxTransport:
 
             landed = await asyncio.gather(*(land(j, buf) for j, buf in plan))
             if small:
-                if (
-                    sum(views[i].nbytes for i, _ in small) <= _VERIFY_INLINE_BYTES
-                ):  # cheaper than a thread hop
+                if sum(views[i].nbytes for i, _ in small) <= INLINE_MAX_BYTES:  # in place: no thread hop
                     landed.append(_verify(views, small))
                 else:
                     landed.append(

@@ -22,15 +22,13 @@ from transfer.ucx_runtime import (
     abort_ep,
 )
 from transfer.ucx_wait import am_recv, tag_recv, tag_send
-from transfer.xxh3 import HASH_POOL, checksum
+from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, checksum
 
 log = logging.getLogger(__name__)
 MAX_CAPABILITY_NBYTES = 64
 """Longest capability a request may carry (the project's are 16 bytes; see kvpool/capability.py)."""
 _HASH_EARLY_BYTES = 1 << 20
 """A written message at least this large is hashed as soon as it lands (smaller ones in `end_write`)."""
-_END_INLINE_BYTES = 256 << 10
-"""Writes totalling at most this are ended (hashed) on the loop thread, not on a hashing thread."""
 
 
 def _hash_parts(view: memoryview, n: int) -> list[int]:
@@ -290,7 +288,7 @@ class UcxBlockServer:
             # moving other messages' bytes meanwhile. Shielded: once submitted it runs to the end, and
             # `ended` keeps the finally below from ending these writes a second time.
             ended = True
-            if sum(v.nbytes for _, v in served) <= _END_INLINE_BYTES:  # a thread hop costs more than the hash
+            if sum(v.nbytes for _, v in served) <= INLINE_MAX_BYTES:  # ended in place: no thread hop
                 final = self._end_writes(header, accepted, landed, digests)
             else:
                 final = await asyncio.shield(
