@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from kvpool.cli.main import app
@@ -90,3 +91,21 @@ def test_bench_ttft_refuses_a_non_positive_request_count() -> None:
     """Checked before any cluster starts (it used to start one, then fail with an IndexError)."""
     result = CliRunner().invoke(app, ["bench", "ttft", "--requests", "0"])
     assert result.exit_code == 2 and "--requests" in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "transfer", "--reps", "0"],  # ran the default count
+        ["bench", "transfer", "--reps", "-1"],  # ran everything and reported no measurement
+        ["bench", "transfer", "--batch", "0"],
+        ["bench", "transfer", "--blocks-per-message", "5000"],
+        ["demo", "--questions", "9"],  # silently ran 5
+        ["demo", "--conversations", "0"],
+        ["demo", "--max-tokens", "0"],
+    ],
+)
+def test_out_of_range_counts_are_refused_before_anything_starts(args: list[str]) -> None:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "Invalid value" in result.output

@@ -189,10 +189,19 @@ def transfer_cmd(
     json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG: GB/s per block size and transport."),
     quick: bool = typer.Option(False, help="Tiny sizes and batches, no Mooncake: a smoke test."),
-    reps: int | None = typer.Option(None, help="Repeats per measurement (medians reported)."),
-    batch: int | None = typer.Option(None, help="Blocks per batch (default 256; --quick 8)."),
-    endpoints: int | None = typer.Option(None, help="UCX endpoints per peer (pool and raw UCX alike)."),
-    blocks_per_message: int | None = typer.Option(None, help="Blocks per UCX message (pool and raw alike)."),
+    reps: int | None = typer.Option(
+        None, min=1, help="Repeats per measurement (default 3; --quick 2; medians reported)."
+    ),
+    batch: int | None = typer.Option(None, min=1, help="Blocks per batch (default 256; --quick 8)."),
+    endpoints: int | None = typer.Option(
+        None, min=1, help="UCX endpoints per peer, pool and raw UCX alike (default 4)."
+    ),
+    blocks_per_message: int | None = typer.Option(
+        None,
+        min=1,
+        max=4096,
+        help="Blocks per UCX message, pool and raw alike (default min(64, batch / endpoints)).",
+    ),
     mooncake: bool = typer.Option(True, help="Measure Mooncake's store when its wheel is installed."),
 ) -> None:
     """Data-plane GB/s: pool get/put vs raw UCX, ucx_perftest, memcpy and Mooncake, over tcp and shm."""

@@ -15,9 +15,9 @@ def register_role_commands(app: typer.Typer) -> None:
             None, help="Mooncake-format conversation trace (default: shared or shipped)."
         ),
         trace_block_tokens: int = typer.Option(64, help="Tokens per trace block (the trace's are 512)."),
-        conversations: int = typer.Option(4, help="Chat conversations to replay."),
-        questions: int = typer.Option(3, help="Questions per RAG document (up to 5)."),
-        max_tokens: int = typer.Option(8, help="Tokens to generate per request."),
+        conversations: int = typer.Option(4, min=1, help="Chat conversations to replay."),
+        questions: int = typer.Option(3, min=1, max=5, help="Questions per RAG document (1-5)."),
+        max_tokens: int = typer.Option(8, min=1, help="Tokens to generate per request."),
         device: str = typer.Option("cpu", help="torch device for the serving nodes."),
         model: str | None = typer.Option(None, help="HF model directory (default: the embedded model)."),
     ) -> None:
