@@ -156,11 +156,13 @@ def ucx() -> Iterator[Any]:
     t.close()
 
 
-def _store(caps: Capabilities | None) -> tuple[SlotTable, Any]:
+def _store(caps: Capabilities | None, *, shared: bool = False) -> tuple[SlotTable, Any]:
+    """An in-process store; `shared`: its segment is mapped by same-host readers (`transfer.shared_segment`)."""
     from transfer import UcxBlockServer
 
-    table = SlotTable(Segment(16 * NB, NB, pin_memory="off"), capabilities=caps, node_id=NODE)
-    server = UcxBlockServer(table, "127.0.0.1", 0, send_timeout_s=5.0)
+    segment = Segment(16 * NB, NB, pin_memory="off", share=shared)
+    table = SlotTable(segment, capabilities=caps, node_id=NODE)
+    server = UcxBlockServer(table, "127.0.0.1", 0, send_timeout_s=5.0, shared=segment.shared)
     server.start()
     return table, server
 
@@ -179,10 +181,12 @@ def _read(ucx: Any, server: Any, read: BlockRead) -> tuple[Any, bytes]:
     return res, bytes(out)
 
 
-def test_store_serves_only_reads_with_a_valid_capability(ucx: Any) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["ucx", "same-host-mapped"])
+def test_store_serves_only_reads_with_a_valid_capability(ucx: Any, shared: bool) -> None:
+    """Over UCX and through a same-host reader's mapping of the segment alike: the store checks every read."""
     clock = FakeClock(NOW)
     caps = _caps(clock)
-    table, server = _store(caps)
+    table, server = _store(caps, shared=shared)
     try:
         data = bytes(range(256)) * (NB // 256)
         _committed(table, caps, 3, data)
@@ -191,6 +195,7 @@ def test_store_serves_only_reads_with_a_valid_capability(ucx: Any) -> None:
         good = caps.sign(READ, NS, _h(3), NODE, 3, 1, exp)
         res, out = _read(ucx, server, BlockRead(3, 1, NB, good, exp))
         assert res.ok and out == data
+        assert (ucx._peers[server.address].mapping is not None) == shared
         untouched = b"\xee" * NB
         refusals = [
             ("missing", BlockRead(3, 1, NB)),

@@ -1,4 +1,5 @@
-"""UCX transport: in-process server round trip and checksum checks; dead and stalled peers (real processes)."""
+"""UCX transport, the network path (same-host mapped reads are off here: tests/test_shared_segment.py):
+in-process server round trip and checksum checks; dead and stalled peers (real processes)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ MIB = 1 << 20
 @pytest.fixture(scope="module")
 def transport() -> Iterator[UcxTransport]:
     require_ucx()
-    t = UcxTransport(blocks_per_message=16)
+    t = UcxTransport(blocks_per_message=16, map_local_segments=False)
     yield t
     t.close()
 
@@ -185,7 +186,7 @@ import os, signal, sys, time
 from tests.test_store_node import start_store, read, MIB_LAYOUT
 from tests.test_transfer import _fill, MIB
 from transfer import UcxTransport
-t = UcxTransport(blocks_per_message=16)
+t = UcxTransport(blocks_per_message=16, map_local_segments=False)
 s = start_store(segment="8MiB", layout=MIB_LAYOUT)
 try:
     _fill(s, t, 4)
@@ -240,7 +241,7 @@ def test_dead_peer_leaves_transport_healthy_for_survivors_and_new_peers() -> Non
     closed transport's) orphaned ucxx active-message receives keyed by a recycled `ucp_ep_h`; endpoints
     opened afterwards lost their first replies and every batch on them hit its deadline."""
     require_ucx()
-    t = UcxTransport(blocks_per_message=16)
+    t = UcxTransport(blocks_per_message=16, map_local_segments=False)
     live = start_store("--node-id", "live", segment="8MiB", layout=MIB_LAYOUT)
     doomed = start_store("--node-id", "doomed", segment="64MiB", layout=MIB_LAYOUT)
     fresh: StoreProc | None = None
@@ -256,7 +257,7 @@ def test_dead_peer_leaves_transport_healthy_for_survivors_and_new_peers() -> Non
         for tr in (t, None):  # this transport, then a new one after closing it (its readers still wait)
             if tr is None:
                 t.close()
-                tr = t2 = UcxTransport(blocks_per_message=16)
+                tr = t2 = UcxTransport(blocks_per_message=16, map_local_segments=False)
             t0 = time.monotonic()
             res, out = read(tr, live, list(range(8)), nb=MIB, timeout_s=20.0)
             assert all(r.ok for r in res) and np.array_equal(out, live_data), res[0].error
@@ -346,7 +347,7 @@ os.environ["UCX_TLS"] = {tls!r}
 from tests.test_store_node import start_store, put_blocks, read, rand_blocks, MIB_LAYOUT
 from transfer import UcxTransport
 s = start_store(segment="256MiB", layout=MIB_LAYOUT)
-t = UcxTransport()
+t = UcxTransport(map_local_segments=False)
 data = rand_blocks(32, nb=1 << 20)
 for st in range(0, 256, 32):
     put_blocks(s, t, list(range(st, st + 32)), data, nb=1 << 20)

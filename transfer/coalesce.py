@@ -21,24 +21,16 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-import numpy as np
+from transfer.xxh3 import address_of
 
 MAX_RUN_BYTES = 64 << 20
 """A merged run never spans more than this."""
 
 
-def address(view: memoryview) -> int:
-    """The address of a buffer's first byte (read-only buffers too)."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))  # ~0.5 us; writable, non-empty only
-    except (TypeError, ValueError):
-        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)  # ~3.5 us
-
-
 def span(first: memoryview, nbytes: int) -> memoryview:
     """A writable byte view of `nbytes` starting where `first` starts. The caller guarantees that the
     memory is one live allocation (the views it covers are held for as long as the span is used)."""
-    return memoryview((ctypes.c_char * nbytes).from_address(address(first))).cast("B")
+    return memoryview((ctypes.c_char * nbytes).from_address(address_of(first))).cast("B")
 
 
 def adjacent_groups(views: Sequence[memoryview]) -> list[int]:
@@ -46,7 +38,7 @@ def adjacent_groups(views: Sequence[memoryview]) -> list[int]:
     groups: list[int] = []
     end = -1
     for v in views:
-        a = address(v)
+        a = address_of(v)
         if groups and a == end:
             groups[-1] += 1
         else:
@@ -83,7 +75,7 @@ def merge(
     end = -1
     nbytes = 0
     for i, v in served:
-        a = address(v)
+        a = address_of(v)
         joins = (
             run
             and i == run[-1][0] + 1

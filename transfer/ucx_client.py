@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import statistics
+import threading
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from transfer.base import (
 )
 from transfer.coalesce import adjacent_groups, client_plan
 from transfer.ucx_conn import Conn, PeerConns, PeerRefused
+from transfer.ucx_mapped import mapped_read
 from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
     _err,
@@ -85,6 +87,9 @@ class UcxTransport:
     `endpoints_per_peer` endpoints are opened per peer (lazily) and reused; a batch is split into
     messages of `blocks_per_message` blocks spread over them, all in flight at once. The first
     connection to a peer probes the link (`probe_pings` tiny round trips for alpha, `probe_bytes` for beta).
+
+    `map_local_segments`: read from a same-host store that shares its segment by copying from a read-only
+    mapping of it (`transfer.shared_segment`; the store still checks and pins every block), else over UCX.
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class UcxTransport:
         probe_pings: int = 5,
         connect_timeout_s: float = 5.0,
         peer_backoff_s: float = 1.0,
+        map_local_segments: bool = True,
     ) -> None:
         if endpoints_per_peer < 1 or not 1 <= blocks_per_message <= MAX_BLOCKS_PER_MESSAGE:
             raise ValueError("endpoints_per_peer >= 1 and 1 <= blocks_per_message <= 4096 are required")
@@ -109,6 +115,7 @@ class UcxTransport:
         self._ids = self._rt.ids  # process-wide: a stray reply never matches another request
         self._links = LinkTracker()
         self._closed = False
+        self._map_local = map_local_segments
         self.backoff = PeerBackoff(first_s=peer_backoff_s)
         """Peers that could not be reached are skipped for a while (`transfer.backoff`)."""
 
@@ -175,6 +182,7 @@ class UcxTransport:
             for c in p.conns:
                 if c is not None:
                     c.abort()
+            p.unmap()
         self._peers.clear()
 
     async def _conn(self, peer: str, k: int) -> Conn:
@@ -201,7 +209,9 @@ class UcxTransport:
             raise TransferError(f"cannot connect to {peer}: {_err(exc)}") from exc
         conn = Conn(ep)
         try:
-            await conn.handshake(self._rt, self._connect_timeout_s)
+            hello = await conn.handshake(self._rt, self._connect_timeout_s)
+            if self._map_local:
+                p.map_segment(peer, hello)
             if self._links.get(peer) is None:
                 await asyncio.wait_for(self._probe(peer, conn), self._connect_timeout_s + 5.0)
         except BaseException as exc:
@@ -275,7 +285,14 @@ class UcxTransport:
     async def _read(
         self, peer: str, reads: Sequence[BlockRead], views: Sequence[memoryview], timeout_s: float
     ) -> list[tuple[bool, int, str]]:
+        stop = threading.Event()
+
         async def one(conn: Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
+            p = self._peers.get(peer)
+            if p is not None and p.mapping is not None:
+                await mapped_read(conn, p.mapping, next(self._ids), [reads[i] for i in idxs],
+                                  [views[i] for i in idxs], idxs, results, stop)  # fmt: skip
+                return
             rid = next(self._ids)
             msg = {
                 "op": "read",

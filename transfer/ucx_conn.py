@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from transfer.base import TransferError
+from transfer.shared_segment import SegmentDescriptor, SegmentMapping
 from transfer.ucx_runtime import _err, _pack, _Runtime, _unpack, abort_ep, ep_handle
 from transfer.ucx_wait import am_recv
 
+log = logging.getLogger(__name__)
 _HANDSHAKE_RETRY_S = 0.2  # first wait for a handshake reply before pinging again (doubles each time)
 
 
@@ -65,8 +68,8 @@ class Conn:
             self._reader.cancel()
             abort_ep(self.ep, recv_pending=True)  # its am_recv stays queued in ucxx: count it
 
-    async def handshake(self, rt: _Runtime, timeout_s: float) -> None:
-        """Ping until a reply comes back, absorbing active messages that ucxx hands to receives orphaned
+    async def handshake(self, rt: _Runtime, timeout_s: float) -> dict[str, Any]:
+        """Ping until a reply comes back (returned: it may describe the peer's shared segment), absorbing active messages that ucxx hands to receives orphaned
         on a recycled endpoint handle: ours are counted (one extra ping each, sent at once); the peer's are
         unknown here, so a ping that gets no reply is sent again after a short, doubling wait."""
         loop = asyncio.get_running_loop()
@@ -86,9 +89,8 @@ class Conn:
                     raise TransferError(f"no handshake reply in {timeout_s:.3g} s")
                 done, _ = await asyncio.wait(futs, timeout=min(wait, left), return_when="FIRST_COMPLETED")
                 for fut in done:
-                    fut.result()  # raises when the connection was lost
-                if done:
-                    return
+                    reply: dict[str, Any] = fut.result()  # raises when the connection was lost
+                    return reply
                 count, wait = 1, wait * 2
         finally:
             for rid, fut in zip(rids, futs, strict=True):
@@ -97,8 +99,35 @@ class Conn:
 
 
 class PeerConns:
-    """A peer's small pool of connections (filled on first use) and the lock that serialises connecting."""
+    """A peer's small pool of connections (filled on first use), the lock that serialises connecting and,
+    for a same-host store that shares its segment, the read-only mapping of it."""
 
     def __init__(self, size: int) -> None:
         self.conns: list[Conn | None] = [None] * size
         self.lock = asyncio.Lock()
+        self.mapping: SegmentMapping | None = None
+
+    def map_segment(self, peer: str, hello: dict[str, Any]) -> None:
+        """Map the segment a handshake reply describes (or keep the current mapping of it); on any
+        failure reads from this peer stay on UCX."""
+        if "seg" not in hello:
+            return
+        try:
+            desc = SegmentDescriptor.from_wire(hello["seg"])
+        except ValueError as exc:
+            log.warning("store %s: %s; reading over UCX", peer, exc)
+            return
+        if self.mapping is not None and self.mapping.descriptor == desc:
+            return
+        self.unmap()
+        try:
+            self.mapping = SegmentMapping.attach(desc)
+        except OSError as exc:
+            log.info("store %s: its segment cannot be mapped here (%s); reading over UCX", peer, exc)
+            return
+        log.info("store %s: same host, reading from its shared segment (%d MiB)", peer, desc.nbytes >> 20)
+
+    def unmap(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None

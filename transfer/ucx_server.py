@@ -11,6 +11,7 @@ import numpy as np
 
 from transfer.base import BlockHandler
 from transfer.coalesce import merge, valid_groups
+from transfer.shared_segment import SharedSegment
 from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
     PEER_INFO_TIMEOUT_S,
@@ -43,12 +44,26 @@ class UcxBlockServer:
     ucxx listeners listen on every interface (its API takes a port only); `host` is the address this
     server advertises. A transfer still running `send_timeout_s` after its request arrived is aborted
     (its endpoint closed) so a stalled reader never pins a slot forever.
+
+    `shared`: the handler's blocks live in this memfd segment; same-host readers that map it (its
+    descriptor rides on ping replies) read with `mread` and copy the bytes themselves
+    (`transfer.shared_segment`): the slots stay pinned until their `mdone`, their endpoint's end or
+    `send_timeout_s`, whichever comes first.
     """
 
     def __init__(
-        self, handler: BlockHandler, host: str = "127.0.0.1", port: int = 0, *, send_timeout_s: float = 30.0
+        self,
+        handler: BlockHandler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        send_timeout_s: float = 30.0,
+        shared: SharedSegment | None = None,
     ) -> None:
         self._handler = handler
+        self._shared = shared
+        self._hello = {"seg": shared.descriptor.to_wire()} if shared is not None else {}
+        self._copying: dict[tuple[int, int], asyncio.Future[None]] = {}  # (endpoint id, request id)
         self.host = host
         self._port = port
         self._send_timeout_s = send_timeout_s
@@ -124,12 +139,19 @@ class UcxBlockServer:
                 except Exception as exc:  # noqa: BLE001 - a malformed header closes this endpoint
                     log.warning("malformed transfer header, closing endpoint: %s", _err(exc))
                     break
+                if op == "mdone":  # a same-host reader copied the blocks of its `mread` rid
+                    if (fut := self._copying.get((id(ep), rid))) is not None and not fut.done():
+                        fut.set_result(None)
+                    continue
                 task = asyncio.create_task(self._serve(ep, op, rid, msg))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         finally:
             self._endpoints.discard(ep)  # this reader's am_recv has ended
             self._abort(ep)
+            for (eid, _), fut in list(self._copying.items()):  # its readers will never say `mdone`
+                if eid == id(ep) and not fut.done():
+                    fut.set_result(None)
 
     async def _serve(self, ep: Any, op: str, rid: int, msg: dict[str, Any]) -> None:
         with _Runtime.get().waker.busy():
@@ -141,8 +163,10 @@ class UcxBlockServer:
                 await self._serve_read(ep, rid, msg.get("b", []), msg.get("c"), msg.get("g"))
             elif op == "write":
                 await self._serve_write(ep, rid, msg.get("b", []), msg.get("c"), msg.get("g"))
+            elif op == "mread" and self._shared is not None:
+                await self._serve_mapped_read(ep, rid, msg.get("b", []), msg.get("c"))
             elif op == "ping":
-                await ep.am_send(_pack({"id": rid, "ph": 0}))
+                await ep.am_send(_pack({"id": rid, "ph": 0, **self._hello}))
             elif op == "bw":
                 await self._serve_bw(ep, rid, int(msg["n"]))
             else:
@@ -220,6 +244,46 @@ class UcxBlockServer:
                 self._abort(ep)  # no UCX request may still read a slot once we end the read
                 raise
         finally:
+            self.inflight -= len(began)
+            for slot in began:
+                try:
+                    self._handler.end_read(slot)
+                except Exception:  # noqa: BLE001
+                    log.exception("end_read(%d) failed", slot)
+
+    async def _serve_mapped_read(self, ep: Any, rid: int, blocks: Any, caps: Any = None) -> None:
+        """`mread`: pin the blocks, answer [[ok, checksum, error, offset], ...], unpin on `mdone`."""
+        assert self._shared is not None
+        problem = self._check_batch(blocks, 3) or self._check_caps(caps, len(blocks))
+        if problem:
+            await ep.am_send(_pack({"id": rid, "ph": 0, "error": problem}))
+            return
+        header: list[list[Any]] = []
+        began: list[int] = []
+        key = (id(ep), rid)
+        self._copying[key] = asyncio.get_running_loop().create_future()
+        try:
+            for i, (slot, gen, nbytes) in enumerate(blocks):
+                try:
+                    exp, cap = caps[i] if caps else (0, b"")
+                    view, stored = self._handler.begin_read(slot, gen, nbytes, cap, exp)
+                except Exception as exc:  # noqa: BLE001 - per-block result
+                    header.append([False, 0, _err(exc), 0])
+                    continue
+                began.append(slot)
+                self.inflight += 1
+                try:
+                    if view.nbytes != nbytes:
+                        raise ValueError(f"block is {view.nbytes} B, request names {nbytes} B")
+                    header.append([True, stored, "", self._shared.offset_of(view)])
+                except ValueError as exc:
+                    header.append([False, 0, str(exc), 0])
+            await ep.am_send(_pack({"id": rid, "ph": 0, "r": header}))
+            if began:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._copying[key], self._send_timeout_s)
+        finally:
+            del self._copying[key]
             self.inflight -= len(began)
             for slot in began:
                 try:

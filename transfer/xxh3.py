@@ -98,11 +98,12 @@ def as_bytes_view(data: Buffer) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def _address(view: memoryview) -> int:
+def address_of(view: memoryview) -> int:
+    """The address of a buffer's first byte (read-only buffers too)."""
     try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))  # writable buffers
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))  # ~0.5 us; writable, non-empty only
     except (TypeError, ValueError):
-        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)  # read-only ones
+        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)  # ~3.5 us
 
 
 def checksum(data: Buffer) -> int:
@@ -113,7 +114,7 @@ def checksum(data: Buffer) -> int:
     view = as_bytes_view(data)
     if _XXH3 is None or view.nbytes < GIL_FREE_MIN_BYTES:
         return xxhash.xxh3_64_intdigest(view)
-    return int(_XXH3(_address(view), view.nbytes))
+    return int(_XXH3(address_of(view), view.nbytes))
 
 
 def checksums(views: Sequence[Buffer] | np.ndarray) -> list[int]:

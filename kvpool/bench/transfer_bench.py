@@ -174,7 +174,10 @@ def _worker(cfg: dict[str, Any]) -> None:
     env.pop("UCX_LOG_LEVEL", None)  # only this process logs its endpoint configurations (see _run_worker)
     raw_peer = _Child([sys.executable, "-m", "kvpool.bench.raw_ucx"], "RAW_UCX_READY ", env)
     # a generous connect deadline: on a loaded 2-core machine a fresh store's handshake + probe can take seconds
-    t = UcxTransport(endpoints_per_peer=eps, blocks_per_message=per_msg, connect_timeout_s=60.0)
+    # shm: the pool's same-host read path (the store's mapped segment), and the same reads over UCX alone
+    kw = {"endpoints_per_peer": eps, "blocks_per_message": per_msg, "connect_timeout_s": 60.0}
+    t = UcxTransport(**kw, map_local_segments=cfg["mapped"])  # type: ignore[arg-type]
+    t_ucx = UcxTransport(**kw, map_local_segments=False) if cfg["mapped"] else None  # type: ignore[arg-type]
     raw = RawUcxClient("127.0.0.1", int(raw_peer.info), endpoints=eps, blocks_per_message=per_msg)
     result: dict[str, Any] = {"sizes": {}, "latency": {}}
     rng = np.random.default_rng(0)
@@ -182,7 +185,7 @@ def _worker(cfg: dict[str, Any]) -> None:
         for size in cfg["sizes"]:
             store = _Store(size, batch, env)
             try:
-                result["sizes"][str(size)] = _measure_size(t, raw, store, size, batch, reps, rng)
+                result["sizes"][str(size)] = _measure_size(t, raw, store, size, batch, reps, rng, t_ucx)
                 if size == cfg["latency_bytes"]:
                     reads = [BlockRead(0, 1, size)]
                     result["latency"] = _latency(
@@ -194,13 +197,23 @@ def _worker(cfg: dict[str, Any]) -> None:
     finally:
         raw.close()
         t.close()
+        if t_ucx is not None:
+            t_ucx.close()
         raw_peer.stop()
 
 
 def _measure_size(
-    t: Any, raw: Any, store: _Store, size: int, batch: int, reps: int, rng: np.random.Generator
+    t: Any,
+    raw: Any,
+    store: _Store,
+    size: int,
+    batch: int,
+    reps: int,
+    rng: np.random.Generator,
+    t_ucx: Any = None,
 ) -> dict[str, list[float]]:
-    """Seed `batch` committed blocks, then interleave pool get/put, raw get/put and memcpy `reps` times."""
+    """Seed `batch` committed blocks, then interleave pool get/put, raw get/put and memcpy `reps` times
+    (and, given `t_ucx`, pool get through it: the UCX path where `t` reads from the mapped segment)."""
     from transfer import BlockRead, BlockWrite, checksum, checksums
 
     data = rng.integers(0, 256, (batch, size), dtype=np.uint8)
@@ -220,17 +233,21 @@ def _measure_size(
     store.commit(get_slots, 1)
     reads = [BlockRead(s, 1, size) for s in get_slots]
     outs = [memoryview(o) for o in out]
-    samples: dict[str, list[float]] = {k: [] for k in ("get", "put", "raw_get", "raw_put", "memcpy")}
+    keys = ("get", "put", "raw_get", "raw_put", "memcpy") + (("get_ucx",) if t_ucx is not None else ())
+    samples: dict[str, list[float]] = {k: [] for k in keys}
     nbytes = batch * size
 
-    def pool_get() -> None:
+    def get_with(tr: Any, key: str) -> None:
         out.fill(0)
         t0 = time.perf_counter()
-        res = t.read_blocks(store.data_address, reads, outs, timeout_s=120)
+        res = tr.read_blocks(store.data_address, reads, outs, timeout_s=120)
         dt = time.perf_counter() - t0
         if not all(r.ok for r in res) or not np.array_equal(out, data):
             raise RuntimeError(f"pool get failed: {[r.error for r in res if not r.ok][:3]}")
-        samples["get"].append(_gbps(nbytes, dt))
+        samples[key].append(_gbps(nbytes, dt))
+
+    def pool_get() -> None:
+        get_with(t, "get")
 
     def pool_put() -> None:
         gen = store.put_gen
@@ -261,6 +278,9 @@ def _measure_size(
         samples["memcpy"].append(_gbps(nbytes, time.perf_counter() - t0))
 
     steps: list[Callable[[], None]] = [pool_get, raw_get, pool_put, raw_put, memcpy]
+    if t_ucx is not None:
+        t_ucx.link(store.data_address)
+        steps.append(lambda: get_with(t_ucx, "get_ucx"))
     for step in steps:  # warm-up: first touch of the segment, connections, buffers
         step()
     for k in samples:
@@ -536,6 +556,8 @@ def build_report(
                         "raw_ucx_gb_per_s": raw, "perftest_gb_per_s": pt, "memcpy_gb_per_s": memcpy,
                         "mooncake_gb_per_s": mcv, "samples_gb_per_s": s[op], "raw_ucx_samples_gb_per_s": s[f"raw_{op}"],
                         "pool_over_raw": _paired_ratio(s[op], s[f"raw_{op}"]),
+                        "path": "mapped" if op == "get" and "get_ucx" in s else "ucx",
+                        "ucx_path_gb_per_s": _median(s["get_ucx"]) if op == "get" and "get_ucx" in s else None,
                     }
                 )  # fmt: skip
                 r = records[-1]["pool_over_raw"]
@@ -577,11 +599,13 @@ def print_tables(console: Any, records: Sequence[dict[str, Any]], summary: dict[
     from rich.table import Table
 
     table = Table(title="data plane throughput (GB/s, medians)")
-    for col in ("transport", "block", "op", "pool", "raw UCX", "pool/raw", "perftest", "memcpy", "Mooncake"):
+    cols = ("transport", "block", "op", "pool", "pool, UCX path", "raw UCX", "pool/raw", "perftest", "memcpy")
+    for col in (*cols, "Mooncake"):
         table.add_column(col, justify="right")
     for r in records:
+        op = r["op"] + (" (mapped)" if r.get("path") == "mapped" else "")
         table.add_row(
-            r["transport"], _size_name(r["block_bytes"]), r["op"], _fmt(r["gb_per_s"]),
+            r["transport"], _size_name(r["block_bytes"]), op, _fmt(r["gb_per_s"]), _fmt(r.get("ucx_path_gb_per_s")),
             _fmt(r["raw_ucx_gb_per_s"]), _fmt(r["pool_over_raw"], ".0%"),
             _fmt(r["perftest_gb_per_s"]), _fmt(r["memcpy_gb_per_s"]), _fmt(r["mooncake_gb_per_s"]),
         )  # fmt: skip
@@ -686,7 +710,8 @@ def run_transfer_bench(
     with _progress(total) as step:
         for tr, tr_env in TRANSPORTS.items():
             env = dict(os.environ, **tr_env, UCX_LOG_LEVEL="info")
-            args = [sys.executable, "-m", "kvpool.bench.transfer_bench", "worker", json.dumps(cfg)]
+            wcfg = {**cfg, "mapped": tr == "shm"}  # tcp: the network path (as from another host)
+            args = [sys.executable, "-m", "kvpool.bench.transfer_bench", "worker", json.dumps(wcfg)]
             log: list[str] = []
             measured[tr] = _run_worker(args, env, step, log)
             measured[tr]["ucx_tag_lanes"] = ucx_tag_lanes("".join(log))

@@ -21,6 +21,11 @@ def register_store_command(app: typer.Typer) -> None:
         ),
         node_id: str | None = typer.Option(None, help="Node id (default store-<host>-<pid>)."),
         pin_memory: str | None = typer.Option(None, help="auto | on | off (pinned host memory)."),
+        share_segment: bool | None = typer.Option(
+            None,
+            "--share-segment/--no-share-segment",
+            help="Let same-host readers copy blocks from a read-only mapping of the segment [default: share].",
+        ),
         metrics: bool | None = typer.Option(
             None, "--metrics/--no-metrics", help="Serve Prometheus /metrics."
         ),
@@ -47,6 +52,7 @@ def register_store_command(app: typer.Typer) -> None:
             layout=layout,
             node_id=node_id,
             pin_memory=pin_memory,
+            share_segment=share_segment,
             metrics=metrics,
             metrics_port=metrics_port,
         )

@@ -34,7 +34,10 @@ class StoreNode:
         self.epoch = secrets.randbits(63) or 1
         self.layout = settings.kv_layout
         self.segment = Segment(
-            settings.segment_bytes, self.layout.block_nbytes, pin_memory=settings.pin_memory
+            settings.segment_bytes,
+            self.layout.block_nbytes,
+            pin_memory=settings.pin_memory,
+            share=settings.share_segment,
         )
         self.table = SlotTable(self.segment, clock, capabilities=process_capabilities(), node_id=self.node_id)
         self.metrics = StoreMetrics(self.table)
@@ -81,6 +84,7 @@ class StoreNode:
             self.host,
             self.settings.data_port,
             send_timeout_s=self.settings.transfer_timeout_s,
+            shared=self.segment.shared,
         )
         self._data.start()
         servicer = StoreServicer(

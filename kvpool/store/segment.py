@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.errors import InvalidArgument
+from transfer.shared_segment import SharedSegment
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +24,23 @@ def _cuda_present() -> bool:
     return bool(torch.cuda.is_available())
 
 
-class Segment:
-    """`num_slots` slots of `block_nbytes` bytes in one contiguous buffer. The caller owns the segment."""
+def _shared(nbytes: int) -> SharedSegment | None:
+    try:
+        return SharedSegment(nbytes)
+    except OSError as exc:
+        log.warning("segment not shared with same-host readers (memfd unavailable: %s)", exc)
+        return None
 
-    def __init__(self, size_bytes: int, block_nbytes: int, *, pin_memory: str = "auto") -> None:
+
+class Segment:
+    """`num_slots` slots of `block_nbytes` bytes in one contiguous buffer. The caller owns the segment.
+
+    `share`: allocate it as a sealed memfd that same-host readers map read-only (`transfer.shared_segment`;
+    `shared` is then set); not with pinned memory, and silently private where memfd is unavailable."""
+
+    def __init__(
+        self, size_bytes: int, block_nbytes: int, *, pin_memory: str = "auto", share: bool = False
+    ) -> None:
         if block_nbytes <= 0 or size_bytes < block_nbytes:
             raise InvalidArgument(f"segment of {size_bytes} B cannot hold one {block_nbytes} B block")
         self.block_nbytes = block_nbytes
@@ -34,6 +48,7 @@ class Segment:
         self.nbytes = self.num_slots * block_nbytes
         self.pinned = False
         self._keepalive: Any = None
+        self.shared: SharedSegment | None = None
         pin = pin_memory == "on" or (pin_memory == "auto" and _cuda_present())
         if pin:
             import torch
@@ -42,6 +57,9 @@ class Segment:
             self._keepalive = tensor
             self.array = tensor.numpy()
             self.pinned = True
+        elif share and (shared := _shared(self.nbytes)) is not None:
+            self.shared = shared
+            self.array = shared.array
         else:
             self.array = np.zeros(self.nbytes, dtype=np.uint8)  # pages are mapped on first touch
         self._view = memoryview(self.array)  # type: ignore[arg-type]
@@ -52,7 +70,7 @@ class Segment:
             self.num_slots,
             block_nbytes,
             self.nbytes >> 20,
-            " (pinned)" if self.pinned else "",
+            " (pinned)" if self.pinned else " (shared with same-host readers)" if self.shared else "",
             self.array.ctypes.data,
         )
 

@@ -38,6 +38,7 @@ class StoreSettings(KVPoolSettings):
     segment_size: str = "256MiB"
     layout: str = DEFAULT_LAYOUT
     pin_memory: str = "auto"  # auto (when CUDA is present) | on | off
+    share_segment: bool = True  # same-host readers map the segment read-only (transfer.shared_segment)
     heartbeat_interval_ms: int = 1000  # until the master says otherwise
     reap_interval_ms: int = 100  # how often expired write leases are reclaimed
     max_batch_slots: int = 8192  # per control RPC

@@ -1,0 +1,223 @@
+"""Same-host reads through a store's shared segment (transfer/shared_segment.py, transfer/ucx_mapped.py):
+bytes, pins, late readers, abandoned reads, refused mappings; and a real store process."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.test_store_node import NS, h, put_blocks, rand_blocks, read, require_ucx, start_store
+from transfer import BlockRead, UcxBlockServer, UcxTransport, checksum
+from transfer.shared_segment import SegmentDescriptor, SegmentMapping, SharedSegment
+
+NB = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def transport() -> Iterator[UcxTransport]:
+    require_ucx()
+    t = UcxTransport(blocks_per_message=16)
+    yield t
+    t.close()
+
+
+class _Store:
+    """An in-process store: a SlotTable on a shared segment behind a UcxBlockServer."""
+
+    def __init__(self, num_slots: int, *, send_timeout_s: float = 30.0) -> None:
+        from kvpool.store import Segment, SlotTable
+
+        self.table = SlotTable(Segment(num_slots * NB, NB, pin_memory="off", share=True))
+        assert self.table.segment.shared is not None
+        self.server = UcxBlockServer(
+            self.table, send_timeout_s=send_timeout_s, shared=self.table.segment.shared
+        )
+        self.peer = f"127.0.0.1:{self.server.start()}"
+
+    def commit(self, data: np.ndarray) -> None:
+        from kvpool.store.slots import Reservation
+
+        n = len(data)
+        self.table.reserve([Reservation(i, 1, NS, h(i)) for i in range(n)], 60_000)
+        for i in range(n):
+            self.table.begin_write(i, 1, NB)[:] = data[i]
+            self.table.end_write(i, 1, checksum(data[i]), True)
+        assert all(e == "" for *_, e in self.table.commit([(i, 1) for i in range(n)]))
+
+    def read(self, t: UcxTransport, n: int, timeout_s: float = 10.0) -> tuple[list[Any], np.ndarray]:
+        out = np.zeros((n, NB), dtype=np.uint8)
+        res = t.read_blocks(
+            self.peer,
+            [BlockRead(i, 1, NB) for i in range(n)],
+            [memoryview(o) for o in out],
+            timeout_s=timeout_s,
+        )
+        return res, out
+
+
+def _slow_copies(
+    t: UcxTransport, peer: str, delay_s: float, calls: list[int], num_slow: int = 1 << 30
+) -> SegmentMapping:
+    """Make the first `num_slow` copies from `peer`'s mapping wait `delay_s` first (a reader descheduled
+    mid-read). Calls run on the hashing threads (batches over 256 KiB) or the UCX loop thread."""
+    mapping = t._peers[peer].mapping
+    assert mapping is not None
+    real = mapping.copy_verify
+
+    def slow(parts: Any) -> Any:
+        calls.append(len(parts))
+        if len(calls) <= num_slow:
+            time.sleep(delay_s)
+        return real(parts)
+
+    mapping.copy_verify = slow  # type: ignore[method-assign]
+    return mapping
+
+
+def test_same_host_reads_copy_from_the_mapping_and_verify_every_block(transport: UcxTransport) -> None:
+    s = _Store(64)
+    try:
+        data = rand_blocks(64, nb=NB, seed=21)
+        s.commit(data)
+        res, out = s.read(transport, 64)
+        assert all(r.ok for r in res) and np.array_equal(out, data)
+        calls: list[int] = []
+        _slow_copies(transport, s.peer, 0.0, calls)
+        res, out = s.read(transport, 64)
+        assert all(r.ok for r in res) and np.array_equal(out, data) and sum(calls) == 64  # mapped, not UCX
+        assert [r.checksum for r in res[:2]] == [checksum(d) for d in data[:2]]
+        s.table.segment.array[5 * NB + 17] ^= 0x01  # a bit flip in the store's memory
+        res, _ = s.read(transport, 64)
+        assert [i for i, r in enumerate(res) if not r.ok] == [5] and "checksum mismatch" in res[5].error
+        assert s.table.num_inflight == 0  # every pin was released by `mdone`
+    finally:
+        s.server.stop()
+
+
+def test_slots_stay_pinned_while_the_reader_copies(transport: UcxTransport) -> None:
+    """A free order for a slot being copied waits for the reader's `mdone` (DESIGN: deferred frees)."""
+    s = _Store(8)
+    try:
+        data = rand_blocks(8, nb=NB, seed=22)
+        s.commit(data)
+        s.read(transport, 8)  # connect and map
+        seen: list[int] = []
+        mapping = _slow_copies(transport, s.peer, 0.0, [])
+        real = mapping.copy_verify
+
+        def watching(parts: Any) -> Any:
+            seen.append(s.table.num_inflight)
+            return real(parts)
+
+        mapping.copy_verify = watching  # type: ignore[method-assign]
+        res, out = s.read(transport, 8)
+        assert all(r.ok for r in res) and np.array_equal(out, data)
+        assert seen and min(seen) == 8  # all eight pinned during the copy
+        assert s.table.num_inflight == 0
+    finally:
+        s.server.stop()
+
+
+def test_a_late_reader_gets_a_checksum_error_never_the_bytes_that_replaced_its_block(
+    transport: UcxTransport,
+) -> None:
+    """The store unpins after its send timeout even if the reader never says `mdone`; if the slot is then
+    reused, the late copy fails its checksum instead of returning another block's bytes."""
+    s = _Store(8, send_timeout_s=0.3)
+    try:
+        data = rand_blocks(8, nb=NB, seed=23)
+        s.commit(data)
+        s.read(transport, 8)
+        calls: list[int] = []
+        _slow_copies(transport, s.peer, 1.0, calls, num_slow=2)  # 512 KiB: on the two hashing threads
+        result: dict[str, Any] = {}
+        reader = threading.Thread(target=lambda: result.update(r=s.read(transport, 8, timeout_s=10.0)))
+        reader.start()
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # past the store's 0.3 s: slot 0 is unpinned while the reader still waits
+        assert s.table.num_inflight == 0
+        s.table.segment.array[:] = 0x5A  # the slots' memory reused for other bytes
+        reader.join(10)
+        res, out = result["r"]
+        assert all(not r.ok and "checksum mismatch" in r.error for r in res), [r.error for r in res]
+    finally:
+        s.server.stop()
+
+
+def test_an_abandoned_read_never_writes_into_the_caller_buffer_after_it_returns(
+    transport: UcxTransport,
+) -> None:
+    s = _Store(64)
+    try:
+        data = rand_blocks(64, nb=NB, seed=24)
+        s.commit(data)
+        s.read(transport, 64)
+        _slow_copies(transport, s.peer, 0.15, [])
+        t0 = time.monotonic()
+        res, out = s.read(transport, 64, timeout_s=0.4)  # 4 MiB: split over the hashing threads
+        assert time.monotonic() - t0 < 2.0
+        assert not all(r.ok for r in res)
+        snapshot = out.copy()
+        time.sleep(1.0)  # a copy job still running would keep filling `out`
+        assert np.array_equal(out, snapshot)
+    finally:
+        s.server.stop()
+
+
+def test_mappings_are_refused_unless_everything_matches() -> None:
+    seg = SharedSegment(1 << 20)
+    good = seg.descriptor
+    m = SegmentMapping.attach(good)
+    seg.array[:4] = [1, 2, 3, 4]
+    out = np.zeros(8, dtype=np.uint8)
+    [(ok, cs, err)] = m.copy_verify([(memoryview(out), 0, checksum(seg.array[:8]))])
+    assert ok and list(out[:4]) == [1, 2, 3, 4]
+    [(ok, _, err)] = m.copy_verify([(memoryview(out), (1 << 20) - 4, 0)])  # past the end: refused
+    assert not ok and "outside" in err
+    m.close()
+    [(ok, _, err)] = m.copy_verify([(memoryview(out), 0, 0)])
+    assert not ok and "closed" in err
+    for bad in (
+        SegmentDescriptor(good.pid, good.fd, good.dev, good.ino + 1, good.nbytes, good.boot),  # another file
+        SegmentDescriptor(good.pid, good.fd, good.dev, good.ino, good.nbytes * 2, good.boot),  # too large
+        SegmentDescriptor(good.pid, good.fd, good.dev, good.ino, good.nbytes, "another-host"),
+        SegmentDescriptor(good.pid, 9999, good.dev, good.ino, good.nbytes, good.boot),  # no such fd
+    ):
+        with pytest.raises(OSError):
+            SegmentMapping.attach(bad)
+    fd = os.memfd_create("unsealed")  # resizable: a shrink would SIGBUS the reader
+    try:
+        os.ftruncate(fd, 4096)
+        st = os.fstat(fd)
+        with pytest.raises(OSError, match="sealed"):
+            SegmentMapping.attach(SegmentDescriptor(os.getpid(), fd, st.st_dev, st.st_ino, 4096, good.boot))
+        assert fcntl.fcntl(seg.descriptor.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+    finally:
+        os.close(fd)
+    for wire in ({}, {**good.to_wire(), "pid": -1}, {**good.to_wire(), "boot": 3}, "x"):
+        with pytest.raises(ValueError):
+            SegmentDescriptor.from_wire(wire)
+    assert SegmentDescriptor.from_wire(good.to_wire()) == good
+
+
+def test_store_process_shares_its_segment_unless_told_not_to(transport: UcxTransport) -> None:
+    """A real `kvpool store`: a same-host reader maps it; with --no-share-segment it reads over UCX."""
+    for share in (True, False):
+        s = start_store(*([] if share else ["--no-share-segment"]), segment="8MiB")
+        try:
+            data = rand_blocks(8, seed=25)
+            put_blocks(s, transport, list(range(8)), data)
+            res, out = read(transport, s, list(range(8)))
+            assert all(r.ok for r in res) and np.array_equal(out, data)
+            assert (transport._peers[s.data_address].mapping is not None) == share
+        finally:
+            s.kill()

@@ -1,0 +1,184 @@
+"""Same-host reads by one copy: a store's segment in a sealed memfd that local readers map read-only.
+
+UCX moves shared-memory rendezvous data through its sysv FIFO when error handling is on (two copies in
+8 KiB fragments; raw ucxx reaches a quarter to a third of memcpy here), and its single-copy CMA transport
+needs `UCX_CMA_MEMORY_INVALIDATE`, which UCX documents as unsupported. kvpool's same-host path is its own:
+
+- the store allocates its segment as a `memfd` (sealed against shrinking and growing, so a mapping never
+  faults with SIGBUS) and advertises `SegmentDescriptor` (pid, fd, inode, size, boot id) in its ping reply;
+- a reader on the same host (same boot id and pid namespace, allowed to open `/proc/<pid>/fd/<fd>`, which
+  needs the access `/proc/<pid>/mem` needs: no new trust) maps it read-only once per store;
+- every read still goes through the store over UCX: it checks generations and capabilities and pins the
+  slots (`begin_read`), answers their offsets and checksums, and unpins (`end_read`) when the reader says
+  it has copied them (or its endpoint dies, or the send timeout passes); the reader copies and verifies
+  the xxh3 of what it copied, so even a pin that expired under it can only give a checksum error.
+
+Like UCX's xpmem/knem single-copy transports, but under the store's pins: blocks are read, never written,
+through the mapping (writes stay two-sided messages the store checks). Linux only; anything missing
+(another host, another pid namespace, no permission, a replaced fd) leaves the reader on UCX.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import threading
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from transfer.xxh3 import address_of, checksum
+
+log = logging.getLogger(__name__)
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_munmap = _libc.munmap
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def boot_id() -> str:
+    """This host's boot id (`/proc/sys/kernel/random/boot_id`); empty when unreadable."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentDescriptor:
+    """How a same-host reader finds a store's segment: `/proc/<pid>/fd/<fd>`, checked by inode and size."""
+
+    pid: int
+    fd: int
+    dev: int
+    ino: int
+    nbytes: int
+    boot: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, value: Any) -> SegmentDescriptor:
+        """Raises `ValueError` for anything but a well-formed descriptor."""
+        if not isinstance(value, dict) or set(value) != {"pid", "fd", "dev", "ino", "nbytes", "boot"}:
+            raise ValueError("malformed segment descriptor")
+        ints = {k: value[k] for k in ("pid", "fd", "dev", "ino", "nbytes")}
+        if not all(isinstance(v, int) and v >= 0 for v in ints.values()) or not isinstance(
+            value["boot"], str
+        ):
+            raise ValueError("malformed segment descriptor")
+        return cls(**ints, boot=value["boot"])
+
+
+class SharedSegment:
+    """`nbytes` of zeroed memory in a sealed memfd, mapped read-write here (the store's side).
+
+    `array` is the uint8 view of the whole segment; `descriptor` tells same-host readers how to map it.
+    Lives as long as the process (the fd must stay open for readers to find it). Raises `OSError` where
+    memfd or sealing is unavailable."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._fd = os.memfd_create(
+            f"kvpool-segment-{secrets.token_hex(8)}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+        )
+        try:
+            os.ftruncate(self._fd, nbytes)
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
+            self._map = mmap.mmap(self._fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.base_address = int(self.array.ctypes.data)
+        st = os.fstat(self._fd)
+        self.descriptor = SegmentDescriptor(os.getpid(), self._fd, st.st_dev, st.st_ino, nbytes, boot_id())
+
+    def offset_of(self, view: memoryview) -> int:
+        """Offset of `view` in the segment; raises `ValueError` when it is not inside it."""
+        off = address_of(view) - self.base_address
+        if off < 0 or off + view.nbytes > self.nbytes:
+            raise ValueError("buffer is not in the shared segment")
+        return off
+
+
+class SegmentMapping:
+    """A read-only mapping of a same-host store's segment (the reader's side); `attach` makes one.
+
+    `copy_verify` may run on several threads at once; `close` unmaps once no copy is running."""
+
+    def __init__(self, desc: SegmentDescriptor, address: int) -> None:
+        self.descriptor = desc
+        self.address = address
+        self._lock = threading.Lock()
+        self._users = 0
+        self._closed = False
+
+    @classmethod
+    def attach(cls, desc: SegmentDescriptor) -> SegmentMapping:
+        """Map `desc` read-only. Raises `OSError` (another host, no access, a different file: the inode,
+        size or seals do not match)."""
+        if not desc.boot or desc.boot != boot_id():
+            raise OSError("the store runs on another host")
+        fd = os.open(f"/proc/{desc.pid}/fd/{desc.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (desc.dev, desc.ino) or st.st_size < desc.nbytes:
+                raise OSError("the store's segment file is not the one it advertised")
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+                raise OSError("the store's segment is not sealed against resizing")
+            addr = _mmap(None, desc.nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, _MAP_FAILED):
+                raise OSError(ctypes.get_errno(), "mmap of the store's segment failed")
+        finally:
+            os.close(fd)
+        return cls(desc, int(addr))
+
+    def copy_verify(self, parts: Sequence[tuple[memoryview, int, int]]) -> list[tuple[bool, int, str]]:
+        """For each (destination, segment offset, expected xxh3): copy the block into the destination
+        (`destination.nbytes` bytes) and compare the xxh3 of the copy. One (ok, checksum, error) each."""
+        with self._lock:
+            if self._closed:
+                return [(False, 0, "segment mapping closed")] * len(parts)
+            self._users += 1
+        try:
+            out: list[tuple[bool, int, str]] = []
+            for dst, off, sent in parts:
+                if off < 0 or off + dst.nbytes > self.descriptor.nbytes:
+                    out.append((False, 0, f"offset {off} outside the store's segment"))
+                    continue
+                ctypes.memmove(address_of(dst), self.address + off, dst.nbytes)
+                cs = checksum(dst)
+                ok = cs == sent
+                out.append((ok, cs, "" if ok else f"checksum mismatch: got {cs:#x}, store sent {sent:#x}"))
+            return out
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._closed and self._users == 0:
+                    self._unmap()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._users == 0:
+                self._unmap()
+
+    def _unmap(self) -> None:
+        _munmap(self.address, self.descriptor.nbytes)
+        self.address = 0

@@ -1,0 +1,103 @@
+"""The reader's side of a same-host read: `mread` over UCX, one copy from the mapped segment, `mdone`.
+
+Wire (extends transfer/ucx.py):
+    mread  client -> {op:"mread", id, b:[[slot, gen, nbytes], ...], c?}   (as `read`)
+           server -> {id, ph:0, r:[[ok, checksum, error, offset], ...]}   (ok blocks are pinned)
+    mdone  client -> {op:"mdone", id}   (no reply: the server unpins the blocks of `mread` id)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from transfer.base import BlockRead
+from transfer.shared_segment import SegmentMapping
+from transfer.ucx_conn import Conn, PeerRefused
+from transfer.ucx_runtime import _pack
+from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, NUM_HASH_THREADS
+
+_MDONE_TIMEOUT_S = 1.0
+Part = tuple[memoryview, int, int]  # destination, offset in the segment, checksum the store holds
+
+
+def _check_header(header: Any, n: int) -> list[tuple[bool, int, str, int]]:
+    if not isinstance(header, list) or len(header) != n:
+        raise PeerRefused("bad reply: one result per block expected")
+    out = []
+    for h in header:
+        if not (isinstance(h, list) and len(h) == 4 and isinstance(h[1], int) and isinstance(h[3], int)):
+            raise PeerRefused("bad reply: malformed block result")
+        out.append((bool(h[0]), h[1], str(h[2]), h[3]))
+    return out
+
+
+def _copy_parts(
+    mapping: SegmentMapping, parts: Sequence[Part], stop: threading.Event
+) -> list[tuple[bool, int, str]]:
+    out: list[tuple[bool, int, str]] = []
+    for k, part in enumerate(parts):
+        if stop.is_set():  # the read was abandoned: never write into the caller's buffers after that
+            return out + [(False, 0, "read abandoned")] * (len(parts) - k)
+        out.extend(mapping.copy_verify([part]))
+    return out
+
+
+async def _copy(
+    mapping: SegmentMapping, parts: list[Part], stop: threading.Event
+) -> list[tuple[bool, int, str]]:
+    """Copy and verify `parts`, in place when small, else split over `HASH_POOL`. When cancelled, sets
+    `stop` (shared by the whole read: its other messages' jobs stop too) and raises only once no job of
+    this call can still write into a destination (at most one block's copy per running job)."""
+    if sum(p[0].nbytes for p in parts) <= INLINE_MAX_BYTES:
+        return mapping.copy_verify(parts)
+    n = min(NUM_HASH_THREADS, len(parts))
+    bounds = [len(parts) * k // n for k in range(n + 1)]
+    jobs = [HASH_POOL.submit(_copy_parts, mapping, parts[bounds[k] : bounds[k + 1]], stop) for k in range(n)]
+    try:
+        await asyncio.wait([asyncio.wrap_future(j) for j in jobs])
+    except BaseException:
+        stop.set()
+        for j in jobs:
+            j.cancel()
+        concurrent.futures.wait(jobs)
+        raise
+    return [r for j in jobs for r in j.result()]
+
+
+async def mapped_read(
+    conn: Conn,
+    mapping: SegmentMapping,
+    rid: int,
+    reads: Sequence[BlockRead],
+    views: Sequence[memoryview],
+    idxs: Sequence[int],
+    results: list[tuple[bool, int, str]],
+    stop: threading.Event,
+) -> None:
+    """Read `reads` into `views` through `mapping`; block j's result goes to `results[idxs[j]]`. `stop`:
+    one per read call, set when any of its messages is abandoned (no copy starts after that)."""
+    msg: dict[str, Any] = {"op": "mread", "id": rid, "b": [[r.slot, r.generation, r.nbytes] for r in reads]}
+    if any(r.capability for r in reads):
+        msg["c"] = [[r.expiry_ms, bytes(r.capability)] for r in reads]
+    reply = await conn.request(msg)
+    try:
+        header = _check_header(reply.get("r"), len(reads))
+        parts: list[Part] = []
+        where: list[int] = []
+        for j, (ok, cs, err, off) in enumerate(header):
+            results[idxs[j]] = (ok, cs, err)
+            if ok:
+                parts.append((views[j], off, cs))
+                where.append(idxs[j])
+        if parts:
+            for i, res in zip(where, await _copy(mapping, parts, stop), strict=True):
+                results[i] = res
+    finally:
+        if not conn.dead:  # unpin now (the store would after its send timeout or on our disconnect)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.ep.am_send(_pack({"op": "mdone", "id": rid})), _MDONE_TIMEOUT_S)
