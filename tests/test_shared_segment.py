@@ -62,6 +62,14 @@ class _Store:
         return res, out
 
 
+def _wait_unpinned(table: Any, timeout_s: float = 5.0) -> None:
+    """`mdone` is sent without waiting for it: the store unpins just after the read returns."""
+    deadline = time.monotonic() + timeout_s
+    while table.num_inflight and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert table.num_inflight == 0
+
+
 def _slow_copies(
     t: UcxTransport, peer: str, delay_s: float, calls: list[int], num_slow: int = 1 << 30
 ) -> SegmentMapping:
@@ -71,11 +79,11 @@ def _slow_copies(
     assert mapping is not None
     real = mapping.copy_verify
 
-    def slow(parts: Any) -> Any:
+    def slow(parts: Any, stop: Any = None) -> Any:
         calls.append(len(parts))
         if len(calls) <= num_slow:
             time.sleep(delay_s)
-        return real(parts)
+        return real(parts, stop)
 
     mapping.copy_verify = slow  # type: ignore[method-assign]
     return mapping
@@ -96,7 +104,7 @@ def test_same_host_reads_copy_from_the_mapping_and_verify_every_block(transport:
         s.table.segment.array[5 * NB + 17] ^= 0x01  # a bit flip in the store's memory
         res, _ = s.read(transport, 64)
         assert [i for i, r in enumerate(res) if not r.ok] == [5] and "checksum mismatch" in res[5].error
-        assert s.table.num_inflight == 0  # every pin was released by `mdone`
+        _wait_unpinned(s.table)  # every pin was released by `mdone`
     finally:
         s.server.stop()
 
@@ -108,19 +116,20 @@ def test_slots_stay_pinned_while_the_reader_copies(transport: UcxTransport) -> N
         data = rand_blocks(8, nb=NB, seed=22)
         s.commit(data)
         s.read(transport, 8)  # connect and map
+        _wait_unpinned(s.table)
         seen: list[int] = []
         mapping = _slow_copies(transport, s.peer, 0.0, [])
         real = mapping.copy_verify
 
-        def watching(parts: Any) -> Any:
+        def watching(parts: Any, stop: Any = None) -> Any:
             seen.append(s.table.num_inflight)
-            return real(parts)
+            return real(parts, stop)
 
         mapping.copy_verify = watching  # type: ignore[method-assign]
         res, out = s.read(transport, 8)
         assert all(r.ok for r in res) and np.array_equal(out, data)
         assert seen and min(seen) == 8  # all eight pinned during the copy
-        assert s.table.num_inflight == 0
+        _wait_unpinned(s.table)
     finally:
         s.server.stop()
 

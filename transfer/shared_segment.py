@@ -33,11 +33,14 @@ from typing import Any
 
 import numpy as np
 
+from transfer.coalesce import span
 from transfer.xxh3 import address_of, checksum
 
 log = logging.getLogger(__name__)
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+RUN_MAX_BYTES = 2 << 20
+"""Adjacent blocks are copied together up to this many bytes, then hashed while still in cache."""
 _libc = ctypes.CDLL(None, use_errno=True)
 _mmap = _libc.mmap
 _mmap.restype = ctypes.c_void_p
@@ -123,6 +126,7 @@ class SegmentMapping:
     def __init__(self, desc: SegmentDescriptor, address: int) -> None:
         self.descriptor = desc
         self.address = address
+        self._words = np.ctypeslib.as_array((ctypes.c_uint64 * (desc.nbytes // 8)).from_address(address))
         self._lock = threading.Lock()
         self._users = 0
         self._closed = False
@@ -147,29 +151,70 @@ class SegmentMapping:
             os.close(fd)
         return cls(desc, int(addr))
 
-    def copy_verify(self, parts: Sequence[tuple[memoryview, int, int]]) -> list[tuple[bool, int, str]]:
+    def copy_verify(
+        self, parts: Sequence[tuple[memoryview, int, int]], stop: threading.Event | None = None
+    ) -> list[tuple[bool, int, str]]:
         """For each (destination, segment offset, expected xxh3): copy the block into the destination
-        (`destination.nbytes` bytes) and compare the xxh3 of the copy. One (ok, checksum, error) each."""
+        (`destination.nbytes` bytes) and compare the xxh3 of the copy. One (ok, checksum, error) each.
+
+        Runs of parts adjacent on both sides are copied as one; once `stop` is set no further run starts
+        (their parts fail). The GIL is released while bytes move and while they are hashed."""
         with self._lock:
             if self._closed:
                 return [(False, 0, "segment mapping closed")] * len(parts)
             self._users += 1
         try:
-            out: list[tuple[bool, int, str]] = []
-            for dst, off, sent in parts:
-                if off < 0 or off + dst.nbytes > self.descriptor.nbytes:
-                    out.append((False, 0, f"offset {off} outside the store's segment"))
-                    continue
-                ctypes.memmove(address_of(dst), self.address + off, dst.nbytes)
-                cs = checksum(dst)
-                ok = cs == sent
-                out.append((ok, cs, "" if ok else f"checksum mismatch: got {cs:#x}, store sent {sent:#x}"))
+            out: list[tuple[bool, int, str]] = [(False, 0, "read abandoned")] * len(parts)
+            for lo, hi in self._runs(parts, out):
+                if stop is not None and stop.is_set():
+                    break
+                self._copy_run(parts[lo][0], parts[lo][1], sum(p[0].nbytes for p in parts[lo:hi]))
+                for k in range(lo, hi):
+                    dst, _, sent = parts[k]
+                    cs = checksum(dst)
+                    ok = cs == sent
+                    out[k] = (ok, cs, "" if ok else f"checksum mismatch: got {cs:#x}, store sent {sent:#x}")
             return out
         finally:
             with self._lock:
                 self._users -= 1
                 if self._closed and self._users == 0:
                     self._unmap()
+
+    def _runs(
+        self, parts: Sequence[tuple[memoryview, int, int]], out: list[tuple[bool, int, str]]
+    ) -> list[tuple[int, int]]:
+        """[lo, hi) ranges of in-bounds parts whose destinations and sources both follow on, at most
+        `RUN_MAX_BYTES` each; out-of-bounds parts get their error in `out` and are in no range."""
+        runs: list[tuple[int, int]] = []
+        end_dst = end_off = -1
+        run_bytes = 0
+        for k, (dst, off, _) in enumerate(parts):
+            if off < 0 or off + dst.nbytes > self.descriptor.nbytes:
+                out[k] = (False, 0, f"offset {off} outside the store's segment")
+                end_dst = -1
+                continue
+            addr = address_of(dst)
+            if runs and addr == end_dst and off == end_off and run_bytes + dst.nbytes <= RUN_MAX_BYTES:
+                runs[-1] = (runs[-1][0], k + 1)
+                run_bytes += dst.nbytes
+            else:
+                runs.append((k, k + 1))
+                run_bytes = dst.nbytes
+            end_dst, end_off = addr + dst.nbytes, off + dst.nbytes
+        return runs
+
+    def _copy_run(self, first: memoryview, off: int, nbytes: int) -> None:
+        """Copy `nbytes` from segment offset `off` to where `first` starts (the run's buffers are adjacent).
+
+        Whole 8-byte words move through a numpy loop (`np.positive` on uint64 is the identity): glibc's
+        memcpy uses `rep movsb` for 2 KiB-1 MiB copies, measured 4x slower here (2.4 vs 9-10 GB/s, 64 KiB
+        blocks) when the source is a shmem mapping's 4 KiB pages."""
+        dst = span(first, nbytes)
+        if off % 8 == 0 and nbytes % 8 == 0:
+            np.positive(self._words[off // 8 : (off + nbytes) // 8], out=np.frombuffer(dst, dtype=np.uint64))
+        else:
+            ctypes.memmove(address_of(dst), self.address + off, nbytes)
 
     def close(self) -> None:
         with self._lock:
@@ -180,5 +225,6 @@ class SegmentMapping:
                 self._unmap()
 
     def _unmap(self) -> None:
+        self._words = np.zeros(0, dtype=np.uint64)
         _munmap(self.address, self.descriptor.nbytes)
         self.address = 0

@@ -244,8 +244,13 @@ class UcxTransport:
             "link %s: alpha %.1f us, beta %.2f GB/s", peer, est.alpha_s * 1e6, est.beta_bytes_per_s / 1e9
         )
 
-    async def _batch(self, peer: str, n: int, timeout_s: float, one: Any) -> list[tuple[bool, int, str]]:
-        """Run `one(conn, indices, results)` per message chunk, all concurrently, under one deadline."""
+    async def _batch(
+        self, peer: str, n: int, timeout_s: float, one: Any, *, busy: bool = True
+    ) -> list[tuple[bool, int, str]]:
+        """Run `one(conn, indices, results)` per message chunk, all concurrently, under one deadline.
+        `busy`: poll UCX on every loop iteration meanwhile (bytes move over UCX); a read from a mapped
+        segment only exchanges small messages, and a polling loop thread would hold the GIL the copying
+        threads need (they take it back after every copy and checksum call)."""
         results: list[tuple[bool, int, str]] = [(False, 0, "deadline passed")] * n
         chunks = [list(range(s, min(s + self._per_msg, n))) for s in range(0, n, self._per_msg)]
         done = [False] * len(chunks)
@@ -264,7 +269,8 @@ class UcxTransport:
             except Exception as exc:  # noqa: BLE001 - the chunk fails as a whole
                 errors[k] = _err(exc)
 
-        with contextlib.suppress(TimeoutError), self._rt.waker.busy():
+        polling = self._rt.waker.busy() if busy else contextlib.nullcontext()
+        with contextlib.suppress(TimeoutError), polling:
             await asyncio.wait_for(asyncio.gather(*(run(k) for k in range(len(chunks)))), timeout_s)
         lost = [k for k in range(len(chunks)) if not done[k] and not refused[k]]
         if lost:
@@ -333,7 +339,9 @@ class UcxTransport:
                     results[i] = res
 
         t0 = time.perf_counter()
-        res = await self._batch(peer, len(reads), timeout_s, one)
+        p = self._peers.get(peer)
+        mapped = p is not None and p.mapping is not None
+        res = await self._batch(peer, len(reads), timeout_s, one, busy=not mapped)
         self._observe(peer, sum(reads[i].nbytes for i, r in enumerate(res) if r[0]), time.perf_counter() - t0)
         return res
 

@@ -36,17 +36,6 @@ def _check_header(header: Any, n: int) -> list[tuple[bool, int, str, int]]:
     return out
 
 
-def _copy_parts(
-    mapping: SegmentMapping, parts: Sequence[Part], stop: threading.Event
-) -> list[tuple[bool, int, str]]:
-    out: list[tuple[bool, int, str]] = []
-    for k, part in enumerate(parts):
-        if stop.is_set():  # the read was abandoned: never write into the caller's buffers after that
-            return out + [(False, 0, "read abandoned")] * (len(parts) - k)
-        out.extend(mapping.copy_verify([part]))
-    return out
-
-
 async def _copy(
     mapping: SegmentMapping, parts: list[Part], stop: threading.Event
 ) -> list[tuple[bool, int, str]]:
@@ -54,10 +43,10 @@ async def _copy(
     `stop` (shared by the whole read: its other messages' jobs stop too) and raises only once no job of
     this call can still write into a destination (at most one block's copy per running job)."""
     if sum(p[0].nbytes for p in parts) <= INLINE_MAX_BYTES:
-        return mapping.copy_verify(parts)
+        return mapping.copy_verify(parts, stop)
     n = min(NUM_HASH_THREADS, len(parts))
     bounds = [len(parts) * k // n for k in range(n + 1)]
-    jobs = [HASH_POOL.submit(_copy_parts, mapping, parts[bounds[k] : bounds[k + 1]], stop) for k in range(n)]
+    jobs = [HASH_POOL.submit(mapping.copy_verify, parts[bounds[k] : bounds[k + 1]], stop) for k in range(n)]
     try:
         await asyncio.wait([asyncio.wrap_future(j) for j in jobs])
     except BaseException:
@@ -99,5 +88,19 @@ async def mapped_read(
                 results[i] = res
     finally:
         if not conn.dead:  # unpin now (the store would after its send timeout or on our disconnect)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.ep.am_send(_pack({"op": "mdone", "id": rid})), _MDONE_TIMEOUT_S)
+            _send_soon(conn, {"op": "mdone", "id": rid})
+
+
+_sending: set[asyncio.Task[None]] = set()
+
+
+def _send_soon(conn: Conn, msg: dict[str, Any]) -> None:
+    """Send `msg` without waiting for its completion (the read's result does not depend on it)."""
+
+    async def send() -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(conn.ep.am_send(_pack(msg)), _MDONE_TIMEOUT_S)
+
+    task = asyncio.get_running_loop().create_task(send())
+    _sending.add(task)
+    task.add_done_callback(_sending.discard)

@@ -154,6 +154,9 @@ class UcxBlockServer:
                     fut.set_result(None)
 
     async def _serve(self, ep: Any, op: str, rid: int, msg: dict[str, Any]) -> None:
+        if op == "mread":  # busy only while it answers, not while the reader copies (it needs the CPU)
+            await self._serve_op(ep, op, rid, msg)
+            return
         with _Runtime.get().waker.busy():
             await self._serve_op(ep, op, rid, msg)
 
@@ -278,7 +281,8 @@ class UcxBlockServer:
                     header.append([True, stored, "", self._shared.offset_of(view)])
                 except ValueError as exc:
                     header.append([False, 0, str(exc), 0])
-            await ep.am_send(_pack({"id": rid, "ph": 0, "r": header}))
+            with _Runtime.get().waker.busy():
+                await ep.am_send(_pack({"id": rid, "ph": 0, "r": header}))
             if began:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._copying[key], self._send_timeout_s)
