@@ -84,6 +84,9 @@ def test_quick_run_writes_the_report_and_plot(tmp_path: Path) -> None:
             assert r[k] > 0, (k, r)
         assert r["perftest_gb_per_s"] is None or r["perftest_gb_per_s"] > 0
         assert r["mooncake_gb_per_s"] is None  # --quick never runs Mooncake
+    paths = {(r["transport"], r["op"]): (r["path"], r["ucx_path_gb_per_s"]) for r in recs}
+    assert paths[("tcp", "get")] == ("ucx", None)  # tcp rows: the network path, never the mapping
+    assert paths[("shm", "get")][0] == "mapped" and paths[("shm", "get")][1] > 0  # and the UCX path beside it
     lat = report["summary"]["latency"]["tcp"]
     assert 0 < lat["pool_p50_us"] <= lat["pool_p99_us"]
     assert report["summary"]["targets"] and png.stat().st_size > 1000

@@ -111,3 +111,62 @@ def test_master_restart_rebuilds_from_store_inventories() -> None:
         for s in stores:
             s.kill()
         master.kill()
+
+
+def test_a_second_live_store_with_the_same_node_id_is_refused_and_a_restart_is_not() -> None:
+    """Two stores started with one --node-id used to replace each other's registration on every
+    heartbeat (each re-registered when the master no longer knew its epoch). Now the master asks the
+    registered one: while it answers with its own id and epoch the newcomer gets ALREADY_EXISTS and exits
+    2; once it is dead (kill -9) a store under that id registers at once (the restart path)."""
+    import grpc
+
+    from kvpool.rpc import PROTOCOL_VERSION
+    from kvpool.v1 import kvpool_pb2 as pb
+    from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+    master = start_master("--heartbeat-interval-ms", "300")
+    procs: list[Proc] = []
+    try:
+        first = start_store(master.grpc_address, "dup")
+        procs.append(first)
+        wait_stores(master.grpc_address, 1)
+        second = start_store(master.grpc_address, "dup")
+        procs.append(second)
+        assert second.popen.wait(timeout=20) == 2
+        with grpc.insecure_channel(master.grpc_address) as ch:
+            req = pb.RegisterNodeRequest(
+                node=pb.NodeEndpoint(
+                    node_id="dup",
+                    role="store",
+                    grpc_address="127.0.0.1:1",
+                    data_address="127.0.0.1:2",
+                    epoch=7,
+                ),
+                protocol_version=PROTOCOL_VERSION,
+                layout_fingerprint=LAYOUT,
+                num_slots=8,
+                block_nbytes=LAY.block_nbytes,
+            )
+            with pytest.raises(grpc.RpcError) as exc:
+                pb_grpc.MasterStub(ch).RegisterNode(req, timeout=10)
+            assert exc.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert "held by a live store at " + first.grpc_address in (exc.value.details() or "")
+        with MasterClient(master.grpc_address) as c:
+            time.sleep(1.0)  # a few heartbeats: no ping-pong, the first keeps its registration
+            [node] = [n for n in c.list_nodes() if n.node.node_id == "dup"]
+            assert node.alive and node.node.epoch == first.ready["epoch"]
+            first.kill()
+            third = start_store(master.grpc_address, "dup")
+            procs.append(third)
+            eventually(
+                lambda: any(
+                    n.node.node_id == "dup" and n.alive and n.node.epoch == third.ready["epoch"]
+                    for n in c.list_nodes()
+                ),
+                timeout_s=10,
+            )
+            assert third.popen.poll() is None
+    finally:
+        for p in procs:
+            p.kill()
+        master.kill()

@@ -31,13 +31,13 @@ def transport() -> Iterator[UcxTransport]:
 class _Store:
     """An in-process store: a SlotTable on a shared segment behind a UcxBlockServer."""
 
-    def __init__(self, num_slots: int, *, send_timeout_s: float = 30.0) -> None:
+    def __init__(self, num_slots: int, *, pin_timeout_s: float | None = None) -> None:
         from kvpool.store import Segment, SlotTable
 
         self.table = SlotTable(Segment(num_slots * NB, NB, pin_memory="off", share=True))
         assert self.table.segment.shared is not None
         self.server = UcxBlockServer(
-            self.table, send_timeout_s=send_timeout_s, shared=self.table.segment.shared
+            self.table, shared=self.table.segment.shared, pin_timeout_s=pin_timeout_s
         )
         self.peer = f"127.0.0.1:{self.server.start()}"
 
@@ -137,9 +137,9 @@ def test_slots_stay_pinned_while_the_reader_copies(transport: UcxTransport) -> N
 def test_a_late_reader_gets_a_checksum_error_never_the_bytes_that_replaced_its_block(
     transport: UcxTransport,
 ) -> None:
-    """The store unpins after its send timeout even if the reader never says `mdone`; if the slot is then
+    """The store unpins after its pin timeout even if the reader never says `mdone`; if the slot is then
     reused, the late copy fails its checksum instead of returning another block's bytes."""
-    s = _Store(8, send_timeout_s=0.3)
+    s = _Store(8, pin_timeout_s=0.3)
     try:
         data = rand_blocks(8, nb=NB, seed=23)
         s.commit(data)
@@ -210,6 +210,7 @@ def test_mappings_are_refused_unless_everything_matches() -> None:
         with pytest.raises(OSError, match="sealed"):
             SegmentMapping.attach(SegmentDescriptor(os.getpid(), fd, st.st_dev, st.st_ino, 4096, good.boot))
         assert fcntl.fcntl(seg.descriptor.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+        assert os.fstat(seg.descriptor.fd).st_mode & 0o777 == 0o400  # reopened: owner, read-only
     finally:
         os.close(fd)
     for wire in ({}, {**good.to_wire(), "pid": -1}, {**good.to_wire(), "boot": 3}, "x"):

@@ -16,6 +16,11 @@ needs `UCX_CMA_MEMORY_INVALIDATE`, which UCX documents as unsupported. kvpool's 
 Like UCX's xpmem/knem single-copy transports, but under the store's pins: blocks are read, never written,
 through the mapping (writes stay two-sided messages the store checks). Linux only; anything missing
 (another host, another pid namespace, no permission, a replaced fd) leaves the reader on UCX.
+
+Trust: a mapping shows the whole segment, so a process that maps it could read slots it holds no read
+capability for. Capabilities guard the UCX port against network peers; a process that can open the
+memfd (the store's uid, mode 0400, or CAP_SYS_PTRACE) can equally read the cluster secret file and sign
+its own capabilities, so the trust boundary is unchanged. `kvpool store --no-share-segment` turns it off.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ class SharedSegment:
         try:
             os.ftruncate(self._fd, nbytes)
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
+            os.fchmod(self._fd, 0o400)  # reopened through /proc: read-only, owner only
             self._map = mmap.mmap(self._fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self._fd)

@@ -48,7 +48,7 @@ class UcxBlockServer:
     `shared`: the handler's blocks live in this memfd segment; same-host readers that map it (its
     descriptor rides on ping replies) read with `mread` and copy the bytes themselves
     (`transfer.shared_segment`): the slots stay pinned until their `mdone`, their endpoint's end or
-    `send_timeout_s`, whichever comes first.
+    `pin_timeout_s` (default: `send_timeout_s`), whichever comes first.
     """
 
     def __init__(
@@ -59,9 +59,11 @@ class UcxBlockServer:
         *,
         send_timeout_s: float = 30.0,
         shared: SharedSegment | None = None,
+        pin_timeout_s: float | None = None,
     ) -> None:
         self._handler = handler
         self._shared = shared
+        self._pin_timeout_s = send_timeout_s if pin_timeout_s is None else pin_timeout_s
         self._hello = {"seg": shared.descriptor.to_wire()} if shared is not None else {}
         self._copying: dict[tuple[int, int], asyncio.Future[None]] = {}  # (endpoint id, request id)
         self.host = host
@@ -285,7 +287,7 @@ class UcxBlockServer:
                 await ep.am_send(_pack({"id": rid, "ph": 0, "r": header}))
             if began:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._copying[key], self._send_timeout_s)
+                    await asyncio.wait_for(self._copying[key], self._pin_timeout_s)
         finally:
             del self._copying[key]
             self.inflight -= len(began)

@@ -645,13 +645,14 @@ def plot_report(records: Sequence[dict[str, Any]], path: Path) -> None:
         ("get", "raw_ucx_gb_per_s", "raw ucxx get", "C0", "--x"), ("put", "raw_ucx_gb_per_s", "raw ucxx put", "C1", "--x"),
         ("get", "perftest_gb_per_s", "ucx_perftest tag_bw", "C2", ":s"), ("get", "memcpy_gb_per_s", "memcpy", "C7", ":^"),
         ("get", "mooncake_gb_per_s", "Mooncake get", "C3", "-.d"), ("put", "mooncake_gb_per_s", "Mooncake put", "C4", "-.d"),
+        ("get", "ucx_path_gb_per_s", "pool get, UCX path (not mapped)", "C5", "-v"),
     ]  # fmt: skip
     for ax, tr in zip(axes[0], transports, strict=True):
         for op, key, label, color, style in series:
             pts = sorted(
                 (r["block_bytes"], r[key])
                 for r in records
-                if r["transport"] == tr and r["op"] == op and r[key] is not None
+                if r["transport"] == tr and r["op"] == op and r.get(key) is not None
             )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=label)

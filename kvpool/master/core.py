@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvpool.capability import Capabilities, process_capabilities
 from kvpool.client.types import NodeLoad
-from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvpool.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kvpool.index.radix import RadixIndex
 from kvpool.index.results import DroppedBlock, MatchResult
 from kvpool.master.namespaces import NamespaceRegistry
@@ -30,6 +30,8 @@ MAX_PROMPT_TOKENS = (1 << 32) - 1
 """The most prompt tokens one match may report (the hit-rate denominator; keeps counters in uint64)."""
 
 ROLES = ("store", "prefill", "decode", "router")
+DUPLICATE_PROBE_TIMEOUT_S = 1.0
+"""How long a registration waits for the store that already holds its node id to answer."""
 BlockKey = tuple[bytes, bytes]  # (namespace, block hash)
 
 
@@ -136,6 +138,7 @@ class Master:
                 )
             if not data_address:
                 raise InvalidArgument("a store node needs a data_address")
+            self._refuse_live_duplicate(node_id, epoch, grpc_address)
         with self.lock:
             old = self.st.nodes.get(node_id)
             now = self.clock.now_ms()
@@ -153,6 +156,27 @@ class Master:
                 self.st.to_adopt.add(node_id)
                 self.wake.set()
             log.info("node %s (%s) registered, epoch %d", node_id, role, epoch)
+
+    def _refuse_live_duplicate(self, node_id: str, epoch: int, grpc_address: str) -> None:
+        """Raise `AlreadyExists` when another live store holds `node_id`: two stores started with one
+        `--node-id` replaced each other's registration on every heartbeat. A registration under a new
+        epoch is a restart unless the registered store still answers at its address with its own id and
+        epoch (asked outside the lock; a dead, frozen or replaced process does not)."""
+        with self.lock:
+            old = self.st.nodes.get(node_id)
+            if (
+                old is None
+                or not old.alive
+                or not old.is_store
+                or old.epoch == epoch
+                or old.grpc_address == grpc_address  # its port is ours now: that process is gone
+            ):
+                return
+            address, old_epoch = old.grpc_address, old.epoch
+        if self.stores.identity(address, DUPLICATE_PROBE_TIMEOUT_S) == (node_id, old_epoch):
+            raise AlreadyExists(
+                f"node id {node_id!r} is held by a live store at {address}: give every store its own --node-id"
+            )
 
     def heartbeat(
         self,

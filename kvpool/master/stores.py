@@ -58,6 +58,14 @@ class StoreCalls:
         for ch, _ in entries:
             ch.close()
 
+    def identity(self, address: str, timeout_s: float) -> tuple[str, int] | None:
+        """(node_id, epoch) of the store answering at `address`, or None when none answers in time."""
+        try:
+            info = self._stub(address).GetInfo(pb.GetInfoRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return None
+        return info.node.node_id, info.node.epoch
+
     def reserve(self, address: str, orders: Sequence[SlotOrder], write_lease_ms: int) -> None:
         req = pb.ReserveSlotsRequest(
             slots=[

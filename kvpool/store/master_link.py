@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kvpool.errors import FailedPrecondition, InvalidArgument
+from kvpool.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from kvpool.rpc import PROTOCOL_VERSION
 from kvpool.rpc.server import channel
 from kvpool.rpc.status import raise_from_rpc_error
@@ -76,7 +76,7 @@ class MasterLink:
                         self._heartbeat(stub)
                     backoff_s = 0.1
                     wait_s = self.interval_ms / 1000
-                except (FailedPrecondition, InvalidArgument) as exc:
+                except (FailedPrecondition, InvalidArgument, AlreadyExists) as exc:
                     log.error("the master refused this store node: %s", exc)
                     if self._on_fatal is not None:
                         self._on_fatal(str(exc))
