@@ -62,6 +62,34 @@ class _Store:
         return res, out
 
 
+_CASE = """
+import sys
+from tests.test_shared_segment import {name} as case
+from transfer import UcxTransport
+t = UcxTransport(blocks_per_message=16)
+try:
+    case(t)
+finally:
+    t.close()
+print("CASE OK")
+"""
+
+
+def _in_fresh_process(name: str) -> None:
+    """Run an in-process-server case in a new interpreter. Client and server then share one UCX worker,
+    and a process whose earlier tests aborted connections has active-message receives orphaned on recycled
+    endpoint handles (transfer/ucx_runtime.py), which can swallow a reply to a new in-process server."""
+    require_ucx()
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", _CASE.format(name=name)], capture_output=True, text=True, timeout=120, cwd=root
+    )
+    assert out.returncode == 0 and "CASE OK" in out.stdout, out.stderr[-4000:]
+
+
 def _wait_unpinned(table: Any, timeout_s: float = 5.0) -> None:
     """`mdone` is sent without waiting for it: the store unpins just after the read returns."""
     deadline = time.monotonic() + timeout_s
@@ -89,7 +117,7 @@ def _slow_copies(
     return mapping
 
 
-def test_same_host_reads_copy_from_the_mapping_and_verify_every_block(transport: UcxTransport) -> None:
+def _case_same_host_reads_copy_from_the_mapping_and_verify_every_block(transport: UcxTransport) -> None:
     s = _Store(64)
     try:
         data = rand_blocks(64, nb=NB, seed=21)
@@ -109,7 +137,7 @@ def test_same_host_reads_copy_from_the_mapping_and_verify_every_block(transport:
         s.server.stop()
 
 
-def test_slots_stay_pinned_while_the_reader_copies(transport: UcxTransport) -> None:
+def _case_slots_stay_pinned_while_the_reader_copies(transport: UcxTransport) -> None:
     """A free order for a slot being copied waits for the reader's `mdone` (DESIGN: deferred frees)."""
     s = _Store(8)
     try:
@@ -134,7 +162,7 @@ def test_slots_stay_pinned_while_the_reader_copies(transport: UcxTransport) -> N
         s.server.stop()
 
 
-def test_a_late_reader_gets_a_checksum_error_never_the_bytes_that_replaced_its_block(
+def _case_a_late_reader_gets_a_checksum_error_never_the_bytes_that_replaced_its_block(
     transport: UcxTransport,
 ) -> None:
     """The store unpins after its pin timeout even if the reader never says `mdone`; if the slot is then
@@ -162,7 +190,7 @@ def test_a_late_reader_gets_a_checksum_error_never_the_bytes_that_replaced_its_b
         s.server.stop()
 
 
-def test_an_abandoned_read_never_writes_into_the_caller_buffer_after_it_returns(
+def _case_an_abandoned_read_never_writes_into_the_caller_buffer_after_it_returns(
     transport: UcxTransport,
 ) -> None:
     s = _Store(64)
@@ -180,6 +208,22 @@ def test_an_abandoned_read_never_writes_into_the_caller_buffer_after_it_returns(
         assert np.array_equal(out, snapshot)
     finally:
         s.server.stop()
+
+
+def test_same_host_reads_copy_from_the_mapping_and_verify_every_block() -> None:
+    _in_fresh_process("_case_same_host_reads_copy_from_the_mapping_and_verify_every_block")
+
+
+def test_slots_stay_pinned_while_the_reader_copies() -> None:
+    _in_fresh_process("_case_slots_stay_pinned_while_the_reader_copies")
+
+
+def test_a_late_reader_gets_a_checksum_error_never_the_bytes_that_replaced_its_block() -> None:
+    _in_fresh_process("_case_a_late_reader_gets_a_checksum_error_never_the_bytes_that_replaced_its_block")
+
+
+def test_an_abandoned_read_never_writes_into_the_caller_buffer_after_it_returns() -> None:
+    _in_fresh_process("_case_an_abandoned_read_never_writes_into_the_caller_buffer_after_it_returns")
 
 
 def test_mappings_are_refused_unless_everything_matches() -> None:
