@@ -210,6 +210,41 @@ def _case_an_abandoned_read_never_writes_into_the_caller_buffer_after_it_returns
         s.server.stop()
 
 
+def _case_a_request_id_already_in_flight_is_refused_and_pins_nothing(transport: UcxTransport) -> None:
+    """A second `mread` reusing the id of one still pinned is refused: it used to overwrite the first's
+    record, whose end then failed before unpinning (its slots pinned for good)."""
+
+    from transfer.ucx_conn import PeerRefused
+    from transfer.ucx_runtime import _pack
+
+    s = _Store(4)
+    try:
+        s.commit(rand_blocks(4, nb=NB, seed=26))
+        s.read(transport, 4)
+        _wait_unpinned(s.table)
+        rt = transport._rt
+
+        async def go() -> tuple[Any, str]:
+            conn = await transport._conn(s.peer, 0)
+            rid = next(rt.ids)
+            first = await conn.request({"op": "mread", "id": rid, "b": [[0, 1, NB]]})
+            try:
+                await conn.request({"op": "mread", "id": rid, "b": [[1, 1, NB]]})
+                refused = ""
+            except PeerRefused as exc:
+                refused = str(exc)
+            pinned = s.table.num_inflight
+            await conn.ep.am_send(_pack({"op": "mdone", "id": rid}))
+            return (first["r"], pinned), refused
+
+        (header, pinned), refused = rt.run(go(), 10.0)
+        assert header[0][0] is True and pinned == 1  # the first pinned slot 0; the second pinned nothing
+        assert "already in flight" in refused
+        _wait_unpinned(s.table)
+    finally:
+        s.server.stop()
+
+
 def test_same_host_reads_copy_from_the_mapping_and_verify_every_block() -> None:
     _in_fresh_process("_case_same_host_reads_copy_from_the_mapping_and_verify_every_block")
 
@@ -224,6 +259,10 @@ def test_a_late_reader_gets_a_checksum_error_never_the_bytes_that_replaced_its_b
 
 def test_an_abandoned_read_never_writes_into_the_caller_buffer_after_it_returns() -> None:
     _in_fresh_process("_case_an_abandoned_read_never_writes_into_the_caller_buffer_after_it_returns")
+
+
+def test_a_request_id_already_in_flight_is_refused_and_pins_nothing() -> None:
+    _in_fresh_process("_case_a_request_id_already_in_flight_is_refused_and_pins_nothing")
 
 
 def test_mappings_are_refused_unless_everything_matches() -> None:

@@ -259,13 +259,15 @@ class UcxBlockServer:
     async def _serve_mapped_read(self, ep: Any, rid: int, blocks: Any, caps: Any = None) -> None:
         """`mread`: pin the blocks, answer [[ok, checksum, error, offset], ...], unpin on `mdone`."""
         assert self._shared is not None
+        key = (id(ep), rid)
         problem = self._check_batch(blocks, 3) or self._check_caps(caps, len(blocks))
+        if not problem and key in self._copying:
+            problem = f"request id {rid} is already in flight on this endpoint"
         if problem:
             await ep.am_send(_pack({"id": rid, "ph": 0, "error": problem}))
             return
         header: list[list[Any]] = []
         began: list[int] = []
-        key = (id(ep), rid)
         self._copying[key] = asyncio.get_running_loop().create_future()
         try:
             for i, (slot, gen, nbytes) in enumerate(blocks):
@@ -289,7 +291,7 @@ class UcxBlockServer:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._copying[key], self._pin_timeout_s)
         finally:
-            del self._copying[key]
+            self._copying.pop(key, None)
             self.inflight -= len(began)
             for slot in began:
                 try:
