@@ -1,7 +1,8 @@
 """`kvpool bench crossover`: where pulling a cached prefix beats recomputing it, and does the cost model know?
 
 Grid: models (one cluster each: a pool holds one KV layout) × links × shared-prefix lengths. Links:
-  - `shm`: UCX shared memory (`UCX_TLS=sm,self` on the prefill node), store on the same host;
+  - `shm`: store on the same host (`UCX_TLS=sm,self`): block bytes copied from the store's mapped segment,
+    control messages over UCX shared memory (`transfer/shared_segment.py`; the other links turn it off);
   - `tcp`: UCX over loopback tcp (`UCX_TLS=tcp`);
   - `tbf-<rate>`: UCX tcp across a veth pair between two network namespaces the benchmark creates, the
     pair throttled with `tc tbf` (root only, `kvpool.bench.netns`); the store node runs in the "remote"
@@ -365,6 +366,8 @@ def run_job(job: Job, log: Callable[[str], None] = print) -> list[dict[str, Any]
     # every node, the store included, is held to the link's transports: a store allowed shared memory
     # could serve a same-host puller through it, around the tcp link (and its throttle)
     env["UCX_TLS"] = tls.pop()
+    if "sm" not in env["UCX_TLS"].split(","):  # nor map its segment (same-host reads bypass UCX entirely)
+        env["KVPOOL_SHARE_SEGMENT"] = "false"
     spec = LocalClusterSpec(layout=layout.fingerprint(), num_stores=1, num_prefill=0, num_decode=0, block_size=job.block_size,
                             model_dir=model_dir, host=job.host, segment_size=f"{seg // 2**20}MiB", extra_env=env)  # fmt: skip
     records: list[dict[str, Any]] = []

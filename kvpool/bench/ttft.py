@@ -1,7 +1,8 @@
 """`kvpool bench ttft`: cold vs warm TTFT for RAG with a long shared prefix, prefix pulled over UCX tcp.
 
 A real cluster (master, 2 store nodes, prefill, decode) with the prefill node's local tier OFF, so a warm
-request's prefix really crosses the pool's data plane; `UCX_TLS=tcp` forces the cross-host transport.
+request's prefix really crosses the pool's data plane; `UCX_TLS=tcp` with the stores' segments not shared
+(`share_segment=false`) forces the cross-host transport.
 Cold = the same prompts with the cache disabled (baseline measured in the same run). Breakdown per
 request from the prefill node: match, pull, compute; publish after the first token.
 """
@@ -43,8 +44,8 @@ def run_ttft(
         [int(t) for t in rng.integers(3, vocab, size=question_tokens)] for _ in range(num_requests + 1)
     ]
     env = {"KVPOOL_LOCAL_TIER_BYTES": "0"}
-    if transport == "tcp":
-        env["UCX_TLS"] = "tcp"
+    if transport == "tcp":  # as across hosts: UCX over tcp, and no same-host mapping of the stores' segments
+        env.update(UCX_TLS="tcp", KVPOOL_SHARE_SEGMENT="false")
     seg = max(256 * 2**20, 4 * prefix_tokens * runner.layout.token_nbytes)
     spec = LocalClusterSpec(layout=runner.layout.fingerprint(), block_size=block_size, device=device,
                             model_dir=model_dir, segment_size=f"{seg // 2**20}MiB", extra_env=env)  # fmt: skip

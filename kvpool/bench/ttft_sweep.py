@@ -94,7 +94,8 @@ def run_ttft_sweep(
     base = [int(t) for t in rng.integers(3, vocab, size=max(prefixes))]
     qs = {q: [[int(t) for t in rng.integers(3, vocab, size=q)] for _ in range(reps + 1)] for q in questions}
     seg = max(256 * 2**20, 2 * (max(prefixes) + max(questions)) * layout.token_nbytes)
-    env = {"KVPOOL_LOCAL_TIER_BYTES": "0", "KVPOOL_PULL_TIMEOUT_S": "600"}
+    # the tcp path as across hosts: no same-host mapping of the store's segment
+    env = {"KVPOOL_LOCAL_TIER_BYTES": "0", "KVPOOL_PULL_TIMEOUT_S": "600", "KVPOOL_SHARE_SEGMENT": "false"}
     spec = LocalClusterSpec(layout=layout.fingerprint(), num_stores=1, num_prefill=0, num_decode=0, block_size=block_size,
                             model_dir=model_dir, segment_size=f"{seg // 2**20}MiB", extra_env=env)  # fmt: skip
     t_start = time.perf_counter()
