@@ -314,3 +314,23 @@ def test_store_process_shares_its_segment_unless_told_not_to(transport: UcxTrans
             assert (transport._peers[s.data_address].mapping is not None) == share
         finally:
             s.kill()
+
+
+def test_a_peer_keeps_its_mapping_only_while_its_store_advertises_that_segment() -> None:
+    """The mapping follows the store at an address: the same descriptor keeps it, a restarted store's new
+    segment replaces it, and a store restarted with sharing off drops it (reads go back to UCX, which a
+    stale mapping would have sent to a store that no longer answers `mread`)."""
+    from transfer.ucx_conn import PeerConns
+
+    a, b = SharedSegment(1 << 16), SharedSegment(1 << 16)
+    p = PeerConns(1)
+    p.map_segment("s:1", {"seg": a.descriptor.to_wire()})
+    first = p.mapping
+    assert first is not None and first.descriptor == a.descriptor
+    p.map_segment("s:1", {"seg": a.descriptor.to_wire()})
+    assert p.mapping is first
+    p.map_segment("s:1", {"seg": b.descriptor.to_wire()})
+    assert p.mapping is not None and p.mapping.descriptor == b.descriptor and first.address == 0  # unmapped
+    p.map_segment("s:1", {"seg": {"pid": "x"}})  # malformed: stays on UCX
+    p.map_segment("s:1", {})
+    assert p.mapping is None

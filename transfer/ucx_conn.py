@@ -69,9 +69,10 @@ class Conn:
             abort_ep(self.ep, recv_pending=True)  # its am_recv stays queued in ucxx: count it
 
     async def handshake(self, rt: _Runtime, timeout_s: float) -> dict[str, Any]:
-        """Ping until a reply comes back (returned: it may describe the peer's shared segment), absorbing active messages that ucxx hands to receives orphaned
-        on a recycled endpoint handle: ours are counted (one extra ping each, sent at once); the peer's are
-        unknown here, so a ping that gets no reply is sent again after a short, doubling wait."""
+        """Ping until a reply comes back (returned: it may describe the peer's shared segment), absorbing
+        active messages that ucxx hands to receives orphaned on a recycled endpoint handle: ours are counted
+        (one extra ping each, sent at once); the peer's are unknown here, so a ping that gets no reply is
+        sent again after a short, doubling wait."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout_s
         wait = _HANDSHAKE_RETRY_S
@@ -109,8 +110,10 @@ class PeerConns:
 
     def map_segment(self, peer: str, hello: dict[str, Any]) -> None:
         """Map the segment a handshake reply describes (or keep the current mapping of it); on any
-        failure reads from this peer stay on UCX."""
+        failure reads from this peer stay on UCX. A reply without one (a store restarted at this address
+        with sharing off) drops the mapping of its predecessor."""
         if "seg" not in hello:
+            self.unmap()
             return
         try:
             desc = SegmentDescriptor.from_wire(hello["seg"])
