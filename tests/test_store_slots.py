@@ -207,3 +207,35 @@ def test_loopback_transport_round_trip(table: tuple[SlotTable, FakeClock]) -> No
     [bad] = tr.read_blocks(server.address, [BlockRead(0, 1, NB)], out[:1], timeout_s=1)
     assert not bad.ok and "checksum" in bad.error
     server.stop()
+
+
+def test_begin_reads_answers_each_read_as_begin_read_would(table: tuple[SlotTable, FakeClock]) -> None:
+    """The batch grant (one lock per message, used by the UCX server) gives per read exactly what
+    `begin_read` gives or raises, pins the granted slots, and `end_reads` unpins them (a deferred free then
+    completes)."""
+    t, _ = table
+    data = [bytes([i]) * NB for i in range(3)]
+    for i in range(3):
+        _put(t, i, data[i])
+    t.reserve([Reservation(5, 1, b"N" * 16, _h(5))], 10_000)  # reserved, not committed
+    reads = [(0, 1, NB, b"", 0), (1, 2, NB, b"", 0), (99, 1, NB, b"", 0), (2, 1, NB + 1, b"", 0),
+             (5, 1, NB, b"", 0), (2, 1, NB, b"", 0)]  # fmt: skip
+    got = t.begin_reads(reads)
+    assert [type(g).__name__ if isinstance(g, Exception) else "ok" for g in got] == [
+        "ok",
+        "StaleGeneration",
+        "InvalidArgument",
+        "InvalidArgument",
+        "FailedPrecondition",
+        "ok",
+    ]
+    for r, g in zip(reads, got, strict=True):
+        if isinstance(g, Exception):
+            with pytest.raises(type(g)):
+                t.begin_read(*r)
+        else:
+            assert bytes(g[0]) == data[r[0]] and g[1] == checksum(data[r[0]])
+    assert t.num_inflight == 2
+    assert t.free([(0, 1)])[0].deferred  # slot 0 is being read: the free waits
+    t.end_reads([0, 2])
+    assert t.num_inflight == 0 and t.state(0) == (SlotState.FREE, 2)

@@ -221,13 +221,13 @@ class UcxBlockServer:
         began: list[int] = []
         views: list[tuple[int, memoryview]] = []
         try:
-            for i, (slot, gen, nbytes) in enumerate(blocks):
-                try:
-                    exp, cap = caps[i] if caps else (0, b"")
-                    view, stored = self._handler.begin_read(slot, gen, nbytes, cap, exp)
-                except Exception as exc:  # noqa: BLE001 - per-block result
-                    header.append([False, 0, _err(exc)])
+            for i, ((slot, _, nbytes), grant) in enumerate(
+                zip(blocks, self._grant(blocks, caps), strict=True)
+            ):
+                if isinstance(grant, Exception):  # per-block result
+                    header.append([False, 0, _err(grant)])
                     continue
+                view, stored = grant
                 began.append(slot)
                 if view.nbytes != nbytes:
                     header.append([False, 0, f"block is {view.nbytes} B, request names {nbytes} B"])
@@ -250,11 +250,41 @@ class UcxBlockServer:
                 raise
         finally:
             self.inflight -= len(began)
-            for slot in began:
-                try:
-                    self._handler.end_read(slot)
-                except Exception:  # noqa: BLE001
-                    log.exception("end_read(%d) failed", slot)
+            self._end_reads(began)
+
+    def _grant(self, blocks: list[list[int]], caps: Any) -> list[Any]:
+        """`begin_read` of every block: its (view, stored checksum) or the exception; in one call when the
+        handler offers `begin_reads` (one lock per batch)."""
+        reads = [
+            (slot, gen, nbytes, *(reversed(caps[i]) if caps else (b"", 0)))
+            for i, (slot, gen, nbytes) in enumerate(blocks)
+        ]
+        begin_reads = getattr(self._handler, "begin_reads", None)
+        if begin_reads is not None:
+            return list(begin_reads(reads))
+        out: list[Any] = []
+        for r in reads:
+            try:
+                out.append(self._handler.begin_read(*r))
+            except Exception as exc:  # noqa: BLE001 - per-block result
+                out.append(exc)
+        return out
+
+    def _end_reads(self, slots: list[int]) -> None:
+        """`end_read` of every slot begun (one call when the handler offers `end_reads`); never raises."""
+        end_reads = getattr(self._handler, "end_reads", None)
+        try:
+            if end_reads is not None:
+                end_reads(slots)
+                return
+        except Exception:  # noqa: BLE001
+            log.exception("end_reads(%d slots) failed", len(slots))
+            return
+        for slot in slots:
+            try:
+                self._handler.end_read(slot)
+            except Exception:  # noqa: BLE001
+                log.exception("end_read(%d) failed", slot)
 
     async def _serve_mapped_read(self, ep: Any, rid: int, blocks: Any, caps: Any = None) -> None:
         """`mread`: pin the blocks, answer [[ok, checksum, error, offset], ...], unpin on `mdone`."""
@@ -270,13 +300,11 @@ class UcxBlockServer:
         began: list[int] = []
         self._copying[key] = asyncio.get_running_loop().create_future()
         try:
-            for i, (slot, gen, nbytes) in enumerate(blocks):
-                try:
-                    exp, cap = caps[i] if caps else (0, b"")
-                    view, stored = self._handler.begin_read(slot, gen, nbytes, cap, exp)
-                except Exception as exc:  # noqa: BLE001 - per-block result
-                    header.append([False, 0, _err(exc), 0])
+            for (slot, _, nbytes), grant in zip(blocks, self._grant(blocks, caps), strict=True):
+                if isinstance(grant, Exception):  # per-block result
+                    header.append([False, 0, _err(grant), 0])
                     continue
+                view, stored = grant
                 began.append(slot)
                 self.inflight += 1
                 try:
@@ -293,11 +321,7 @@ class UcxBlockServer:
         finally:
             self._copying.pop(key, None)
             self.inflight -= len(began)
-            for slot in began:
-                try:
-                    self._handler.end_read(slot)
-                except Exception:  # noqa: BLE001
-                    log.exception("end_read(%d) failed", slot)
+            self._end_reads(began)
 
     async def _serve_write(
         self, ep: Any, rid: int, blocks: Any, caps: Any = None, groups: Any = None

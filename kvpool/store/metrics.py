@@ -79,8 +79,21 @@ class MeteredHandler:
         self._bytes["read"].inc(self._nbytes)
         return out
 
+    def begin_reads(self, reads: Any) -> list[Any]:
+        out = self._table.begin_reads(reads)
+        num_ok = sum(1 for r in out if not isinstance(r, Exception))
+        if num_ok:
+            self._blocks["read"].inc(num_ok)
+            self._bytes["read"].inc(num_ok * self._nbytes)
+        if num_ok < len(out):
+            self._errors["read"].inc(len(out) - num_ok)
+        return out
+
     def end_read(self, *args: Any, **kwargs: Any) -> Any:
         return self._table.end_read(*args, **kwargs)
+
+    def end_reads(self, slots: Any) -> None:
+        self._table.end_reads(slots)
 
     def begin_write(self, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -282,27 +282,52 @@ class SlotTable:
         self, slot: int, generation: int, nbytes: int, capability: bytes = b"", expiry_ms: int = 0
     ) -> tuple[memoryview, int]:
         with self._lock:
-            self._check_slot(slot)
-            self._check_nbytes(nbytes)
-            self._check_gen(slot, generation)
-            self._check_capability(READ, slot, generation, capability, expiry_ms)
-            if slot in self._free_pending:
-                raise StaleGeneration(f"slot {slot} generation {generation} is being freed")
-            if int(self._state[slot]) != _COMMITTED:
-                raise FailedPrecondition(
-                    f"slot {slot} is {SlotState(int(self._state[slot])).name}, not committed"
-                )
-            self._readers[slot] += 1
-            self.num_inflight += 1
-            return self.segment.slot_view(slot), self._meta[slot].checksum
+            return self._begin_read(slot, generation, nbytes, capability, expiry_ms)
+
+    def begin_reads(
+        self, reads: Sequence[tuple[int, int, int, bytes, int]]
+    ) -> list[tuple[memoryview, int] | Exception]:
+        """`begin_read` of each (slot, generation, nbytes, capability, expiry_ms) under one lock: per read,
+        its (bytes, stored checksum) or the exception `begin_read` would raise. Each success needs its
+        `end_read` (or one `end_reads`)."""
+        out: list[tuple[memoryview, int] | Exception] = []
+        with self._lock:
+            for slot, generation, nbytes, capability, expiry_ms in reads:
+                try:
+                    out.append(self._begin_read(slot, generation, nbytes, capability, expiry_ms))
+                except Exception as exc:  # noqa: BLE001 - a per-read result, as from begin_read
+                    out.append(exc)
+        return out
+
+    def _begin_read(
+        self, slot: int, generation: int, nbytes: int, capability: bytes, expiry_ms: int
+    ) -> tuple[memoryview, int]:
+        self._check_slot(slot)
+        self._check_nbytes(nbytes)
+        self._check_gen(slot, generation)
+        self._check_capability(READ, slot, generation, capability, expiry_ms)
+        if slot in self._free_pending:
+            raise StaleGeneration(f"slot {slot} generation {generation} is being freed")
+        if int(self._state[slot]) != _COMMITTED:
+            raise FailedPrecondition(
+                f"slot {slot} is {SlotState(int(self._state[slot])).name}, not committed"
+            )
+        self._readers[slot] += 1
+        self.num_inflight += 1
+        return self.segment.slot_view(slot), self._meta[slot].checksum
 
     def end_read(self, slot: int) -> None:
+        self.end_reads((slot,))
+
+    def end_reads(self, slots: Iterable[int]) -> None:
+        """`end_read` of each slot, under one lock."""
         with self._lock:
-            if self._readers[slot] <= 0:
-                return
-            self._readers[slot] -= 1
-            self.num_inflight -= 1
-            self._maybe_finish_free(slot)
+            for slot in slots:
+                if self._readers[slot] <= 0:
+                    continue
+                self._readers[slot] -= 1
+                self.num_inflight -= 1
+                self._maybe_finish_free(slot)
 
     def begin_write(
         self, slot: int, generation: int, nbytes: int, capability: bytes = b"", expiry_ms: int = 0
