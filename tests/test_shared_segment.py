@@ -334,3 +334,31 @@ def test_a_peer_keeps_its_mapping_only_while_its_store_advertises_that_segment()
     p.map_segment("s:1", {"seg": {"pid": "x"}})  # malformed: stays on UCX
     p.map_segment("s:1", {})
     assert p.mapping is None
+
+
+def _mapped_segments() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("kvpool-segment-" in line for line in f)
+
+
+def test_a_dead_stores_segment_is_unmapped_by_its_readers(transport: UcxTransport) -> None:
+    """A reader held a killed store's memfd mapped (its memory allocated) until the transport closed: a
+    store crash-looping on new ports grew shared memory without limit. Once no connection to the store is
+    alive, the mapping goes."""
+    before = _mapped_segments()
+    s = start_store(segment="8MiB")
+    try:
+        data = rand_blocks(4, seed=27)
+        put_blocks(s, transport, [0, 1, 2, 3], data)
+        assert all(r.ok for r in read(transport, s, [0, 1, 2, 3])[0])
+        assert transport._peers[s.data_address].mapping is not None
+        assert _mapped_segments() == before + 1
+    finally:
+        s.kill()
+    res, _ = read(transport, s, [0], timeout_s=3.0)  # fails: connection lost or refused
+    assert not res[0].ok
+    deadline = time.monotonic() + 5
+    while _mapped_segments() > before:
+        assert time.monotonic() < deadline, "the dead store's segment is still mapped"
+        time.sleep(0.05)
+    assert transport._peers[s.data_address].mapping is None

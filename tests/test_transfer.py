@@ -44,6 +44,43 @@ def test_env_defaults_documented_and_set() -> None:
     assert os.environ["UCXPY_PROGRESS_MODE"] == "blocking"
     assert "tcp" in os.environ.get("UCX_TLS", "tcp")
     assert os.environ["UCX_TCP_TX_SEG_SIZE"] == os.environ["UCX_TCP_RX_SEG_SIZE"] == "512k"
+    assert os.environ["UCX_TCP_CM_REUSEADDR"] == "y"
+
+
+def test_a_store_restarts_at_once_on_its_fixed_data_port(transport: UcxTransport) -> None:
+    """Killed after serving reads and restarted on the same ports, a store used to fail with ucxx's
+    "Device is busy" for about a minute (its listener's connections in TIME_WAIT)."""
+    import socket
+
+    def free_port() -> int:
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            return int(sk.getsockname()[1])
+
+    ports = ["--grpc-port", str(free_port()), "--data-port", str(free_port())]
+    s = start_store(*ports, segment="8MiB")
+    try:
+        data = rand_blocks(4, seed=9)
+        put_blocks(s, transport, [0, 1, 2, 3], data)
+        assert all(r.ok for r in read(transport, s, [0, 1, 2, 3])[0])
+    finally:
+        s.kill()
+    s = start_store(*ports, segment="8MiB")
+    try:
+        assert s.data_address.endswith(":" + ports[3])
+        data = rand_blocks(4, seed=10)
+        deadline = time.monotonic() + 10  # the transport backs the address off after the kill
+        while True:
+            try:
+                put_blocks(s, transport, [0, 1, 2, 3], data)
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        res, out = read(transport, s, [0, 1, 2, 3])
+        assert all(r.ok for r in res) and np.array_equal(out, data)
+    finally:
+        s.kill()
 
 
 def _cpu_s(proc: psutil.Process) -> float:

@@ -24,7 +24,8 @@ One process holds one UCX context, progressed by one asyncio loop in a daemon th
 sync API submits coroutines to it. UCX environment defaults, set before `ucxx` is imported unless
 already set: `UCX_MM_ERROR_HANDLING=y` (else shared memory is silently unused), `UCXPY_PROGRESS_MODE=
 blocking` (several times faster than the progress thread on few cores), 512 KiB tcp segments
-(`UCX_TCP_TX_SEG_SIZE`/`UCX_TCP_RX_SEG_SIZE`: 2.5-4x the loopback throughput of the 8 KiB default), and
+(`UCX_TCP_TX_SEG_SIZE`/`UCX_TCP_RX_SEG_SIZE`: 2.5-4x the loopback throughput of the 8 KiB default),
+`UCX_TCP_CM_REUSEADDR=y` (a listener restarted on its port while old connections sit in TIME_WAIT), and
 `tcp` is appended to a user-given `UCX_TLS` that lacks it (connection establishment needs it). Idle
 connections do not spin the loop thread (`ucx_wait`).
 """

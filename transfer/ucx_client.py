@@ -207,7 +207,7 @@ class UcxTransport:
             ep = await connect_endpoint(self._rt.ucxx, host, int(port), self._connect_timeout_s)
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"cannot connect to {peer}: {_err(exc)}") from exc
-        conn = Conn(ep)
+        conn = Conn(ep, on_dead=p.conn_died)
         try:
             hello = await conn.handshake(self._rt, self._connect_timeout_s)
             if self._map_local:
@@ -275,6 +275,8 @@ class UcxTransport:
         lost = [k for k in range(len(chunks)) if not done[k] and not refused[k]]
         if lost:
             self.backoff.failed(peer, errors[lost[0]] or f"deadline of {timeout_s:.3g} s passed")
+            if (p := self._peers.get(peer)) is not None:
+                p.conn_died()  # a store that cannot be reached: release its segment once no conn lives
         elif chunks:
             self.backoff.ok(peer)
         for k, idxs in enumerate(chunks):

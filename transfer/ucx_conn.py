@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from transfer.base import TransferError
@@ -22,9 +23,10 @@ class PeerRefused(TransferError):
 class Conn:
     """One endpoint to a peer, with a reader task that routes response headers to waiting requests."""
 
-    def __init__(self, ep: Any) -> None:
+    def __init__(self, ep: Any, on_dead: Callable[[], None] | None = None) -> None:
         self.ep = ep
         self.dead = False
+        self._on_dead = on_dead
         self._pending: dict[tuple[int, int], asyncio.Future[Any]] = {}
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
@@ -40,11 +42,14 @@ class Conn:
             abort_ep(self.ep, recv_pending=False)  # release it now; its am_recv has ended
 
     def _fail(self, exc: Exception) -> None:
+        first = not self.dead
         self.dead = True
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(exc)
         self._pending.clear()
+        if first and self._on_dead is not None:
+            self._on_dead()
 
     def expect(self, rid: int, phase: int) -> asyncio.Future[Any]:
         if self.dead:
@@ -107,6 +112,12 @@ class PeerConns:
         self.conns: list[Conn | None] = [None] * size
         self.lock = asyncio.Lock()
         self.mapping: SegmentMapping | None = None
+
+    def conn_died(self) -> None:
+        """A connection failed or was aborted: once none is alive, drop the segment mapping (a dead store's
+        memory stays allocated while any process maps it); the next connection's handshake maps it again."""
+        if all(c is None or c.dead for c in self.conns):
+            self.unmap()
 
     def map_segment(self, peer: str, hello: dict[str, Any]) -> None:
         """Map the segment a handshake reply describes (or keep the current mapping of it); on any

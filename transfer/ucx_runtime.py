@@ -36,6 +36,9 @@ UCX_ENV_DEFAULTS = {
     # over loopback here (0.7-1.0 -> 2.3-3.4 GB/s, raw ucxx); RX must be >= TX in one process.
     "UCX_TCP_TX_SEG_SIZE": "512k",
     "UCX_TCP_RX_SEG_SIZE": "512k",
+    # A store restarted on its fixed data port failed with "Device is busy" for ~60 s while the old
+    # listener's connections sat in TIME_WAIT; SO_REUSEADDR still refuses a port another listener holds.
+    "UCX_TCP_CM_REUSEADDR": "y",
 }
 LOOP_THREAD_NICE = 19
 """Niceness of the UCX loop thread (see `_Runtime._run_loop`)."""

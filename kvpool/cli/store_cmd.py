@@ -24,7 +24,8 @@ def register_store_command(app: typer.Typer) -> None:
         share_segment: bool | None = typer.Option(
             None,
             "--share-segment/--no-share-segment",
-            help="Let same-host readers copy blocks from a read-only mapping of the segment (default: share).",
+            help="Let same-host readers copy blocks from a read-only mapping of the segment (default: share; "
+            "a pinned segment is never shared).",
         ),
         metrics: bool | None = typer.Option(
             None, "--metrics/--no-metrics", help="Serve Prometheus /metrics."

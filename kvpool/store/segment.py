@@ -57,6 +57,10 @@ class Segment:
             self._keepalive = tensor
             self.array = tensor.numpy()
             self.pinned = True
+            if share:
+                log.info(
+                    "segment pinned for CUDA: not shared, same-host readers use UCX (--pin-memory off shares)"
+                )
         elif share and (shared := _shared(self.nbytes)) is not None:
             self.shared = shared
             self.array = shared.array
