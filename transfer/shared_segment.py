@@ -6,11 +6,11 @@ needs `UCX_CMA_MEMORY_INVALIDATE`, which UCX documents as unsupported. kvpool's 
 
 - the store allocates its segment as a `memfd` (sealed against shrinking and growing, so a mapping never
   faults with SIGBUS) and advertises `SegmentDescriptor` (pid, fd, inode, size, boot id) in its ping reply;
-- a reader on the same host (same boot id and pid namespace, allowed to open `/proc/<pid>/fd/<fd>`, which
-  needs the access `/proc/<pid>/mem` needs: no new trust) maps it read-only once per store;
+- a reader on the same host (same boot id and pid namespace, allowed to open `/proc/<pid>/fd/<fd>`: the
+  access that also reads the store's `/proc/<pid>/environ`, see Trust) maps it read-only once per store;
 - every read still goes through the store over UCX: it checks generations and capabilities and pins the
   slots (`begin_read`), answers their offsets and checksums, and unpins (`end_read`) when the reader says
-  it has copied them (or its endpoint dies, or the send timeout passes); the reader copies and verifies
+  it has copied them (or its endpoint dies, or the pin timeout passes); the reader copies and verifies
   the xxh3 of what it copied, so even a pin that expired under it can only give a checksum error.
 
 Like UCX's xpmem/knem single-copy transports, but under the store's pins: blocks are read, never written,
@@ -43,7 +43,7 @@ from transfer.xxh3 import address_of, checksum
 
 log = logging.getLogger(__name__)
 
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_SEALS = sum(getattr(fcntl, n, 0) for n in ("F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_SEAL"))  # 0 off Linux
 RUN_MAX_BYTES = 2 << 20
 """Adjacent blocks are copied together up to this many bytes, then hashed while still in cache."""
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -96,10 +96,12 @@ class SharedSegment:
 
     `array` is the uint8 view of the whole segment; `descriptor` tells same-host readers how to map it.
     Lives as long as the process (the fd must stay open for readers to find it). Raises `OSError` where
-    memfd or sealing is unavailable."""
+    memfd or sealing is unavailable (off Linux)."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
+        if not _SEALS or not hasattr(os, "memfd_create"):
+            raise OSError("memfd with seals is Linux only")
         self._fd = os.memfd_create(
             f"kvpool-segment-{secrets.token_hex(8)}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         )
