@@ -13,6 +13,8 @@ are tagged messages straight from/into the slot and caller buffers; tag = (reque
     read and write may add c:[[expiry_ms, capability bytes], ...], one per block of b (opaque here:
     the server passes them to its `BlockHandler`, which verifies them; see kvpool/capability.py)
     bw     client -> {op:"bw", id, n}          server -> {id, ph:0}, then n bytes tagged (link probe)
+    mread / mdone: a same-host reader's read through its mapping of the store's segment, whose
+    descriptor the ping reply carries as `seg` (`transfer.ucx_mapped`, `transfer.shared_segment`)
 
 Modules: `ucx_runtime` (context, loop thread, shared helpers), `ucx_server` (`UcxBlockServer`),
 `ucx_client` (`UcxTransport`); this module re-exports their public names.
