@@ -144,6 +144,17 @@ class BlockHandler(Protocol):
 
     def end_read(self, slot: int) -> None: ...
 
+    def begin_reads(
+        self, reads: Sequence[tuple[int, int, int, bytes, int]]
+    ) -> Sequence[tuple[memoryview, int] | Exception]:
+        """`begin_read` of each (slot, generation, nbytes, capability, expiry_ms) in one call (one lock per
+        message): per read, its (bytes, stored checksum) or the exception `begin_read` would raise."""
+        ...
+
+    def end_reads(self, slots: Sequence[int]) -> None:
+        """`end_read` of each slot."""
+        ...
+
     def begin_write(
         self, slot: int, generation: int, nbytes: int, capability: bytes = b"", expiry_ms: int = 0
     ) -> memoryview:

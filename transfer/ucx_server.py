@@ -253,38 +253,21 @@ class UcxBlockServer:
             self._end_reads(began)
 
     def _grant(self, blocks: list[list[int]], caps: Any) -> list[Any]:
-        """`begin_read` of every block: its (view, stored checksum) or the exception; in one call when the
-        handler offers `begin_reads` (one lock per batch)."""
-        reads = [
-            (slot, gen, nbytes, *(reversed(caps[i]) if caps else (b"", 0)))
-            for i, (slot, gen, nbytes) in enumerate(blocks)
-        ]
-        begin_reads = getattr(self._handler, "begin_reads", None)
-        if begin_reads is not None:
-            return list(begin_reads(reads))
-        out: list[Any] = []
-        for r in reads:
-            try:
-                out.append(self._handler.begin_read(*r))
-            except Exception as exc:  # noqa: BLE001 - per-block result
-                out.append(exc)
-        return out
+        """`begin_reads` of every block (one handler call per message): (view, stored checksum) or the
+        exception, per block."""
+        caps = caps or [(0, b"")] * len(blocks)
+        return list(
+            self._handler.begin_reads(
+                [(s, g, n, c, e) for (s, g, n), (e, c) in zip(blocks, caps, strict=True)]
+            )
+        )
 
     def _end_reads(self, slots: list[int]) -> None:
-        """`end_read` of every slot begun (one call when the handler offers `end_reads`); never raises."""
-        end_reads = getattr(self._handler, "end_reads", None)
+        """`end_reads` of every slot begun; never raises."""
         try:
-            if end_reads is not None:
-                end_reads(slots)
-                return
+            self._handler.end_reads(slots)
         except Exception:  # noqa: BLE001
             log.exception("end_reads(%d slots) failed", len(slots))
-            return
-        for slot in slots:
-            try:
-                self._handler.end_read(slot)
-            except Exception:  # noqa: BLE001
-                log.exception("end_read(%d) failed", slot)
 
     async def _serve_mapped_read(self, ep: Any, rid: int, blocks: Any, caps: Any = None) -> None:
         """`mread`: pin the blocks, answer [[ok, checksum, error, offset], ...], unpin on `mdone`."""
