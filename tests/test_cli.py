@@ -109,3 +109,20 @@ def test_out_of_range_counts_are_refused_before_anything_starts(args: list[str])
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "Invalid value" in result.output
+
+
+def test_a_store_that_cannot_start_says_why_in_one_line() -> None:
+    """Found by a new-user pass: out-of-range ports wrapped around (grpc) or raised an OverflowError
+    traceback (UCX data port), and a missing config file or a too-small segment printed tracebacks."""
+    out = _kvpool("store", "--grpc-port", "-5")
+    assert out.returncode == 2 and "greater than or equal to 0" in _one_error_line(
+        out, "kvpool: invalid setting grpc_port"
+    )
+    out = _kvpool("store", "--data-port", "70000")
+    assert out.returncode == 2 and "65535" in _one_error_line(out, "kvpool: invalid setting data_port")
+    out = _kvpool("store", "--master", "nohostport")
+    assert out.returncode == 2 and "HOST:PORT" in _one_error_line(out, "kvpool: invalid setting master")
+    out = _kvpool("store", "--config", "/nonexistent.toml")
+    assert out.returncode == 2 and "not found" in _one_error_line(out, "kvpool store: FileNotFoundError")
+    out = _kvpool("store", "--segment-size", "1KiB")
+    assert out.returncode == 2 and "cannot hold" in _one_error_line(out, "kvpool store: InvalidArgument")

@@ -34,33 +34,46 @@ def register_store_command(app: typer.Typer) -> None:
         config: Path | None = typer.Option(None, help="TOML config file."),
     ) -> None:
         """Run a store node; prints `KVPOOL_READY {json}` on stdout when serving. SIGTERM/SIGINT stop it."""
+        import contextlib
         import json
         import signal
         import sys
+
+        from pydantic import ValidationError
 
         from kvpool.config import load_config
         from kvpool.store.node import StoreNode
         from kvpool.store.settings import StoreSettings
 
-        settings = load_config(
-            StoreSettings,
-            config,
-            master=master,
-            bind_host=listen,
-            grpc_port=grpc_port,
-            data_port=data_port,
-            segment_size=segment_size,
-            layout=layout,
-            node_id=node_id,
-            pin_memory=pin_memory,
-            share_segment=share_segment,
-            metrics=metrics,
-            metrics_port=metrics_port,
-        )
-        node = StoreNode(settings)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: node.request_stop())
-        node.start()
+        node = None
+        try:
+            settings = load_config(
+                StoreSettings,
+                config,
+                master=master,
+                bind_host=listen,
+                grpc_port=grpc_port,
+                data_port=data_port,
+                segment_size=segment_size,
+                layout=layout,
+                node_id=node_id,
+                pin_memory=pin_memory,
+                share_segment=share_segment,
+                metrics=metrics,
+                metrics_port=metrics_port,
+            )
+            node = StoreNode(settings)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: node.request_stop())
+            node.start()
+        except ValidationError:
+            raise  # a bad setting: `kvpool.cli.main` prints one line per field
+        except Exception as exc:  # noqa: BLE001 - one clear line, no traceback (as `kvpool master`)
+            typer.echo(f"kvpool store: {type(exc).__name__}: {exc}", err=True)
+            if node is not None:
+                with contextlib.suppress(Exception):
+                    node.stop()  # whatever had started
+            raise typer.Exit(2) from None
         print("KVPOOL_READY " + json.dumps(node.ready_info()), flush=True)
         try:
             node.wait()

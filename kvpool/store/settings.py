@@ -6,7 +6,7 @@ import re
 
 from pydantic import Field, field_validator
 
-from kvpool.config import KVPoolSettings
+from kvpool.config import KVPoolSettings, check_host_port
 from kvpool.types import DEFAULT_LAYOUT, KVLayout
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3}
@@ -32,8 +32,8 @@ class StoreSettings(KVPoolSettings):
 
     node_id: str = ""  # empty: store-<host>-<pid>
     master: str = ""  # HOST:PORT of the master; empty: standalone
-    grpc_port: int = 0
-    data_port: int = 0
+    grpc_port: int = Field(default=0, ge=0, le=65535)  # 0 = ephemeral
+    data_port: int = Field(default=0, ge=0, le=65535)  # 0 = ephemeral
     advertise_host: str = ""  # the host put in grpc/data addresses; empty: bind_host
     segment_size: str = "256MiB"
     layout: str = DEFAULT_LAYOUT
@@ -48,6 +48,11 @@ class StoreSettings(KVPoolSettings):
     max_concurrent_rpcs: int = 256  # more in flight are refused with RESOURCE_EXHAUSTED (bounded queue)
     metrics: bool = True  # serve Prometheus /metrics (kvpool.metrics)
     metrics_port: int = Field(default=0, ge=0, le=65535)  # on bind_host; 0 = ephemeral
+
+    @field_validator("master")
+    @classmethod
+    def _master(cls, value: str) -> str:
+        return check_host_port(value) if value else value
 
     @field_validator("layout")
     @classmethod
