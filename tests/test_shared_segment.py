@@ -198,7 +198,7 @@ def _case_an_abandoned_read_never_writes_into_the_caller_buffer_after_it_returns
         data = rand_blocks(64, nb=NB, seed=24)
         s.commit(data)
         s.read(transport, 64)
-        _slow_copies(transport, s.peer, 0.15, [])
+        _slow_copies(transport, s.peer, 0.6, [])  # each job of the read sleeps past its deadline
         t0 = time.monotonic()
         res, out = s.read(transport, 64, timeout_s=0.4)  # 4 MiB: split over the hashing threads
         assert time.monotonic() - t0 < 2.0

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from transfer.coalesce import span
-from transfer.xxh3 import address_of, checksum
+from transfer.xxh3 import KERNELS, address_of, checksum
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,25 @@ class SharedSegment:
         return off
 
 
+def _verdict(cs: int, sent: int) -> tuple[bool, int, str]:
+    ok = cs == sent
+    return ok, cs, "" if ok else f"checksum mismatch: got {cs:#x}, store sent {sent:#x}"
+
+
+class StopFlag:
+    """Like `threading.Event` without waiting: set once, seen by Python code and by the C copy loop
+    (which reads `byte[0]` between blocks)."""
+
+    def __init__(self) -> None:
+        self.byte = np.zeros(1, dtype=np.uint8)
+
+    def set(self) -> None:
+        self.byte[0] = 1
+
+    def is_set(self) -> bool:
+        return bool(self.byte[0])
+
+
 class SegmentMapping:
     """A read-only mapping of a same-host store's segment (the reader's side); `attach` makes one.
 
@@ -160,34 +179,59 @@ class SegmentMapping:
         return cls(desc, int(addr))
 
     def copy_verify(
-        self, parts: Sequence[tuple[memoryview, int, int]], stop: threading.Event | None = None
+        self, parts: Sequence[tuple[memoryview, int, int]], stop: StopFlag | None = None
     ) -> list[tuple[bool, int, str]]:
         """For each (destination, segment offset, expected xxh3): copy the block into the destination
         (`destination.nbytes` bytes) and compare the xxh3 of the copy. One (ok, checksum, error) each.
 
-        Runs of parts adjacent on both sides are copied as one; once `stop` is set no further run starts
-        (their parts fail). The GIL is released while bytes move and while they are hashed."""
+        Once `stop` is set no further block is copied (those parts fail). The GIL is released while
+        bytes move and are hashed: where `KERNELS` is built, one C loop copies each block in cache-sized
+        pieces and hashes each piece right after it lands; else runs of parts adjacent on both sides are
+        copied by numpy as one and then hashed block by block."""
         with self._lock:
             if self._closed:
                 return [(False, 0, "segment mapping closed")] * len(parts)
             self._users += 1
         try:
             out: list[tuple[bool, int, str]] = [(False, 0, "read abandoned")] * len(parts)
+            if KERNELS is not None:
+                self._copy_kernel(parts, out, stop or StopFlag())
+                return out
             for lo, hi in self._runs(parts, out):
                 if stop is not None and stop.is_set():
                     break
                 self._copy_run(parts[lo][0], parts[lo][1], sum(p[0].nbytes for p in parts[lo:hi]))
                 for k in range(lo, hi):
-                    dst, _, sent = parts[k]
-                    cs = checksum(dst)
-                    ok = cs == sent
-                    out[k] = (ok, cs, "" if ok else f"checksum mismatch: got {cs:#x}, store sent {sent:#x}")
+                    out[k] = _verdict(checksum(parts[k][0]), parts[k][2])
             return out
         finally:
             with self._lock:
                 self._users -= 1
                 if self._closed and self._users == 0:
                     self._unmap()
+
+    def _copy_kernel(
+        self, parts: Sequence[tuple[memoryview, int, int]], out: list[tuple[bool, int, str]], stop: StopFlag
+    ) -> None:
+        rows: list[tuple[int, int, int]] = []
+        where: list[int] = []
+        for k, (dst, off, _) in enumerate(parts):
+            if off < 0 or off + dst.nbytes > self.descriptor.nbytes:
+                out[k] = (False, 0, f"offset {off} outside the store's segment")
+            elif dst.nbytes:
+                rows.append((off, address_of(dst), dst.nbytes))
+                where.append(k)
+            else:
+                out[k] = _verdict(checksum(dst), parts[k][2])
+        if not rows:
+            return
+        got = np.zeros(len(rows), dtype=np.uint64)
+        assert KERNELS is not None
+        done = KERNELS.copy_verify(
+            self.address, self.descriptor.nbytes, np.array(rows, np.int64), got, stop.byte
+        )
+        for k, cs in zip(where[:done], got[:done].tolist(), strict=True):
+            out[k] = _verdict(cs, parts[k][2])
 
     def _runs(
         self, parts: Sequence[tuple[memoryview, int, int]], out: list[tuple[bool, int, str]]

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import statistics
-import threading
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -24,6 +23,7 @@ from transfer.base import (
     validate_batch,
 )
 from transfer.coalesce import adjacent_groups, client_plan
+from transfer.shared_segment import StopFlag
 from transfer.ucx_conn import Conn, PeerConns, PeerRefused
 from transfer.ucx_mapped import mapped_read
 from transfer.ucx_runtime import (
@@ -34,7 +34,7 @@ from transfer.ucx_runtime import (
     connect_endpoint,
 )
 from transfer.ucx_wait import tag_recv, tag_send
-from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, as_bytes_view, checksum
+from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, as_bytes_view, checksum_many
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,7 @@ def _verify(
 ) -> list[tuple[int, tuple[bool, int, str]]]:
     """Per received block: (index, result) after comparing its xxh3 with the checksum the peer sent."""
     out = []
-    for i, sent in got:
-        cs = checksum(views[i])
+    for (i, sent), cs in zip(got, checksum_many([views[i] for i, _ in got]), strict=True):
         ok = cs == sent
         out.append((i, (ok, cs, "" if ok else f"checksum mismatch: got {cs:#x}, peer sent {sent:#x}")))
     return out
@@ -245,14 +244,18 @@ class UcxTransport:
         )
 
     async def _batch(
-        self, peer: str, n: int, timeout_s: float, one: Any, *, busy: bool = True
+        self, peer: str, n: int, timeout_s: float, one: Any, *, mapped: bool = False
     ) -> list[tuple[bool, int, str]]:
         """Run `one(conn, indices, results)` per message chunk, all concurrently, under one deadline.
-        `busy`: poll UCX on every loop iteration meanwhile (bytes move over UCX); a read from a mapped
-        segment only exchanges small messages, and a polling loop thread would hold the GIL the copying
-        threads need (they take it back after every copy and checksum call)."""
+
+        Bytes moving over UCX: `blocks_per_message` per chunk, and UCX is polled on every loop iteration.
+        `mapped` (a read from a mapped segment): messages carry only slots and offsets, so one chunk of up
+        to `MAX_BLOCKS_PER_MESSAGE` (the store grants a batch at ~2 us a block, a round trip costs ~0.4 ms
+        here, and the copying threads need the cores more than the store needs more messages), and no
+        polling (a polling loop thread would hold the GIL and a core the copying threads need)."""
         results: list[tuple[bool, int, str]] = [(False, 0, "deadline passed")] * n
-        chunks = [list(range(s, min(s + self._per_msg, n))) for s in range(0, n, self._per_msg)]
+        per_msg = MAX_BLOCKS_PER_MESSAGE if mapped else self._per_msg
+        chunks = [list(range(s, min(s + per_msg, n))) for s in range(0, n, per_msg)]
         done = [False] * len(chunks)
         used: list[Conn | None] = [None] * len(chunks)
         errors: list[str] = [""] * len(chunks)
@@ -269,7 +272,7 @@ class UcxTransport:
             except Exception as exc:  # noqa: BLE001 - the chunk fails as a whole
                 errors[k] = _err(exc)
 
-        polling = self._rt.waker.busy() if busy else contextlib.nullcontext()
+        polling = contextlib.nullcontext() if mapped else self._rt.waker.busy()
         with contextlib.suppress(TimeoutError), polling:
             await asyncio.wait_for(asyncio.gather(*(run(k) for k in range(len(chunks)))), timeout_s)
         lost = [k for k in range(len(chunks)) if not done[k] and not refused[k]]
@@ -293,7 +296,7 @@ class UcxTransport:
     async def _read(
         self, peer: str, reads: Sequence[BlockRead], views: Sequence[memoryview], timeout_s: float
     ) -> list[tuple[bool, int, str]]:
-        stop = threading.Event()
+        stop = StopFlag()
 
         async def one(conn: Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
             p = self._peers.get(peer)
@@ -343,7 +346,7 @@ class UcxTransport:
         t0 = time.perf_counter()
         p = self._peers.get(peer)
         mapped = p is not None and p.mapping is not None
-        res = await self._batch(peer, len(reads), timeout_s, one, busy=not mapped)
+        res = await self._batch(peer, len(reads), timeout_s, one, mapped=mapped)
         self._observe(peer, sum(reads[i].nbytes for i, r in enumerate(res) if r[0]), time.perf_counter() - t0)
         return res
 

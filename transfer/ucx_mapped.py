@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 from transfer.base import BlockRead
-from transfer.shared_segment import SegmentMapping
+from transfer.shared_segment import SegmentMapping, StopFlag
 from transfer.ucx_conn import Conn, PeerRefused
 from transfer.ucx_runtime import _pack
 from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, NUM_HASH_THREADS
@@ -36,9 +35,7 @@ def _check_header(header: Any, n: int) -> list[tuple[bool, int, str, int]]:
     return out
 
 
-async def _copy(
-    mapping: SegmentMapping, parts: list[Part], stop: threading.Event
-) -> list[tuple[bool, int, str]]:
+async def _copy(mapping: SegmentMapping, parts: list[Part], stop: StopFlag) -> list[tuple[bool, int, str]]:
     """Copy and verify `parts`, in place when small, else split over `HASH_POOL`. When cancelled, sets
     `stop` (shared by the whole read: its other messages' jobs stop too) and raises only once no job of
     this call can still write into a destination (at most one block's copy per running job)."""
@@ -66,7 +63,7 @@ async def mapped_read(
     views: Sequence[memoryview],
     idxs: Sequence[int],
     results: list[tuple[bool, int, str]],
-    stop: threading.Event,
+    stop: StopFlag,
 ) -> None:
     """Read `reads` into `views` through `mapping`; block j's result goes to `results[idxs[j]]`. `stop`:
     one per read call, set when any of its messages is abandoned (no copy starts after that)."""

@@ -23,7 +23,7 @@ from transfer.ucx_runtime import (
     abort_ep,
 )
 from transfer.ucx_wait import am_recv, tag_recv, tag_send
-from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, checksum
+from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, checksum_many
 
 log = logging.getLogger(__name__)
 MAX_CAPABILITY_NBYTES = 64
@@ -35,7 +35,7 @@ _HASH_EARLY_BYTES = 1 << 20
 def _hash_parts(view: memoryview, n: int) -> list[int]:
     """xxh3 of each of the `n` equal parts of `view` (the blocks of one merged message)."""
     size = view.nbytes // n
-    return [checksum(view[k * size : (k + 1) * size]) for k in range(n)]
+    return checksum_many([view[k * size : (k + 1) * size] for k in range(n)])
 
 
 class UcxBlockServer:

@@ -66,26 +66,86 @@ class _HashPool:
 HASH_POOL = _HashPool()
 
 
-def _load_xxh3() -> Any:
+_PROBE = b"kvpool xxh3 probe" * 5000
+
+
+def _load_xxh3() -> tuple[Any, Any]:
+    """(XXH3_64bits through ctypes or None, the binding's extension library or None)."""
     try:
-        ext = importlib.import_module("xxhash._xxhash")  # the binding's C extension
-        fn = ctypes.CDLL(ext.__file__).XXH3_64bits
+        ext = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)  # the binding's C extension
+        fn = ext.XXH3_64bits
     except (ImportError, OSError, AttributeError) as exc:
         log.info("xxh3 without the GIL released (%s): hashing threads serialise", exc)
-        return None
+        return None, None
     fn.restype = ctypes.c_uint64
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    probe = b"kvpool xxh3 probe" * 5000
-    if fn(probe, len(probe)) != xxhash.xxh3_64_intdigest(probe):  # never trust a symbol blindly
+    if fn(_PROBE, len(_PROBE)) != xxhash.xxh3_64_intdigest(_PROBE):  # never trust a symbol blindly
         log.warning("the exported XXH3_64bits disagrees with xxhash's binding; not using it")
-        return None
-    return fn
+        return None, None
+    return fn, ext
 
 
-_XXH3 = _load_xxh3()
+_XXH3, _EXT = _load_xxh3()
 GIL_FREE = _XXH3 is not None
 """Whether large buffers are hashed with the GIL released (see the module docstring)."""
 
+
+_STREAM_FNS = (
+    "XXH3_createState",
+    "XXH3_freeState",
+    "XXH3_64bits_reset",
+    "XXH3_64bits_update",
+    "XXH3_64bits_digest",
+)
+
+
+class Kernels:
+    """The C loops of `transfer/_kernels.c` (built by setup.py where a C compiler is found), bound to the
+    XXH3 functions of the `xxhash` binding. Each call runs a whole batch with the GIL released."""
+
+    def __init__(self, module: Any, ext: Any) -> None:
+        self._module = module
+        self._xxh3 = ctypes.cast(ext.XXH3_64bits, ctypes.c_void_p).value
+        self._stream = tuple(ctypes.cast(getattr(ext, name), ctypes.c_void_p).value for name in _STREAM_FNS)
+
+    def copy_verify(
+        self, src_base: int, src_nbytes: int, table: np.ndarray, got: np.ndarray, stop: np.ndarray
+    ) -> int:
+        """For each row (source offset, destination address, nbytes) of `table` (n x 3 int64): copy the
+        block from `src_base` + offset and set `got[k]` (uint64) to the xxh3 of the copy, in order, until
+        `stop[0]` (uint8) is non-zero. Returns the number of blocks done. Raises `ValueError` for a row
+        outside [0, `src_nbytes`) (nothing is copied then)."""
+        return int(self._module.copy_verify(self._stream, src_base, src_nbytes, len(table), table, got, stop))
+
+    def hash_many(self, table: np.ndarray, got: np.ndarray) -> None:
+        """`got[k]` = xxh3 of `table[k]` = (address, nbytes) (n x 2 int64; the caller keeps them alive)."""
+        self._module.hash_many(self._xxh3, len(table), table, got)
+
+
+def _load_kernels() -> Kernels | None:
+    if _EXT is None:
+        return None
+    try:
+        kernels = Kernels(importlib.import_module("transfer._kernels"), _EXT)
+        probe = np.frombuffer(_PROBE, dtype=np.uint8)
+        got = np.zeros(1, dtype=np.uint64)
+        kernels.hash_many(np.array([[probe.ctypes.data, probe.nbytes]], dtype=np.int64), got)
+        ok = int(got[0]) == xxhash.xxh3_64_intdigest(_PROBE)
+        dst = np.zeros_like(probe)
+        table = np.array([[0, dst.ctypes.data, probe.nbytes]], dtype=np.int64)
+        kernels.copy_verify(probe.ctypes.data, probe.nbytes, table, got, np.zeros(1, dtype=np.uint8))
+        ok = ok and int(got[0]) == xxhash.xxh3_64_intdigest(_PROBE) and dst.tobytes() == _PROBE
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:
+        log.info("transfer kernels not built (%s): copies and checksums loop in Python", exc)
+        return None
+    if not ok:
+        log.warning("transfer kernels disagree with xxhash's binding; not using them")
+        return None
+    return kernels
+
+
+KERNELS = _load_kernels()
+"""The batch copy/hash loops, or None (no C compiler at install: `checksum` per block instead)."""
 
 Buffer = memoryview | bytes | bytearray | np.ndarray
 
@@ -131,10 +191,20 @@ def checksums(views: Sequence[Buffer] | np.ndarray) -> list[int]:
     total = sum(as_bytes_view(v).nbytes for v in views)
     parts = min(NUM_HASH_THREADS, n) if GIL_FREE and total >= 4 * GIL_FREE_MIN_BYTES else 1
     if parts == 1:
-        return [checksum(v) for v in views]
+        return checksum_many(views)
     bounds = [n * k // parts for k in range(parts + 1)]
-    futs = [
-        HASH_POOL.submit(lambda lo, hi: [checksum(v) for v in views[lo:hi]], bounds[k], bounds[k + 1])
-        for k in range(parts)
-    ]
+    futs = [HASH_POOL.submit(checksum_many, views[bounds[k] : bounds[k + 1]]) for k in range(parts)]
     return [cs for f in futs for cs in f.result()]
+
+
+def checksum_many(views: Sequence[Buffer] | np.ndarray) -> list[int]:
+    """`checksum` of each buffer, in this thread: one GIL-free call for all of them where `KERNELS` is
+    built (a per-buffer call takes the GIL back each time, and threads hashing small blocks then spend
+    their time handing it to each other). Raises `ValueError` for a non-contiguous buffer."""
+    if KERNELS is None or len(views) < 2:
+        return [checksum(v) for v in views]
+    flat = [as_bytes_view(v) for v in views]
+    table = np.array([(address_of(v) if v.nbytes else 0, v.nbytes) for v in flat], dtype=np.int64)
+    got = np.zeros(len(flat), dtype=np.uint64)
+    KERNELS.hash_many(table, got)
+    return got.tolist()

@@ -1,0 +1,159 @@
+"""The C loops of the data plane (transfer/_kernels.c through transfer.xxh3.KERNELS): the same bytes and
+checksums as the Python paths they replace, stop between blocks, refuse rows outside the segment."""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import xxhash
+
+from transfer import shared_segment, xxh3
+from transfer.shared_segment import SegmentMapping, SharedSegment, StopFlag
+from transfer.xxh3 import KERNELS, checksum, checksum_many, checksums
+
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="transfer._kernels not built (no C compiler)")
+
+
+def test_the_kernels_are_built_where_a_compiler_is() -> None:
+    """A broken build must not silently leave a machine with a compiler on the slow paths."""
+    if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is None:
+        pytest.skip("no C compiler here: the Python paths are the ones in use")
+    assert KERNELS is not None
+
+
+@pytest.fixture(params=["kernels", "python"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Both implementations: the C loops (where built) and the Python fallback."""
+    if request.param == "kernels" and KERNELS is None:
+        pytest.skip("transfer._kernels not built")
+    if request.param == "python":
+        monkeypatch.setattr(shared_segment, "KERNELS", None)
+        monkeypatch.setattr(xxh3, "KERNELS", None)
+    yield request.param
+
+
+@pytest.fixture(scope="module")
+def segment() -> Iterator[tuple[SharedSegment, SegmentMapping]]:
+    seg = SharedSegment(4 << 20)
+    seg.array[:] = np.random.default_rng(7).integers(0, 256, seg.nbytes, dtype=np.uint8)
+    m = SegmentMapping.attach(seg.descriptor)
+    yield seg, m
+    m.close()
+
+
+def _parts(
+    seg: SharedSegment, layout: list[tuple[int, int]]
+) -> tuple[np.ndarray, list[tuple[memoryview, int, int]], list[int]]:
+    """Destinations packed in one buffer (some adjacent, some apart) for (offset, nbytes) sources."""
+    out = np.zeros(sum(n for _, n in layout) + 64 * len(layout), dtype=np.uint8)
+    parts, starts, at = [], [], 0
+    for k, (off, n) in enumerate(layout):
+        at += 3 if k % 3 == 2 else 0  # every third destination starts apart (and unaligned)
+        starts.append(at)
+        want = checksum(seg.array[off : off + n]) if off >= 0 and off + n <= seg.nbytes else 0
+        parts.append((memoryview(out)[at : at + n], off, want))
+        at += n
+    return out, parts, starts
+
+
+LAYOUT = [(0, 65536), (65536, 65536), (131072, 1 << 20), (5, 4099), (3 << 20, 0), (1 << 21, 8), (17, 1)]
+
+
+def test_copy_verify_copies_and_checks_every_block(
+    path: str, segment: tuple[SharedSegment, SegmentMapping]
+) -> None:
+    seg, m = segment
+    out, parts, starts = _parts(seg, LAYOUT)
+    res = m.copy_verify(parts)
+    assert all(ok for ok, _, _ in res), res
+    for (off, n), at, (_, cs, _) in zip(LAYOUT, starts, res, strict=True):
+        assert np.array_equal(out[at : at + n], seg.array[off : off + n])
+        assert cs == xxhash.xxh3_64_intdigest(seg.array[off : off + n].tobytes())
+
+
+def test_copy_verify_reports_mismatches_and_out_of_range_parts_alone(
+    path: str, segment: tuple[SharedSegment, SegmentMapping]
+) -> None:
+    seg, m = segment
+    layout = [(0, 4096), (seg.nbytes - 100, 4096), (8192, 4096), (-8, 16)]
+    _, parts, _ = _parts(seg, layout)
+    parts[2] = (parts[2][0], parts[2][1], parts[2][2] ^ 1)  # the store "sent" another checksum
+    res = m.copy_verify(parts)
+    assert res[0][0] and res[0][1] == parts[0][2]
+    assert not res[1][0] and "outside" in res[1][2]
+    assert not res[2][0] and "checksum mismatch" in res[2][2] and res[2][1] == parts[2][2] ^ 1
+    assert not res[3][0] and "outside" in res[3][2]
+
+
+def test_a_set_stop_flag_copies_nothing(path: str, segment: tuple[SharedSegment, SegmentMapping]) -> None:
+    seg, m = segment
+    out, parts, _ = _parts(seg, LAYOUT[:3])
+    stop = StopFlag()
+    stop.set()
+    assert stop.is_set()
+    res = m.copy_verify(parts, stop)
+    assert all(not ok and err == "read abandoned" for ok, _, err in res)
+    assert not out.any()  # no byte landed
+
+
+@needs_kernels
+def test_the_kernel_stops_between_blocks_and_says_how_far_it_got(
+    segment: tuple[SharedSegment, SegmentMapping],
+) -> None:
+    """Stopped mid-way: blocks before the stop are whole, none after it is touched."""
+    assert KERNELS is not None
+    seg, m = segment
+    n, nb = 64, 64 << 10
+    out = np.zeros((n, nb), dtype=np.uint8)
+    table = np.array([[k * nb, out[k].ctypes.data, nb] for k in range(n)], dtype=np.int64)
+    got = np.zeros(n, dtype=np.uint64)
+    stop = StopFlag()
+    assert KERNELS.copy_verify(m.address, seg.nbytes, table[:3], got[:3], stop.byte) == 3
+    stop.set()
+    assert KERNELS.copy_verify(m.address, seg.nbytes, table[3:], got[3:], stop.byte) == 0
+    assert np.array_equal(out[:3].reshape(-1), seg.array[: 3 * nb]) and not out[3:].any()
+    assert got[:3].tolist() == [checksum(seg.array[k * nb : (k + 1) * nb]) for k in range(3)]
+
+
+@needs_kernels
+def test_the_kernels_refuse_bad_rows_and_buffers_before_touching_memory(
+    segment: tuple[SharedSegment, SegmentMapping],
+) -> None:
+    assert KERNELS is not None
+    seg, m = segment
+    out = np.zeros(4096, dtype=np.uint8)
+    got = np.zeros(2, dtype=np.uint64)
+    stop = np.zeros(1, dtype=np.uint8)
+    ok_row = [0, out.ctypes.data, 16]
+    for bad in (
+        [seg.nbytes - 8, out.ctypes.data, 16],
+        [-1, out.ctypes.data, 16],
+        [0, 0, 16],
+        [0, out.ctypes.data, -1],
+    ):
+        with pytest.raises(ValueError):
+            KERNELS.copy_verify(m.address, seg.nbytes, np.array([ok_row, bad], dtype=np.int64), got, stop)
+        assert not out.any()  # the good first row was not copied either
+    with pytest.raises(ValueError, match="got"):
+        KERNELS.copy_verify(m.address, seg.nbytes, np.array([ok_row], dtype=np.int64), got, stop)
+    with pytest.raises(ValueError):
+        KERNELS.hash_many(np.array([[out.ctypes.data, -5]], dtype=np.int64), got[:1])
+    with pytest.raises(ValueError):
+        KERNELS.hash_many(np.array([[0, 5]], dtype=np.int64), got[:1])
+
+
+def test_checksum_many_matches_one_by_one(path: str) -> None:
+    rng = np.random.default_rng(3)
+    blocks = [rng.integers(0, 256, n, dtype=np.uint8) for n in [0, 1, 7, 4096, 65536, (1 << 20) + 3, 100]]
+    blocks.append(memoryview(blocks[4])[3:1003])  # unaligned
+    blocks.append(np.zeros((8, 8), dtype=np.float32))  # any dtype: its bytes
+    want = [xxhash.xxh3_64_intdigest(np.asarray(b).tobytes()) for b in blocks]
+    assert checksum_many(blocks) == want
+    assert checksums(blocks) == want
+    assert checksum_many([]) == [] and checksum_many(blocks[1:2]) == want[1:2]
+    with pytest.raises(ValueError, match="C-contiguous"):
+        checksum_many([blocks[3], np.zeros((8, 8), dtype=np.uint8)[:, ::2]])
