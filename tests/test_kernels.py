@@ -157,3 +157,31 @@ def test_checksum_many_matches_one_by_one(path: str) -> None:
     assert checksum_many([]) == [] and checksum_many(blocks[1:2]) == want[1:2]
     with pytest.raises(ValueError, match="C-contiguous"):
         checksum_many([blocks[3], np.zeros((8, 8), dtype=np.uint8)[:, ::2]])
+
+
+@needs_kernels
+def test_large_jobs_stream_through_the_bounce_buffer_and_land_whole() -> None:
+    """Over 8 MiB in one call: the non-temporal path, with unaligned destinations and odd sizes."""
+    assert KERNELS is not None
+    seg = SharedSegment(12 << 20)
+    seg.array[:] = np.random.default_rng(9).integers(0, 256, seg.nbytes, dtype=np.uint8)
+    m = SegmentMapping.attach(seg.descriptor)
+    try:
+        layout = [(0, 3 << 20), (3 << 20, (3 << 20) + 5), (1, (3 << 20) - 77), (9 << 20, 8191), (7, 0)]
+        out = np.zeros(sum(n for _, n in layout) + 64, dtype=np.uint8)
+        rows, at = [], 3  # the first destination is not 16-byte aligned
+        for off, n in layout:
+            rows.append([off, out.ctypes.data + at, n])
+            at += n + 1
+        got = np.zeros(len(rows), dtype=np.uint64)
+        assert KERNELS.copy_verify(m.address, seg.nbytes, np.array(rows, np.int64), got, StopFlag().byte) == 5
+        for (off, n), (_, addr, _), cs in zip(layout, rows, got.tolist(), strict=True):
+            start = addr - out.ctypes.data
+            assert np.array_equal(out[start : start + n], seg.array[off : off + n])
+            assert cs == xxhash.xxh3_64_intdigest(seg.array[off : off + n].tobytes())
+        gaps = [rows[0][1] - out.ctypes.data - 1] + [
+            r[1] - out.ctypes.data + n for r, (_, n) in zip(rows, layout, strict=True)
+        ]
+        assert not out[[g for g in gaps if 0 <= g < out.size]].any()  # nothing written between blocks
+    finally:
+        m.close()
