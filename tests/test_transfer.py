@@ -362,11 +362,12 @@ def test_in_process_server_round_trip_and_flipped_byte(transport: UcxTransport) 
         # a read-only or wrong-sized output buffer fails that block only
         res = transport.read_blocks(
             peer,
-            [BlockRead(0, 1, nb), BlockRead(1, 1, nb)],
-            [memoryview(bytes(nb)), memoryview(out[1])],
+            [BlockRead(0, 1, nb), BlockRead(1, 1, nb), BlockRead(2, 1, nb)],
+            [memoryview(bytes(nb)), memoryview(out[1]), memoryview(out[2])[:100]],
             timeout_s=10,
         )
-        assert [r.ok for r in res] == [False, True]
+        assert [r.ok for r in res] == [False, True, False] and res[1].checksum == checksum(data[1])
+        assert "unusable" in res[0].error and "unusable" in res[2].error
     finally:
         server.stop()
 
