@@ -109,41 +109,42 @@ def test_the_kernel_stops_between_blocks_and_says_how_far_it_got(
     seg, m = segment
     n, nb = 64, 64 << 10
     out = np.zeros((n, nb), dtype=np.uint8)
-    table = np.array([[k * nb, out[k].ctypes.data, nb] for k in range(n)], dtype=np.int64)
+    offsets = np.arange(n, dtype=np.int64) * nb
     got = np.zeros(n, dtype=np.uint64)
     stop = StopFlag()
-    assert KERNELS.copy_verify(m.address, seg.nbytes, table[:3], got[:3], stop.byte) == 3
+    assert KERNELS.copy_verify(m.address, seg.nbytes, offsets[:3], list(out[:3]), got[:3], stop.byte) == 3
     stop.set()
-    assert KERNELS.copy_verify(m.address, seg.nbytes, table[3:], got[3:], stop.byte) == 0
+    assert KERNELS.copy_verify(m.address, seg.nbytes, offsets[3:], list(out[3:]), got[3:], stop.byte) == 0
     assert np.array_equal(out[:3].reshape(-1), seg.array[: 3 * nb]) and not out[3:].any()
     assert got[:3].tolist() == [checksum(seg.array[k * nb : (k + 1) * nb]) for k in range(3)]
 
 
 @needs_kernels
-def test_the_kernels_refuse_bad_rows_and_buffers_before_touching_memory(
+def test_the_kernels_refuse_bad_blocks_and_buffers_before_touching_memory(
     segment: tuple[SharedSegment, SegmentMapping],
 ) -> None:
     assert KERNELS is not None
     seg, m = segment
-    out = np.zeros(4096, dtype=np.uint8)
+    out = np.zeros((2, 16), dtype=np.uint8)
     got = np.zeros(2, dtype=np.uint64)
     stop = np.zeros(1, dtype=np.uint8)
-    ok_row = [0, out.ctypes.data, 16]
-    for bad in (
-        [seg.nbytes - 8, out.ctypes.data, 16],
-        [-1, out.ctypes.data, 16],
-        [0, 0, 16],
-        [0, out.ctypes.data, -1],
-    ):
-        with pytest.raises(ValueError):
-            KERNELS.copy_verify(m.address, seg.nbytes, np.array([ok_row, bad], dtype=np.int64), got, stop)
-        assert not out.any()  # the good first row was not copied either
+    for bad_offset in (seg.nbytes - 8, -1, 1 << 62):
+        with pytest.raises(ValueError, match="outside"):
+            KERNELS.copy_verify(
+                m.address, seg.nbytes, np.array([0, bad_offset], np.int64), list(out), got, stop
+            )
+        assert not out.any()  # the good first block was not copied either
+    for dsts in ([out[0], bytes(16)], [out[0], np.zeros((4, 8), np.uint8)[:, ::2]]):  # read-only; strided
+        with pytest.raises(ValueError, match="C-contiguous"):
+            KERNELS.copy_verify(m.address, seg.nbytes, np.zeros(2, np.int64), dsts, got, stop)
     with pytest.raises(ValueError, match="got"):
-        KERNELS.copy_verify(m.address, seg.nbytes, np.array([ok_row], dtype=np.int64), got, stop)
-    with pytest.raises(ValueError):
-        KERNELS.hash_many(np.array([[out.ctypes.data, -5]], dtype=np.int64), got[:1])
-    with pytest.raises(ValueError):
-        KERNELS.hash_many(np.array([[0, 5]], dtype=np.int64), got[:1])
+        KERNELS.copy_verify(m.address, seg.nbytes, np.zeros(1, np.int64), [out[0]], got, stop)
+    with pytest.raises(ValueError, match="offsets"):
+        KERNELS.copy_verify(m.address, seg.nbytes, np.zeros(3, np.int64), list(out), got, stop)
+    with pytest.raises(TypeError):
+        KERNELS.hash_many(42, got)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="got"):
+        KERNELS.hash_many([b"abc"], got)
 
 
 def test_checksum_many_matches_one_by_one(path: str) -> None:
@@ -169,19 +170,18 @@ def test_large_jobs_stream_through_the_bounce_buffer_and_land_whole() -> None:
     try:
         layout = [(0, 3 << 20), (3 << 20, (3 << 20) + 5), (1, (3 << 20) - 77), (9 << 20, 8191), (7, 0)]
         out = np.zeros(sum(n for _, n in layout) + 64, dtype=np.uint8)
-        rows, at = [], 3  # the first destination is not 16-byte aligned
-        for off, n in layout:
-            rows.append([off, out.ctypes.data + at, n])
+        dsts, starts, at = [], [], 3  # the first destination is not 16-byte aligned
+        for _, n in layout:
+            dsts.append(out[at : at + n])
+            starts.append(at)
             at += n + 1
-        got = np.zeros(len(rows), dtype=np.uint64)
-        assert KERNELS.copy_verify(m.address, seg.nbytes, np.array(rows, np.int64), got, StopFlag().byte) == 5
-        for (off, n), (_, addr, _), cs in zip(layout, rows, got.tolist(), strict=True):
-            start = addr - out.ctypes.data
+        got = np.zeros(len(dsts), dtype=np.uint64)
+        offsets = np.array([off for off, _ in layout], dtype=np.int64)
+        assert KERNELS.copy_verify(m.address, seg.nbytes, offsets, dsts, got, StopFlag().byte) == 5
+        for (off, n), start, cs in zip(layout, starts, got.tolist(), strict=True):
             assert np.array_equal(out[start : start + n], seg.array[off : off + n])
             assert cs == xxhash.xxh3_64_intdigest(seg.array[off : off + n].tobytes())
-        gaps = [rows[0][1] - out.ctypes.data - 1] + [
-            r[1] - out.ctypes.data + n for r, (_, n) in zip(rows, layout, strict=True)
-        ]
-        assert not out[[g for g in gaps if 0 <= g < out.size]].any()  # nothing written between blocks
+        gaps = [2] + [start + n for start, (_, n) in zip(starts, layout, strict=True)]
+        assert not out[gaps].any()  # nothing written between blocks
     finally:
         m.close()

@@ -83,20 +83,57 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t n
     return 0;
 }
 
-/* copy_verify(fns, src_base, src_nbytes, n, table, got, stop) -> int
+static void release_all(Py_buffer *views, Py_ssize_t n) {
+    for (Py_ssize_t k = 0; k < n; k++)
+        PyBuffer_Release(&views[k]);
+    PyMem_Free(views);
+}
+
+/* A C-contiguous (and writable, when asked) buffer of each item of `seq`, held until release_all: the
+ * bytes stay put while the GIL is released. NULL with ValueError (or TypeError, MemoryError) set. */
+static Py_buffer *acquire_all(PyObject *seq, int writable, Py_ssize_t *n_out) {
+    PyObject *fast = PySequence_Fast(seq, "a sequence of buffers expected");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_buffer *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+    if (views == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (PyObject_GetBuffer(items[k], &views[k], flags) < 0) {
+            release_all(views, k);
+            Py_DECREF(fast);
+            PyErr_Format(PyExc_ValueError, "buffer %zd: block buffers must be C-contiguous%s", k,
+                         writable ? " and writable" : "");
+            return NULL;
+        }
+    }
+    Py_DECREF(fast); /* each held buffer keeps its exporter alive */
+    *n_out = n;
+    return views;
+}
+
+/* copy_verify(fns, src_base, src_nbytes, offsets, dsts, got, stop) -> int
  *
  * fns: (XXH3_createState, XXH3_freeState, XXH3_64bits_reset, XXH3_64bits_update, XXH3_64bits_digest)
- * addresses. table: n x 3 int64 (source offset, destination address, nbytes). For each block in order,
- * unless the byte `stop[0]` is non-zero: copy nbytes from src_base + offset to the destination in CHUNK
- * pieces, hashing each piece while it is in cache (see STREAM_MIN_BYTES); got[k] = the
- * xxh3 of the copy (the caller compares it with what the store holds). Returns the number of blocks
- * done (< n when stopped). Raises
- * ValueError for an entry outside [0, src_nbytes) or mis-sized buffers, MemoryError without a state. */
+ * addresses. dsts: n writable C-contiguous buffers; offsets: n int64 (where each block starts in the
+ * source). For each block in order, unless the byte `stop[0]` is non-zero: copy len(dsts[k]) bytes
+ * from src_base + offsets[k] in CHUNK pieces, hashing each piece while it is in cache (see
+ * STREAM_MIN_BYTES); got[k] (n uint64) = the xxh3 of the copy (the caller compares it with what the
+ * store holds). Returns the number of blocks done (< n when stopped). Raises ValueError for a block
+ * outside [0, src_nbytes) (before any copy), a buffer that is not what it should be or mis-sized
+ * arrays; MemoryError without a hash state. */
 static PyObject *copy_verify(PyObject *self, PyObject *args) {
-    PyObject *fns, *table_o, *got_o, *stop_o;
+    (void)self;
+    PyObject *fns, *offsets_o, *dsts_o, *got_o, *stop_o;
     unsigned long long src_base;
     Py_ssize_t src_nbytes, n;
-    if (!PyArg_ParseTuple(args, "OKnnOOO", &fns, &src_base, &src_nbytes, &n, &table_o, &got_o, &stop_o))
+    if (!PyArg_ParseTuple(args, "OKnOOOO", &fns, &src_base, &src_nbytes, &offsets_o, &dsts_o, &got_o, &stop_o))
         return NULL;
     void *addr[5];
     if (!PyTuple_Check(fns) || PyTuple_GET_SIZE(fns) != 5) {
@@ -111,91 +148,93 @@ static PyObject *copy_verify(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+    Py_buffer *dsts = acquire_all(dsts_o, 1, &n);
+    if (dsts == NULL)
+        return NULL;
+    Py_buffer offsets, got, stop;
+    if (get_buffer(offsets_o, &offsets, 0, n * (Py_ssize_t)sizeof(int64_t), "offsets") < 0) {
+        release_all(dsts, n);
         return NULL;
     }
-    Py_buffer table, got, stop;
-    if (get_buffer(table_o, &table, 0, n * 3 * (Py_ssize_t)sizeof(int64_t), "table") < 0)
-        return NULL;
     if (get_buffer(got_o, &got, 1, n * (Py_ssize_t)sizeof(uint64_t), "got") < 0) {
-        PyBuffer_Release(&table);
+        PyBuffer_Release(&offsets);
+        release_all(dsts, n);
         return NULL;
     }
     if (get_buffer(stop_o, &stop, 0, 1, "stop") < 0) {
-        PyBuffer_Release(&table);
+        PyBuffer_Release(&offsets);
         PyBuffer_Release(&got);
+        release_all(dsts, n);
         return NULL;
     }
-    const int64_t *t = (const int64_t *)table.buf;
+    const int64_t *off = (const int64_t *)offsets.buf;
     size_t total = 0;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        int64_t off = t[3 * k], nbytes = t[3 * k + 2];
-        total += (size_t)(nbytes > 0 ? nbytes : 0);
-        if (off < 0 || nbytes < 0 || off > src_nbytes - nbytes || t[3 * k + 1] == 0) {
-            PyBuffer_Release(&table);
-            PyBuffer_Release(&got);
-            PyBuffer_Release(&stop);
-            return PyErr_Format(PyExc_ValueError, "entry %zd: offset %lld + %lld bytes outside the segment",
-                                k, (long long)off, (long long)nbytes);
-        }
+    Py_ssize_t bad = -1;
+    for (Py_ssize_t k = 0; k < n && bad < 0; k++) {
+        total += (size_t)dsts[k].len;
+        if (off[k] < 0 || off[k] > src_nbytes - dsts[k].len)
+            bad = k;
     }
-    void *state = ((create_state_fn)addr[0])();
-    if (state == NULL) {
-        PyBuffer_Release(&table);
-        PyBuffer_Release(&got);
-        PyBuffer_Release(&stop);
-        return PyErr_NoMemory();
-    }
-    reset_fn reset = (reset_fn)addr[2];
-    update_fn update = (update_fn)addr[3];
-    digest_fn digest = (digest_fn)addr[4];
-    uint64_t *out = (uint64_t *)got.buf;
-    const volatile unsigned char *stopped = (const volatile unsigned char *)stop.buf;
-    const char *src = (const char *)(uintptr_t)src_base;
+    void *state = bad < 0 ? ((create_state_fn)addr[0])() : NULL;
     Py_ssize_t done = 0;
-    int stream = total > STREAM_MIN_BYTES;
-    Py_BEGIN_ALLOW_THREADS
-    char bounce[CHUNK] __attribute__((aligned(64)));
-    for (; done < n && !*stopped; done++) {
-        const char *s = src + t[3 * done];
-        char *d = (char *)(uintptr_t)t[3 * done + 1];
-        size_t left = (size_t)t[3 * done + 2];
-        reset(state);
-        while (left) {
-            size_t piece = left < CHUNK ? left : CHUNK;
-            if (stream) { /* the bytes hashed are the bytes stored: both come from the buffer */
-                copy_pieces(bounce, s, piece);
-                update(state, bounce, piece);
-                stream_copy(d, bounce, piece);
-            } else {
-                copy_pieces(d, s, piece);
-                update(state, d, piece);
+    if (state != NULL) {
+        reset_fn reset = (reset_fn)addr[2];
+        update_fn update = (update_fn)addr[3];
+        digest_fn digest = (digest_fn)addr[4];
+        uint64_t *out = (uint64_t *)got.buf;
+        const volatile unsigned char *stopped = (const volatile unsigned char *)stop.buf;
+        const char *src = (const char *)(uintptr_t)src_base;
+        int stream = total > STREAM_MIN_BYTES;
+        Py_BEGIN_ALLOW_THREADS
+        char bounce[CHUNK] __attribute__((aligned(64)));
+        for (; done < n && !*stopped; done++) {
+            const char *s = src + off[done];
+            char *d = (char *)dsts[done].buf;
+            size_t left = (size_t)dsts[done].len;
+            reset(state);
+            while (left) {
+                size_t piece = left < CHUNK ? left : CHUNK;
+                if (stream) { /* the bytes hashed are the bytes stored: both come from the buffer */
+                    copy_pieces(bounce, s, piece);
+                    update(state, bounce, piece);
+                    stream_copy(d, bounce, piece);
+                } else {
+                    copy_pieces(d, s, piece);
+                    update(state, d, piece);
+                }
+                d += piece;
+                s += piece;
+                left -= piece;
             }
-            d += piece;
-            s += piece;
-            left -= piece;
+            out[done] = digest(state);
         }
-        out[done] = digest(state);
+        if (stream)
+            STREAM_FENCE(); /* the streamed stores are visible before the caller learns they are done */
+        Py_END_ALLOW_THREADS
+        ((free_state_fn)addr[1])(state);
     }
-    if (stream)
-        STREAM_FENCE(); /* the streamed stores are visible before the caller learns they are done */
-    Py_END_ALLOW_THREADS
-    ((free_state_fn)addr[1])(state);
-    PyBuffer_Release(&table);
+    long long bad_off = bad >= 0 ? (long long)off[bad] : 0;
+    Py_ssize_t bad_len = bad >= 0 ? dsts[bad].len : 0;
+    PyBuffer_Release(&offsets);
     PyBuffer_Release(&got);
     PyBuffer_Release(&stop);
+    release_all(dsts, n);
+    if (bad >= 0)
+        return PyErr_Format(PyExc_ValueError, "block %zd: offset %lld + %zd bytes outside the segment", bad,
+                            bad_off, bad_len);
+    if (state == NULL)
+        return PyErr_NoMemory();
     return PyLong_FromSsize_t(done);
 }
 
-/* hash_many(XXH3_64bits address, table, got) -> None
+/* hash_many(XXH3_64bits address, buffers, got) -> None
  *
- * table: n x 2 int64 (address, nbytes); got[k] = XXH3_64bits of block k (n uint64). The caller keeps
- * the buffers alive. Raises ValueError for mis-sized buffers or a negative size. */
+ * got[k] (n uint64) = XXH3_64bits of the bytes of buffers[k] (n C-contiguous buffers, held while the GIL
+ * is released). Raises ValueError for a non-contiguous buffer or a mis-sized `got`. */
 static PyObject *hash_many(PyObject *self, PyObject *args) {
-    PyObject *fn_o, *table_o, *got_o;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OnOO", &fn_o, &n, &table_o, &got_o))
+    (void)self;
+    PyObject *fn_o, *bufs_o, *got_o;
+    if (!PyArg_ParseTuple(args, "OOO", &fn_o, &bufs_o, &got_o))
         return NULL;
     xxh3_fn fn = (xxh3_fn)PyLong_AsVoidPtr(fn_o);
     if (fn == NULL) {
@@ -203,32 +242,22 @@ static PyObject *hash_many(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "a null function address");
         return NULL;
     }
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+    Py_ssize_t n;
+    Py_buffer *bufs = acquire_all(bufs_o, 0, &n);
+    if (bufs == NULL)
         return NULL;
-    }
-    Py_buffer table, got;
-    if (get_buffer(table_o, &table, 0, n * 2 * (Py_ssize_t)sizeof(int64_t), "table") < 0)
-        return NULL;
+    Py_buffer got;
     if (get_buffer(got_o, &got, 1, n * (Py_ssize_t)sizeof(uint64_t), "got") < 0) {
-        PyBuffer_Release(&table);
+        release_all(bufs, n);
         return NULL;
-    }
-    const int64_t *t = (const int64_t *)table.buf;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (t[2 * k + 1] < 0 || (t[2 * k] == 0 && t[2 * k + 1] > 0)) {
-            PyBuffer_Release(&table);
-            PyBuffer_Release(&got);
-            return PyErr_Format(PyExc_ValueError, "entry %zd: bad address or size", k);
-        }
     }
     uint64_t *out = (uint64_t *)got.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t k = 0; k < n; k++)
-        out[k] = fn((const void *)(uintptr_t)t[2 * k], (size_t)t[2 * k + 1]);
+        out[k] = fn(bufs[k].buf, (size_t)bufs[k].len);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&table);
     PyBuffer_Release(&got);
+    release_all(bufs, n);
     Py_RETURN_NONE;
 }
 
@@ -238,6 +267,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

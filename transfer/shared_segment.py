@@ -213,22 +213,22 @@ class SegmentMapping:
     def _copy_kernel(
         self, parts: Sequence[tuple[memoryview, int, int]], out: list[tuple[bool, int, str]], stop: StopFlag
     ) -> None:
-        rows: list[tuple[int, int, int]] = []
-        where: list[int] = []
-        for k, (dst, off, _) in enumerate(parts):
-            if off < 0 or off + dst.nbytes > self.descriptor.nbytes:
-                out[k] = (False, 0, f"offset {off} outside the store's segment")
-            elif dst.nbytes:
-                rows.append((off, address_of(dst), dst.nbytes))
-                where.append(k)
-            else:
-                out[k] = _verdict(checksum(dst), parts[k][2])
-        if not rows:
+        where = [
+            k for k, (dst, off, _) in enumerate(parts) if 0 <= off <= self.descriptor.nbytes - dst.nbytes
+        ]
+        for k in set(range(len(parts))).difference(where):
+            out[k] = (False, 0, f"offset {parts[k][1]} outside the store's segment")
+        if not where:
             return
-        got = np.zeros(len(rows), dtype=np.uint64)
+        got = np.zeros(len(where), dtype=np.uint64)
         assert KERNELS is not None
         done = KERNELS.copy_verify(
-            self.address, self.descriptor.nbytes, np.array(rows, np.int64), got, stop.byte
+            self.address,
+            self.descriptor.nbytes,
+            np.array([parts[k][1] for k in where], dtype=np.int64),
+            [parts[k][0] for k in where],
+            got,
+            stop.byte,
         )
         for k, cs in zip(where[:done], got[:done].tolist(), strict=True):
             out[k] = _verdict(cs, parts[k][2])

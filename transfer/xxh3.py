@@ -109,17 +109,23 @@ class Kernels:
         self._stream = tuple(ctypes.cast(getattr(ext, name), ctypes.c_void_p).value for name in _STREAM_FNS)
 
     def copy_verify(
-        self, src_base: int, src_nbytes: int, table: np.ndarray, got: np.ndarray, stop: np.ndarray
+        self,
+        src_base: int,
+        src_nbytes: int,
+        offsets: np.ndarray,
+        dsts: Sequence[Buffer],
+        got: np.ndarray,
+        stop: np.ndarray,
     ) -> int:
-        """For each row (source offset, destination address, nbytes) of `table` (n x 3 int64): copy the
-        block from `src_base` + offset and set `got[k]` (uint64) to the xxh3 of the copy, in order, until
-        `stop[0]` (uint8) is non-zero. Returns the number of blocks done. Raises `ValueError` for a row
-        outside [0, `src_nbytes`) (nothing is copied then)."""
-        return int(self._module.copy_verify(self._stream, src_base, src_nbytes, len(table), table, got, stop))
+        """For each destination (a writable C-contiguous buffer) in order, until `stop[0]` (uint8) is
+        non-zero: copy its length in bytes from `src_base` + `offsets[k]` (int64) into it and set `got[k]`
+        (uint64) to the xxh3 of the copy. Returns the number of blocks done. Raises `ValueError` for a
+        block outside [0, `src_nbytes`) (nothing is copied then) or an unusable buffer."""
+        return int(self._module.copy_verify(self._stream, src_base, src_nbytes, offsets, dsts, got, stop))
 
-    def hash_many(self, table: np.ndarray, got: np.ndarray) -> None:
-        """`got[k]` = xxh3 of `table[k]` = (address, nbytes) (n x 2 int64; the caller keeps them alive)."""
-        self._module.hash_many(self._xxh3, len(table), table, got)
+    def hash_many(self, buffers: Sequence[Buffer] | np.ndarray, got: np.ndarray) -> None:
+        """`got[k]` (uint64) = xxh3 of the bytes of `buffers[k]` (C-contiguous; `ValueError` otherwise)."""
+        self._module.hash_many(self._xxh3, buffers, got)
 
 
 def _load_kernels() -> Kernels | None:
@@ -129,11 +135,11 @@ def _load_kernels() -> Kernels | None:
         kernels = Kernels(importlib.import_module("transfer._kernels"), _EXT)
         probe = np.frombuffer(_PROBE, dtype=np.uint8)
         got = np.zeros(1, dtype=np.uint64)
-        kernels.hash_many(np.array([[probe.ctypes.data, probe.nbytes]], dtype=np.int64), got)
+        kernels.hash_many([_PROBE], got)
         ok = int(got[0]) == xxhash.xxh3_64_intdigest(_PROBE)
         dst = np.zeros_like(probe)
-        table = np.array([[0, dst.ctypes.data, probe.nbytes]], dtype=np.int64)
-        kernels.copy_verify(probe.ctypes.data, probe.nbytes, table, got, np.zeros(1, dtype=np.uint8))
+        offsets = np.zeros(1, dtype=np.int64)
+        kernels.copy_verify(probe.ctypes.data, probe.nbytes, offsets, [dst], got, np.zeros(1, dtype=np.uint8))
         ok = ok and int(got[0]) == xxhash.xxh3_64_intdigest(_PROBE) and dst.tobytes() == _PROBE
     except (ImportError, AttributeError, ValueError, TypeError) as exc:
         log.info("transfer kernels not built (%s): copies and checksums loop in Python", exc)
@@ -203,8 +209,6 @@ def checksum_many(views: Sequence[Buffer] | np.ndarray) -> list[int]:
     their time handing it to each other). Raises `ValueError` for a non-contiguous buffer."""
     if KERNELS is None or len(views) < 2:
         return [checksum(v) for v in views]
-    flat = [as_bytes_view(v) for v in views]
-    table = np.array([(address_of(v) if v.nbytes else 0, v.nbytes) for v in flat], dtype=np.int64)
-    got = np.zeros(len(flat), dtype=np.uint64)
-    KERNELS.hash_many(table, got)
+    got = np.zeros(len(views), dtype=np.uint64)
+    KERNELS.hash_many(views, got)
     return got.tolist()
