@@ -13,7 +13,7 @@ import xxhash
 
 from transfer import shared_segment, xxh3
 from transfer.shared_segment import SegmentMapping, SharedSegment, StopFlag
-from transfer.xxh3 import KERNELS, checksum, checksum_many, checksums
+from transfer.xxh3 import KERNELS, address_of, addresses_of, checksum, checksum_many, checksums
 
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="transfer._kernels not built (no C compiler)")
 
@@ -185,3 +185,12 @@ def test_large_jobs_stream_through_the_bounce_buffer_and_land_whole() -> None:
         assert not out[gaps].any()  # nothing written between blocks
     finally:
         m.close()
+
+
+def test_addresses_of_matches_address_of(path: str) -> None:
+    arr = np.zeros((6, 100), dtype=np.uint8)
+    views = [memoryview(r) for r in arr] + [memoryview(arr[2])[7:9], memoryview(b"read-only bytes")]
+    assert addresses_of(views) == [address_of(v) for v in views]
+    assert addresses_of(views)[:2] == [arr.ctypes.data, arr.ctypes.data + 100]
+    with pytest.raises(ValueError, match="C-contiguous"):
+        addresses_of(views[:4] + [memoryview(np.zeros((4, 8), np.uint8)[:, ::2])])

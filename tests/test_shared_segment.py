@@ -245,6 +245,38 @@ def _case_a_request_id_already_in_flight_is_refused_and_pins_nothing(transport: 
         s.server.stop()
 
 
+def _case_blocks_outside_the_shared_segment_fail_alone_and_stay_unpinned(transport: UcxTransport) -> None:
+    """A handler whose blocks are not in the segment the server shares: each block says so, none stays
+    pinned (the offsets are looked up after the pins are recorded for release)."""
+    from transfer.ucx_runtime import _pack
+
+    s = _Store(4)
+    other = UcxBlockServer(s.table, shared=SharedSegment(4 * NB))
+    peer = f"127.0.0.1:{other.start()}"
+    try:
+        s.commit(rand_blocks(4, nb=NB, seed=27))
+        rt = transport._rt
+
+        async def go() -> Any:
+            conn = await transport._conn(peer, 0)
+            rid = next(rt.ids)
+            reply = await conn.request({"op": "mread", "id": rid, "b": [[k, 1, NB] for k in range(4)]})
+            await conn.ep.am_send(_pack({"op": "mdone", "id": rid}))
+            return reply["r"]
+
+        header = rt.run(go(), 10.0)
+        assert [h[0] for h in header] == [False] * 4, header
+        assert all("not in the shared segment" in h[2] for h in header)
+        _wait_unpinned(s.table)
+    finally:
+        other.stop()
+        s.server.stop()
+
+
+def test_blocks_outside_the_shared_segment_fail_alone_and_stay_unpinned() -> None:
+    _in_fresh_process("_case_blocks_outside_the_shared_segment_fail_alone_and_stay_unpinned")
+
+
 def test_same_host_reads_copy_from_the_mapping_and_verify_every_block() -> None:
     _in_fresh_process("_case_same_host_reads_copy_from_the_mapping_and_verify_every_block")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.errors import (
     AlreadyExists,
@@ -239,3 +241,61 @@ def test_begin_reads_answers_each_read_as_begin_read_would(table: tuple[SlotTabl
     assert t.free([(0, 1)])[0].deferred  # slot 0 is being read: the free waits
     t.end_reads([0, 2])
     assert t.num_inflight == 0 and t.state(0) == (SlotState.FREE, 2)
+
+
+_READ = st.tuples(
+    st.one_of(st.integers(0, 9), st.integers(-2, 2**65), st.booleans()),  # slot (8 exist)
+    st.one_of(st.integers(0, 3), st.just(2**64 + 1)),  # generation
+    st.sampled_from([NB, NB, NB, NB - 1, 0]),  # nbytes
+)
+
+
+_LIKELY_GOOD = st.lists(st.tuples(st.integers(0, 7), st.just(1), st.just(NB)), min_size=8, max_size=24)
+_STATE = st.sampled_from(["committed"] * 6 + ["free", "reserved", "freeing"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    states=st.lists(_STATE, min_size=8, max_size=8),
+    reads=st.one_of(
+        st.lists(_READ, max_size=24),
+        _LIKELY_GOOD,
+        st.tuples(_LIKELY_GOOD, _READ).map(lambda x: [*x[0], x[1]]),
+    ),
+)
+def test_batch_grant_equals_one_read_at_a_time(states: list[str], reads: list[tuple[int, int, int]]) -> None:
+    """`begin_reads` checks a whole batch with array operations when every read would succeed; any
+    batch must give exactly what the per-read path gives: the same grants, errors and pins."""
+
+    def build() -> SlotTable:
+        t = SlotTable(Segment(8 * NB, NB, pin_memory="off"), FakeClock(1000))
+        for slot, state in enumerate(states):
+            if state == "free":
+                continue
+            t.reserve([Reservation(slot, 1, NS, _h(slot))], 10_000)
+            if state != "reserved":
+                _put_reserved(t, slot)
+            if state == "freeing":
+                t.begin_read(slot, 1, NB)  # a reader holds it: the free is deferred
+                assert t.free([(slot, 1)])[0].deferred
+        return t
+
+    fast, slow = build(), build()
+    slow._begin_reads_at_once = lambda reads: None  # type: ignore[method-assign]
+    full = [(s, g, n, b"", 0) for s, g, n in reads]
+    a, b = fast.begin_reads(full), slow.begin_reads(full)
+    assert [type(x) for x in a] == [type(x) for x in b]
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, Exception):
+            assert str(x) == str(y)
+        else:
+            assert not isinstance(y, Exception)
+            assert bytes(x[0]) == bytes(y[0]) and x[1] == y[1]
+    assert fast.num_inflight == slow.num_inflight and np.array_equal(fast._readers, slow._readers)
+
+
+def _put_reserved(t: SlotTable, slot: int) -> None:
+    data = bytes([slot]) * NB
+    t.begin_write(slot, 1, NB)[:] = data
+    t.end_write(slot, 1, checksum(data), True)
+    assert t.commit([(slot, 1)]) == [(slot, 1, "")]

@@ -261,7 +261,33 @@ static PyObject *hash_many(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* addresses(buffers, out) -> None
+ *
+ * out[k] (n int64) = the address of the first byte of buffers[k] (C-contiguous, read-only allowed). The
+ * address stays valid only while the caller holds the buffer. Raises ValueError as hash_many does. */
+static PyObject *addresses(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *bufs_o, *out_o;
+    if (!PyArg_ParseTuple(args, "OO", &bufs_o, &out_o))
+        return NULL;
+    Py_ssize_t n;
+    Py_buffer *bufs = acquire_all(bufs_o, 0, &n);
+    if (bufs == NULL)
+        return NULL;
+    Py_buffer out;
+    if (get_buffer(out_o, &out, 1, n * (Py_ssize_t)sizeof(int64_t), "out") < 0) {
+        release_all(bufs, n);
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        ((int64_t *)out.buf)[k] = (int64_t)(uintptr_t)bufs[k].buf;
+    PyBuffer_Release(&out);
+    release_all(bufs, n);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"addresses", addresses, METH_VARARGS, "The address of each buffer's first byte."},
     {"copy_verify", copy_verify, METH_VARARGS, "Copy blocks out of a mapped segment and xxh3 each copy."},
     {"hash_many", hash_many, METH_VARARGS, "XXH3_64bits of many blocks in one call."},
     {NULL, NULL, 0, NULL},

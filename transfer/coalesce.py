@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-from transfer.xxh3 import address_of
+from transfer.xxh3 import address_of, addresses_of
 
 MAX_RUN_BYTES = 64 << 20
 """A merged run never spans more than this."""
@@ -37,8 +37,7 @@ def adjacent_groups(views: Sequence[memoryview]) -> list[int]:
     """Lengths of the maximal runs of `views` where each starts exactly where the previous one ends."""
     groups: list[int] = []
     end = -1
-    for v in views:
-        a = address_of(v)
+    for v, a in zip(views, addresses_of(views), strict=True):
         if groups and a == end:
             groups[-1] += 1
         else:
@@ -74,8 +73,7 @@ def merge(
 
     end = -1
     nbytes = 0
-    for i, v in served:
-        a = address_of(v)
+    for (i, v), a in zip(served, addresses_of([v for _, v in served]), strict=True):
         joins = (
             run
             and i == run[-1][0] + 1

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from transfer.coalesce import span
-from transfer.xxh3 import KERNELS, address_of, checksum
+from transfer.xxh3 import KERNELS, address_of, addresses_of, checksum
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,13 @@ class SharedSegment:
         if off < 0 or off + view.nbytes > self.nbytes:
             raise ValueError("buffer is not in the shared segment")
         return off
+
+    def offsets_of(self, views: Sequence[memoryview]) -> list[int]:
+        """`offset_of` of each view; raises `ValueError` when one is not inside the segment."""
+        out = [a - self.base_address for a in addresses_of(views)]
+        if any(off < 0 or off + view.nbytes > self.nbytes for off, view in zip(out, views, strict=True)):
+            raise ValueError("buffer is not in the shared segment")
+        return out
 
 
 def _verdict(cs: int, sent: int) -> tuple[bool, int, str]:

@@ -38,6 +38,13 @@ def _hash_parts(view: memoryview, n: int) -> list[int]:
     return checksum_many([view[k * size : (k + 1) * size] for k in range(n)])
 
 
+def _offset_or_error(shared: SharedSegment, view: memoryview) -> int | str:
+    try:
+        return shared.offset_of(view)
+    except ValueError as exc:
+        return str(exc)
+
+
 class UcxBlockServer:
     """Serves a `BlockHandler` over UCX. `start()` returns the listening port.
 
@@ -262,6 +269,14 @@ class UcxBlockServer:
             )
         )
 
+    def _offsets(self, views: list[memoryview]) -> list[int | str]:
+        """Each view's offset in the shared segment, or why it has none (a handler's block elsewhere)."""
+        assert self._shared is not None
+        try:
+            return list(self._shared.offsets_of(views))
+        except ValueError:
+            return [_offset_or_error(self._shared, v) for v in views]
+
     def _end_reads(self, slots: list[int]) -> None:
         """`end_reads` of every slot begun; never raises."""
         try:
@@ -283,19 +298,22 @@ class UcxBlockServer:
         began: list[int] = []
         self._copying[key] = asyncio.get_running_loop().create_future()
         try:
-            for (slot, _, nbytes), grant in zip(blocks, self._grant(blocks, caps), strict=True):
+            grants = self._grant(blocks, caps)
+            began.extend(b[0] for b, g in zip(blocks, grants, strict=True) if not isinstance(g, Exception))
+            self.inflight += len(began)  # from here on `finally` unpins them, whatever happens
+            offsets = iter(self._offsets([g[0] for g in grants if not isinstance(g, Exception)]))
+            for (_, _, nbytes), grant in zip(blocks, grants, strict=True):
                 if isinstance(grant, Exception):  # per-block result
                     header.append([False, 0, _err(grant), 0])
                     continue
                 view, stored = grant
-                began.append(slot)
-                self.inflight += 1
-                try:
-                    if view.nbytes != nbytes:
-                        raise ValueError(f"block is {view.nbytes} B, request names {nbytes} B")
-                    header.append([True, stored, "", self._shared.offset_of(view)])
-                except ValueError as exc:
-                    header.append([False, 0, str(exc), 0])
+                off = next(offsets)
+                if isinstance(off, str):
+                    header.append([False, 0, off, 0])
+                elif view.nbytes != nbytes:
+                    header.append([False, 0, f"block is {view.nbytes} B, request names {nbytes} B", 0])
+                else:
+                    header.append([True, stored, "", off])
             with _Runtime.get().waker.busy():
                 await ep.am_send(_pack({"id": rid, "ph": 0, "r": header}))
             if began:

@@ -123,6 +123,10 @@ class Kernels:
         block outside [0, `src_nbytes`) (nothing is copied then) or an unusable buffer."""
         return int(self._module.copy_verify(self._stream, src_base, src_nbytes, offsets, dsts, got, stop))
 
+    def addresses(self, buffers: Sequence[Buffer], out: np.ndarray) -> None:
+        """`out[k]` (int64) = the address of the first byte of `buffers[k]` (C-contiguous)."""
+        self._module.addresses(buffers, out)
+
     def hash_many(self, buffers: Sequence[Buffer] | np.ndarray, got: np.ndarray) -> None:
         """`got[k]` (uint64) = xxh3 of the bytes of `buffers[k]` (C-contiguous; `ValueError` otherwise)."""
         self._module.hash_many(self._xxh3, buffers, got)
@@ -137,6 +141,9 @@ def _load_kernels() -> Kernels | None:
         got = np.zeros(1, dtype=np.uint64)
         kernels.hash_many([_PROBE], got)
         ok = int(got[0]) == xxhash.xxh3_64_intdigest(_PROBE)
+        where = np.zeros(1, dtype=np.int64)
+        kernels.addresses([probe], where)
+        ok = ok and int(where[0]) == probe.ctypes.data
         dst = np.zeros_like(probe)
         offsets = np.zeros(1, dtype=np.int64)
         kernels.copy_verify(probe.ctypes.data, probe.nbytes, offsets, [dst], got, np.zeros(1, dtype=np.uint8))
@@ -170,6 +177,16 @@ def address_of(view: memoryview) -> int:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))  # ~0.5 us; writable, non-empty only
     except (TypeError, ValueError):
         return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)  # ~3.5 us
+
+
+def addresses_of(views: Sequence[memoryview]) -> list[int]:
+    """`address_of` of each view: one C call where `KERNELS` is built (~0.1 us a view instead of ~1-2).
+    Raises `ValueError` for a view that is not C-contiguous."""
+    if KERNELS is None or len(views) < 4:
+        return [address_of(as_bytes_view(v)) for v in views]
+    out = np.zeros(len(views), dtype=np.int64)
+    KERNELS.addresses(views, out)
+    return out.tolist()
 
 
 def checksum(data: Buffer) -> int:

@@ -109,7 +109,7 @@ class SlotTable:
     # ---------------------------------------------------------------- helpers (lock held)
 
     def _check_slot(self, slot: int) -> None:
-        if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+        if type(slot) is not int or not 0 <= slot < self.num_slots:  # not a bool, not a numpy scalar
             raise InvalidArgument(f"slot {slot} out of range [0, {self.num_slots})")
 
     def _check_gen(self, slot: int, generation: int) -> None:
@@ -292,12 +292,43 @@ class SlotTable:
         `end_read` (or one `end_reads`)."""
         out: list[tuple[memoryview, int] | Exception] = []
         with self._lock:
+            if (fast := self._begin_reads_at_once(reads)) is not None:
+                return fast
             for slot, generation, nbytes, capability, expiry_ms in reads:
                 try:
                     out.append(self._begin_read(slot, generation, nbytes, capability, expiry_ms))
                 except Exception as exc:  # noqa: BLE001 - a per-read result, as from begin_read
                     out.append(exc)
         return out
+
+    def _begin_reads_at_once(
+        self, reads: Sequence[tuple[int, int, int, bytes, int]]
+    ) -> list[tuple[memoryview, int] | Exception] | None:
+        """`begin_reads` of a batch that passes every check, checked with a few array operations (~0.25
+        instead of ~0.4 ms at 256 blocks here); None (nothing begun) when capabilities are on or any read
+        would fail: the per-read path then names each failure. Lock held."""
+        if self.capabilities is not None or len(reads) < 8 or not all(type(r[0]) is int for r in reads):
+            return None
+        try:
+            req = np.array([r[:3] for r in reads])
+        except (ValueError, OverflowError):  # ragged or huge: the per-read path says what is wrong
+            return None
+        if req.dtype.kind not in "iu" or req.shape != (len(reads), 3) or req.min() < 0:
+            return None
+        slots = req[:, 0]
+        if slots.max() >= self.num_slots or (req[:, 2] != self.block_nbytes).any():
+            return None
+        if (self._gen[slots] != req[:, 1].astype(np.uint64)).any() or (
+            self._state[slots] != _COMMITTED
+        ).any():
+            return None
+        listed = slots.tolist()
+        if self._free_pending and not self._free_pending.isdisjoint(listed):
+            return None
+        np.add.at(self._readers, slots, 1)
+        self.num_inflight += len(listed)
+        view, meta = self.segment.slot_view, self._meta
+        return [(view(s), meta[s].checksum) for s in listed]
 
     def _begin_read(
         self, slot: int, generation: int, nbytes: int, capability: bytes, expiry_ms: int
