@@ -78,7 +78,7 @@ def run_ttft_sweep(
     from rich.console import Console
     from rich.table import Table
 
-    from kvpool.bench.crossover import BenchCluster, PrefillCaller
+    from kvpool.bench.crossover_measure import BenchCluster, PrefillCaller
     from kvpool.bench.report import write_report
     from kvpool.cluster.local import LocalClusterSpec
     from kvpool.model import ModelRunner, embedded_model_dir
