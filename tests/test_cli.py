@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -126,3 +127,65 @@ def test_a_store_that_cannot_start_says_why_in_one_line() -> None:
     assert out.returncode == 2 and "not found" in _one_error_line(out, "kvpool store: FileNotFoundError")
     out = _kvpool("store", "--segment-size", "1KiB")
     assert out.returncode == 2 and "cannot hold" in _one_error_line(out, "kvpool store: InvalidArgument")
+
+
+@pytest.mark.parametrize(
+    ("command", "defaults"),
+    [
+        (
+            "store",
+            ["[default: 127.0.0.1]", "[default: 256MiB]", "[default: auto]", "[default: share-segment]"],
+        ),
+        ("master", ["[default: 127.0.0.1]", "[default: 50051]", "[default: 10000]", "[default: tail]"]),
+    ],
+)
+def test_store_and_master_help_show_the_built_in_defaults(command: str, defaults: list[str]) -> None:
+    """Found by a new-user pass: their options default to None (so an unset flag leaves TOML and
+    `KVPOOL_*` values alone) and their help showed no default at all."""
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for default in defaults:
+        assert default in result.output, (default, result.output)
+    # the defaults are shown, not applied: an unset flag still leaves the settings to TOML and env
+    import typer
+
+    cmd = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
+    with cmd.make_context(command, ["--help"], resilient_parsing=True) as ctx:
+        cmd.get_help(ctx)
+    assert all(p.default is None for p in cmd.params if p.name != "help"), cmd.params
+    result = CliRunner().invoke(app, ["store"], env={"KVPOOL_SEGMENT_SIZE": "1KiB"})
+    assert result.exit_code == 2 and "cannot hold" in result.output  # the env value, not 256MiB
+
+
+def test_master_port_out_of_range_names_the_option_not_the_settings_class() -> None:
+    """Found by a new-user pass: `kvpool master --port -5` said `invalid setting MasterSettings: ...`."""
+    out = _kvpool("master", "--port", "-5")
+    line = _one_error_line(out, "kvpool: invalid setting port:")
+    assert out.returncode == 2 and "greater than or equal to 0" in line and "MasterSettings" not in line
+    out = _kvpool("master", "--metrics-port", "70000")
+    line = _one_error_line(out, "kvpool: invalid setting metrics_port:")
+    assert out.returncode == 2 and "65535" in line
+    out = _kvpool("master", "--low-watermark", "0.95")  # a check across fields names the fields
+    line = _one_error_line(out, "kvpool: invalid settings: need 0 < low_watermark")
+    assert out.returncode == 2 and "MasterSettings" not in line
+
+
+@pytest.mark.parametrize("tokens", ["a,b", "1,-2", "1,2.5", ",", "1,4294967296"])
+def test_admin_match_refuses_malformed_token_ids_before_calling_the_master(tokens: str) -> None:
+    """Found by a new-user pass: `kvpool admin match a,b` printed `invalid literal for int() with base 10`."""
+    result = CliRunner().invoke(app, ["admin", "--master", "127.0.0.1:1", "match", tokens])
+    assert result.exit_code == 2, result.output
+    assert "TOKENS" in result.output and "comma-separated integer token ids" in result.output
+    assert "invalid literal" not in result.output and "Unavailable" not in result.output
+
+
+def test_a_bad_boolean_setting_lists_the_accepted_values() -> None:
+    """Found by a new-user pass: `KVPOOL_SHARE_SEGMENT=maybe` said only `unable to interpret input`."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "store"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "KVPOOL_SHARE_SEGMENT": "maybe"},
+    )  # fmt: skip
+    line = _one_error_line(out, "kvpool: invalid setting share_segment:")
+    assert out.returncode == 2
+    for accepted in ("true/false", "yes/no", "on/off", "1/0", "'maybe'"):
+        assert accepted in line, line

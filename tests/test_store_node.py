@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
+from typing import Any
 
 import grpc
 import numpy as np
@@ -391,14 +393,19 @@ def test_sigterm_stops_cleanly() -> None:
 
 
 class FakeMaster(pb_grpc.MasterServicer):
-    def __init__(self, layout: str = LAYOUT) -> None:
+    def __init__(self, layout: str = LAYOUT, *, taken_ids: Sequence[str] = ()) -> None:
         self.layout = layout
+        self.taken_ids = set(taken_ids)  # node ids held by a live store: refused as the master does
         self.registrations: list[pb.RegisterNodeRequest] = []
         self.heartbeats: list[pb.HeartbeatRequest] = []
         self.forget = False
 
     def RegisterNode(self, request, context):  # type: ignore[no-untyped-def]
         self.registrations.append(request)
+        if request.node.node_id in self.taken_ids:
+            context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"node id {request.node.node_id!r} is held by a live store"
+            )
         if request.layout_fingerprint != self.layout:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"layout {request.layout_fingerprint} != {self.layout}"
@@ -446,14 +453,52 @@ def test_registers_heartbeats_and_reregisters(transport: UcxTransport) -> None:
         server.stop(0)
 
 
-def test_layout_mismatch_refused_at_registration_b23() -> None:
+def _store_until_exit(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "store", "--segment-size", "8MiB", "--layout", LAYOUT, *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("refusal", "expected"),
+    [
+        ({"layout": "kv1:float8_e4m3fn:b16:l4:h2:d32"}, "kvpool store: FailedPrecondition"),  # b23
+        ({"taken_ids": ["t"]}, "kvpool store: AlreadyExists"),
+    ],
+    ids=["layout-mismatch", "duplicate-node-id"],
+)
+def test_a_store_the_master_refuses_never_reports_ready(refusal: dict[str, Any], expected: str) -> None:
+    """Found by a new-user pass: the store printed KVPOOL_READY before the master answered its
+    registration, so a launcher waiting for that line was told "ready" by a store that then exited 2."""
     require_ucx()
-    m = FakeMaster(layout="kv1:float8_e4m3fn:b16:l4:h2:d32")
-    server = _fake_master(m)
-    s = start_store("--master", f"127.0.0.1:{server.port}", segment="8MiB")
+    master = FakeMaster(**refusal)
+    server = _fake_master(master)
     try:
-        assert s.proc.wait(15) == 2
-        assert "layout" in s.stderr()
+        out = _store_until_exit("--master", f"127.0.0.1:{server.port}", "--node-id", "t")
+    finally:
+        server.stop(0)
+    assert out.returncode == 2, out.stderr
+    assert "KVPOOL_READY" not in out.stdout
+    errors = [line for line in out.stderr.splitlines() if " INFO " not in line]
+    assert "Traceback" not in out.stderr and len(errors) == 1 and errors[0].startswith(expected), errors
+    assert len(master.registrations) == 1
+
+
+def test_a_store_started_before_its_master_reports_ready_and_registers_later() -> None:
+    """By design (README "Running a cluster by hand") a store does not wait for an unreachable master."""
+    require_ucx()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    s = start_store("--master", f"127.0.0.1:{port}", segment="8MiB")
+    m = FakeMaster()
+    server = start_server(
+        [(pb_grpc.add_MasterServicer_to_server, m, "kvpool.v1.Master")], host="127.0.0.1", port=port
+    )
+    try:
+        _wait(lambda: len(m.registrations) == 1, timeout_s=15)
+        assert m.registrations[0].node.grpc_address == s.grpc_address and s.proc.poll() is None
     finally:
         s.kill()
         server.stop(0)

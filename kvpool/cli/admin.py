@@ -149,9 +149,26 @@ def stats(as_json: bool = JSON) -> None:
     _run(lambda c: c.stats(), as_json, render)
 
 
+MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as uint32 (kvpool.hashing.encode_tokens)
+
+
+def parse_token_ids(text: str, param_hint: str = "'TOKENS'") -> list[int]:
+    """Token ids from `1,2,3` (spaces and empty items ignored); `typer.BadParameter` naming the argument and
+    what it expects otherwise (exit 2, no traceback)."""
+    items = [t for t in text.replace(" ", "").split(",") if t]
+    bad = [t for t in items if not (t.isascii() and t.isdigit()) or int(t) > MAX_TOKEN_ID]  # no sign, no 1.5
+    if bad or not items:
+        got = f"{bad[0]!r} in {text!r}" if bad else repr(text)
+        raise typer.BadParameter(
+            f"expected comma-separated integer token ids in 0-{MAX_TOKEN_ID} (e.g. 1,2,3), got {got}",
+            param_hint=param_hint,
+        )
+    return [int(t) for t in items]
+
+
 @admin_app.command()
 def match(
-    tokens: str = typer.Argument(..., help="Comma-separated token ids."),
+    tokens: str = typer.Argument(..., help="Comma-separated token ids, e.g. 1,2,3 (each in 0-4294967295)."),
     namespace: str = typer.Option("", help="Namespace digest (32 hex chars)."),
     model: str = typer.Option("", help="Model id (with --version) instead of --namespace."),
     version: str = typer.Option("", help="Weights version."),
@@ -163,8 +180,9 @@ def match(
     from kvpool.hashing import hash_blocks, parse_hash
     from kvpool.types import KVLayout
 
+    ids = parse_token_ids(tokens)  # before any call: a typo is a usage error (exit 2), not a master error
+
     def fn(c: Any) -> dict[str, Any]:
-        ids = [int(t) for t in tokens.replace(" ", "").split(",") if t]
         if namespace:
             ns = parse_hash(namespace, "namespace")
         elif model and version and layout:

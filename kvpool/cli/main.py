@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 import typer
 
@@ -44,6 +46,21 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug log
     )
 
 
+BOOL_WORDS = "true/false, yes/no, on/off, 1/0 (any case; also t/f, y/n)"
+"""What a boolean setting accepts from a flag value, a `KVPOOL_*` variable or the TOML file (pydantic)."""
+
+
+def setting_error_line(err: Mapping[str, Any]) -> str:
+    """One line for one error of a settings `ValidationError` (a bad flag, `KVPOOL_*` variable or TOML value)."""
+    field = ".".join(str(x) for x in err.get("loc", ()))
+    msg = str(err.get("msg", "")).removeprefix("Value error, ")
+    if err.get("type") in ("bool_parsing", "bool_type"):
+        msg = f"expected a boolean: {BOOL_WORDS}; got {err.get('input')!r}"
+    if not field:  # a check across fields (e.g. the watermarks): its message names them
+        return f"kvpool: invalid settings: {msg}"
+    return f"kvpool: invalid setting {field}: {msg}"
+
+
 def main() -> None:
     from pydantic import ValidationError
 
@@ -53,9 +70,7 @@ def main() -> None:
         ValidationError
     ) as exc:  # a bad flag, env var or config value: one clear line per field, no traceback
         for err in exc.errors():
-            field = ".".join(str(x) for x in err.get("loc", ())) or exc.title
-            msg = str(err.get("msg", "")).removeprefix("Value error, ")
-            print(f"kvpool: invalid setting {field}: {msg}", file=sys.stderr)
+            print(setting_error_line(err), file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -12,26 +12,25 @@ from pathlib import Path
 import typer
 from pydantic import ValidationError
 
-from kvpool.index.policies import DEFAULT_POLICY, POLICY_NAMES
+from kvpool.cli.settings_help import settings_command
+from kvpool.index.policies import POLICY_NAMES
 
 
 def register_master_command(app: typer.Typer) -> None:
-    @app.command()
+    # Options default to None (unset: TOML/env apply); --help shows MasterSettings' defaults.
+    @app.command(cls=settings_command("kvpool.master.settings:MasterSettings", {"listen": "bind_host"}))
     def master(
-        listen: str | None = typer.Option(None, help="Bind host (default 127.0.0.1)."),
+        listen: str | None = typer.Option(None, help="Bind host."),
         port: int | None = typer.Option(None, help="gRPC port (0: ephemeral)."),
         layout: str | None = typer.Option(
-            None,
-            help="The pool's KV layout, e.g. kv1:float32:b64:l4:h4:d32 (the default: the embedded model).",
+            None, help="The pool's KV layout (the default: the embedded model's)."
         ),
         heartbeat_timeout_ms: int | None = typer.Option(None, help="A node silent this long is dead."),
         heartbeat_interval_ms: int | None = typer.Option(None, help="Interval told to nodes."),
         high_watermark: float | None = typer.Option(None, help="Per store node: evict above this fill."),
         low_watermark: float | None = typer.Option(None, help="...down to this fill."),
         replicas: int | None = typer.Option(None, help="Default replicas per block."),
-        policy: str | None = typer.Option(
-            None, help=f"Eviction policy: {', '.join(POLICY_NAMES)} (default {DEFAULT_POLICY})."
-        ),
+        policy: str | None = typer.Option(None, help=f"Eviction policy: {', '.join(POLICY_NAMES)}."),
         rebuild_grace_ms: int | None = typer.Option(
             None, help="Unclaimed inventory blocks are freed after this."
         ),

@@ -6,26 +6,28 @@ from pathlib import Path
 
 import typer
 
+from kvpool.cli.settings_help import settings_command
+
 
 def register_store_command(app: typer.Typer) -> None:
-    @app.command()
+    # Options default to None (unset: TOML/env apply); --help shows StoreSettings' defaults.
+    @app.command(cls=settings_command("kvpool.store.settings:StoreSettings", {"listen": "bind_host"}))
     def store(
         master: str | None = typer.Option(None, help="Master HOST:PORT (omit: standalone)."),
-        listen: str | None = typer.Option(None, help="Bind/advertise host (default 127.0.0.1)."),
+        listen: str | None = typer.Option(None, help="Bind/advertise host."),
         grpc_port: int | None = typer.Option(None, help="gRPC control port (0: ephemeral)."),
         data_port: int | None = typer.Option(None, help="UCX data port (0: ephemeral)."),
         segment_size: str | None = typer.Option(None, help="Segment size, e.g. 256MiB, 4GiB."),
         layout: str | None = typer.Option(
-            None,
-            help="KV layout fingerprint, e.g. kv1:float32:b64:l4:h4:d32 (the default: the embedded model).",
+            None, help="KV layout fingerprint (the default: the embedded model's)."
         ),
         node_id: str | None = typer.Option(None, help="Node id (default store-<host>-<pid>)."),
         pin_memory: str | None = typer.Option(None, help="auto | on | off (pinned host memory)."),
         share_segment: bool | None = typer.Option(
             None,
             "--share-segment/--no-share-segment",
-            help="Let same-host readers copy blocks from a read-only mapping of the segment (default: share; "
-            "a pinned segment is never shared).",
+            help="Let same-host readers copy blocks from a read-only mapping of the segment (a pinned segment "
+            "is never shared).",
         ),
         metrics: bool | None = typer.Option(
             None, "--metrics/--no-metrics", help="Serve Prometheus /metrics."
@@ -33,7 +35,8 @@ def register_store_command(app: typer.Typer) -> None:
         metrics_port: int | None = typer.Option(None, help="/metrics port on the bind host (0: ephemeral)."),
         config: Path | None = typer.Option(None, help="TOML config file."),
     ) -> None:
-        """Run a store node; prints `KVPOOL_READY {json}` on stdout when serving. SIGTERM/SIGINT stop it."""
+        """Run a store node; prints `KVPOOL_READY {json}` on stdout when serving (with --master: once the
+        master accepted it or could not be reached; a refusal exits 2 first). SIGTERM/SIGINT stop it."""
         import contextlib
         import json
         import signal

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvpool.config import KVPoolSettings
 from kvpool.index import DEFAULT_POLICY
@@ -12,7 +12,7 @@ from kvpool.types import DEFAULT_LAYOUT, KVLayout
 class MasterSettings(KVPoolSettings):
     """Everything `kvpool master` can be told. Times in ms unless named `_s`."""
 
-    port: int = 50051
+    port: int = Field(default=50051, ge=0, le=65535)  # 0 = ephemeral
     layout: str = DEFAULT_LAYOUT
     heartbeat_interval_ms: int = 500
     heartbeat_timeout_ms: int = 10_000  # generous: a store starved by a long prefill on a small box is not dead (stale_after_ms already stops placements)
@@ -38,7 +38,8 @@ class MasterSettings(KVPoolSettings):
     max_concurrent_rpcs: int = 256  # more in flight are refused with RESOURCE_EXHAUSTED (bounded queue)
     tenants: str | None = None  # tenants TOML (kvpool.tenants): per-tenant pool quotas (master.quotas)
     metrics: bool = True  # serve Prometheus /metrics (kvpool.metrics)
-    metrics_port: int = 0  # on bind_host; 0 = ephemeral (announced as metrics_address)
+    # on bind_host; 0 = ephemeral (announced as metrics_address)
+    metrics_port: int = Field(default=0, ge=0, le=65535)
 
     @field_validator("layout")
     @classmethod
@@ -58,8 +59,6 @@ class MasterSettings(KVPoolSettings):
             raise ValueError("placement_run_blocks must be >= 1")
         if self.stale_after_ms <= 0 or self.unreachable_backoff_ms < 0:
             raise ValueError("stale_after_ms must be > 0 and unreachable_backoff_ms >= 0")
-        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
-            raise ValueError("port and metrics_port must be in [0, 65535]")
         return self
 
     @property

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kvpool.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from kvpool.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KVPoolError
 from kvpool.rpc import PROTOCOL_VERSION
 from kvpool.rpc.server import channel
 from kvpool.rpc.status import raise_from_rpc_error
@@ -24,8 +24,12 @@ class MasterLink:
 
     Each heartbeat carries the deferred frees and reclaimed reservations done since the last one
     (`freed_slots`, put back when the heartbeat fails) and the used-slot count. A `known=false` answer
-    re-registers. A registration the master refuses for good (layout or protocol mismatch) calls
-    `on_fatal(message)`. With `master_address` empty, `start()` does nothing (standalone mode).
+    re-registers. A registration the master refuses for good (layout or protocol mismatch, a node id held
+    by a live store) calls `on_fatal(message)`. With `master_address` empty, `start()` does nothing
+    (standalone mode).
+
+    `wait_first_answer()` blocks until the first registration attempt is over: accepted, refused (raised),
+    or the master could not be reached (a store may start before its master: it keeps retrying).
     """
 
     def __init__(
@@ -49,22 +53,40 @@ class MasterLink:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.registered = threading.Event()
+        self._first_answer = threading.Event()  # the first registration attempt is over (any outcome)
+        self.refusal: KVPoolError | None = None  # why the master refused this node for good
         self.master_epoch = 0
         self.num_heartbeats = 0
 
     def start(self) -> None:
         if not self.address:
             log.info("no master configured: standalone store")
+            self._first_answer.set()
             return
         self._thread = threading.Thread(target=self._run, name="kvpool-master-link", daemon=True)
         self._thread.start()
 
+    def wait_first_answer(self) -> None:
+        """Block until the first registration attempt is over (at most the RPC deadline); raise the master's
+        refusal if it refused this node. An unreachable master is not an error here (retried in the
+        background)."""
+        self._first_answer.wait(self._timeout_s + 1.0)
+        if self.refusal is not None:
+            raise self.refusal
+
     def stop(self) -> None:
         self._stop.set()
+        self._first_answer.set()
         if self._thread is not None:
             self._thread.join(timeout=self._timeout_s + 1.0)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._first_answer.set()
+
+    def _loop(self) -> None:
         with channel(self.address) as ch:
             stub = pb_grpc.MasterStub(ch)
             backoff_s = 0.1
@@ -77,13 +99,16 @@ class MasterLink:
                     backoff_s = 0.1
                     wait_s = self.interval_ms / 1000
                 except (FailedPrecondition, InvalidArgument, AlreadyExists) as exc:
-                    log.error("the master refused this store node: %s", exc)
+                    self.refusal = exc
+                    if self._first_answer.is_set():  # else `wait_first_answer()` raises it to the starter
+                        log.error("the master refused this store node: %s", exc)
                     if self._on_fatal is not None:
                         self._on_fatal(str(exc))
                     return
                 except Exception as exc:  # noqa: BLE001 - keep trying: the master may come back
                     log.warning("master %s: %s (retrying in %.1f s)", self.address, exc, backoff_s)
                     wait_s, backoff_s = backoff_s, min(backoff_s * 2, 5.0)
+                self._first_answer.set()
                 self._stop.wait(wait_s)
 
     def _register(self, stub: pb_grpc.MasterStub) -> None:

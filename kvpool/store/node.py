@@ -1,5 +1,6 @@
 """A running store node: segment + slot table, the UCX block server, the gRPC `Store` service, the
-write-lease reaper and the master link. `StoreNode(settings).start()`; `.stop()` ends everything."""
+write-lease reaper and the master link. `StoreNode(settings).start()` (it returns once the master answered
+the first registration, or could not be reached; it raises the master's refusal); `.stop()` ends everything."""
 
 from __future__ import annotations
 
@@ -113,6 +114,14 @@ class StoreNode:
         )
         self._reaper.start()
         self.master.start()
+        # Ready only once the master has answered the first registration: a refusal (a layout mismatch, a
+        # node id held by a live store) raises here; an unreachable master does not (retried in the
+        # background: a pool may start its stores first).
+        try:
+            self.master.wait_first_answer()
+        except BaseException:
+            self.stop()  # refused: release the ports and threads before the caller hears why
+            raise
         log.info("store %s: grpc %s, data %s", self.node_id, self.grpc_address, self.data_address)
 
     def ready_info(self) -> dict[str, Any]:
