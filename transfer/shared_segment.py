@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 _SEALS = sum(getattr(fcntl, n, 0) for n in ("F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_SEAL"))  # 0 off Linux
 RUN_MAX_BYTES = 2 << 20
-"""Adjacent blocks are copied together up to this many bytes, then hashed while still in cache."""
+"""Without the C loops (`KERNELS`): adjacent blocks are copied together up to this many bytes, then hashed."""
 _libc = ctypes.CDLL(None, use_errno=True)
 _mmap = _libc.mmap
 _mmap.restype = ctypes.c_void_p
