@@ -171,6 +171,28 @@ def test_admin_commands(cluster, args: list[str]) -> None:
     json.loads(as_json.output)
 
 
+def test_admin_match_peeks_without_registering_anything(cluster) -> None:
+    """A peek by --model/--version computes the namespace as the nodes do; it used to register it, so a
+    peek with a wrong version before any node registered made that version the model's active one."""
+    master, _ = cluster
+    runner = CliRunner()
+    base = ["admin", "--master", master.grpc_address, "match", "1,2,3"]
+    with MasterClient(master.grpc_address) as c:
+        before = c.stats().num_namespaces
+        out = runner.invoke(app, [*base, "--model", "peeked", "--version", "wrong", "--json"])
+        assert out.exit_code == 0, out.output
+        assert c.stats().num_namespaces == before
+        ns, active = c.register_namespace("peeked", "right", LAYOUT)
+        assert active == "right"  # the peek did not pin "wrong"
+        out = runner.invoke(
+            app, [*base, "--model", "peeked", "--version", "right", "--layout", LAYOUT, "--json"]
+        )
+        assert json.loads(out.output)["namespace"] == ns.hex()
+    both = runner.invoke(app, [*base, "--namespace", ns.hex(), "--model", "peeked"])
+    assert both.exit_code == 2  # a usage error: one or the other
+    assert runner.invoke(app, [*base, "--model", "peeked"]).exit_code == 2  # no version
+
+
 def test_admin_invalidate_and_drain_and_failures(cluster) -> None:
     master, _ = cluster
     runner = CliRunner()

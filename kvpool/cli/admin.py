@@ -172,26 +172,34 @@ def match(
     namespace: str = typer.Option("", help="Namespace digest (32 hex chars)."),
     model: str = typer.Option("", help="Model id (with --version) instead of --namespace."),
     version: str = typer.Option("", help="Weights version."),
-    layout: str = typer.Option("", help="KV layout fingerprint (with --model)."),
+    layout: str = typer.Option(
+        "", help="KV layout fingerprint (with --model; default: the embedded model's)."
+    ),
     salt: str = typer.Option("", help="Cache salt (with --model)."),
     as_json: bool = JSON,
 ) -> None:
-    """Peek how many leading blocks of a token sequence are in the pool (no counters, no lease)."""
-    from kvpool.hashing import hash_blocks, parse_hash
-    from kvpool.types import KVLayout
+    """Peek how many leading blocks of a token sequence are in the pool (no counters, no lease, nothing
+    registered: the namespace of --model/--version is computed here, as every node computes it)."""
+    from kvpool.hashing import Namespace, hash_blocks, parse_hash
+    from kvpool.types import DEFAULT_LAYOUT, KVLayout
 
     ids = parse_token_ids(tokens)  # before any call: a typo is a usage error (exit 2), not a master error
+    if namespace and (model or version):
+        raise typer.BadParameter("give --namespace or --model/--version, not both", param_hint="--namespace")
+    if not namespace and not (model and version):
+        raise typer.BadParameter("give --namespace, or --model and --version", param_hint="--model")
+    try:
+        lay = KVLayout.from_fingerprint(layout or DEFAULT_LAYOUT)
+        ns = (
+            parse_hash(namespace, "namespace")
+            if namespace
+            else Namespace(model_id=model, weights_version=version, layout=lay, cache_salt=salt).digest()
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
     def fn(c: Any) -> dict[str, Any]:
-        if namespace:
-            ns = parse_hash(namespace, "namespace")
-        elif model and version and layout:
-            ns, _ = c.register_namespace(model, version, layout, cache_salt=salt)
-        else:
-            raise ValueError("give --namespace, or --model, --version and --layout")
-        block_size = c.stats().block_size
-        if layout:
-            block_size = KVLayout.from_fingerprint(layout).block_size
+        block_size = lay.block_size if layout or not namespace else c.stats().block_size
         hashes = hash_blocks(ns, ids, block_size)
         m = c.match(ns, hashes)
         return {
