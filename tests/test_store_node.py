@@ -393,15 +393,18 @@ def test_sigterm_stops_cleanly() -> None:
 
 
 class FakeMaster(pb_grpc.MasterServicer):
-    def __init__(self, layout: str = LAYOUT, *, taken_ids: Sequence[str] = ()) -> None:
+    def __init__(self, layout: str = LAYOUT, *, taken_ids: Sequence[str] = (), token: bool = False) -> None:
         self.layout = layout
         self.taken_ids = set(taken_ids)  # node ids held by a live store: refused as the master does
+        self.token = token  # a master with KVPOOL_AUTH_TOKEN set, which the store does not send
         self.registrations: list[pb.RegisterNodeRequest] = []
         self.heartbeats: list[pb.HeartbeatRequest] = []
         self.forget = False
 
     def RegisterNode(self, request, context):  # type: ignore[no-untyped-def]
         self.registrations.append(request)
+        if self.token:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
         if request.node.node_id in self.taken_ids:
             context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"node id {request.node.node_id!r} is held by a live store"
@@ -465,8 +468,9 @@ def _store_until_exit(*args: str) -> subprocess.CompletedProcess[str]:
     [
         ({"layout": "kv1:float8_e4m3fn:b16:l4:h2:d32"}, "kvpool store: FailedPrecondition"),  # b23
         ({"taken_ids": ["t"]}, "kvpool store: AlreadyExists"),
+        ({"token": True}, "kvpool store: Unauthenticated"),  # it retried for good, reported ready
     ],
-    ids=["layout-mismatch", "duplicate-node-id"],
+    ids=["layout-mismatch", "duplicate-node-id", "bad-auth-token"],
 )
 def test_a_store_the_master_refuses_never_reports_ready(refusal: dict[str, Any], expected: str) -> None:
     """Found by a new-user pass: the store printed KVPOOL_READY before the master answered its

@@ -8,7 +8,14 @@ from collections.abc import Callable
 
 import grpc
 
-from kvpool.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KVPoolError
+from kvpool.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    KVPoolError,
+    PermissionDenied,
+    Unauthenticated,
+)
 from kvpool.rpc import PROTOCOL_VERSION
 from kvpool.rpc.server import channel
 from kvpool.rpc.status import raise_from_rpc_error
@@ -25,7 +32,7 @@ class MasterLink:
     Each heartbeat carries the deferred frees and reclaimed reservations done since the last one
     (`freed_slots`, put back when the heartbeat fails) and the used-slot count. A `known=false` answer
     re-registers. A registration the master refuses for good (layout or protocol mismatch, a node id held
-    by a live store) calls `on_fatal(message)`. With `master_address` empty, `start()` does nothing
+    by a live store, a missing or wrong auth token) calls `on_fatal(message)`. With `master_address` empty, `start()` does nothing
     (standalone mode).
 
     `wait_first_answer()` blocks until the first registration attempt is over: accepted, refused (raised),
@@ -98,7 +105,13 @@ class MasterLink:
                         self._heartbeat(stub)
                     backoff_s = 0.1
                     wait_s = self.interval_ms / 1000
-                except (FailedPrecondition, InvalidArgument, AlreadyExists) as exc:
+                except (
+                    FailedPrecondition,
+                    InvalidArgument,
+                    AlreadyExists,
+                    Unauthenticated,
+                    PermissionDenied,
+                ) as exc:
                     self.refusal = exc
                     if self._first_answer.is_set():  # else `wait_first_answer()` raises it to the starter
                         log.error("the master refused this store node: %s", exc)
