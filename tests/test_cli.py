@@ -189,3 +189,12 @@ def test_a_bad_boolean_setting_lists_the_accepted_values() -> None:
     assert out.returncode == 2
     for accepted in ("true/false", "yes/no", "on/off", "1/0", "'maybe'"):
         assert accepted in line, line
+
+
+@pytest.mark.parametrize("cmd", [["demo"], ["bench", "ttft"]])
+def test_a_missing_model_is_one_line_not_a_traceback(cmd: list[str]) -> None:
+    """Found by a new-user pass: `kvpool demo/up/bench ttft --model /nonexistent` printed a 41-line
+    traceback (prefill nodes already said it in one line); every kvpool error now does (-v: traceback)."""
+    out = _kvpool(*cmd, "--model", "/nonexistent/model")
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and "kvpool: NotFound: no config.json" in out.stderr, out.stderr

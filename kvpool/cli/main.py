@@ -64,6 +64,8 @@ def setting_error_line(err: Mapping[str, Any]) -> str:
 def main() -> None:
     from pydantic import ValidationError
 
+    from kvpool.errors import KVPoolError
+
     try:
         app()
     except (
@@ -72,6 +74,10 @@ def main() -> None:
         for err in exc.errors():
             print(setting_error_line(err), file=sys.stderr)
         raise SystemExit(2) from None
+    except KVPoolError as exc:  # a failure the user can act on (a missing model, a node that did not start)
+        logging.getLogger("kvpool").debug("traceback (kvpool -v)", exc_info=True)
+        print(f"kvpool: {type(exc).__name__}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

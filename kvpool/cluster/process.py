@@ -23,10 +23,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from kvpool.errors import KVPoolError
+
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "KVPOOL_READY "
 _PR_SET_PDEATHSIG = 1
+
+
+class NodeStartFailed(KVPoolError, RuntimeError):
+    """A node process died or stalled before it reported ready; the message carries its log's tail."""
 
 
 def print_ready(info: dict[str, Any]) -> None:
@@ -83,14 +89,15 @@ class RoleProcess:
         self._ready.put(None)
 
     def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        """Block until the READY line arrives; `RuntimeError` with the log tail if the child dies or stalls."""
+        """Block until the READY line arrives; `NodeStartFailed` (a `RuntimeError`) with the log tail if the
+        child dies or stalls."""
         try:
             info = self._ready.get(timeout=timeout_s)
         except queue.Empty:
             info = None
         if info is None:
             self.stop()
-            raise RuntimeError(f"{self.name} did not become ready:\n{self.log_tail()}")
+            raise NodeStartFailed(f"{self.name} did not become ready:\n{self.log_tail()}")
         self.info = info
         return info
 
