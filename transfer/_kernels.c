@@ -118,6 +118,20 @@ static Py_buffer *acquire_all(PyObject *seq, int writable, Py_ssize_t *n_out) {
     return views;
 }
 
+/* acquire_all of the read-only `bufs_o`, and `out_o` as a writable array of one `itemsize` item per buffer
+ * (`what` names it in errors). NULL with an exception set, nothing held; else release both when done. */
+static Py_buffer *acquire_with_out(PyObject *bufs_o, PyObject *out_o, Py_buffer *out, size_t itemsize,
+                                   const char *what, Py_ssize_t *n_out) {
+    Py_buffer *bufs = acquire_all(bufs_o, 0, n_out);
+    if (bufs == NULL)
+        return NULL;
+    if (get_buffer(out_o, out, 1, *n_out * (Py_ssize_t)itemsize, what) < 0) {
+        release_all(bufs, *n_out);
+        return NULL;
+    }
+    return bufs;
+}
+
 /* copy_verify(fns, src_base, src_nbytes, offsets, dsts, got, stop) -> int
  *
  * fns: (XXH3_createState, XXH3_freeState, XXH3_64bits_reset, XXH3_64bits_update, XXH3_64bits_digest)
@@ -243,14 +257,10 @@ static PyObject *hash_many(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_ssize_t n;
-    Py_buffer *bufs = acquire_all(bufs_o, 0, &n);
+    Py_buffer got;
+    Py_buffer *bufs = acquire_with_out(bufs_o, got_o, &got, sizeof(uint64_t), "got", &n);
     if (bufs == NULL)
         return NULL;
-    Py_buffer got;
-    if (get_buffer(got_o, &got, 1, n * (Py_ssize_t)sizeof(uint64_t), "got") < 0) {
-        release_all(bufs, n);
-        return NULL;
-    }
     uint64_t *out = (uint64_t *)got.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t k = 0; k < n; k++)
@@ -271,14 +281,10 @@ static PyObject *addresses(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO", &bufs_o, &out_o))
         return NULL;
     Py_ssize_t n;
-    Py_buffer *bufs = acquire_all(bufs_o, 0, &n);
+    Py_buffer out;
+    Py_buffer *bufs = acquire_with_out(bufs_o, out_o, &out, sizeof(int64_t), "out", &n);
     if (bufs == NULL)
         return NULL;
-    Py_buffer out;
-    if (get_buffer(out_o, &out, 1, n * (Py_ssize_t)sizeof(int64_t), "out") < 0) {
-        release_all(bufs, n);
-        return NULL;
-    }
     for (Py_ssize_t k = 0; k < n; k++)
         ((int64_t *)out.buf)[k] = (int64_t)(uintptr_t)bufs[k].buf;
     PyBuffer_Release(&out);
