@@ -35,8 +35,10 @@ def register_store_command(app: typer.Typer) -> None:
         metrics_port: int | None = typer.Option(None, help="/metrics port on the bind host (0: ephemeral)."),
         config: Path | None = typer.Option(None, help="TOML config file."),
     ) -> None:
-        """Run a store node; prints `KVPOOL_READY {json}` on stdout when serving (with --master: once the
-        master accepted it or could not be reached; a refusal exits 2 first). SIGTERM/SIGINT stop it."""
+        """Run a store node; prints `KVPOOL_READY {json}` on stdout when serving.
+
+        With --master: once the master accepted it or could not be reached (a refusal exits 2 first).
+        SIGTERM/SIGINT stop it."""
         import contextlib
         import json
         import signal
