@@ -15,6 +15,7 @@ import pytest
 
 from tests.test_store_node import NS, h, put_blocks, rand_blocks, read, require_ucx, start_store
 from transfer import BlockRead, UcxBlockServer, UcxTransport, checksum
+from transfer.mread_wire import MREAD_VERSION, decode_reply, encode_request
 from transfer.shared_segment import SegmentDescriptor, SegmentMapping, SharedSegment
 
 NB = 64 * 1024
@@ -227,22 +228,61 @@ def _case_a_request_id_already_in_flight_is_refused_and_pins_nothing(transport: 
         async def go() -> tuple[Any, str]:
             conn = await transport._conn(s.peer, 0)
             rid = next(rt.ids)
-            first = await conn.request({"op": "mread", "id": rid, "b": [[0, 1, NB]]})
+            first = await conn.request({"op": "mread", "id": rid, "b": encode_request([(0, 1, NB)])})
             try:
-                await conn.request({"op": "mread", "id": rid, "b": [[1, 1, NB]]})
+                await conn.request({"op": "mread", "id": rid, "b": encode_request([(1, 1, NB)])})
                 refused = ""
             except PeerRefused as exc:
                 refused = str(exc)
             pinned = s.table.num_inflight
             await conn.ep.am_send(_pack({"op": "mdone", "id": rid}))
-            return (first["r"], pinned), refused
+            return (decode_reply(first, 1)[0], pinned), refused
 
-        (header, pinned), refused = rt.run(go(), 10.0)
-        assert header[0][0] is True and pinned == 1  # the first pinned slot 0; the second pinned nothing
+        (ok, pinned), refused = rt.run(go(), 10.0)
+        assert ok.tolist() == [True] and pinned == 1  # the first pinned slot 0; the second pinned nothing
         assert "already in flight" in refused
         _wait_unpinned(s.table)
     finally:
         s.server.stop()
+
+
+def _case_malformed_mread_requests_are_refused_and_the_store_keeps_serving(transport: UcxTransport) -> None:
+    """A request in the list form of an older wire, a ragged array or an oversized one: refused with a
+    reason, nothing pinned, and the next read on the same connection works."""
+    from transfer.ucx_conn import PeerRefused
+
+    s = _Store(4)
+    try:
+        data = rand_blocks(4, nb=NB, seed=28)
+        s.commit(data)
+        rt = transport._rt
+
+        async def go() -> list[str]:
+            conn = await transport._conn(s.peer, 0)
+            why = []
+            for b in ([[0, 1, NB]], b"\x00" * 23, encode_request([(0, 1, NB)] * 4097)):
+                try:
+                    await conn.request({"op": "mread", "id": next(rt.ids), "b": b})
+                    why.append("")
+                except PeerRefused as exc:
+                    why.append(str(exc))
+            return why
+
+        why = rt.run(go(), 10.0)
+        assert [
+            "malformed block array" in why[0],
+            "malformed block array" in why[1],
+            "at most" in why[2],
+        ] == [True] * 3, why
+        assert s.table.num_inflight == 0
+        res, out = s.read(transport, 4)
+        assert all(r.ok for r in res) and np.array_equal(out, data)
+    finally:
+        s.server.stop()
+
+
+def test_malformed_mread_requests_are_refused_and_the_store_keeps_serving() -> None:
+    _in_fresh_process("_case_malformed_mread_requests_are_refused_and_the_store_keeps_serving")
 
 
 def _case_blocks_outside_the_shared_segment_fail_alone_and_stay_unpinned(transport: UcxTransport) -> None:
@@ -260,13 +300,15 @@ def _case_blocks_outside_the_shared_segment_fail_alone_and_stay_unpinned(transpo
         async def go() -> Any:
             conn = await transport._conn(peer, 0)
             rid = next(rt.ids)
-            reply = await conn.request({"op": "mread", "id": rid, "b": [[k, 1, NB] for k in range(4)]})
+            reply = await conn.request(
+                {"op": "mread", "id": rid, "b": encode_request([(k, 1, NB) for k in range(4)])}
+            )
             await conn.ep.am_send(_pack({"op": "mdone", "id": rid}))
-            return reply["r"]
+            return decode_reply(reply, 4)
 
-        header = rt.run(go(), 10.0)
-        assert [h[0] for h in header] == [False] * 4, header
-        assert all("not in the shared segment" in h[2] for h in header)
+        ok, _, _, errors = rt.run(go(), 10.0)
+        assert ok.tolist() == [False] * 4, errors
+        assert all("not in the shared segment" in e for e in errors.values())
         _wait_unpinned(s.table)
     finally:
         other.stop()
@@ -356,15 +398,19 @@ def test_a_peer_keeps_its_mapping_only_while_its_store_advertises_that_segment()
 
     a, b = SharedSegment(1 << 16), SharedSegment(1 << 16)
     p = PeerConns(1)
-    p.map_segment("s:1", {"seg": a.descriptor.to_wire()})
+    p.map_segment("s:1", {"seg": a.descriptor.to_wire(), "mv": MREAD_VERSION})
     first = p.mapping
     assert first is not None and first.descriptor == a.descriptor
-    p.map_segment("s:1", {"seg": a.descriptor.to_wire()})
+    p.map_segment("s:1", {"seg": a.descriptor.to_wire(), "mv": MREAD_VERSION})
     assert p.mapping is first
-    p.map_segment("s:1", {"seg": b.descriptor.to_wire()})
+    p.map_segment("s:1", {"seg": b.descriptor.to_wire(), "mv": MREAD_VERSION})
     assert p.mapping is not None and p.mapping.descriptor == b.descriptor and first.address == 0  # unmapped
-    p.map_segment("s:1", {"seg": {"pid": "x"}})  # malformed: stays on UCX
+    p.map_segment("s:1", {"seg": {"pid": "x"}, "mv": MREAD_VERSION})  # malformed: stays on UCX
     p.map_segment("s:1", {})
+    assert p.mapping is None
+    p.map_segment("s:1", {"seg": a.descriptor.to_wire(), "mv": MREAD_VERSION - 1})  # another mread wire
+    assert p.mapping is None
+    p.map_segment("s:1", {"seg": a.descriptor.to_wire()})  # a store from before the versioned wire
     assert p.mapping is None
 
 

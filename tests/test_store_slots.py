@@ -293,6 +293,25 @@ def test_batch_grant_equals_one_read_at_a_time(states: list[str], reads: list[tu
             assert bytes(x[0]) == bytes(y[0]) and x[1] == y[1]
     assert fast.num_inflight == slow.num_inflight and np.array_equal(fast._readers, slow._readers)
 
+    # the array form (`mread`): all begun exactly when every read succeeds one at a time, else none
+    arr, before = build(), build()
+    if any(type(v) is not int for r in reads for v in r):  # a bool slot: only a list can carry it
+        return
+    try:
+        rows = np.array(reads, dtype=np.uint64).reshape(-1, 3)
+    except (OverflowError, TypeError, ValueError):  # not representable: the wire refuses it before
+        return
+    got = arr.begin_reads_array(rows)
+    if got is None:
+        assert not reads or any(isinstance(y, Exception) for y in b)
+        assert arr.num_inflight == before.num_inflight and np.array_equal(arr._readers, before._readers)
+    else:
+        assert reads and not any(isinstance(y, Exception) for y in b)
+        buf, starts, sums = got
+        assert [bytes(buf[s : s + NB]) for s in starts.tolist()] == [bytes(y[0]) for y in b]
+        assert sums.tolist() == [y[1] for y in b]
+        assert arr.num_inflight == slow.num_inflight and np.array_equal(arr._readers, slow._readers)
+
 
 def _put_reserved(t: SlotTable, slot: int) -> None:
     data = bytes([slot]) * NB

@@ -133,6 +133,11 @@ class BlockHandler(Protocol):
 
     `begin_*` marks the slot in flight (a free order is deferred until the matching `end_*`); every
     successful `begin_*` is followed by exactly one `end_*`, whatever happens to the transfer.
+
+    Optional: `begin_reads_array(reads)`, `begin_reads` of a batch without capabilities given as one
+    integer array (n, 3) of (slot, generation, nbytes): when every read would succeed, all are begun and
+    (buffer, starts, checksums) returned (the buffer the blocks lie in; each block's start in it in bytes
+    and its stored checksum, uint64 (n,)); else None with nothing begun. A server uses it when present.
     """
 
     def begin_read(

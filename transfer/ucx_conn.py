@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transfer.base import TransferError
+from transfer.mread_wire import MREAD_VERSION
 from transfer.shared_segment import SegmentDescriptor, SegmentMapping
 from transfer.ucx_runtime import _err, _pack, _Runtime, _unpack, abort_ep, ep_handle
 from transfer.ucx_wait import am_recv
@@ -122,8 +123,9 @@ class PeerConns:
     def map_segment(self, peer: str, hello: dict[str, Any]) -> None:
         """Map the segment a handshake reply describes (or keep the current mapping of it); on any
         failure reads from this peer stay on UCX. A reply without one (a store restarted at this address
-        with sharing off) drops the mapping of its predecessor."""
-        if "seg" not in hello:
+        with sharing off, or one that serves another `mread` wire version) drops the mapping of its
+        predecessor."""
+        if "seg" not in hello or hello.get("mv") != MREAD_VERSION:
             self.unmap()
             return
         try:

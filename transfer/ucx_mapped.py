@@ -1,8 +1,7 @@
 """The reader's side of a same-host read: `mread` over UCX, one copy from the mapped segment, `mdone`.
 
 Wire (extends transfer/ucx.py):
-    mread  client -> {op:"mread", id, b:[[slot, gen, nbytes], ...], c?}   (as `read`)
-           server -> {id, ph:0, r:[[ok, checksum, error, offset], ...]}   (ok blocks are pinned)
+    mread  client -> server, and its reply: packed arrays, see transfer/mread_wire.py (ok blocks are pinned)
     mdone  client -> {op:"mdone", id}   (no reply: the server unpins the blocks of `mread` id)
 """
 
@@ -14,7 +13,10 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from transfer.base import BlockRead
+from transfer.mread_wire import decode_reply, encode_request
 from transfer.shared_segment import SegmentMapping, StopFlag
 from transfer.ucx_conn import Conn, PeerRefused
 from transfer.ucx_runtime import _pack
@@ -22,17 +24,6 @@ from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, NUM_HASH_THREADS
 
 _MDONE_TIMEOUT_S = 1.0
 Part = tuple[memoryview, int, int]  # destination, offset in the segment, checksum the store holds
-
-
-def _check_header(header: Any, n: int) -> list[tuple[bool, int, str, int]]:
-    if not isinstance(header, list) or len(header) != n:
-        raise PeerRefused("bad reply: one result per block expected")
-    out = []
-    for h in header:
-        if not (isinstance(h, list) and len(h) == 4 and isinstance(h[1], int) and isinstance(h[3], int)):
-            raise PeerRefused("bad reply: malformed block result")
-        out.append((bool(h[0]), h[1], str(h[2]), h[3]))
-    return out
 
 
 async def _copy(mapping: SegmentMapping, parts: list[Part], stop: StopFlag) -> list[tuple[bool, int, str]]:
@@ -67,22 +58,28 @@ async def mapped_read(
 ) -> None:
     """Read `reads` into `views` through `mapping`; block j's result goes to `results[idxs[j]]`. `stop`:
     one per read call, set when any of its messages is abandoned (no copy starts after that)."""
-    msg: dict[str, Any] = {"op": "mread", "id": rid, "b": [[r.slot, r.generation, r.nbytes] for r in reads]}
+    msg: dict[str, Any] = {
+        "op": "mread",
+        "id": rid,
+        "b": encode_request([(r.slot, r.generation, r.nbytes) for r in reads]),
+    }
     if any(r.capability for r in reads):
         msg["c"] = [[r.expiry_ms, bytes(r.capability)] for r in reads]
     reply = await conn.request(msg)
     try:
-        header = _check_header(reply.get("r"), len(reads))
-        parts: list[Part] = []
-        where: list[int] = []
-        for j, (ok, cs, err, off) in enumerate(header):
-            results[idxs[j]] = (ok, cs, err)
-            if ok:
-                parts.append((views[j], off, cs))
-                where.append(idxs[j])
-        if parts:
-            for i, res in zip(where, await _copy(mapping, parts, stop), strict=True):
-                results[i] = res
+        try:
+            ok, stored, offsets, errors = decode_reply(reply, len(reads))
+        except ValueError as exc:
+            raise PeerRefused(f"bad reply: {exc}") from None
+        for j, err in errors.items():
+            results[idxs[j]] = (False, 0, err)
+        where = np.flatnonzero(ok).tolist()
+        if where:
+            parts = list(
+                zip([views[j] for j in where], offsets[where].tolist(), stored[where].tolist(), strict=True)
+            )
+            for j, res in zip(where, await _copy(mapping, parts, stop), strict=True):
+                results[idxs[j]] = res
     finally:
         if not conn.dead:  # unpin now (the store would after its send timeout or on our disconnect)
             _send_soon(conn, {"op": "mdone", "id": rid})

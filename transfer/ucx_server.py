@@ -11,6 +11,7 @@ import numpy as np
 
 from transfer.base import BlockHandler
 from transfer.coalesce import merge, valid_groups
+from transfer.mread_wire import MREAD_VERSION, decode_request, encode_reply
 from transfer.shared_segment import SharedSegment
 from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
@@ -71,7 +72,7 @@ class UcxBlockServer:
         self._handler = handler
         self._shared = shared
         self._pin_timeout_s = send_timeout_s if pin_timeout_s is None else pin_timeout_s
-        self._hello = {"seg": shared.descriptor.to_wire()} if shared is not None else {}
+        self._hello = {"seg": shared.descriptor.to_wire(), "mv": MREAD_VERSION} if shared is not None else {}
         self._copying: dict[tuple[int, int], asyncio.Future[None]] = {}  # (endpoint id, request id)
         self.host = host
         self._port = port
@@ -176,7 +177,7 @@ class UcxBlockServer:
             elif op == "write":
                 await self._serve_write(ep, rid, msg.get("b", []), msg.get("c"), msg.get("g"))
             elif op == "mread" and self._shared is not None:
-                await self._serve_mapped_read(ep, rid, msg.get("b", []), msg.get("c"))
+                await self._serve_mapped_read(ep, rid, msg)
             elif op == "ping":
                 await ep.am_send(_pack({"id": rid, "ph": 0, **self._hello}))
             elif op == "bw":
@@ -284,44 +285,82 @@ class UcxBlockServer:
         except Exception:  # noqa: BLE001
             log.exception("end_reads(%d slots) failed", len(slots))
 
-    async def _serve_mapped_read(self, ep: Any, rid: int, blocks: Any, caps: Any = None) -> None:
-        """`mread`: pin the blocks, answer [[ok, checksum, error, offset], ...], unpin on `mdone`."""
+    def _pin_mapped(
+        self, rows: np.ndarray, caps: Any, began: list[int]
+    ) -> tuple[np.ndarray, np.ndarray, list[list[Any]]]:
+        """`begin_reads` of `rows` (uint64 (n, 3): slot, generation, nbytes), each slot begun appended to
+        `began` at once (the caller ends them): (stored checksums, offsets in the shared segment, [[index,
+        error], ...] of the blocks that cannot be read); checksum and offset are 0 where a block failed.
+
+        Without capabilities a handler's `begin_reads_array` (optional, see `transfer.BlockHandler`) pins
+        a batch that passes every check in a few array operations; otherwise (or when any block would
+        fail) `begin_reads` says why per block."""
         assert self._shared is not None
+        fast = getattr(self._handler, "begin_reads_array", None)
+        got = fast(rows) if caps is None and fast is not None else None
+        if got is not None:
+            buffer, starts, stored = got
+            began.extend(rows[:, 0].tolist())
+            with contextlib.suppress(ValueError):  # not inside the segment: the loop below says so per block
+                return stored, starts + np.uint64(self._shared.offset_of(buffer)), []
+            grants: list[Any] = [
+                (buffer[s : s + n], c)
+                for s, n, c in zip(starts.tolist(), rows[:, 2].tolist(), stored.tolist(), strict=True)
+            ]
+        else:
+            grants = self._grant(rows.tolist(), caps)
+            began.extend(
+                s for (s, _, _), g in zip(rows.tolist(), grants, strict=True) if not isinstance(g, Exception)
+            )
+        n = len(rows)
+        stored, offsets, errors = np.zeros(n, np.uint64), np.zeros(n, np.uint64), []
+        offs = iter(self._offsets([g[0] for g in grants if not isinstance(g, Exception)]))
+        for i, ((_, _, nbytes), grant) in enumerate(zip(rows.tolist(), grants, strict=True)):
+            if isinstance(grant, Exception):  # per-block result
+                errors.append([i, _err(grant)])
+                continue
+            view, checksum = grant
+            off = next(offs)
+            if isinstance(off, str):
+                errors.append([i, off])
+            elif view.nbytes != nbytes:
+                errors.append([i, f"block is {view.nbytes} B, request names {nbytes} B"])
+            else:
+                stored[i], offsets[i] = checksum, off
+        return stored, offsets, errors
+
+    async def _serve_mapped_read(self, ep: Any, rid: int, msg: dict[str, Any]) -> None:
+        """`mread` (wire: transfer/mread_wire.py): pin the blocks, answer their offsets and checksums, unpin
+        on `mdone`."""
         key = (id(ep), rid)
-        problem = self._check_batch(blocks, 3) or self._check_caps(caps, len(blocks))
+        caps = msg.get("c")
+        try:
+            rows = decode_request(msg.get("b"), MAX_BLOCKS_PER_MESSAGE)
+            problem = self._check_caps(caps, len(rows))
+        except ValueError as exc:
+            problem = str(exc)
         if not problem and key in self._copying:
             problem = f"request id {rid} is already in flight on this endpoint"
         if problem:
             await ep.am_send(_pack({"id": rid, "ph": 0, "error": problem}))
             return
-        header: list[list[Any]] = []
         began: list[int] = []
+        counted = 0
         self._copying[key] = asyncio.get_running_loop().create_future()
         try:
-            grants = self._grant(blocks, caps)
-            began.extend(b[0] for b, g in zip(blocks, grants, strict=True) if not isinstance(g, Exception))
-            self.inflight += len(began)  # from here on `finally` unpins them, whatever happens
-            offsets = iter(self._offsets([g[0] for g in grants if not isinstance(g, Exception)]))
-            for (_, _, nbytes), grant in zip(blocks, grants, strict=True):
-                if isinstance(grant, Exception):  # per-block result
-                    header.append([False, 0, _err(grant), 0])
-                    continue
-                view, stored = grant
-                off = next(offsets)
-                if isinstance(off, str):
-                    header.append([False, 0, off, 0])
-                elif view.nbytes != nbytes:
-                    header.append([False, 0, f"block is {view.nbytes} B, request names {nbytes} B", 0])
-                else:
-                    header.append([True, stored, "", off])
+            stored, offsets, errors = self._pin_mapped(rows, caps, began)
+            counted = len(began)
+            self.inflight += counted
+            ok = np.ones(len(rows), dtype=bool)
+            ok[[i for i, _ in errors]] = False
             with _Runtime.get().waker.busy():
-                await ep.am_send(_pack({"id": rid, "ph": 0, "r": header}))
+                await ep.am_send(_pack(encode_reply(rid, ok, stored, offsets, errors)))
             if began:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._copying[key], self._pin_timeout_s)
         finally:
             self._copying.pop(key, None)
-            self.inflight -= len(began)
+            self.inflight -= counted
             self._end_reads(began)
 
     async def _serve_write(

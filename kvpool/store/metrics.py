@@ -89,6 +89,13 @@ class MeteredHandler:
             self._errors["read"].inc(len(out) - num_ok)
         return out
 
+    def begin_reads_array(self, reads: Any) -> Any:
+        out = self._table.begin_reads_array(reads)
+        if out is not None:  # None: nothing begun; the caller's `begin_reads` counts each read then
+            self._blocks["read"].inc(len(out[1]))
+            self._bytes["read"].inc(len(out[1]) * self._nbytes)
+        return out
+
     def end_read(self, *args: Any, **kwargs: Any) -> Any:
         return self._table.end_read(*args, **kwargs)
 

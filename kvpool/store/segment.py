@@ -78,6 +78,11 @@ class Segment:
             self.array.ctypes.data,
         )
 
+    @property
+    def buffer(self) -> memoryview:
+        """All slots' bytes, writable (slot k starts at k * `block_nbytes`)."""
+        return self._view
+
     def slot_view(self, slot: int) -> memoryview:
         """The writable bytes of `slot` (no copy); the caller checked the range."""
         start = slot * self.block_nbytes
