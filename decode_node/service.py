@@ -25,6 +25,12 @@ class DecodeService(pb_grpc.DecodeServicer):
         self.scheduler = scheduler
 
     @rpc_errors
+    def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.GetInfoResponse:  # noqa: N802
+        """Who this node is (id, role, address, epoch): the master asks before another process may take
+        over its node id."""
+        return self.rt.info()
+
+    @rpc_errors
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeEvent]:  # noqa: N802
         rt = self.rt
         prompt = validate_tokens(

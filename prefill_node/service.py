@@ -39,6 +39,12 @@ class PrefillService(pb_grpc.PrefillServicer):
         return self._queue_len
 
     @rpc_errors
+    def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.GetInfoResponse:  # noqa: N802
+        """Who this node is (id, role, address, epoch): the master asks before another process may take
+        over its node id."""
+        return self.rt.info()
+
+    @rpc_errors
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> Iterator[pb.PrefillEvent]:  # noqa: N802
         rt = self.rt
         t_start = time.perf_counter()

@@ -169,3 +169,80 @@ def test_a_second_live_store_with_the_same_node_id_is_refused_and_a_restart_is_n
         for p in procs:
             p.kill()
         master.kill()
+
+
+SERVING_LAYOUT = "kv1:float32:b64:l4:h4:d32"  # the embedded model's, block 64
+
+
+def _serving(master: str, role: str, node_id: str) -> list[str]:
+    return [role, "--master", master, "--port", "0", "--node-id", node_id, "--no-metrics"]
+
+
+def _refused(master: str, role: str, node_id: str) -> str:
+    """Run a serving node the master must refuse: it exits 1 before READY (a READY fails at once); returns
+    its last stderr line."""
+    import subprocess
+    import sys
+    import tempfile
+    import threading
+
+    with tempfile.TemporaryFile("w+") as err:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.cli.main", *_serving(master, role, node_id)],
+            stdout=subprocess.PIPE, stderr=err, text=True,
+        )  # fmt: skip
+        watchdog = threading.Timer(120, popen.kill)
+        watchdog.start()
+        try:
+            assert popen.stdout is not None
+            for out in popen.stdout:
+                assert not out.startswith("KVPOOL_READY"), f"the duplicate {role} node was accepted: {out}"
+            rc = popen.wait()
+        finally:
+            watchdog.cancel()
+            popen.kill()
+            popen.wait()
+        err.seek(0)
+        lines = err.read().strip().splitlines()
+    assert rc == 1, (rc, lines[-20:])
+    return lines[-1]
+
+
+def test_a_second_live_serving_node_with_the_same_node_id_is_refused_and_a_restart_is_not() -> None:
+    """Two prefill (or decode) nodes started with one --node-id were both accepted and kept replacing each
+    other's registration (found by a new-user pass). The master now asks the registered node's GetInfo, as
+    for stores: while it answers with its own id and epoch the newcomer gets ALREADY_EXISTS and exits 1
+    with one line; once it is dead (kill -9, long before its heartbeat timeout) a node under that id
+    registers at once."""
+    from kvpool.master.procs import start
+
+    master = start_master(
+        "--heartbeat-interval-ms", "300", "--heartbeat-timeout-ms", "60000", layout=SERVING_LAYOUT
+    )
+    procs: list[Proc] = []
+    try:
+        first = start(_serving(master.grpc_address, "prefill", "dup"), timeout_s=120)
+        procs.append(first)
+        line = _refused(master.grpc_address, "prefill", "dup")
+        why = f"node id 'dup' is held by a live prefill at {first.grpc_address}: give every node its own --node-id"
+        assert line.startswith("kvpool prefill: AlreadyExists: ") and why in line, line
+        with MasterClient(master.grpc_address) as c:
+
+            def holder() -> tuple[str, bool]:
+                [n] = [n for n in c.list_nodes() if n.node.node_id == "dup"]
+                return n.node.grpc_address, n.alive
+
+            for _ in range(5):  # a few heartbeats: no ping-pong, the first keeps its registration
+                assert holder() == (first.grpc_address, True)
+                time.sleep(0.3)
+            first.kill()
+            second = start(_serving(master.grpc_address, "decode", "dup"), timeout_s=120)  # the restart path
+            procs.append(second)
+            assert holder() == (second.grpc_address, True)
+            line = _refused(master.grpc_address, "decode", "dup")  # asks the decode node's GetInfo
+            assert f"held by a live decode at {second.grpc_address}" in line, line
+            assert holder() == (second.grpc_address, True) and second.popen.poll() is None
+    finally:
+        for p in procs:
+            p.kill()
+        master.kill()

@@ -17,7 +17,9 @@ def _register(app: typer.Typer, role: str) -> None:
         master: str = typer.Option(None, help="master host:port"),
         listen: str = typer.Option(None, help="address to bind (default 127.0.0.1)"),
         port: int = typer.Option(None, help="gRPC port (0 = ephemeral)"),
-        node_id: str = typer.Option(None, help="node id (default: role-host-port)"),
+        node_id: str = typer.Option(
+            None, help="node id, unique per node (default: role-host-port; role-host-pPID with --port 0)"
+        ),
         model: str = typer.Option(None, help="HF model directory (default: the embedded synthetic model)"),
         device: str = typer.Option(None, help="torch device: cpu, cuda, cuda:1 ..."),
         block_size: int = typer.Option(None, help="tokens per KV block"),

@@ -14,17 +14,30 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kvpool.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+)
 from kvpool.hashing import Namespace
 from kvpool.types import NamespaceId
 
 log = logging.getLogger(__name__)
+
+REFUSALS = (AlreadyExists, FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated)
+"""A registration the master refuses for good (a live node holds the node id, a layout or protocol
+mismatch, a bad auth token): retrying cannot help."""
 
 
 class NodeAgent:
     """Registers `node` (a dict of NodeEndpoint fields) and heartbeats every interval in a thread.
 
     `load_fn` returns the node's current load (a dict of NodeLoad fields) for each heartbeat;
-    `on_heartbeat` runs after each successful one (e.g. to flush local-tier events).
+    `on_heartbeat` runs after each successful one (e.g. to flush local-tier events). `start()` raises the
+    master's refusal of the first registration; a refused re-registration (`REFUSALS`: e.g. another live
+    node took this node id while the master was restarting) stops heartbeating and calls `on_fatal(message)`.
     """
 
     def __init__(
@@ -37,6 +50,7 @@ class NodeAgent:
         layout_fingerprint: str,
         load_fn: Callable[[], dict[str, Any]] | None = None,
         on_heartbeat: Callable[[int], None] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         self.master = master
         self.node_id = node_id
@@ -46,6 +60,7 @@ class NodeAgent:
         self.epoch = secrets.randbits(63) or 1
         self.load_fn = load_fn
         self.on_heartbeat = on_heartbeat
+        self.on_fatal = on_fatal
         self.heartbeat_interval_s = 1.0
         self._namespaces: dict[NamespaceId, Namespace] = {}
         self._lock = threading.Lock()
@@ -53,6 +68,11 @@ class NodeAgent:
         self._thread: threading.Thread | None = None
 
     def register(self) -> None:
+        """Register the node (raises the master's refusal), then every namespace it uses."""
+        self._register_node()
+        self._register_namespaces()
+
+    def _register_node(self) -> None:
         from kvpool.client import NodeInfo
         from kvpool.rpc import PROTOCOL_VERSION
 
@@ -62,6 +82,8 @@ class NodeAgent:
         )
         interval_ms = getattr(resp, "heartbeat_interval_ms", 0) or 1000
         self.heartbeat_interval_s = interval_ms / 1000.0
+
+    def _register_namespaces(self) -> None:
         with self._lock:
             namespaces = list(self._namespaces.values())
         for ns in namespaces:
@@ -111,7 +133,14 @@ class NodeAgent:
                 known = self.master.heartbeat(self.node_id, self.epoch, load=load)
                 if not known:
                     log.warning("master does not know %s (restarted?): re-registering", self.node_id)
-                    self.register()
+                    try:
+                        self._register_node()
+                    except REFUSALS as exc:
+                        log.error("the master refused %s node %s: %s", self.role, self.node_id, exc)
+                        if self.on_fatal is not None:
+                            self.on_fatal(f"{type(exc).__name__}: {exc}")
+                        return
+                    self._register_namespaces()
                 if self.on_heartbeat is not None:
                     self.on_heartbeat(self.epoch)
             except Exception as exc:  # noqa: BLE001 - keep heartbeating through master outages

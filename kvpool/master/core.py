@@ -31,7 +31,9 @@ MAX_PROMPT_TOKENS = (1 << 32) - 1
 
 ROLES = ("store", "prefill", "decode", "router")
 DUPLICATE_PROBE_TIMEOUT_S = 1.0
-"""How long a registration waits for the store that already holds its node id to answer."""
+"""How long a registration waits for the node that already holds its node id to answer."""
+PROBED_ROLES = ("store", "prefill", "decode")
+"""Roles that serve `GetInfo`: a live one keeps its node id against a second process claiming it."""
 BlockKey = tuple[bytes, bytes]  # (namespace, block hash)
 
 
@@ -138,7 +140,8 @@ class Master:
                 )
             if not data_address:
                 raise InvalidArgument("a store node needs a data_address")
-            self._refuse_live_duplicate(node_id, epoch, grpc_address)
+        if role in PROBED_ROLES:
+            self._refuse_live_duplicate(node_id, role, epoch, grpc_address)
         with self.lock:
             old = self.st.nodes.get(node_id)
             now = self.clock.now_ms()
@@ -157,25 +160,27 @@ class Master:
                 self.wake.set()
             log.info("node %s (%s) registered, epoch %d", node_id, role, epoch)
 
-    def _refuse_live_duplicate(self, node_id: str, epoch: int, grpc_address: str) -> None:
-        """Raise `AlreadyExists` when another live store holds `node_id`: two stores started with one
-        `--node-id` replaced each other's registration on every heartbeat. A registration under a new
-        epoch is a restart unless the registered store still answers at its address with its own id and
-        epoch (asked outside the lock; a dead, frozen or replaced process does not)."""
+    def _refuse_live_duplicate(self, node_id: str, role: str, epoch: int, grpc_address: str) -> None:
+        """Raise `AlreadyExists` when another live node holds `node_id`: two stores (or prefill, or decode
+        nodes) started with one `--node-id` replaced each other's registration on every heartbeat. A
+        registration under a new epoch is a restart unless the registered node still answers `GetInfo` at
+        its address with its own id and epoch (asked outside the lock; a dead, frozen or replaced process
+        does not)."""
         with self.lock:
             old = self.st.nodes.get(node_id)
             if (
                 old is None
                 or not old.alive
-                or not old.is_store
+                or old.role not in PROBED_ROLES
                 or old.epoch == epoch
                 or old.grpc_address == grpc_address  # its port is ours now: that process is gone
             ):
                 return
-            address, old_epoch = old.grpc_address, old.epoch
-        if self.stores.identity(address, DUPLICATE_PROBE_TIMEOUT_S) == (node_id, old_epoch):
+            address, old_epoch, old_role = old.grpc_address, old.epoch, old.role
+        if self.stores.identity(address, DUPLICATE_PROBE_TIMEOUT_S, role=old_role) == (node_id, old_epoch):
             raise AlreadyExists(
-                f"node id {node_id!r} is held by a live store at {address}: give every store its own --node-id"
+                f"node id {node_id!r} is held by a live {old_role} at {address}: "
+                "give every node its own --node-id"
             )
 
     def heartbeat(

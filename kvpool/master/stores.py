@@ -6,7 +6,7 @@ Each call has a deadline; gRPC failures become `kvpool.errors` (`Unavailable`, `
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -58,13 +58,14 @@ class StoreCalls:
         for ch, _ in entries:
             ch.close()
 
-    def identity(self, address: str, timeout_s: float) -> tuple[str, int] | None:
-        """(node_id, epoch) of the store answering at `address`, or None when none answers in time."""
-        try:
-            info = self._stub(address).GetInfo(pb.GetInfoRequest(), timeout=timeout_s)
-        except grpc.RpcError:
-            return None
-        return info.node.node_id, info.node.epoch
+    def identity(self, address: str, timeout_s: float, *, role: str = "store") -> tuple[str, int] | None:
+        """(node_id, epoch) of the `role` node answering `GetInfo` at `address` (its Store, Prefill or Decode
+        service), or None when none answers in time (or it is an older build without that method)."""
+        if role == "store":
+            return _identity(self._stub(address).GetInfo, timeout_s)
+        stub_class = pb_grpc.PrefillStub if role == "prefill" else pb_grpc.DecodeStub
+        with channel(address) as ch:  # a one-off probe: the master keeps no channel to serving nodes
+            return _identity(stub_class(ch).GetInfo, timeout_s)
 
     def reserve(self, address: str, orders: Sequence[SlotOrder], write_lease_ms: int) -> None:
         req = pb.ReserveSlotsRequest(
@@ -148,3 +149,11 @@ class StoreCalls:
         for r in resp.results:
             out[(r.slot, r.generation)] = "" if r.ok else (r.error or "refused")
         return out
+
+
+def _identity(get_info: Callable[..., pb.GetInfoResponse], timeout_s: float) -> tuple[str, int] | None:
+    try:
+        info = get_info(pb.GetInfoRequest(), timeout=timeout_s)
+    except grpc.RpcError:
+        return None
+    return info.node.node_id, info.node.epoch

@@ -113,8 +113,10 @@ class NodeRuntime:
             metrics,
         )
 
-    def attach_agent(self, grpc_address: str, load_fn: Any) -> None:
-        self.agent = NodeAgent(
+    def attach_agent(self, grpc_address: str, load_fn: Any, on_fatal: Any = None) -> None:
+        """Register with the master and start heartbeating; raises the master's refusal (e.g. `AlreadyExists`:
+        a live node holds this node id). `on_fatal(message)`: a later re-registration was refused."""
+        agent = NodeAgent(
             self.master,
             node_id=self.settings.node_id,
             role=self.role,
@@ -122,8 +124,23 @@ class NodeRuntime:
             layout_fingerprint=self.runner.layout.fingerprint(),
             load_fn=load_fn,
             on_heartbeat=self.connector.report_local_events,
+            on_fatal=on_fatal,
         )
-        self.agent.start()
+        self.agent = agent  # GetInfo answers with this epoch from the registration on
+        agent.start()
+
+    def info(self) -> Any:
+        """`kvpool.v1.GetInfoResponse` for this node (epoch 0 and no address until the agent registered)."""
+        from kvpool.v1 import kvpool_pb2 as pb
+
+        agent = self.agent
+        node = pb.NodeEndpoint(
+            node_id=self.settings.node_id,
+            role=self.role,
+            grpc_address=agent.grpc_address if agent is not None else "",
+            epoch=agent.epoch if agent is not None else 0,
+        )
+        return pb.GetInfoResponse(node=node, layout_fingerprint=self.runner.layout.fingerprint())
 
     def namespace(self, cache_salt: str) -> NamespaceId:
         """The namespace digest for this model and tenant salt (registered with the master once)."""

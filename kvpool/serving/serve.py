@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from kvpool.cluster.process import print_ready
+from kvpool.errors import KVPoolError
 from kvpool.metrics import address_of, maybe_start
 from kvpool.rpc.server import start_server
 from kvpool.serving.common import ServingSettings
 from kvpool.serving.runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
+
+
+class NodeRefused(KVPoolError):
+    """The master refused this node's re-registration while it ran (e.g. another live node took its id)."""
+
+
+def default_node_id(role: str, port: int) -> str:
+    """`role-host-port`, or `role-host-pPID` with an ephemeral port: two nodes on one host never share an
+    id by default (the master refuses a node id a live node holds)."""
+    import socket
+
+    return f"{role}-{socket.gethostname()}-{port or f'p{os.getpid()}'}"
 
 
 def serve_node(
@@ -25,13 +39,11 @@ def serve_node(
 ) -> None:
     """Start the runtime, the gRPC server (`build` returns its registrations, a queue-length function and a
     stop hook) and `/metrics`, register with the master, print the READY line, and block until a stop
-    signal."""
+    signal. A registration the master refuses (`AlreadyExists`: a live node holds this node id) raises
+    before READY, with everything started so far stopped; a refused re-registration later stops the node
+    and raises `NodeRefused`."""
     if not settings.node_id:
-        import socket
-
-        settings = settings.model_copy(
-            update={"node_id": f"{role}-{socket.gethostname()}-{settings.port or 'auto'}"}
-        )
+        settings = settings.model_copy(update={"node_id": default_node_id(role, settings.port)})
     rt = NodeRuntime.start(settings, role=role)
     registrations, queue_len, on_stop = build(rt)
     server = start_server(registrations, host=settings.bind_host, port=settings.port)
@@ -44,8 +56,25 @@ def serve_node(
     def load() -> dict[str, Any]:
         return {"queue_len": queue_len(), **rt.load_info()}
 
-    rt.attach_agent(address, load)
+    def shutdown() -> None:
+        server.stop(1.0)
+        if metrics is not None:
+            metrics.stop()
+        on_stop()
+        rt.close()
+
     stop = threading.Event()
+    fatal: list[str] = []
+
+    def on_fatal(message: str) -> None:
+        fatal.append(message)
+        stop.set()
+
+    try:
+        rt.attach_agent(address, load, on_fatal=on_fatal)
+    except BaseException:
+        shutdown()  # refused (or no master): release the port and threads before the caller hears why
+        raise
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print_ready({"node_id": settings.node_id, "role": role, "grpc_address": address,
@@ -55,8 +84,6 @@ def serve_node(
         stop.wait()
     finally:
         log.info("%s %s stopping", role, settings.node_id)
-        server.stop(1.0)
-        if metrics is not None:
-            metrics.stop()
-        on_stop()
-        rt.close()
+        shutdown()
+    if fatal:
+        raise NodeRefused(f"{role} node {settings.node_id} stopped: the master refused it: {fatal[0]}")

@@ -1160,7 +1160,9 @@ class Store:
 
 
 class PrefillStub:
-    """Missing associated documentation comment in .proto file."""
+    """GetInfo on a serving node answers its node id, role, address and epoch (the store's num_slots and
+    the like stay 0): the master asks the registered node before a registration may take over its node id.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -1173,12 +1175,25 @@ class PrefillStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.PrefillEvent.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/kvpool.v1.Prefill/GetInfo',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.GetInfoResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
-    """Missing associated documentation comment in .proto file."""
+    """GetInfo on a serving node answers its node id, role, address and epoch (the store's num_slots and
+    the like stay 0): the master asks the registered node before a registration may take over its node id.
+    """
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1192,6 +1207,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.PrefillRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.PrefillEvent.SerializeToString,
             ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.GetInfoRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.GetInfoResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvpool.v1.Prefill', rpc_method_handlers)
@@ -1201,7 +1221,9 @@ def add_PrefillServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Prefill:
-    """Missing associated documentation comment in .proto file."""
+    """GetInfo on a serving node answers its node id, role, address and epoch (the store's num_slots and
+    the like stay 0): the master asks the registered node before a registration may take over its node id.
+    """
 
     @staticmethod
     def Prefill(request,
@@ -1230,6 +1252,33 @@ class Prefill:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Prefill/GetInfo',
+            kvpool_dot_v1_dot_kvpool__pb2.GetInfoRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeStub:
     """Missing associated documentation comment in .proto file."""
@@ -1245,12 +1294,23 @@ class DecodeStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.DecodeEvent.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/kvpool.v1.Decode/GetInfo',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.GetInfoResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1263,6 +1323,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.DecodeRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.DecodeEvent.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.GetInfoRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.GetInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1292,6 +1357,33 @@ class Decode:
             '/kvpool.v1.Decode/Decode',
             kvpool_dot_v1_dot_kvpool__pb2.DecodeRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Decode/GetInfo',
+            kvpool_dot_v1_dot_kvpool__pb2.GetInfoRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.GetInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,8 +35,8 @@ EXPECTED = {
                "MatchPrefixStream", "RenewLease", "ReleaseLease", "Reserve", "Commit", "Abort", "RemoveBlocks",
                "ReportBadReplica", "ReportLocal", "Stats", "ListNodes", "Drain", "Evict", "InvalidateNamespace"},
     "Store": {"GetInfo", "ReserveSlots", "CommitSlots", "FreeSlots", "Inventory", "CopyBlocks"},
-    "Prefill": {"Prefill"},
-    "Decode": {"Decode"},
+    "Prefill": {"Prefill", "GetInfo"},
+    "Decode": {"Decode", "GetInfo"},
 }  # fmt: skip
 """The methods reviewed for fuzzing; the proto's services must list exactly these."""
 
