@@ -8,6 +8,10 @@ prefill node by the policy → Prefill stream: the first token is TTFT → wait 
 
 `generate` is a synchronous generator of `Event`s (the HTTP layer runs it in a worker thread). The
 node list comes from the master, refreshed in the background every `refresh_interval_s`.
+
+The master down is `Unavailable` (HTTP 503): `health()` asks the master each time; a request uses the
+cached node list only while the last master call succeeded and the list is at most
+`4 * refresh_interval_s` old (a failed refresh or a peek the master did not answer drops it at once).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 import grpc
 
 from kvpool.client.types import Match, NodeStatus
-from kvpool.errors import KVPoolError, ResourceExhausted, Unavailable
+from kvpool.errors import DeadlineExceeded, KVPoolError, ResourceExhausted, Unavailable
 from kvpool.hashing import hash_blocks
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.model_info import ModelInfo
@@ -76,6 +80,7 @@ class RouterService:
         self._admit_lock = threading.Lock()
         self._nodes: list[NodeStatus] = []
         self._nodes_at = 0.0
+        self._master_error = ""  # why the last master call failed ("": it answered)
         self._nodes_lock = threading.Lock()
         self._last_serving: dict[str, tuple[list[NodeStatus], float]] = {}
         self._namespaces: dict[str, bytes] = {}
@@ -104,23 +109,33 @@ class RouterService:
         while not self._stop.wait(self.settings.refresh_interval_s):
             try:
                 self.refresh()
-            except Exception as exc:  # noqa: BLE001 - keep the last view; the next tick retries
+            except Unavailable as exc:  # noted by refresh(): requests ask the master again, or get 503
                 log.warning("node list refresh failed: %s", exc)
 
     def refresh(self) -> list[NodeStatus]:
-        nodes = self.master.list_nodes()
+        """The master's node list now (cached for requests); `Unavailable` when the master does not answer
+        (and the cached list is dropped until it does)."""
+        try:
+            nodes = self.master.list_nodes()
+        except Exception as exc:  # noqa: BLE001 - any failure: the master's view is unknown
+            self.master_failed(exc)
+            raise Unavailable(f"master unreachable: {exc}") from None
         with self._nodes_lock:
-            self._nodes, self._nodes_at = nodes, time.monotonic()
+            self._nodes, self._nodes_at, self._master_error = nodes, time.monotonic(), ""
         return nodes
 
-    def nodes(self) -> list[NodeStatus]:
+    def master_failed(self, exc: BaseException) -> None:
+        """A master call failed: the cached node list is not used again until a refresh succeeds."""
         with self._nodes_lock:
-            nodes, age = self._nodes, time.monotonic() - self._nodes_at
-        if age > 4 * self.settings.refresh_interval_s:
-            try:
-                nodes = self.refresh()
-            except Exception as exc:  # noqa: BLE001
-                raise Unavailable(f"master unreachable: {exc}") from None
+            self._master_error = str(exc) or type(exc).__name__
+
+    def nodes(self) -> list[NodeStatus]:
+        """The cached node list while fresh (the last master call succeeded, at most 4 refresh periods
+        ago), else the master's answer now; `Unavailable` when it does not answer."""
+        with self._nodes_lock:
+            nodes, age, failed = self._nodes, time.monotonic() - self._nodes_at, self._master_error
+        if failed or age > 4 * self.settings.refresh_interval_s:
+            nodes = self.refresh()
         return nodes
 
     def serving(self, role: str) -> list[NodeStatus]:
@@ -139,7 +154,9 @@ class RouterService:
         return []
 
     def health(self) -> dict[str, Any]:
-        nodes = self.nodes()
+        """Live serving nodes per role, from the master now (never the cache): `Unavailable` when it does
+        not answer, so a health check right after the master died fails."""
+        nodes = self.refresh()
         return {
             "prefill": len(serving_nodes(nodes, "prefill")),
             "decode": len(serving_nodes(nodes, "decode")),
@@ -180,6 +197,9 @@ class RouterService:
             hashes = hash_blocks(self.namespace(cache_salt), tokens, layout.block_size)[:max_blocks]
             try:
                 match = self.master.match(self.namespace(cache_salt), hashes, count_hit=False, lease_ttl_ms=0)
+            except (Unavailable, DeadlineExceeded) as exc:  # the master is down: 503, as for the node list
+                self.master_failed(exc)
+                raise Unavailable(f"master unreachable: {exc}") from None
             except KVPoolError as exc:
                 log.warning("peek failed (%s); routing without hits", exc)
         req = RouteRequest(
