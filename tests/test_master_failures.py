@@ -246,3 +246,47 @@ def test_a_second_live_serving_node_with_the_same_node_id_is_refused_and_a_resta
         for p in procs:
             p.kill()
         master.kill()
+
+
+def test_a_gracefully_stopped_node_leaves_the_master_at_once() -> None:
+    """A store (or prefill node) stopped with SIGTERM did not deregister: `kvpool admin status`/`nodes`
+    counted it live until its heartbeat timeout (found by a new-user pass). Its stop now calls the
+    master's DeregisterNode (one short try): it is dead at once, here with a 60 s heartbeat timeout.
+    Only the registered epoch may deregister a node."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from kvpool.master.procs import start
+
+    master = start_master("--heartbeat-timeout-ms", "60000", layout=SERVING_LAYOUT)
+    procs: list[Proc] = []
+    try:
+        stores = [start_store(master.grpc_address, f"s{i}", layout=SERVING_LAYOUT) for i in range(2)]
+        procs += stores
+        prefill = start(_serving(master.grpc_address, "prefill", "p0"), timeout_s=120)
+        procs.append(prefill)
+        wait_stores(master.grpc_address, 2)
+        with MasterClient(master.grpc_address) as c:
+
+            def alive() -> dict[str, bool]:
+                return {n.node.node_id: n.alive for n in c.list_nodes()}
+
+            assert alive() == {"s0": True, "s1": True, "p0": True}
+            assert not c.deregister_node("s1", stores[1].ready["epoch"] + 1)  # another epoch: refused
+            stores[0].kill(signal.SIGTERM)
+            prefill.kill(signal.SIGTERM)
+            assert stores[0].popen.returncode == 0 and prefill.popen.returncode == 0
+            assert alive() == {"s0": False, "s1": True, "p0": False}  # at once, not after 60 s
+        out = subprocess.run(
+            [sys.executable, "-m", "kvpool.cli.main", "admin", "--master", master.grpc_address, "status", "--json"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        status = json.loads(out)
+        assert (status["nodes_alive"], status["nodes"]) == (1, 3)
+        assert status["capacity_bytes"] == stores[1].ready["num_slots"] * stores[1].ready["block_nbytes"]
+    finally:
+        for p in procs:
+            p.kill()
+        master.kill()

@@ -133,6 +133,12 @@ class MasterClient:
         )
         return bool(self._call("Heartbeat", req, retry=True).known)
 
+    def deregister_node(self, node_id: str, epoch: int, *, timeout_s: float | None = None) -> bool:
+        """Leave the pool now (a graceful stop); False when the master knew no live node with that id and
+        epoch. Not retried: callers on their way out give it one short try."""
+        req = pb.DeregisterNodeRequest(node_id=node_id, epoch=epoch)
+        return bool(self._call("DeregisterNode", req, timeout_s=timeout_s).known)
+
     def list_nodes(self) -> list[NodeStatus]:
         return [cv.node_status(n) for n in self._call("ListNodes", pb.ListNodesRequest(), retry=True).nodes]
 

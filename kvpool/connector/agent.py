@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 REFUSALS = (AlreadyExists, FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated)
 """A registration the master refuses for good (a live node holds the node id, a layout or protocol
 mismatch, a bad auth token): retrying cannot help."""
+DEREGISTER_TIMEOUT_S = 1.0
+"""At most this long on stop telling the master the node leaves (never blocks shutdown more)."""
 
 
 class NodeAgent:
@@ -66,6 +68,7 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._registered = False  # the master accepted this epoch once: deregister on stop
 
     def register(self) -> None:
         """Register the node (raises the master's refusal), then every namespace it uses."""
@@ -82,6 +85,7 @@ class NodeAgent:
         )
         interval_ms = getattr(resp, "heartbeat_interval_ms", 0) or 1000
         self.heartbeat_interval_s = interval_ms / 1000.0
+        self._registered = True
 
     def _register_namespaces(self) -> None:
         with self._lock:
@@ -120,9 +124,17 @@ class NodeAgent:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop heartbeating, then deregister once (best effort, one short try): the master, and so the
+        router, drop the node now instead of after its heartbeat timeout."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._registered:
+            self._registered = False
+            try:
+                self.master.deregister_node(self.node_id, self.epoch, timeout_s=DEREGISTER_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - never block shutdown; it expires instead
+                log.warning("could not deregister %s from the master: %s", self.node_id, exc)
 
     def _run(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_s):

@@ -204,6 +204,19 @@ class Master:
                     rec.give_back(slot, gen)
             return True
 
+    def deregister_node(self, node_id: str, epoch: int) -> bool:
+        """A node stopping on purpose: dead now rather than after its heartbeat timeout (a store's replicas
+        leave the index, blocks with other replicas get re-copied). False when no live node has that id and
+        epoch (already gone, or restarted under a new epoch: an old process never removes its successor)."""
+        with self.lock:
+            rec = self.st.nodes.get(node_id)
+            if rec is None or rec.epoch != epoch or not rec.alive:
+                return False
+            log.info("node %s (%s) deregistered: it is stopping", node_id, rec.role)
+            self._forget_node(rec)
+        self.wake.set()  # re-replicate what it held now
+        return True
+
     def reachable(self, rec: NodeRecord) -> bool:
         """Under the lock: worth sending new work to now (`NodeRecord.reachable`)."""
         s = self.settings

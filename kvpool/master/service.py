@@ -116,6 +116,12 @@ class MasterServicer(pb_grpc.MasterServicer):
         return pb.HeartbeatResponse(known=known, master_epoch=self.m.master_epoch)
 
     @rpc_errors
+    def DeregisterNode(
+        self, request: pb.DeregisterNodeRequest, context: grpc.ServicerContext
+    ) -> pb.DeregisterNodeResponse:
+        return pb.DeregisterNodeResponse(known=self.m.deregister_node(request.node_id, request.epoch))
+
+    @rpc_errors
     def RegisterNamespace(
         self, request: pb.RegisterNamespaceRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNamespaceResponse:

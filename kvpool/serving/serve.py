@@ -57,6 +57,8 @@ def serve_node(
         return {"queue_len": queue_len(), **rt.load_info()}
 
     def shutdown() -> None:
+        if rt.agent is not None:
+            rt.agent.stop()  # deregister first: the router stops sending new requests here
         server.stop(1.0)
         if metrics is not None:
             metrics.stop()

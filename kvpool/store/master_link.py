@@ -25,6 +25,9 @@ from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+DEREGISTER_TIMEOUT_S = 1.0
+"""At most this long on a graceful stop telling the master the node leaves (never blocks shutdown more)."""
+
 
 class MasterLink:
     """Registers the node with `master_address` and heartbeats every interval from a daemon thread.
@@ -82,10 +85,27 @@ class MasterLink:
             raise self.refusal
 
     def stop(self) -> None:
+        """Stop heartbeating, then deregister (a graceful stop: the master drops the node now instead of
+        counting it alive until its heartbeat timeout). Best effort: one try of at most
+        `DEREGISTER_TIMEOUT_S`; a master that does not answer still sees the heartbeats stop."""
         self._stop.set()
         self._first_answer.set()
         if self._thread is not None:
             self._thread.join(timeout=self._timeout_s + 1.0)
+        if self.registered.is_set():
+            self.registered.clear()  # once (stop() may run twice)
+            self._deregister()
+
+    def _deregister(self) -> None:
+        node = self._endpoint()
+        req = pb.DeregisterNodeRequest(node_id=node.node_id, epoch=node.epoch)
+        try:
+            with channel(self.address) as ch:
+                pb_grpc.MasterStub(ch).DeregisterNode(req, timeout=DEREGISTER_TIMEOUT_S)
+            log.info("deregistered from master %s", self.address)
+        except grpc.RpcError as exc:
+            log.warning("could not deregister from master %s (%s): it expires after its heartbeat timeout",
+                        self.address, exc.code() if hasattr(exc, "code") else exc)  # fmt: skip
 
     def _run(self) -> None:
         try:

@@ -112,6 +112,20 @@ class HeartbeatResponse(_message.Message):
     master_epoch: int
     def __init__(self, known: _Optional[bool] = ..., master_epoch: _Optional[int] = ...) -> None: ...
 
+class DeregisterNodeRequest(_message.Message):
+    __slots__ = ("node_id", "epoch")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class DeregisterNodeResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
 class RegisterNamespaceRequest(_message.Message):
     __slots__ = ("model_id", "weights_version", "layout_fingerprint", "cache_salt", "adapter_digest", "extra")
     class ExtraEntry(_message.Message):

@@ -44,6 +44,11 @@ class MasterStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.DeregisterNode = channel.unary_unary(
+                '/kvpool.v1.Master/DeregisterNode',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.DeregisterNodeRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.DeregisterNodeResponse.FromString,
+                _registered_method=True)
         self.RegisterNamespace = channel.unary_unary(
                 '/kvpool.v1.Master/RegisterNamespace',
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterNamespaceRequest.SerializeToString,
@@ -141,6 +146,12 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeregisterNode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -261,6 +272,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'DeregisterNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterNode,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.DeregisterNodeRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.DeregisterNodeResponse.SerializeToString,
             ),
             'RegisterNamespace': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterNamespace,
@@ -402,6 +418,33 @@ class Master:
             '/kvpool.v1.Master/Heartbeat',
             kvpool_dot_v1_dot_kvpool__pb2.HeartbeatRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/DeregisterNode',
+            kvpool_dot_v1_dot_kvpool__pb2.DeregisterNodeRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.DeregisterNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

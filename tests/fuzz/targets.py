@@ -31,9 +31,10 @@ PEER_UNAVAILABLE = frozenset({SC.UNAVAILABLE})
 """Also proper where the server itself calls a peer the request names (a fuzzed store address)."""
 
 EXPECTED = {
-    "Master": {"RegisterNode", "Heartbeat", "RegisterNamespace", "SetModelVersion", "MatchPrefix",
-               "MatchPrefixStream", "RenewLease", "ReleaseLease", "Reserve", "Commit", "Abort", "RemoveBlocks",
-               "ReportBadReplica", "ReportLocal", "Stats", "ListNodes", "Drain", "Evict", "InvalidateNamespace"},
+    "Master": {"RegisterNode", "Heartbeat", "DeregisterNode", "RegisterNamespace", "SetModelVersion",
+               "MatchPrefix", "MatchPrefixStream", "RenewLease", "ReleaseLease", "Reserve", "Commit", "Abort",
+               "RemoveBlocks", "ReportBadReplica", "ReportLocal", "Stats", "ListNodes", "Drain", "Evict",
+               "InvalidateNamespace"},
     "Store": {"GetInfo", "ReserveSlots", "CommitSlots", "FreeSlots", "Inventory", "CopyBlocks"},
     "Prefill": {"Prefill", "GetInfo"},
     "Decode": {"Decode", "GetInfo"},
@@ -86,6 +87,9 @@ def hints(layout: str, num_slots: int, data_address: str) -> Hints:
         m + "RegisterNodeRequest.num_slots": st.integers(0, 64),
         m + "RegisterNodeRequest.block_nbytes": st.just(65536),
         m + "HeartbeatRequest.node_id": st.sampled_from(["fz0", "fz1", "fz2"]),
+        # only the fuzz's own fake stores leave: the cluster's real nodes keep serving
+        m + "DeregisterNodeRequest.node_id": st.sampled_from(["fz0", "fz1", "fz2"]),
+        m + "DeregisterNodeRequest.epoch": st.integers(0, 3),
         m + "RegisterNamespaceRequest.layout_fingerprint": st.just(layout),
         m + "MatchPrefixRequest.namespace": ns16,
         m + "ReserveRequest.block_nbytes": st.just(65536),
