@@ -165,7 +165,11 @@ def test_every_role_serves_metrics_that_count_the_requests(cluster: LocalCluster
         sto, "kvpool_store_slots"
     )
     assert value(sto, "kvpool_store_blocks_served_total", op="write") > 0
-    assert value(sto, "kvpool_store_served_bytes_total", op="read") >= value(
-        pre, "kvpool_prefill_pulled_bytes_total"
+    # reads: at most what prefill and decode nodes pulled (same-host readers that copy from the mapped
+    # segment without asking are not seen by the store: transfer/slot_state.py; tests/test_store_slots.py
+    # counts the reads it grants)
+    pulled = total(pre, "kvpool_prefill_link_bytes_total", op="read") + total(
+        dec, "kvpool_decode_link_bytes_total", op="read"
     )
+    assert 0 <= value(sto, "kvpool_store_served_bytes_total", op="read") <= pulled
     assert value(sto, "kvpool_store_inflight_transfers") == 0

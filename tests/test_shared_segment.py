@@ -32,13 +32,19 @@ def transport() -> Iterator[UcxTransport]:
 class _Store:
     """An in-process store: a SlotTable on a shared segment behind a UcxBlockServer."""
 
-    def __init__(self, num_slots: int, *, pin_timeout_s: float | None = None) -> None:
+    def __init__(
+        self, num_slots: int, *, pin_timeout_s: float | None = None, optimistic: bool = False
+    ) -> None:
+        """`optimistic`: the server advertises the slot state too (readers copy without asking first)."""
         from kvpool.store import Segment, SlotTable
 
         self.table = SlotTable(Segment(num_slots * NB, NB, pin_memory="off", share=True))
         assert self.table.segment.shared is not None
         self.server = UcxBlockServer(
-            self.table, shared=self.table.segment.shared, pin_timeout_s=pin_timeout_s
+            self.table,
+            shared=self.table.segment.shared,
+            slot_state=self.table.shared_state if optimistic else None,
+            pin_timeout_s=pin_timeout_s,
         )
         self.peer = f"127.0.0.1:{self.server.start()}"
 
@@ -134,6 +140,83 @@ def _case_same_host_reads_copy_from_the_mapping_and_verify_every_block(transport
         res, _ = s.read(transport, 64)
         assert [i for i, r in enumerate(res) if not r.ok] == [5] and "checksum mismatch" in res[5].error
         _wait_unpinned(s.table)  # every pin was released by `mdone`
+    finally:
+        s.server.stop()
+
+
+def _case_optimistic_reads_copy_without_pins_and_verify_every_block(transport: UcxTransport) -> None:
+    """With the slot state mapped, a read asks nothing: no slot is pinned while it copies; a bit flip is
+    still caught (the block then takes the pinned path, which reports the mismatch)."""
+    s = _Store(64, optimistic=True)
+    try:
+        data = rand_blocks(64, nb=NB, seed=29)
+        s.commit(data)
+        res, out = s.read(transport, 64)  # connect and map
+        assert all(r.ok for r in res) and np.array_equal(out, data)
+        assert transport._peers[s.peer].state is not None
+        pinned: list[int] = []
+        mapping = _slow_copies(transport, s.peer, 0.0, [])
+        real = mapping.copy_verify
+
+        def watching(parts: Any, stop: Any = None) -> Any:
+            pinned.append(s.table.num_inflight)
+            return real(parts, stop)
+
+        mapping.copy_verify = watching  # type: ignore[method-assign]
+        res, out = s.read(transport, 64)
+        assert all(r.ok for r in res) and np.array_equal(out, data)
+        assert pinned and max(pinned) == 0  # copied without a pin: no `mread`
+        assert [r.checksum for r in res[:2]] == [checksum(d) for d in data[:2]]
+        s.table.segment.array[5 * NB + 17] ^= 0x01  # a bit flip in the store's memory
+        res, _ = s.read(transport, 64)
+        assert [i for i, r in enumerate(res) if not r.ok] == [5] and "checksum mismatch" in res[5].error
+        s.table.segment.array[5 * NB + 17] ^= 0x01
+        _wait_unpinned(s.table)
+        # reads that carry capabilities always ask the store (it checks them on `mread`)
+        pinned.clear()
+        caps = [BlockRead(i, 1, NB, capability=b"c" * 16, expiry_ms=1) for i in range(8)]
+        res = transport.read_blocks(s.peer, caps, [memoryview(o) for o in out[:8]], timeout_s=10.0)
+        assert all(r.ok for r in res) and pinned and min(pinned) == 8, (pinned, [r.error for r in res])
+        _wait_unpinned(s.table)
+    finally:
+        s.server.stop()
+
+
+def _case_a_block_freed_during_an_optimistic_copy_is_never_returned(transport: UcxTransport) -> None:
+    """Field case B17 without pins: slot 0 is evicted (freed) right after its bytes were copied, intact,
+    and slot 1 is freed and written again with other bytes before they are copied; neither read may
+    succeed (the second look at the generation, and the checksum, catch them), the others do."""
+    from kvpool.store.slots import Reservation
+
+    s = _Store(8, optimistic=True)
+    try:
+        data = rand_blocks(8, nb=NB, seed=30)
+        s.commit(data)
+        s.read(transport, 8)  # connect and map
+        mapping = _slow_copies(transport, s.peer, 0.0, [])
+        real = mapping.copy_verify
+        calls: list[int] = []
+
+        def racing(parts: Any, stop: Any = None) -> Any:
+            calls.append(len(parts))
+            first = len(calls) == 1  # the first of the read's copy jobs (they may run concurrently)
+            if first:
+                s.table.free([(1, 1)])
+                s.table.reserve([Reservation(1, 2, NS, h(101))], 60_000)
+                s.table.begin_write(1, 2, NB)[:] = data[7]
+                s.table.end_write(1, 2, checksum(data[7]), True)
+                assert s.table.commit([(1, 2)])[0][2] == ""
+            out = real(parts, stop)
+            if first:
+                assert s.table.free([(0, 1)])[0].new_generation == 2  # released at once: nothing pinned
+            return out
+
+        mapping.copy_verify = racing  # type: ignore[method-assign]
+        res, out = s.read(transport, 8)
+        assert [r.ok for r in res] == [False, False] + [True] * 6, [r.error for r in res]
+        assert all("generation" in r.error for r in res[:2]), [r.error for r in res[:2]]
+        assert np.array_equal(out[2:], data[2:])
+        _wait_unpinned(s.table)
     finally:
         s.server.stop()
 
@@ -323,6 +406,14 @@ def test_same_host_reads_copy_from_the_mapping_and_verify_every_block() -> None:
     _in_fresh_process("_case_same_host_reads_copy_from_the_mapping_and_verify_every_block")
 
 
+def test_optimistic_reads_copy_without_pins_and_verify_every_block() -> None:
+    _in_fresh_process("_case_optimistic_reads_copy_without_pins_and_verify_every_block")
+
+
+def test_a_block_freed_during_an_optimistic_copy_is_never_returned() -> None:
+    _in_fresh_process("_case_a_block_freed_during_an_optimistic_copy_is_never_returned")
+
+
 def test_slots_stay_pinned_while_the_reader_copies() -> None:
     _in_fresh_process("_case_slots_stay_pinned_while_the_reader_copies")
 
@@ -414,29 +505,62 @@ def test_a_peer_keeps_its_mapping_only_while_its_store_advertises_that_segment()
     assert p.mapping is None
 
 
-def _mapped_segments() -> int:
+def test_a_peer_maps_the_slot_state_its_store_advertises_and_only_that() -> None:
+    from transfer.slot_state import SharedSlotState
+    from transfer.ucx_conn import PeerConns
+
+    seg, st = SharedSegment(1 << 16), SharedSlotState(4, 1 << 14)
+    hello = {"seg": seg.descriptor.to_wire(), "mv": MREAD_VERSION, "st": st.to_wire()}
+    p = PeerConns(1)
+    p.map_segment("s:1", hello)
+    state = p.state
+    assert state is not None and (state.num_slots, state.block_nbytes) == (4, 1 << 14)
+    st.generation[2], st.readable[2] = 7, 1
+    with state.hold() as live:
+        assert live and state.readable_at(np.array([2, 3]), np.array([7, 1], np.uint64)).tolist() == [
+            True,
+            False,
+        ]
+    p.map_segment("s:1", hello)
+    assert p.state is state  # the same store: kept
+    p.map_segment("s:1", {k: v for k, v in hello.items() if k != "st"})  # restarted without it
+    assert p.state is None and p.mapping is not None
+    with state.hold() as live:
+        assert not live  # closed: nothing may be read through it
+    for bad in ({"seg": st.to_wire()["seg"], "n": 10**6, "nb": 1}, {"seg": {}, "n": 4, "nb": 1}, "x"):
+        p.map_segment("s:1", {**hello, "st": bad})  # malformed or larger than its file: not mapped
+        assert p.state is None
+    p.map_segment("s:1", hello)
+    assert p.state is not None
+    p.unmap()
+    assert p.state is None and p.mapping is None
+
+
+def _mapped_segments(name: str = "kvpool-segment-") -> int:
     with open("/proc/self/maps") as f:
-        return sum("kvpool-segment-" in line for line in f)
+        return sum(name in line for line in f)
 
 
 def test_a_dead_stores_segment_is_unmapped_by_its_readers(transport: UcxTransport) -> None:
     """A reader held a killed store's memfd mapped (its memory allocated) until the transport closed: a
     store crash-looping on new ports grew shared memory without limit. Once no connection to the store is
     alive, the mapping goes."""
-    before = _mapped_segments()
+    before, states_before = _mapped_segments(), _mapped_segments("kvpool-slot-state-")
     s = start_store(segment="8MiB")
     try:
         data = rand_blocks(4, seed=27)
         put_blocks(s, transport, [0, 1, 2, 3], data)
         assert all(r.ok for r in read(transport, s, [0, 1, 2, 3])[0])
         assert transport._peers[s.data_address].mapping is not None
+        assert transport._peers[s.data_address].state is not None  # optimistic reads: no request
         assert _mapped_segments() == before + 1
+        assert _mapped_segments("kvpool-slot-state-") == states_before + 1
     finally:
         s.kill()
-    res, _ = read(transport, s, [0], timeout_s=3.0)  # fails: connection lost or refused
+    res, _ = read(transport, s, [0], timeout_s=3.0)  # fails (the mapping outlives the store: not read)
     assert not res[0].ok
     deadline = time.monotonic() + 5
-    while _mapped_segments() > before:
+    while _mapped_segments() > before or _mapped_segments("kvpool-slot-state-") > states_before:
         assert time.monotonic() < deadline, "the dead store's segment is still mapped"
         time.sleep(0.05)
     assert transport._peers[s.data_address].mapping is None

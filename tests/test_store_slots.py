@@ -318,3 +318,68 @@ def _put_reserved(t: SlotTable, slot: int) -> None:
     t.begin_write(slot, 1, NB)[:] = data
     t.end_write(slot, 1, checksum(data), True)
     assert t.commit([(slot, 1)]) == [(slot, 1, "")]
+
+
+def test_shared_slot_state_follows_every_transition() -> None:
+    """What same-host readers map (transfer/slot_state.py): generation, checksum, and `readable` exactly
+    while a slot is COMMITTED with no free pending; a release clears it and bumps the generation."""
+    from kvpool.capability import Capabilities, CapabilityKey
+
+    clock = FakeClock(1000)
+    t = SlotTable(Segment(8 * NB, NB, pin_memory="off", share=True), clock)
+    st = t.shared_state
+    assert st is not None and st.num_slots == 8 and st.block_nbytes == NB
+    assert st.generation.tolist() == [1] * 8 and not st.readable.any()
+
+    def readable() -> list[int]:
+        return np.flatnonzero(st.readable).tolist()
+
+    d = [bytes([k]) * NB for k in range(3)]
+    _put(t, 0, d[0], commit=False)
+    assert readable() == [] and int(st.checksum[0]) == checksum(d[0])  # written, not yet visible
+    assert t.commit([(0, 1)]) == [(0, 1, "")]
+    _put(t, 1, d[1])
+    assert readable() == [0, 1]
+    t.begin_read(0, 1, NB)
+    assert t.free([(0, 1)])[0].deferred
+    assert readable() == [1] and int(st.generation[0]) == 1  # free pending: no longer readable
+    t.end_read(0)
+    assert readable() == [1] and int(st.generation[0]) == 2  # released: the generation moved on
+    t.free([(1, 1)])
+    assert readable() == [] and st.generation.tolist()[:2] == [2, 2]
+    _put(t, 1, d[2], gen=2)
+    assert readable() == [1] and int(st.checksum[1]) == checksum(d[2])
+    t.reserve([Reservation(2, 1, NS, _h(2))], 10)
+    clock.advance(20)
+    assert t.reap_expired() == 1 and readable() == [1] and int(st.generation[2]) == 2
+
+    # not shared: a private segment, or a store that checks capabilities (every read then shows one to it)
+    assert SlotTable(Segment(8 * NB, NB, pin_memory="off"), FakeClock(1000)).shared_state is None
+    caps = Capabilities(CapabilityKey(b"k" * 32), clock=FakeClock(1000), skew_ms=1000)
+    shared = Segment(8 * NB, NB, pin_memory="off", share=True)
+    assert SlotTable(shared, FakeClock(1000), capabilities=caps).shared_state is None
+
+
+def test_metered_handler_counts_every_read_it_grants() -> None:
+    """Per-block, batch and array grants are counted alike (the array grant is the `mread` path)."""
+    from kvpool.store.metrics import MeteredHandler, StoreMetrics
+
+    t = SlotTable(Segment(8 * NB, NB, pin_memory="off"), FakeClock(1000))
+    for k in range(3):
+        _put(t, k, bytes([k]) * NB)
+    metrics = StoreMetrics(t)
+    h = MeteredHandler(t, metrics)
+
+    def counted() -> tuple[float, float, float]:
+        get = metrics.registry.get_sample_value
+        return (
+            get("kvpool_store_blocks_served_total", {"op": "read"}) or 0.0,
+            get("kvpool_store_served_bytes_total", {"op": "read"}) or 0.0,
+            get("kvpool_store_transfer_errors_total", {"op": "read"}) or 0.0,
+        )
+
+    h.begin_read(0, 1, NB)
+    assert h.begin_reads([(1, 1, NB, b"", 0), (5, 1, NB, b"", 0)])[1] is not None
+    assert h.begin_reads_array(np.array([[0, 1, NB], [2, 1, NB]], dtype=np.uint64)) is not None
+    assert h.begin_reads_array(np.array([[6, 1, NB]], dtype=np.uint64)) is None  # free: nothing begun
+    assert counted() == (4.0, 4.0 * NB, 1.0)

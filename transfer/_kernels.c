@@ -224,6 +224,9 @@ static PyObject *copy_verify(PyObject *self, PyObject *args) {
         }
         if (stream)
             STREAM_FENCE(); /* the streamed stores are visible before the caller learns they are done */
+        /* the copy's loads complete before anything the caller does next, e.g. an optimistic reader's
+           second look at the slot's generation (transfer/slot_state.py) */
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
         Py_END_ALLOW_THREADS
         ((free_state_fn)addr[1])(state);
     }

@@ -8,23 +8,30 @@ needs `UCX_CMA_MEMORY_INVALIDATE`, which UCX documents as unsupported. kvpool's 
   faults with SIGBUS) and advertises `SegmentDescriptor` (pid, fd, inode, size, boot id) in its ping reply;
 - a reader on the same host (same boot id and pid namespace, allowed to open `/proc/<pid>/fd/<fd>`: the
   access that also reads the store's `/proc/<pid>/environ`, see Trust) maps it read-only once per store;
-- every read still goes through the store over UCX: it checks generations and capabilities and pins the
-  slots (`begin_read`), answers their offsets and checksums, and unpins (`end_read`) when the reader says
-  it has copied them (or its endpoint dies, or the pin timeout passes); the reader copies and verifies
-  the xxh3 of what it copied, so even a pin that expired under it can only give a checksum error.
+- a reader that also maps the store's slot state (transfer/slot_state.py) copies first and checks the
+  slot's generation before and after, without a message; any block that fails that, or every block when
+  the slot state is not mapped, goes through the store over UCX (`mread`): it checks generations and
+  capabilities and pins the slots (`begin_read`), answers their offsets and checksums, and unpins
+  (`end_read`) when the reader says it has copied them (or its endpoint dies, or the pin timeout passes);
+  the reader copies and verifies the xxh3 of what it copied, so even a pin that expired under it can
+  only give a checksum error.
 
-Like UCX's xpmem/knem single-copy transports, but under the store's pins: blocks are read, never written,
-through the mapping (writes stay two-sided messages the store checks). Linux only; anything missing
+Like UCX's xpmem/knem single-copy transports, but under generation checks or the store's pins: blocks
+are read, never written, through the mapping (writes stay two-sided messages the store checks). Linux
+only; anything missing
 (another host, another pid namespace, no permission, a replaced fd) leaves the reader on UCX.
 
 Trust: a mapping shows the whole segment, so a process that maps it could read slots it holds no read
 capability for. Capabilities guard the UCX port against network peers; a process that can open the
 memfd (the store's uid, mode 0400, or CAP_SYS_PTRACE) can equally read the cluster secret file and sign
-its own capabilities, so the trust boundary is unchanged. `kvpool store --no-share-segment` turns it off.
+its own capabilities, so the trust boundary is unchanged; still, a store that checks capabilities does
+not share its slot state, so every read shows its capability to it. `kvpool store --no-share-segment`
+turns sharing off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import logging
@@ -32,7 +39,7 @@ import mmap
 import os
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -98,13 +105,11 @@ class SharedSegment:
     Lives as long as the process (the fd must stay open for readers to find it). Raises `OSError` where
     memfd or sealing is unavailable (off Linux)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, name: str = "kvpool-segment") -> None:
         self.nbytes = nbytes
         if not _SEALS or not hasattr(os, "memfd_create"):
             raise OSError("memfd with seals is Linux only")
-        self._fd = os.memfd_create(
-            f"kvpool-segment-{secrets.token_hex(8)}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-        )
+        self._fd = os.memfd_create(f"{name}-{secrets.token_hex(8)}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self._fd, nbytes)
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
@@ -195,11 +200,9 @@ class SegmentMapping:
         bytes move and are hashed: where `KERNELS` is built, one C loop copies each block in cache-sized
         pieces and hashes each piece right after it lands; else runs of parts adjacent on both sides are
         copied by numpy as one and then hashed block by block."""
-        with self._lock:
-            if self._closed:
+        with self.hold() as live:
+            if not live:
                 return [(False, 0, "segment mapping closed")] * len(parts)
-            self._users += 1
-        try:
             out: list[tuple[bool, int, str]] = [(False, 0, "read abandoned")] * len(parts)
             if KERNELS is not None:
                 self._copy_kernel(parts, out, stop or StopFlag())
@@ -211,11 +214,32 @@ class SegmentMapping:
                 for k in range(lo, hi):
                     out[k] = _verdict(checksum(parts[k][0]), parts[k][2])
             return out
+
+    def owner_alive(self) -> bool:
+        """The store process still holds the segment (its fd still names that inode): ~5 us. A reader
+        that copies without asking checks it, since the mapping outlives a killed store."""
+        d = self.descriptor
+        try:
+            st = os.stat(f"/proc/{d.pid}/fd/{d.fd}")
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == (d.dev, d.ino)
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[bool]:
+        """Keep the mapping mapped inside the `with` block (a `close` meanwhile unmaps at its end); yields
+        False, and nothing may be read through `address`, when it is closed already."""
+        with self._lock:
+            live = not self._closed
+            self._users += live
+        try:
+            yield live
         finally:
-            with self._lock:
-                self._users -= 1
-                if self._closed and self._users == 0:
-                    self._unmap()
+            if live:
+                with self._lock:
+                    self._users -= 1
+                    if self._closed and self._users == 0:
+                        self._unmap()
 
     def _copy_kernel(
         self, parts: Sequence[tuple[memoryview, int, int]], out: list[tuple[bool, int, str]], stop: StopFlag

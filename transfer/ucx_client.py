@@ -25,7 +25,7 @@ from transfer.base import (
 from transfer.coalesce import adjacent_groups, client_plan
 from transfer.shared_segment import StopFlag
 from transfer.ucx_conn import Conn, PeerConns, PeerRefused
-from transfer.ucx_mapped import mapped_read
+from transfer.ucx_mapped import mapped_read, optimistic_read
 from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
     _err,
@@ -34,7 +34,7 @@ from transfer.ucx_runtime import (
     connect_endpoint,
 )
 from transfer.ucx_wait import tag_recv, tag_send
-from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, as_bytes_view, checksum_many
+from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, KERNELS, as_bytes_view, checksum_many
 
 log = logging.getLogger(__name__)
 
@@ -305,8 +305,13 @@ class UcxTransport:
         async def one(conn: Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
             p = self._peers.get(peer)
             if p is not None and p.mapping is not None:
-                await mapped_read(conn, p.mapping, next(self._ids), [reads[i] for i in idxs],
-                                  [views[i] for i in idxs], idxs, results, stop)  # fmt: skip
+                mine, into = [reads[i] for i in idxs], [views[i] for i in idxs]
+                left = list(range(len(idxs)))
+                if p.state is not None and KERNELS is not None and not any(r.capability for r in mine):
+                    left = await optimistic_read(p.mapping, p.state, mine, into, idxs, results, stop)
+                if left:
+                    await mapped_read(conn, p.mapping, next(self._ids), [mine[j] for j in left],
+                                      [into[j] for j in left], [idxs[j] for j in left], results, stop)  # fmt: skip
                 return
             rid = next(self._ids)
             msg = {

@@ -10,6 +10,7 @@ from typing import Any
 from transfer.base import TransferError
 from transfer.mread_wire import MREAD_VERSION
 from transfer.shared_segment import SegmentDescriptor, SegmentMapping
+from transfer.slot_state import SlotStateMapping
 from transfer.ucx_runtime import _err, _pack, _Runtime, _unpack, abort_ep, ep_handle
 from transfer.ucx_wait import am_recv
 
@@ -107,12 +108,14 @@ class Conn:
 
 class PeerConns:
     """A peer's small pool of connections (filled on first use), the lock that serialises connecting and,
-    for a same-host store that shares its segment, the read-only mapping of it."""
+    for a same-host store that shares its segment, the read-only mapping of it (and of its slot state,
+    for optimistic reads, when the store shares that too)."""
 
     def __init__(self, size: int) -> None:
         self.conns: list[Conn | None] = [None] * size
         self.lock = asyncio.Lock()
         self.mapping: SegmentMapping | None = None
+        self.state: SlotStateMapping | None = None
 
     def conn_died(self) -> None:
         """A connection failed or was aborted: once none is alive, drop the segment mapping (a dead store's
@@ -133,17 +136,34 @@ class PeerConns:
         except ValueError as exc:
             log.warning("store %s: %s; reading over UCX", peer, exc)
             return
-        if self.mapping is not None and self.mapping.descriptor == desc:
+        if self.mapping is None or self.mapping.descriptor != desc:
+            self.unmap()
+            try:
+                self.mapping = SegmentMapping.attach(desc)
+            except OSError as exc:
+                log.info("store %s: its segment cannot be mapped here (%s); reading over UCX", peer, exc)
+                return
+            log.info("store %s: same host, reading from its shared segment (%d MiB)", peer, desc.nbytes >> 20)
+        self._map_state(peer, hello.get("st"))
+
+    def _map_state(self, peer: str, wire: Any) -> None:
+        """Map (or keep) the slot state `wire` describes; None or any failure: reads ask the store first."""
+        if self.state is not None and (
+            not isinstance(wire, dict) or wire.get("seg") != self.state.descriptor.to_wire()
+        ):
+            self.state.close()
+            self.state = None
+        if wire is None or self.state is not None:
             return
-        self.unmap()
         try:
-            self.mapping = SegmentMapping.attach(desc)
-        except OSError as exc:
-            log.info("store %s: its segment cannot be mapped here (%s); reading over UCX", peer, exc)
-            return
-        log.info("store %s: same host, reading from its shared segment (%d MiB)", peer, desc.nbytes >> 20)
+            self.state = SlotStateMapping.attach(wire)
+        except (ValueError, OSError) as exc:
+            log.info("store %s: its slot state cannot be mapped here (%s); every read asks first", peer, exc)
 
     def unmap(self) -> None:
+        if self.state is not None:
+            self.state.close()
+            self.state = None
         if self.mapping is not None:
             self.mapping.close()
             self.mapping = None

@@ -1,4 +1,5 @@
-"""The reader's side of a same-host read: `mread` over UCX, one copy from the mapped segment, `mdone`.
+"""The reader's side of a same-host read: one copy from the mapped segment, checked against the mapped
+slot state (`optimistic_read`) or under the store's pins (`mread` over UCX, the copy, `mdone`).
 
 Wire (extends transfer/ucx.py):
     mread  client -> server, and its reply: packed arrays, see transfer/mread_wire.py (ok blocks are pinned)
@@ -18,6 +19,7 @@ import numpy as np
 from transfer.base import BlockRead
 from transfer.mread_wire import decode_reply, encode_request
 from transfer.shared_segment import SegmentMapping, StopFlag
+from transfer.slot_state import SlotStateMapping
 from transfer.ucx_conn import Conn, PeerRefused
 from transfer.ucx_runtime import _pack
 from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, NUM_HASH_THREADS
@@ -44,6 +46,47 @@ async def _copy(mapping: SegmentMapping, parts: list[Part], stop: StopFlag) -> l
         concurrent.futures.wait(jobs)
         raise
     return [r for j in jobs for r in j.result()]
+
+
+async def optimistic_read(
+    mapping: SegmentMapping,
+    state: SlotStateMapping,
+    reads: Sequence[BlockRead],
+    views: Sequence[memoryview],
+    idxs: Sequence[int],
+    results: list[tuple[bool, int, str]],
+    stop: StopFlag,
+) -> list[int]:
+    """Read `reads` into `views` without asking the store (transfer/slot_state.py): block j's result goes
+    to `results[idxs[j]]` when it was readable at its generation before and after its verified copy.
+    Returns the positions j of the others, for `mapped_read` (which pins them and says why they fail)."""
+    n = len(reads)
+    try:
+        slots = np.fromiter((r.slot for r in reads), np.int64, n)
+        gens = np.fromiter((r.generation for r in reads), np.uint64, n)
+        sizes = np.fromiter((r.nbytes for r in reads), np.int64, n)
+    except (OverflowError, TypeError, ValueError):  # not ids a store could hold: the store says so
+        return list(range(n))
+    with state.hold() as live:
+        if not live or not state.owner_alive():
+            return list(range(n))
+        fits = (slots >= 0) & (slots < state.num_slots) & (sizes == state.block_nbytes)
+        slots[~fits] = 0
+        where = np.flatnonzero(fits & state.readable_at(slots, gens))
+        if not len(where):
+            return list(range(n))
+        tried = slots[where]
+        stored = state.checksum[tried]  # read after `readable`: set before it at each commit
+        offsets = (tried * state.block_nbytes).tolist()
+        parts = list(zip([views[j] for j in where.tolist()], offsets, stored.tolist(), strict=True))
+        copied = await _copy(mapping, parts, stop)
+        still = state.readable_at(tried, gens[where]).tolist()  # the copy's kernel fenced its loads
+    done = np.zeros(n, dtype=bool)
+    for j, res, kept in zip(where.tolist(), copied, still, strict=True):
+        if res[0] and kept:
+            results[idxs[j]] = res
+            done[j] = True
+    return np.flatnonzero(~done).tolist()
 
 
 async def mapped_read(

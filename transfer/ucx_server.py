@@ -13,6 +13,7 @@ from transfer.base import BlockHandler
 from transfer.coalesce import merge, valid_groups
 from transfer.mread_wire import MREAD_VERSION, decode_request, encode_reply
 from transfer.shared_segment import SharedSegment
+from transfer.slot_state import SharedSlotState
 from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
     PEER_INFO_TIMEOUT_S,
@@ -56,7 +57,9 @@ class UcxBlockServer:
     `shared`: the handler's blocks live in this memfd segment; same-host readers that map it (its
     descriptor rides on ping replies) read with `mread` and copy the bytes themselves
     (`transfer.shared_segment`): the slots stay pinned until their `mdone`, their endpoint's end or
-    `pin_timeout_s` (default: `send_timeout_s`), whichever comes first.
+    `pin_timeout_s` (default: `send_timeout_s`), whichever comes first. `slot_state` (with `shared`
+    only): the handler's slot states, advertised for optimistic reads (transfer/slot_state.py); the
+    handler's slot k must lie at k * its block size in `shared`.
     """
 
     def __init__(
@@ -67,12 +70,17 @@ class UcxBlockServer:
         *,
         send_timeout_s: float = 30.0,
         shared: SharedSegment | None = None,
+        slot_state: SharedSlotState | None = None,
         pin_timeout_s: float | None = None,
     ) -> None:
         self._handler = handler
         self._shared = shared
         self._pin_timeout_s = send_timeout_s if pin_timeout_s is None else pin_timeout_s
-        self._hello = {"seg": shared.descriptor.to_wire(), "mv": MREAD_VERSION} if shared is not None else {}
+        self._hello: dict[str, Any] = {}
+        if shared is not None:
+            self._hello = {"seg": shared.descriptor.to_wire(), "mv": MREAD_VERSION}
+            if slot_state is not None:
+                self._hello["st"] = slot_state.to_wire()
         self._copying: dict[tuple[int, int], asyncio.Future[None]] = {}  # (endpoint id, request id)
         self.host = host
         self._port = port

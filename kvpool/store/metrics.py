@@ -3,7 +3,9 @@
 Occupancy (slots used/free, bytes, in-flight transfers) is read from the slot table at scrape time.
 Data-plane traffic is counted by `MeteredHandler`, the `transfer.BlockHandler` the UCX block server is
 given: it forwards every call to the slot table and counts the blocks it served (reads), the blocks that
-landed intact (writes), their bytes, and the refusals.
+landed intact (writes), their bytes, and the refusals. Same-host readers that map the segment and its
+slot state copy without asking the store (transfer/slot_state.py): their reads are not counted here
+(their own link metrics count them).
 """
 
 from __future__ import annotations
@@ -50,9 +52,12 @@ class StoreMetrics:
         r = self.registry
         r.register(StoreCollector(table))
         self.blocks = Counter(
-            P + "blocks_served", "Blocks read (sent) or written (landed intact) over the data plane.", ["op"],
+            P + "blocks_served",
+            "Blocks read (granted to a reader) or written (landed intact) through the data plane server "
+            "(same-host readers that copy without asking are not seen).",
+            ["op"],
             registry=r,
-        )  # fmt: skip
+        )
         self.bytes = Counter(P + "served_bytes", "Bytes of blocks read or written.", ["op"], registry=r)
         self.errors = Counter(
             P + "transfer_errors", "Block reads or writes refused or failed.", ["op"], registry=r

@@ -86,6 +86,7 @@ class StoreNode:
             self.settings.data_port,
             send_timeout_s=self.settings.transfer_timeout_s,
             shared=self.segment.shared,
+            slot_state=self.table.shared_state,
         )
         self._data.start()
         servicer = StoreServicer(

@@ -35,7 +35,6 @@ class _Meta:
     block_hash: bytes
     parent_hash: bytes
     lease_expiry_ms: int
-    checksum: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,11 +11,16 @@ Slots start at generation 1. A reservation of a FREE slot may name a generation 
 With `capabilities` (see kvpool/capability.py), every read and write must carry a capability the master
 signed for this node, the slot, its generation and the block the slot records (namespace and hash), for
 that operation, not yet expired; without one the block is refused with `PermissionDenied` and no bytes move.
-Implements `transfer.BlockHandler`. Thread-safe (one lock; the checksum of a write is computed outside it).
+With a shared segment and without capabilities, each slot's generation, checksum and readable flag
+(COMMITTED, no free pending) live in `shared_state`, which same-host readers map to copy without asking
+first (transfer/slot_state.py): a release clears the flag and bumps the generation before the slot can be
+written again. Implements `transfer.BlockHandler`. Thread-safe (one lock; the checksum of a write is
+computed outside it).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -43,7 +48,22 @@ from kvpool.store.slot_types import (  # noqa: F401 - FIRST_GENERATION, Reservat
     _Meta,
 )
 from kvpool.types import HASH_NBYTES, Clock, InventoryItem, MonotonicClock
+from transfer.slot_state import SharedSlotState
 from transfer.xxh3 import checksum as block_checksum
+
+log = logging.getLogger(__name__)
+
+
+def _shared_state(segment: Segment, capabilities: Capabilities | None) -> SharedSlotState | None:
+    """The slot state same-host readers may map (transfer/slot_state.py): with a shared segment, and only
+    when the store checks no capabilities (with them, every read shows its capability to the store)."""
+    if segment.shared is None or capabilities is not None:
+        return None
+    try:
+        return SharedSlotState(segment.num_slots, segment.block_nbytes)
+    except OSError as exc:
+        log.warning("slot state not shared with same-host readers: %s", exc)
+        return None
 
 
 class SlotTable:
@@ -66,7 +86,15 @@ class SlotTable:
         self._clock = clock or MonotonicClock()
         self._lock = threading.Lock()
         n = self.num_slots
-        self._gen = np.full(n, FIRST_GENERATION, dtype=np.uint64)
+        self.shared_state = _shared_state(segment, capabilities)
+        if self.shared_state is not None:  # same-host readers see these three (transfer/slot_state.py)
+            st = self.shared_state
+            self._gen, self._checksum, self._readable = st.generation, st.checksum, st.readable
+            self._gen[:] = FIRST_GENERATION
+        else:
+            self._gen = np.full(n, FIRST_GENERATION, dtype=np.uint64)
+            self._checksum = np.zeros(n, dtype=np.uint64)
+            self._readable = np.zeros(n, dtype=np.uint8)  # 1: COMMITTED and no free pending
         self._state = np.zeros(n, dtype=np.uint8)
         self._readers = np.zeros(n, dtype=np.int32)
         self._writing = np.zeros(n, dtype=np.bool_)
@@ -108,6 +136,7 @@ class SlotTable:
 
     def _release(self, slot: int) -> int:
         """Free `slot` now: bump its generation. Returns the new generation."""
+        self._readable[slot] = 0
         if int(self._state[slot]) != _FREE:
             self._num_used -= 1
         self._state[slot] = _FREE
@@ -170,6 +199,7 @@ class SlotTable:
                         raise FailedPrecondition(f"slot {slot} is being freed")
                     if state == _WRITTEN:
                         self._state[slot] = _COMMITTED
+                        self._readable[slot] = 1
                     elif state != _COMMITTED:  # committed already: idempotent
                         raise FailedPrecondition(f"slot {slot} is {SlotState(state).name}, not written")
                     out.append((slot, gen, ""))
@@ -189,6 +219,7 @@ class SlotTable:
                     out.append(FreeResult(slot, current, False))
                 elif self._in_flight(slot):
                     self._free_pending.add(slot)
+                    self._readable[slot] = 0
                     out.append(FreeResult(slot, current + 1, True))
                 else:
                     out.append(FreeResult(slot, self._release(slot), False))
@@ -229,7 +260,7 @@ class SlotTable:
                     m.parent_hash,
                     s,
                     int(self._gen[s]),
-                    m.checksum,
+                    int(self._checksum[s]),
                     self.block_nbytes,
                 )
                 for s, m in sorted(self._meta.items())
@@ -313,9 +344,8 @@ class SlotTable:
             return None
         np.add.at(self._readers, slots, 1)
         self.num_inflight += len(listed)
-        meta = self._meta
-        checksums = np.fromiter((meta[s].checksum for s in listed), np.uint64, len(listed))
-        return self.segment.buffer, slots.astype(np.uint64) * np.uint64(self.block_nbytes), checksums
+        starts = slots.astype(np.uint64) * np.uint64(self.block_nbytes)
+        return self.segment.buffer, starts, self._checksum[slots]
 
     def _begin_read(
         self, slot: int, generation: int, nbytes: int, capability: bytes, expiry_ms: int
@@ -332,7 +362,7 @@ class SlotTable:
             )
         self._readers[slot] += 1
         self.num_inflight += 1
-        return self.segment.slot_view(slot), self._meta[slot].checksum
+        return self.segment.slot_view(slot), int(self._checksum[slot])
 
     def end_read(self, slot: int) -> None:
         self.end_reads((slot,))
@@ -403,6 +433,6 @@ class SlotTable:
                 if got != checksum:
                     raise ChecksumMismatch(f"slot {slot}: bytes hash to {got:#x}, writer said {checksum:#x}")
                 self._state[slot] = _WRITTEN
-                self._meta[slot].checksum = checksum
+                self._checksum[slot] = checksum
             finally:
                 self._maybe_finish_free(slot)
