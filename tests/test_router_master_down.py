@@ -14,6 +14,7 @@ from typing import Any
 from starlette.testclient import TestClient
 
 from kvpool.client import MasterClient, NodeInfo
+from kvpool.errors import Unavailable
 from kvpool.master.procs import Proc, start_master
 from kvpool.router.http import build_app
 from kvpool.router.model_info import ModelInfo
@@ -34,10 +35,20 @@ def eventually(cond: Callable[[], bool], timeout_s: float = 15.0) -> None:
 
 
 def _register_nodes(master: str, layout: str) -> None:
-    with MasterClient(master) as c:
-        for node_id, role in (("p0", "prefill"), ("d0", "decode")):
-            node = NodeInfo(node_id, role, "127.0.0.1:1", "", 1)
-            c.register_node(node, protocol_version=PROTOCOL_VERSION, layout_fingerprint=layout)
+    """Register the fake serving nodes; retried: right after a restart, gRPC's shared subchannel may still
+    be in its reconnect backoff (up to 1 s) from the calls to the dead master."""
+
+    def register() -> bool:
+        try:
+            with MasterClient(master) as c:
+                for node_id, role in (("p0", "prefill"), ("d0", "decode")):
+                    node = NodeInfo(node_id, role, "127.0.0.1:1", "", 1)
+                    c.register_node(node, protocol_version=PROTOCOL_VERSION, layout_fingerprint=layout)
+        except Unavailable:
+            return False
+        return True
+
+    eventually(register)
 
 
 def test_router_answers_503_as_soon_as_the_master_is_killed() -> None:
