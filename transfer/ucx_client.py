@@ -88,7 +88,9 @@ class UcxTransport:
     connection to a peer probes the link (`probe_pings` tiny round trips for alpha, `probe_bytes` for beta).
 
     `map_local_segments`: read from a same-host store that shares its segment by copying from a read-only
-    mapping of it (`transfer.shared_segment`; the store still checks and pins every block), else over UCX.
+    mapping of it (`transfer.shared_segment`): on the calling thread without a message where the store
+    shares its slot state too (`transfer.slot_state`), else under the store's checks and pins; else over
+    UCX.
     """
 
     def __init__(
@@ -133,8 +135,10 @@ class UcxTransport:
             if v.nbytes == r.nbytes and not v.readonly
         ]
         if len(idx) == len(reads):  # one result object per block: 256 more cost ~0.3 ms
-            raw = self._call(self._read(peer, reads, views, timeout_s), timeout_s, len(reads))
-            return [BlockResult(bool(ok), cs, err) for ok, cs, err in raw]  # verified on the loop side
+            raw = self._read_here(peer, reads, views, timeout_s)
+            if raw is None:
+                raw = self._call(self._read(peer, reads, views, timeout_s), timeout_s, len(reads))
+            return list(map(BlockResult._make, raw))  # (ok, checksum, error), verified on the loop side
         raw = self._call(
             self._read(peer, [reads[i] for i in idx], [views[i] for i in idx], timeout_s), timeout_s, len(idx)
         )
@@ -143,6 +147,33 @@ class UcxTransport:
             done.get(i) or BlockResult(False, error=f"output buffer unusable for {r.nbytes} B")
             for i, r in enumerate(reads)
         ]
+
+    def _read_here(
+        self, peer: str, reads: Sequence[BlockRead], views: Sequence[memoryview], timeout_s: float
+    ) -> list[tuple[bool, int, str]] | None:
+        """A read from a same-host store whose slot state is mapped, on this thread and without a message
+        (`optimistic_read`); the blocks it cannot take go through the loop (`mread`). None when it does
+        not apply: no mapping yet (the loop path connects and maps), C kernels missing, capabilities."""
+        p = self._peers.get(peer)
+        mapping, state = (p.mapping, p.state) if p is not None else (None, None)
+        if self._closed or mapping is None or state is None or KERNELS is None:
+            return None
+        if any(r.capability for r in reads):  # the store checks them: every read asks it (`mread`)
+            return None
+        t0 = time.perf_counter()
+        results: list[tuple[bool, int, str]] = [(False, 0, "")] * len(reads)
+        left = optimistic_read(mapping, state, reads, views, results)
+        if left:
+            raw = self._call(
+                self._read(peer, [reads[j] for j in left], [views[j] for j in left], timeout_s),
+                timeout_s,
+                len(left),
+            )
+            for j, res in zip(left, raw, strict=True):
+                results[j] = res
+        else:
+            self._observe(peer, sum(r.nbytes for r in reads), time.perf_counter() - t0)
+        return results
 
     def write_blocks(self, peer: str, writes: Sequence[BlockWrite], *, timeout_s: float) -> list[BlockResult]:
         if why := self.backoff.down(peer):
@@ -305,13 +336,8 @@ class UcxTransport:
         async def one(conn: Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
             p = self._peers.get(peer)
             if p is not None and p.mapping is not None:
-                mine, into = [reads[i] for i in idxs], [views[i] for i in idxs]
-                left = list(range(len(idxs)))
-                if p.state is not None and KERNELS is not None and not any(r.capability for r in mine):
-                    left = await optimistic_read(p.mapping, p.state, mine, into, idxs, results, stop)
-                if left:
-                    await mapped_read(conn, p.mapping, next(self._ids), [mine[j] for j in left],
-                                      [into[j] for j in left], [idxs[j] for j in left], results, stop)  # fmt: skip
+                await mapped_read(conn, p.mapping, next(self._ids), [reads[i] for i in idxs],
+                                  [views[i] for i in idxs], idxs, results, stop)  # fmt: skip
                 return
             rid = next(self._ids)
             msg = {

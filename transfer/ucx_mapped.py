@@ -48,18 +48,34 @@ async def _copy(mapping: SegmentMapping, parts: list[Part], stop: StopFlag) -> l
     return [r for j in jobs for r in j.result()]
 
 
-async def optimistic_read(
+def _copy_here(mapping: SegmentMapping, parts: list[Part], stop: StopFlag) -> list[tuple[bool, int, str]]:
+    """`_copy` on the calling thread: it copies the first share itself while `HASH_POOL` threads copy the
+    rest (one wake-up fewer than handing every share over); returns once every share is done."""
+    if sum(p[0].nbytes for p in parts) <= INLINE_MAX_BYTES:
+        return mapping.copy_verify(parts, stop)
+    n = min(NUM_HASH_THREADS, len(parts))
+    bounds = [len(parts) * k // n for k in range(n + 1)]
+    jobs = [
+        HASH_POOL.submit(mapping.copy_verify, parts[bounds[k] : bounds[k + 1]], stop) for k in range(1, n)
+    ]
+    try:
+        first = mapping.copy_verify(parts[: bounds[1]], stop)
+    finally:
+        concurrent.futures.wait(jobs)  # no job may still write into a destination once this returns
+    return first + [r for j in jobs for r in j.result()]
+
+
+def optimistic_read(
     mapping: SegmentMapping,
     state: SlotStateMapping,
     reads: Sequence[BlockRead],
     views: Sequence[memoryview],
-    idxs: Sequence[int],
     results: list[tuple[bool, int, str]],
-    stop: StopFlag,
 ) -> list[int]:
-    """Read `reads` into `views` without asking the store (transfer/slot_state.py): block j's result goes
-    to `results[idxs[j]]` when it was readable at its generation before and after its verified copy.
-    Returns the positions j of the others, for `mapped_read` (which pins them and says why they fail)."""
+    """Read `reads` into `views` on the calling thread without asking the store (transfer/slot_state.py):
+    `results[j]` is set for each block j that was readable at its generation before and after its verified
+    copy. Returns the others' positions, for the pinned `mread` (which says why they fail). Returns only
+    once no copy can still write into a view."""
     n = len(reads)
     try:
         slots = np.fromiter((r.slot for r in reads), np.int64, n)
@@ -79,12 +95,12 @@ async def optimistic_read(
         stored = state.checksum[tried]  # read after `readable`: set before it at each commit
         offsets = (tried * state.block_nbytes).tolist()
         parts = list(zip([views[j] for j in where.tolist()], offsets, stored.tolist(), strict=True))
-        copied = await _copy(mapping, parts, stop)
+        copied = _copy_here(mapping, parts, StopFlag())
         still = state.readable_at(tried, gens[where]).tolist()  # the copy's kernel fenced its loads
     done = np.zeros(n, dtype=bool)
     for j, res, kept in zip(where.tolist(), copied, still, strict=True):
         if res[0] and kept:
-            results[idxs[j]] = res
+            results[j] = res
             done[j] = True
     return np.flatnonzero(~done).tolist()
 
