@@ -172,6 +172,16 @@ def _case_optimistic_reads_copy_without_pins_and_verify_every_block(transport: U
         assert [i for i, r in enumerate(res) if not r.ok] == [5] and "checksum mismatch" in res[5].error
         s.table.segment.array[5 * NB + 17] ^= 0x01
         _wait_unpinned(s.table)
+        # blocks the slot state does not vouch for are asked of the store, which says why they fail
+        bad = [BlockRead(0, 1, NB), BlockRead(999, 1, NB), BlockRead(1, 7, NB), BlockRead(2, 1, NB - 1)]
+        res = transport.read_blocks(
+            s.peer, bad, [memoryview(o) for o in out[:3]] + [memoryview(out[3])[:-1]], timeout_s=10.0
+        )
+        assert res[0].ok and [r.error.split(":")[0] for r in res[1:]] == [
+            "InvalidArgument",
+            "StaleGeneration",
+            "InvalidArgument",
+        ], res
         # reads that carry capabilities always ask the store (it checks them on `mread`)
         pinned.clear()
         caps = [BlockRead(i, 1, NB, capability=b"c" * 16, expiry_ms=1) for i in range(8)]
