@@ -28,15 +28,22 @@ _MDONE_TIMEOUT_S = 1.0
 Part = tuple[memoryview, int, int]  # destination, offset in the segment, checksum the store holds
 
 
+def _shares(parts: list[Part]) -> list[list[Part]]:
+    """`parts` as one share per hashing thread, or one share when small enough to copy in place."""
+    if sum(p[0].nbytes for p in parts) <= INLINE_MAX_BYTES:
+        return [parts]
+    n = min(NUM_HASH_THREADS, len(parts))
+    return [parts[len(parts) * k // n : len(parts) * (k + 1) // n] for k in range(n)]
+
+
 async def _copy(mapping: SegmentMapping, parts: list[Part], stop: StopFlag) -> list[tuple[bool, int, str]]:
     """Copy and verify `parts`, in place when small, else split over `HASH_POOL`. When cancelled, sets
     `stop` (shared by the whole read: its other messages' jobs stop too) and raises only once no job of
     this call can still write into a destination (at most one block's copy per running job)."""
-    if sum(p[0].nbytes for p in parts) <= INLINE_MAX_BYTES:
+    shares = _shares(parts)
+    if len(shares) == 1:
         return mapping.copy_verify(parts, stop)
-    n = min(NUM_HASH_THREADS, len(parts))
-    bounds = [len(parts) * k // n for k in range(n + 1)]
-    jobs = [HASH_POOL.submit(mapping.copy_verify, parts[bounds[k] : bounds[k + 1]], stop) for k in range(n)]
+    jobs = [HASH_POOL.submit(mapping.copy_verify, share, stop) for share in shares]
     try:
         await asyncio.wait([asyncio.wrap_future(j) for j in jobs])
     except BaseException:
@@ -51,18 +58,13 @@ async def _copy(mapping: SegmentMapping, parts: list[Part], stop: StopFlag) -> l
 def _copy_here(mapping: SegmentMapping, parts: list[Part], stop: StopFlag) -> list[tuple[bool, int, str]]:
     """`_copy` on the calling thread: it copies the first share itself while `HASH_POOL` threads copy the
     rest (one wake-up fewer than handing every share over); returns once every share is done."""
-    if sum(p[0].nbytes for p in parts) <= INLINE_MAX_BYTES:
-        return mapping.copy_verify(parts, stop)
-    n = min(NUM_HASH_THREADS, len(parts))
-    bounds = [len(parts) * k // n for k in range(n + 1)]
-    jobs = [
-        HASH_POOL.submit(mapping.copy_verify, parts[bounds[k] : bounds[k + 1]], stop) for k in range(1, n)
-    ]
+    first, *rest = _shares(parts)
+    jobs = [HASH_POOL.submit(mapping.copy_verify, share, stop) for share in rest]
     try:
-        first = mapping.copy_verify(parts[: bounds[1]], stop)
+        out = mapping.copy_verify(first, stop)
     finally:
         concurrent.futures.wait(jobs)  # no job may still write into a destination once this returns
-    return first + [r for j in jobs for r in j.result()]
+    return out + [r for j in jobs for r in j.result()]
 
 
 def optimistic_read(
