@@ -90,7 +90,10 @@ JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
 
 @admin_app.command()
 def status(as_json: bool = JSON) -> None:
-    """Pool summary: nodes alive, blocks, fill, hit rate."""
+    """Pool summary: nodes and stores alive (of registered), blocks, fill, hit rate.
+
+    `used_bytes`, `capacity_bytes` and `fill` are over the live stores only (the master's Stats), as is
+    `stores_alive`; `nodes` and `stores` also count the dead (heartbeat expired or deregistered) ones."""
 
     def fn(c: Any) -> dict[str, Any]:
         s = c.stats()
@@ -99,7 +102,8 @@ def status(as_json: bool = JSON) -> None:
             "master": _Ctx.master,
             "nodes_alive": sum(1 for n in s.nodes if n.alive),
             "nodes": len(s.nodes),
-            "store_nodes": len(stores),
+            "stores_alive": sum(1 for n in stores if n.alive),
+            "stores": len(stores),
             "num_blocks": s.num_blocks,
             "used_bytes": s.used_bytes,
             "capacity_bytes": s.capacity_bytes,

@@ -1,0 +1,73 @@
+"""`kvpool admin` against a real master and real store processes, run as a user runs it: a subprocess whose
+stdout is a pipe (no terminal)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool.client import MasterClient
+from kvpool.master.procs import Proc, start_master, start_store
+from tests.test_master_cluster import wait_stores
+
+transfer = pytest.importorskip("transfer")
+pytestmark = pytest.mark.skipif(transfer.ucx_available() is not None, reason="UCX unavailable")
+
+LONG_ID = "store-with-a-node-id-far-longer-than-an-80-column-table-cell-" + "0123456789abcdef" * 2
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[tuple[Proc, dict[str, Proc]]]:
+    """A master (60 s heartbeat timeout: nothing dies on its own here) and three stores; `gone` is stopped
+    gracefully, so it is registered and dead."""
+    master = start_master("--heartbeat-timeout-ms", "60000")
+    stores: dict[str, Proc] = {}
+    try:
+        for node_id in ("s0", LONG_ID, "gone"):
+            stores[node_id] = start_store(master.grpc_address, node_id)
+        wait_stores(master.grpc_address, 3)
+        stores["gone"].kill(signal.SIGTERM)  # deregisters: dead at once
+        with MasterClient(master.grpc_address) as c:
+            assert {n.node.node_id: n.alive for n in c.list_nodes()}["gone"] is False
+        yield master, stores
+    finally:
+        for s in stores.values():
+            s.kill()
+        master.kill()
+
+
+def admin(master: Proc, *args: str) -> str:
+    """`kvpool admin ARGS` with stdout a pipe, as in `kvpool admin nodes | grep ...` or `> file`."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "admin", "--master", master.grpc_address, *args],
+        capture_output=True, stdin=subprocess.DEVNULL, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def table_values(text: str) -> dict[str, str]:
+    """`key │ value` rows of a `_kv` table."""
+    rows = (re.match(r"^│ (\S+)\s+│ (.*?)\s+│$", line) for line in text.splitlines())
+    return {m[1]: m[2] for m in rows if m}
+
+
+def test_admin_status_counts_live_stores_apart_from_dead_ones(pool) -> None:
+    """Found by a new-user pass: `store_nodes` counted a deregistered store next to `nodes_alive` (and the
+    capacity it sits by counts live stores only). `stores_alive` and `stores` (all registered) now, the
+    same in the table and in --json."""
+    master, stores = pool
+    status = json.loads(admin(master, "status", "--json"))
+    assert (status["nodes_alive"], status["nodes"]) == (2, 3)
+    assert (status["stores_alive"], status["stores"]) == (2, 3)
+    live = [stores["s0"], stores[LONG_ID]]
+    assert status["capacity_bytes"] == sum(s.ready["num_slots"] * s.ready["block_nbytes"] for s in live)
+    table = table_values(admin(master, "status"))
+    keys = ("nodes_alive", "nodes", "stores_alive", "stores", "capacity_bytes")
+    assert {k: table[k] for k in keys} == {k: str(status[k]) for k in keys}
