@@ -71,3 +71,20 @@ def test_admin_status_counts_live_stores_apart_from_dead_ones(pool) -> None:
     table = table_values(admin(master, "status"))
     keys = ("nodes_alive", "nodes", "stores_alive", "stores", "capacity_bytes")
     assert {k: table[k] for k in keys} == {k: str(status[k]) for k in keys}
+
+
+def test_admin_tables_piped_keep_every_value_whole(pool) -> None:
+    """Found by a new-user pass: piped or redirected, rich assumed 80 columns and cut cells with '…'
+    (`kvpool admin nodes | cat` showed `store…` and `127.0…`)."""
+    master, _ = pool
+    out = admin(master, "nodes")
+    assert "…" not in out
+    with MasterClient(master.grpc_address) as c:
+        nodes = c.list_nodes()
+    assert len(nodes) == 3
+    for n in nodes:  # each node's row holds its id and both its addresses, whole
+        row = next(line for line in out.splitlines() if f"│ {n.node.node_id} " in line)
+        assert f" {n.node.grpc_address} " in row and f" {n.node.data_address} " in row
+    assert LONG_ID in out
+    status = admin(master, "status")
+    assert "…" not in status and table_values(status)["master"] == master.grpc_address

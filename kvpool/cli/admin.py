@@ -69,16 +69,28 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+PIPE_WIDTH = 1 << 16  # columns when stdout is no terminal: wider than any row, so no cell is cut
+
+
+def _console() -> Any:
+    """A rich Console: the terminal's width on a terminal (unchanged look); piped or redirected, where rich
+    would assume 80 columns (or the width of a terminal on stdin/stderr) and wrap or cut cells with '…' (a
+    node id, an address), one wide enough that every value stays whole on its line (`| grep`, `> file`)."""
     from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=PIPE_WIDTH)
+
+
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     from rich.table import Table
 
-    table = Table(title=title)
+    table = Table(title=title)  # not expanded: as wide as its cells, never PIPE_WIDTH
     for c in columns:
         table.add_column(c)
     for r in rows:
         table.add_row(*[str(x) for x in r])
-    Console().print(table)
+    _console().print(table)
 
 
 def _kv(title: str, data: dict[str, Any]) -> None:
