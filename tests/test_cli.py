@@ -75,6 +75,9 @@ def test_admin_refuses_a_bad_master_address_and_timeout() -> None:
     assert result.exit_code == 2 and "1-65535" in result.output
     result = CliRunner().invoke(app, ["admin", "--timeout", "-1", "status"])
     assert result.exit_code == 2 and "must be > 0" in result.output
+    for timeout in ("inf", "nan"):  # inf was a DeadlineExceeded at once (exit 1), nan a usage error already
+        result = CliRunner().invoke(app, ["admin", "--master", "127.0.0.1:1", "--timeout", timeout, "status"])
+        assert result.exit_code == 2 and "Invalid value for '--timeout'" in result.output, result.output
 
 
 def test_default_layouts_serve_the_default_model() -> None:
@@ -177,6 +180,34 @@ def test_admin_match_refuses_malformed_token_ids_before_calling_the_master(token
     assert result.exit_code == 2, result.output
     assert "TOKENS" in result.output and "comma-separated integer token ids" in result.output
     assert "invalid literal" not in result.output and "Unavailable" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "expected"),
+    [
+        (["evict", "--fraction", "2"], "--fraction", "must be in (0, 1], got 2.0"),
+        (["evict", "--fraction", "0"], "--fraction", "must be in (0, 1], got 0.0"),
+        (["evict", "--fraction", "-0.5"], "--fraction", "must be in (0, 1]"),
+        (["evict", "--fraction", "nan"], "--fraction", "must be in (0, 1], got nan"),
+        (["economics", "--model-params", "nan"], "--model-params", "must be > 0, got nan"),
+        (["economics", "--model-params", "-8e9"], "--model-params", "must be > 0"),
+        (["economics", "--model-params", "1e9", "--window", "inf"], "--window", "must be > 0, got inf"),
+        (["economics", "--model-params", "1e9", "--layers", "-1"], "--layers", "must be >= 0, got -1"),
+        (["economics", "--model-params", "1e9", "--d-attn", "-64"], "--d-attn", "must be >= 0, got -64"),
+        (["economics", "--model-params", "1e9", "--mfu", "1.5"], "--mfu", "must be in (0, 1], got 1.5"),
+        (["economics", "--model-params", "1e9", "--gpu", "X"], "--gpu", "unknown GPU 'X'"),
+    ],
+)
+def test_admin_out_of_range_numbers_are_usage_errors_before_calling_the_master(
+    args: list[str], option: str, expected: str
+) -> None:
+    """Found by a new-user pass: `kvpool admin evict --fraction 2` went to the master and exited 1 like a
+    runtime failure (NaN did too; `economics --model-params nan` or `--window inf` got as far as the
+    master). Now exit 2 naming the option, and no call (a master on port 1 would be `Unavailable`)."""
+    result = CliRunner().invoke(app, ["admin", "--master", "127.0.0.1:1", "--timeout", "0.5", *args])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output and expected in result.output, result.output
+    assert "Unavailable" not in result.output and "Traceback" not in result.output
 
 
 def test_a_bad_boolean_setting_lists_the_accepted_values() -> None:

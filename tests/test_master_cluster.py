@@ -203,7 +203,8 @@ def test_admin_invalidate_and_drain_and_failures(cluster) -> None:
     assert out.exit_code == 0 and json.loads(out.output)["invalidated"]
     assert runner.invoke(app, [*base, "invalidate", "--namespace", "00" * 16]).exit_code == 1
     assert runner.invoke(app, [*base, "drain", "nosuchnode"]).exit_code == 1
-    assert runner.invoke(app, [*base, "evict", "--fraction", "2"]).exit_code == 1
+    assert runner.invoke(app, [*base, "evict", "--fraction", "2"]).exit_code == 2  # a usage error, no call
+    assert runner.invoke(app, [*base, "evict", "--node", "nosuchnode", "--fraction", "0.5"]).exit_code == 1
     down = runner.invoke(app, ["admin", "--master", "127.0.0.1:1", "--timeout", "0.5", "status"])
     assert down.exit_code == 1 and "Traceback" not in down.output
 

@@ -8,12 +8,38 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
 import typer
 
 admin_app = typer.Typer(no_args_is_help=True, help="Operate a live pool (status, nodes, stats, versions...).")
+
+
+def _checked(ok: Callable[[float], bool], expected: str) -> Callable[[Any], Any]:
+    """An option callback: a value outside `ok` (NaN and ±inf never pass) is a usage error (exit 2, naming
+    the option and what it expects) before any call to the master, not a refusal by the master (exit 1)."""
+
+    def callback(value: Any) -> Any:
+        if value is not None and not (math.isfinite(value) and ok(value)):
+            raise typer.BadParameter(f"must be {expected}, got {value}")
+        return value
+
+    return callback
+
+
+POSITIVE = _checked(lambda v: v > 0, "> 0")
+NON_NEGATIVE = _checked(lambda v: v >= 0, ">= 0")
+UNIT_FRACTION = _checked(lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+def _known_gpu(gpu: str) -> str:
+    from kvpool.bench.economics import GPUS
+
+    if gpu not in GPUS:
+        raise typer.BadParameter(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+    return gpu
 
 
 class _Ctx:
@@ -24,7 +50,7 @@ class _Ctx:
 @admin_app.callback()
 def _admin(
     master: str = typer.Option("127.0.0.1:50051", "--master", help="Master HOST:PORT."),
-    timeout_s: float = typer.Option(5.0, "--timeout", help="Deadline per call (s)."),
+    timeout_s: float = typer.Option(5.0, "--timeout", help="Deadline per call (s), > 0.", callback=POSITIVE),
 ) -> None:
     from kvpool.config import check_host_port
 
@@ -32,8 +58,6 @@ def _admin(
         check_host_port(master)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--master") from None
-    if not timeout_s > 0:
-        raise typer.BadParameter(f"must be > 0 seconds, got {timeout_s}", param_hint="--timeout")
     _Ctx.master, _Ctx.timeout_s = master, timeout_s
 
 
@@ -263,7 +287,9 @@ def invalidate(
 
 @admin_app.command()
 def evict(
-    fraction: float = typer.Option(..., "--fraction", help="Fraction of resident blocks, in (0, 1]."),
+    fraction: float = typer.Option(
+        ..., "--fraction", help="Fraction of resident blocks, in (0, 1].", callback=UNIT_FRACTION
+    ),
     node: str = typer.Option("", "--node", help="Only this store node's slots."),
     as_json: bool = JSON,
 ) -> None:
@@ -288,14 +314,26 @@ def drain(node: str = typer.Argument(..., help="Store node id."), as_json: bool 
 
 @admin_app.command()
 def economics(
-    model_params: float = typer.Option(..., "--model-params", help="Model parameters, e.g. 8e9."),
-    window_s: float = typer.Option(2.0, "--window", help="Measure counters over this many seconds."),
-    num_layers: int = typer.Option(32, "--layers", help="Transformer layers (attention term)."),
-    d_attn: int = typer.Option(4096, "--d-attn", help="Attention width n_heads x head_dim (attention term)."),
-    gpu: str = typer.Option(
-        "H100-SXM", help="GPU for 'GPUs saved' (H100-SXM, H200-SXM, A100-SXM, L40S, MI300X)."
+    model_params: float = typer.Option(
+        ..., "--model-params", help="Model parameters, e.g. 8e9.", callback=POSITIVE
     ),
-    mfu: float = typer.Option(0.5, help="Model FLOP utilisation assumed for prefill on that GPU."),
+    window_s: float = typer.Option(
+        2.0, "--window", help="Measure counters over this many seconds.", callback=POSITIVE
+    ),
+    num_layers: int = typer.Option(
+        32, "--layers", help="Transformer layers (attention term).", callback=NON_NEGATIVE
+    ),
+    d_attn: int = typer.Option(
+        4096, "--d-attn", help="Attention width n_heads x head_dim (attention term).", callback=NON_NEGATIVE
+    ),
+    gpu: str = typer.Option(
+        "H100-SXM",
+        help="GPU for 'GPUs saved' (H100-SXM, H200-SXM, A100-SXM, L40S, MI300X).",
+        callback=_known_gpu,
+    ),
+    mfu: float = typer.Option(
+        0.5, help="Model FLOP utilisation assumed for prefill on that GPU, in (0, 1].", callback=UNIT_FRACTION
+    ),
     as_json: bool = JSON,
 ) -> None:
     """Saved prefill tokens/s (λ x mean reused tokens per request), FLOP/s and GPUs saved, from live counters.
@@ -307,12 +345,6 @@ def economics(
 
     from kvpool.bench import economics as eco
 
-    if model_params <= 0 or window_s <= 0 or num_layers < 0 or d_attn < 0 or not 0 < mfu <= 1:
-        typer.echo("kvpool admin: --model-params, --window must be > 0; --mfu in (0, 1]", err=True)
-        raise typer.Exit(2)
-    if gpu not in eco.GPUS:
-        typer.echo(f"kvpool admin: unknown --gpu {gpu!r}; known: {', '.join(eco.GPUS)}", err=True)
-        raise typer.Exit(2)
     shape = eco.ModelShape(name="given", params=model_params, num_layers=num_layers, d_attn=d_attn)
 
     def fn(c: Any) -> dict[str, Any]:
