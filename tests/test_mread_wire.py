@@ -5,24 +5,33 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transfer.mread_wire import decode_reply, decode_request, encode_reply, encode_request
+from transfer import BlockRead
+from transfer.mread_wire import block_rows, decode_reply, decode_request, encode_reply, encode_request
+
+
+def encode_rows(rows: list[tuple[int, int, int]]) -> bytes:
+    return encode_request(np.array(rows, dtype=np.uint64).reshape(-1, 3))
 
 
 def test_a_request_round_trips_and_malformed_ones_are_refused() -> None:
     rows = [(0, 1, 65536), (7, 2**40, 65536), (2**62, 3, 1)]
-    assert decode_request(encode_request(rows), 8).tolist() == [list(r) for r in rows]
+    assert decode_request(encode_request(block_rows([BlockRead(*r) for r in rows])), 8).tolist() == [
+        list(r) for r in rows
+    ]
     for bad, why in [
         (None, "malformed"),
         (b"", "malformed"),
         (b"x" * 25, "malformed"),
         ([[0, 1, 2]], "malformed"),
-        (encode_request([(0, 1, 2)] * 9), "at most 8"),
-        (encode_request([(2**63, 1, 2)]), "malformed block entry"),
+        (encode_rows([(0, 1, 2)] * 9), "at most 8"),
+        (encode_rows([(2**63, 1, 2)]), "malformed block entry"),
     ]:
         with pytest.raises(ValueError, match=why):
             decode_request(bad, 8)
-    with pytest.raises(OverflowError):
-        encode_request([(-1, 1, 2)])
+    for r in [(-1, 1, 2), (True, 1, 2), (0, 2**63, 2), (0, 1, 2.0), (0, 1, np.int64(2))]:
+        with pytest.raises(ValueError, match="must be ints"):  # a bool or numpy int is no slot id
+            block_rows([BlockRead(*r)])  # type: ignore[arg-type]
+    assert block_rows([]).shape == (0, 3)
 
 
 def test_a_reply_round_trips_and_every_inconsistency_is_refused() -> None:

@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.test_mread_wire import encode_rows
 from tests.test_store_node import NS, h, put_blocks, rand_blocks, read, require_ucx, start_store
 from transfer import BlockRead, UcxBlockServer, UcxTransport, checksum
-from transfer.mread_wire import MREAD_VERSION, decode_reply, encode_request
+from transfer.mread_wire import MREAD_VERSION, decode_reply
 from transfer.shared_segment import SegmentDescriptor, SegmentMapping, SharedSegment
 
 NB = 64 * 1024
@@ -151,9 +152,10 @@ def _case_optimistic_reads_copy_without_pins_and_verify_every_block(transport: U
     try:
         data = rand_blocks(64, nb=NB, seed=29)
         s.commit(data)
-        res, out = s.read(transport, 64)  # connect and map
+        res, out = s.read(transport, 64)  # connect and map (this first read asks the store: `mread`)
         assert all(r.ok for r in res) and np.array_equal(out, data)
         assert transport._peers[s.peer].state is not None
+        _wait_unpinned(s.table)
         pinned: list[int] = []
         mapping = _slow_copies(transport, s.peer, 0.0, [])
         real = mapping.copy_verify
@@ -203,6 +205,7 @@ def _case_a_block_freed_during_an_optimistic_copy_is_never_returned(transport: U
         data = rand_blocks(8, nb=NB, seed=30)
         s.commit(data)
         s.read(transport, 8)  # connect and map
+        _wait_unpinned(s.table)
         mapping = _slow_copies(transport, s.peer, 0.0, [])
         real = mapping.copy_verify
         calls: list[int] = []
@@ -321,9 +324,9 @@ def _case_a_request_id_already_in_flight_is_refused_and_pins_nothing(transport: 
         async def go() -> tuple[Any, str]:
             conn = await transport._conn(s.peer, 0)
             rid = next(rt.ids)
-            first = await conn.request({"op": "mread", "id": rid, "b": encode_request([(0, 1, NB)])})
+            first = await conn.request({"op": "mread", "id": rid, "b": encode_rows([(0, 1, NB)])})
             try:
-                await conn.request({"op": "mread", "id": rid, "b": encode_request([(1, 1, NB)])})
+                await conn.request({"op": "mread", "id": rid, "b": encode_rows([(1, 1, NB)])})
                 refused = ""
             except PeerRefused as exc:
                 refused = str(exc)
@@ -353,7 +356,7 @@ def _case_malformed_mread_requests_are_refused_and_the_store_keeps_serving(trans
         async def go() -> list[str]:
             conn = await transport._conn(s.peer, 0)
             why = []
-            for b in ([[0, 1, NB]], b"\x00" * 23, encode_request([(0, 1, NB)] * 4097)):
+            for b in ([[0, 1, NB]], b"\x00" * 23, encode_rows([(0, 1, NB)] * 4097)):
                 try:
                     await conn.request({"op": "mread", "id": next(rt.ids), "b": b})
                     why.append("")
@@ -394,7 +397,7 @@ def _case_blocks_outside_the_shared_segment_fail_alone_and_stay_unpinned(transpo
             conn = await transport._conn(peer, 0)
             rid = next(rt.ids)
             reply = await conn.request(
-                {"op": "mread", "id": rid, "b": encode_request([(k, 1, NB) for k in range(4)])}
+                {"op": "mread", "id": rid, "b": encode_rows([(k, 1, NB) for k in range(4)])}
             )
             await conn.ep.am_send(_pack({"op": "mdone", "id": rid}))
             return decode_reply(reply, 4)

@@ -23,9 +23,18 @@ MREAD_VERSION = 2
 _U64 = np.dtype("<u8")
 
 
-def encode_request(rows: Sequence[tuple[int, int, int]]) -> bytes:
-    """(slot, generation, nbytes) per block -> the `b` field. Raises `OverflowError` past 2**64 - 1."""
-    return np.array(rows, dtype=_U64).reshape(-1, 3).tobytes()
+def block_rows(reads: Sequence[Any]) -> np.ndarray:
+    """(slot, generation, nbytes) of each read (`transfer.BlockRead`) as uint64 (n, 3). Raises `ValueError`
+    unless every value is a plain int (not a bool) in [0, 2**63)."""
+    flat = [v for r in reads for v in (r.slot, r.generation, r.nbytes)]
+    if not all(type(v) is int for v in flat) or (flat and not 0 <= min(flat) <= max(flat) < 1 << 63):
+        raise ValueError("block slot, generation and size must be ints in [0, 2**63)")
+    return np.array(flat, dtype=_U64).reshape(-1, 3)
+
+
+def encode_request(rows: np.ndarray) -> bytes:
+    """`block_rows` -> the `b` field."""
+    return rows.astype(_U64).tobytes()
 
 
 def decode_request(field: Any, max_blocks: int) -> np.ndarray:

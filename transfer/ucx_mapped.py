@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from transfer.base import BlockRead
-from transfer.mread_wire import decode_reply, encode_request
+from transfer.mread_wire import block_rows, decode_reply, encode_request
 from transfer.shared_segment import SegmentMapping, StopFlag
 from transfer.slot_state import SlotStateMapping
 from transfer.ucx_conn import Conn, PeerRefused
@@ -80,11 +80,10 @@ def optimistic_read(
     once no copy can still write into a view."""
     n = len(reads)
     try:
-        slots = np.fromiter((r.slot for r in reads), np.int64, n)
-        gens = np.fromiter((r.generation for r in reads), np.uint64, n)
-        sizes = np.fromiter((r.nbytes for r in reads), np.int64, n)
-    except (OverflowError, TypeError, ValueError):  # not ids a store could hold: the store says so
+        rows = block_rows(reads)
+    except ValueError:  # not ids a store could hold: the store says so
         return list(range(n))
+    slots, gens, sizes = rows[:, 0].astype(np.int64), rows[:, 1], rows[:, 2]
     with state.hold() as live:
         if not live or not state.owner_alive():
             return list(range(n))
@@ -119,11 +118,11 @@ async def mapped_read(
 ) -> None:
     """Read `reads` into `views` through `mapping`; block j's result goes to `results[idxs[j]]`. `stop`:
     one per read call, set when any of its messages is abandoned (no copy starts after that)."""
-    msg: dict[str, Any] = {
-        "op": "mread",
-        "id": rid,
-        "b": encode_request([(r.slot, r.generation, r.nbytes) for r in reads]),
-    }
+    try:
+        rows = block_rows(reads)
+    except ValueError as exc:  # a bad request, not a bad link: the blocks fail, the peer stays up
+        raise PeerRefused(str(exc)) from None
+    msg: dict[str, Any] = {"op": "mread", "id": rid, "b": encode_request(rows)}
     if any(r.capability for r in reads):
         msg["c"] = [[r.expiry_ms, bytes(r.capability)] for r in reads]
     reply = await conn.request(msg)
