@@ -31,6 +31,7 @@ from kvpool.errors import InvalidArgument, PermissionDenied  # noqa: E402
 from kvpool.store import Segment, SlotTable  # noqa: E402
 from kvpool.store.slots import Reservation  # noqa: E402
 from kvpool.types import FakeClock, Location  # noqa: E402
+from tests.fresh_process import in_fresh_process  # noqa: E402
 from transfer import BlockRead, BlockWrite, checksum, ucx_available  # noqa: E402
 
 SECRET = b"s" * 32
@@ -181,9 +182,22 @@ def _read(ucx: Any, server: Any, read: BlockRead) -> tuple[Any, bytes]:
     return res, bytes(out)
 
 
+# The in-process stores below run in a fresh interpreter each (tests/fresh_process.py): after other
+# modules' UCX work in the same pytest process a new in-process server's handshake could be swallowed.
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["ucx", "same-host-mapped"])
-def test_store_serves_only_reads_with_a_valid_capability(ucx: Any, shared: bool) -> None:
+def test_store_serves_only_reads_with_a_valid_capability(shared: bool) -> None:
     """Over UCX and through a same-host reader's mapping of the segment alike: the store checks every read."""
+    in_fresh_process(
+        "tests.test_capability",
+        "_case_store_serves_only_reads_with_a_valid_capability",
+        shared,
+        transport_kwargs="probe_bytes=1 << 20",
+    )
+
+
+def _case_store_serves_only_reads_with_a_valid_capability(ucx: Any, shared: bool) -> None:
     clock = FakeClock(NOW)
     caps = _caps(clock)
     table, server = _store(caps, shared=shared)
@@ -227,7 +241,15 @@ def test_store_serves_only_reads_with_a_valid_capability(ucx: Any, shared: bool)
         server.stop()
 
 
-def test_store_accepts_only_writes_with_a_write_capability(ucx: Any) -> None:
+def test_store_accepts_only_writes_with_a_write_capability() -> None:
+    in_fresh_process(
+        "tests.test_capability",
+        "_case_store_accepts_only_writes_with_a_write_capability",
+        transport_kwargs="probe_bytes=1 << 20",
+    )
+
+
+def _case_store_accepts_only_writes_with_a_write_capability(ucx: Any) -> None:
     caps = _caps()
     table, server = _store(caps)
     try:
@@ -253,7 +275,15 @@ def test_store_accepts_only_writes_with_a_write_capability(ucx: Any) -> None:
         server.stop()
 
 
-def test_secret_off_serves_without_capability(ucx: Any) -> None:
+def test_secret_off_serves_without_capability() -> None:
+    in_fresh_process(
+        "tests.test_capability",
+        "_case_secret_off_serves_without_capability",
+        transport_kwargs="probe_bytes=1 << 20",
+    )
+
+
+def _case_secret_off_serves_without_capability(ucx: Any) -> None:
     table, server = _store(None)
     try:
         _committed(table, None, 2, b"\x02" * NB)

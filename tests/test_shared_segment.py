@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.fresh_process import in_fresh_process
 from tests.test_mread_wire import encode_rows
 from tests.test_store_node import NS, h, put_blocks, rand_blocks, read, require_ucx, start_store
 from transfer import BlockRead, UcxBlockServer, UcxTransport, checksum
@@ -70,32 +71,9 @@ class _Store:
         return res, out
 
 
-_CASE = """
-import sys
-from tests.test_shared_segment import {name} as case
-from transfer import UcxTransport
-t = UcxTransport(blocks_per_message=16)
-try:
-    case(t)
-finally:
-    t.close()
-print("CASE OK")
-"""
-
-
 def _in_fresh_process(name: str) -> None:
-    """Run an in-process-server case in a new interpreter. Client and server then share one UCX worker,
-    and a process whose earlier tests aborted connections has active-message receives orphaned on recycled
-    endpoint handles (transfer/ucx_runtime.py), which can swallow a reply to a new in-process server."""
-    require_ucx()
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(
-        [sys.executable, "-c", _CASE.format(name=name)], capture_output=True, text=True, timeout=120, cwd=root
-    )
-    assert out.returncode == 0 and "CASE OK" in out.stdout, out.stderr[-4000:]
+    """Run an in-process-server case in a new interpreter (tests/fresh_process.py says why)."""
+    in_fresh_process("tests.test_shared_segment", name, transport_kwargs="blocks_per_message=16")
 
 
 def _wait_unpinned(table: Any, timeout_s: float = 5.0) -> None:
