@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvpool.cli.main import app
 from kvpool.client import MasterClient, PoolClient
-from kvpool.errors import VersionFenced
+from kvpool.errors import FailedPrecondition, VersionFenced
 from kvpool.hashing import hash_blocks
 from kvpool.master.procs import LAYOUT, Proc, start_master, start_store
 from kvpool.types import KVLayout
@@ -207,6 +207,59 @@ def test_admin_invalidate_and_drain_and_failures(cluster) -> None:
     assert runner.invoke(app, [*base, "evict", "--node", "nosuchnode", "--fraction", "0.5"]).exit_code == 1
     down = runner.invoke(app, ["admin", "--master", "127.0.0.1:1", "--timeout", "0.5", "status"])
     assert down.exit_code == 1 and "Traceback" not in down.output
+
+
+def test_invalidate_flushes_a_namespace_that_then_fills_again(cluster, transport) -> None:
+    """`admin invalidate` of the active namespace is a flush, not a permanent fence (a new user's pool
+    stayed off for that model until the master restarted): its blocks are gone at once, a publish reserved
+    before the flush is refused at commit (its KV may predate it), new publishes fill it again, and the
+    heartbeat answers' flush epoch moves so serving nodes drop their local tiers."""
+    master, _ = cluster
+    hashes = [bytes([7, k]) * 8 for k in range(4)]
+    late = [bytes([8, k]) * 8 for k in range(2)]
+    with (
+        MasterClient(master.grpc_address) as c,
+        PoolClient(master.grpc_address, transport, block_nbytes=LAY.block_nbytes) as pool,
+    ):
+        ns, _ = c.register_namespace("flush", "v1", LAYOUT)
+        assert pool.put_blocks(ns, None, hashes, blocks_for(4, 7)).num_committed == 4
+        before = c.heartbeat_answer("no-such-node", 1).flush_epoch
+        inflight = c.reserve(ns, None, late, block_nbytes=LAY.block_nbytes)  # begun before the flush
+        assert inflight.reservation_id > 0
+        c.invalidate(ns)
+        assert c.match(ns, hashes).num_matched == 0
+        assert c.heartbeat_answer("no-such-node", 1).flush_epoch == before + 1
+        with pytest.raises(FailedPrecondition, match="invalidated"):
+            c.commit(inflight.reservation_id, [])
+        again = pool.put_blocks(ns, None, hashes, blocks_for(4, 8))
+        assert again.num_committed == 4 and again.num_existing == 0  # a fresh, empty namespace
+        got = pool.get_blocks(ns, hashes)
+        assert got.num_ok == 4 and got.blocks[0].data == blocks_for(4, 8)[0].tobytes()
+
+
+def test_a_serving_node_drops_its_local_tier_when_a_namespace_is_invalidated(cluster) -> None:
+    """Its heartbeat sees the master's flush epoch move (a local tier held blocks of the flushed namespace:
+    a new user's requests still got them from there after `admin invalidate`)."""
+    import threading
+
+    from kvpool.connector.agent import NodeAgent
+
+    master, _ = cluster
+    flushed = threading.Event()
+    with MasterClient(master.grpc_address) as c:
+        ns, _ = c.register_namespace("tier-flush", "v1", LAYOUT)
+        agent = NodeAgent(
+            c, node_id="flush-watcher", role="prefill", grpc_address="127.0.0.1:9", layout_fingerprint=LAYOUT,
+            on_flush=flushed.set,
+        )  # fmt: skip
+        agent.start()
+        try:
+            time.sleep(3 * agent.heartbeat_interval_s)  # heartbeats without a flush: nothing dropped
+            assert not flushed.is_set()
+            c.invalidate(ns)
+            assert flushed.wait(5 * agent.heartbeat_interval_s + 2)
+        finally:
+            agent.stop()
 
 
 def test_reserve_pins_the_parent_until_commit(cluster, transport) -> None:

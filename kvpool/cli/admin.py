@@ -275,7 +275,9 @@ def invalidate(
     namespace: str = typer.Option(..., "--namespace", help="Namespace digest (32 hex chars)."),
     as_json: bool = JSON,
 ) -> None:
-    """Make one namespace unreachable now (its blocks are reclaimed in the background)."""
+    """Flush one namespace: its blocks are unreachable now (reclaimed in the background), publishes begun
+    before are refused, serving nodes drop their local tiers at their next heartbeat; an active namespace
+    then fills again from new publishes."""
     from kvpool.hashing import parse_hash
 
     def fn(c: Any) -> dict[str, Any]:

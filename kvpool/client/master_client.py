@@ -17,6 +17,7 @@ from kvpool.client import convert as cv
 from kvpool.client.types import (
     CommitBlock,
     CommitResult,
+    HeartbeatAnswer,
     Match,
     NodeInfo,
     NodeLoad,
@@ -124,6 +125,20 @@ class MasterClient:
         load: NodeLoad | None = None,
     ) -> bool:
         """False: the master does not know this node/epoch; register again."""
+        return self.heartbeat_answer(
+            node_id, epoch, freed_slots=freed_slots, num_used_slots=num_used_slots, load=load
+        ).known
+
+    def heartbeat_answer(
+        self,
+        node_id: str,
+        epoch: int,
+        *,
+        freed_slots: Sequence[tuple[int, int]] = (),
+        num_used_slots: int = 0,
+        load: NodeLoad | None = None,
+    ) -> HeartbeatAnswer:
+        """`heartbeat`, with the whole answer (`flush_epoch`: see `kvpool.v1.HeartbeatResponse`)."""
         req = pb.HeartbeatRequest(
             node_id=node_id,
             epoch=epoch,
@@ -131,7 +146,8 @@ class MasterClient:
             num_used_slots=num_used_slots,
             load=cv.load_pb(load or NodeLoad()),
         )
-        return bool(self._call("Heartbeat", req, retry=True).known)
+        resp = self._call("Heartbeat", req, retry=True)
+        return HeartbeatAnswer(bool(resp.known), int(resp.master_epoch), int(resp.flush_epoch))
 
     def deregister_node(self, node_id: str, epoch: int, *, timeout_s: float | None = None) -> bool:
         """Leave the pool now (a graceful stop); False when the master knew no live node with that id and

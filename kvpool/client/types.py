@@ -17,6 +17,16 @@ class NodeInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class HeartbeatAnswer:
+    """`known`: the master knows this node and epoch (else register again); `flush_epoch` changes whenever
+    a namespace is invalidated (a serving node then drops its local tier)."""
+
+    known: bool
+    master_epoch: int
+    flush_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
 class NodeLoad:
     """Load and calibration figures a node reports with its heartbeats."""
 

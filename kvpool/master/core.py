@@ -356,10 +356,17 @@ class Master:
             return previous, len(off)
 
     def invalidate_namespace(self, ns: bytes) -> None:
+        """Flush a namespace: its blocks are unreachable at once (reclaimed in the background), publishes
+        reserved before now are refused at commit (their KV may predate the flush, e.g. a weights reload
+        under the same version), and an active namespace starts again empty. Serving nodes drop their local
+        tiers when their next heartbeat sees `flush_epoch` move. `NotFound` when unknown."""
         check_hash(ns, "namespace")
         with self.lock:
             self.namespaces.invalidate(ns)
             self.index.invalidate_namespace(NamespaceId(ns))
+            if self.namespaces.is_active(ns):
+                self.index.register_namespace(NamespaceId(ns))
+            self.publisher.flush(ns)
             self.wake.set()
 
     # ---- matching and leases ----------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 A namespace is *active* when its weights version is its model's active version. Matches under an
 inactive namespace find nothing; reserves and commits under one are refused with `VersionFenced`.
+Invalidating a namespace flushes it (its blocks become unreachable at once); an active one starts again
+empty, and `flush_epoch` counts the flushes so serving nodes drop their local tiers too.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class NamespaceRegistry:
         self._layout = layout
         self._records: dict[bytes, NamespaceRecord] = {}
         self._active: dict[str, str] = {}  # model id -> active weights version
-        self._invalidated: set[bytes] = set()  # explicitly invalidated digests (stay inactive)
+        self.flush_epoch = 0  # invalidations so far (heartbeat answers carry it)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -74,7 +76,7 @@ class NamespaceRegistry:
 
     def is_active(self, digest: bytes) -> bool:
         record = self._records.get(digest)
-        if record is None or digest in self._invalidated:
+        if record is None:
             return False
         return self._active.get(record.model_id) == record.weights_version
 
@@ -96,10 +98,10 @@ class NamespaceRegistry:
         return previous, sorted(was_active - now_active), sorted(now_active - was_active)
 
     def invalidate(self, digest: bytes) -> None:
-        """Make one namespace unreachable for good (its blocks are reclaimed); `NotFound` if unknown."""
+        """Count a flush of one namespace (the caller drops its blocks); `NotFound` if unknown."""
         if digest not in self._records:
             raise NotFound(f"unknown namespace {digest.hex()}")
-        self._invalidated.add(digest)
+        self.flush_epoch += 1
 
     def records(self) -> list[NamespaceRecord]:
         return list(self._records.values())

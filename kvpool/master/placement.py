@@ -22,6 +22,7 @@ class Reservation:
     committing: bool = False
     aborted: bool = False
     parent_locked: bool = False  # the parent chain is pinned (lock_ref) until the reservation ends
+    flushed: bool = False  # its namespace was invalidated after it was made: the commit is refused
 
 
 @dataclass(frozen=True, slots=True)

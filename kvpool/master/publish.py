@@ -284,6 +284,12 @@ class Publisher:
                 self.m.queue_free(loc)
         self.m.wake.set()
 
+    def flush(self, ns: bytes) -> None:
+        """Namespace `ns` was invalidated: its open reservations will be refused at commit. Lock held."""
+        for r in self.reservations.values():
+            if r.ns == ns:
+                r.flushed = True
+
     # ---- commit / abort ---------------------------------------------------------------------------
     def commit(self, rid: int, blocks: Sequence[CommitBlock]) -> tuple[int, int]:
         """Make the written blocks visible; idempotent (a repeat returns the first answer)."""
@@ -308,9 +314,10 @@ class Publisher:
                 if bad:
                     raise InvalidArgument(f"block {b.block_hash.hex()}: {bad[0]} was not reserved for it")
                 written[b.block_hash] = (b.checksum, set(b.written))
-            if not m.namespaces.is_active(r.ns):
+            if not m.namespaces.is_active(r.ns) or r.flushed:
                 self._drop(r)
-                raise VersionFenced(f"namespace {r.ns.hex()} was fenced: commit refused")
+                why = "invalidated after this reservation" if r.flushed else "fenced"
+                raise VersionFenced(f"namespace {r.ns.hex()} was {why}: commit refused")
             if m.clock.now_ms() > r.expiry_ms:
                 self._drop(r)
                 raise LeaseExpired(f"write lease of reservation {rid} expired")
@@ -336,9 +343,9 @@ class Publisher:
     ) -> tuple[int, int]:
         m = self.m
         self._drop_quiet(r)
-        if r.aborted or not m.namespaces.is_active(r.ns):
+        if r.aborted or r.flushed or not m.namespaces.is_active(r.ns):
             self._free_all(r)
-            raise VersionFenced(f"namespace {r.ns.hex()} was fenced during the commit")
+            raise VersionFenced(f"namespace {r.ns.hex()} was fenced or invalidated during the commit")
         ns = NamespaceId(r.ns)
         chain: list[BlockHash] = []
         chain_locs: list[list[Location]] = []

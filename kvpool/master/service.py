@@ -113,7 +113,9 @@ class MasterServicer(pb_grpc.MasterServicer):
         load = NodeLoad(ld.queue_len, *values)
         freed = [(s.slot, s.generation) for s in request.freed_slots]
         known = self.m.heartbeat(request.node_id, request.epoch, freed, request.num_used_slots, load)
-        return pb.HeartbeatResponse(known=known, master_epoch=self.m.master_epoch)
+        return pb.HeartbeatResponse(
+            known=known, master_epoch=self.m.master_epoch, flush_epoch=self.m.namespaces.flush_epoch
+        )
 
     @rpc_errors
     def DeregisterNode(

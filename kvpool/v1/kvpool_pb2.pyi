@@ -105,12 +105,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., freed_slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., num_used_slots: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known", "master_epoch")
+    __slots__ = ("known", "master_epoch", "flush_epoch")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_EPOCH_FIELD_NUMBER: _ClassVar[int]
     known: bool
     master_epoch: int
-    def __init__(self, known: _Optional[bool] = ..., master_epoch: _Optional[int] = ...) -> None: ...
+    flush_epoch: int
+    def __init__(self, known: _Optional[bool] = ..., master_epoch: _Optional[int] = ..., flush_epoch: _Optional[int] = ...) -> None: ...
 
 class DeregisterNodeRequest(_message.Message):
     __slots__ = ("node_id", "epoch")
