@@ -166,3 +166,58 @@ def test_unmeasured_links_are_ignored_not_divided_by() -> None:
     assert c.link_to_pool(["unprobed:1", "dead:1"]) is None
     link = c.link_to_pool(["unprobed:1", "ok:1", "dead:1"])
     assert link is not None and link.beta_bytes_per_s == 1e9
+
+
+class _RecordingMaster:
+    """Records `report_local` calls; `committed` is what the (fake) pool has committed so far."""
+
+    def __init__(self) -> None:
+        self.committed: set[bytes] = set()
+        self.reported: list[tuple[list[bytes], list[bytes], set[bytes]]] = []
+
+    def report_local(self, node_id: str, epoch: int, ns: bytes, *, stored: Any, removed: Any) -> None:
+        self.reported.append((list(stored), list(removed), set(self.committed)))
+
+
+class _Pool:
+    """Commits after a heartbeat fired mid-publish (the race a new-user pass found)."""
+
+    def __init__(self, master: _RecordingMaster, conn: Any) -> None:
+        self.master, self.conn = master, conn
+
+    def put_blocks(self, ns: bytes, parent: Any, hashes: list[bytes], blocks: Any, **kwargs: Any) -> Any:
+        from kvpool.client.types import PutResult
+
+        self.conn.report_local_events(1)  # the heartbeat thread reports while the publish is in flight
+        self.master.committed.update(hashes)
+        return PutResult(len(hashes), 0, 0, 1)
+
+
+def test_local_copies_are_reported_only_once_the_master_holds_the_blocks() -> None:
+    """A stored event the master got before the block's commit was dropped for good (the master only
+    records local copies of blocks its index holds), so the router never saw the node warm."""
+    master = _RecordingMaster()
+    conn = make(master, tier_bytes=16 * NBYTES)
+    conn.pool = _Pool(master, conn)
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    blocks = [np.full(NBYTES, i, dtype=np.uint8) for i in range(3)]
+    assert conn.publish(NS, hashes, blocks, start_block=0) == (3, 0)
+    conn.report_local_events(1)
+    stored = [(h, committed) for s, _, committed in master.reported for h in s]
+    assert sorted(h for h, _ in stored) == sorted(hashes)  # every block reported once...
+    assert all(h in committed for h, committed in stored)  # ...after its commit
+
+
+def test_local_tier_events_keep_each_blocks_last_state() -> None:
+    tier = LocalTier(2 * NBYTES)
+    a, b, c = (bytes([i]) * 16 for i in range(3))
+    tier.put(NS, a, np.zeros(NBYTES, np.uint8))
+    tier.put(NS, b, np.zeros(NBYTES, np.uint8), report=False)
+    tier.put(NS, c, np.zeros(NBYTES, np.uint8))  # evicts a: stored then removed -> only removed
+    tier.report_stored(NS, [a, b])  # a is gone: not reported as held
+    [(ns, stored, removed)] = tier.drain_events()
+    assert ns == NS and sorted(stored) == sorted([b, c]) and removed == [a]
+    assert tier.drain_events() == []
+    tier.clear()
+    [(ns, stored, removed)] = tier.drain_events()
+    assert ns == NS and stored == [] and sorted(removed) == sorted([b, c])

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.client.types import PutResult
 from kvpool.connector.breaker import PoolBreaker
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.pull import pull_blocks
@@ -302,26 +303,44 @@ class KVConnector:
         Returns (num committed, num already present). Raises a `KVPoolError` on failure (the caller
         reports `publish_failed`); a partial failure aborts the reservation, so nothing half-visible.
         """
-        for i, block in enumerate(blocks):
-            self.local_tier.put(ns, hashes[start_block + i], block)
-        if not blocks:
+        mine = list(hashes[start_block : start_block + len(blocks)])
+        for h, block in zip(mine, blocks, strict=True):
+            self.local_tier.put(ns, h, block, report=False)  # reported once the master holds the block
+        try:
+            result = self._put(ns, hashes, start_block, mine, blocks, recompute_cost_s)
+        finally:
+            self.local_tier.report_stored(ns, mine)
+        if result is None:
             return 0, 0
+        if result.num_failed:
+            raise TransferError(f"{result.num_failed} of {len(blocks)} blocks could not be written")
+        return result.num_committed, result.num_existing
+
+    def _put(
+        self,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        start_block: int,
+        mine: list[bytes],
+        blocks: Sequence[np.ndarray],
+        recompute_cost_s: Sequence[float] | None,
+    ) -> PutResult | None:
+        """`publish`'s pool write (None: nothing to write); records the outcome in the breaker."""
+        if not blocks:
+            return None
         if not self.breaker.allow():
             raise Unavailable("pool unreachable (degraded mode): not publishing")
         parent = hashes[start_block - 1] if start_block > 0 else None
         try:
             result = self.pool.put_blocks(
-                ns, parent, list(hashes[start_block : start_block + len(blocks)]), list(blocks),
-                num_replicas=self.num_replicas, recompute_cost_s=list(recompute_cost_s or ()),
-                writer_node_id=self.node_id,
+                ns, parent, mine, list(blocks), num_replicas=self.num_replicas,
+                recompute_cost_s=list(recompute_cost_s or ()), writer_node_id=self.node_id,
             )  # fmt: skip
         except (Unavailable, DeadlineExceeded):
             self.breaker.record(False)
             raise
         self.breaker.record(True)
-        if result.num_failed:
-            raise TransferError(f"{result.num_failed} of {len(blocks)} blocks could not be written")
-        return result.num_committed, result.num_existing
+        return result
 
     def report_local_events(self, epoch: int) -> None:
         """Send queued local-tier stored/removed events to the master (best effort)."""

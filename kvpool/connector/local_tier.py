@@ -29,8 +29,7 @@ class LocalTier:
         self._blocks: OrderedDict[_Key, np.ndarray] = OrderedDict()
         self._used_bytes = 0
         self._lock = threading.Lock()
-        self._stored: dict[bytes, list[bytes]] = {}
-        self._removed: dict[bytes, list[bytes]] = {}
+        self._events: dict[bytes, dict[bytes, bool]] = {}  # ns -> hash -> held (the last event wins)
         self.num_hits = 0
         self.num_lookups = 0
 
@@ -60,8 +59,12 @@ class LocalTier:
                 self.num_hits += 1
             return value
 
-    def put(self, ns: bytes, block_hash: bytes, data: np.ndarray) -> None:
-        """Store a copy of `data` (uint8, block_nbytes); evicts least recently used blocks to fit."""
+    def put(self, ns: bytes, block_hash: bytes, data: np.ndarray, *, report: bool = True) -> None:
+        """Store a copy of `data` (uint8, block_nbytes); evicts least recently used blocks to fit.
+
+        `report=False`: queue no stored event now; the caller calls `report_stored` once the master can
+        attach it (the master records a node's local copy only of a block its index holds, so a report
+        that reached it before the block's commit was dropped for good)."""
         if self.capacity_bytes == 0 or data.nbytes > self.capacity_bytes:
             return
         key = (bytes(ns), bytes(block_hash))
@@ -74,21 +77,32 @@ class LocalTier:
             while self._used_bytes + copy.nbytes > self.capacity_bytes and self._blocks:
                 (old_ns, old_hash), old = self._blocks.popitem(last=False)
                 self._used_bytes -= old.nbytes
-                self._removed.setdefault(old_ns, []).append(old_hash)
+                self._events.setdefault(old_ns, {})[old_hash] = False
             self._blocks[key] = copy
             self._used_bytes += copy.nbytes
-            self._stored.setdefault(key[0], []).append(key[1])
+            if report:
+                self._events.setdefault(key[0], {})[key[1]] = True
+
+    def report_stored(self, ns: bytes, block_hashes: Sequence[bytes]) -> None:
+        """Queue stored events for those of `block_hashes` still resident (see `put(report=False)`)."""
+        with self._lock:
+            for h in block_hashes:
+                if (ns, h) in self._blocks:
+                    self._events.setdefault(bytes(ns), {})[bytes(h)] = True
 
     def clear(self) -> None:
         with self._lock:
             for ns, h in self._blocks:
-                self._removed.setdefault(ns, []).append(h)
+                self._events.setdefault(ns, {})[h] = False
             self._blocks.clear()
             self._used_bytes = 0
 
     def drain_events(self) -> list[tuple[bytes, list[bytes], list[bytes]]]:
-        """Take the queued (namespace, stored, removed) events to report to the master."""
+        """Take the queued (namespace, stored, removed) events to report to the master: each block's last
+        event only (a block stored then evicted before a report is only removed, never both)."""
         with self._lock:
-            namespaces = set(self._stored) | set(self._removed)
-            events = [(ns, self._stored.pop(ns, []), self._removed.pop(ns, [])) for ns in namespaces]
-            return events
+            events, self._events = self._events, {}
+        return [
+            (ns, [h for h, held in d.items() if held], [h for h, held in d.items() if not held])
+            for ns, d in events.items()
+        ]
