@@ -324,3 +324,39 @@ def test_a_publish_places_runs_of_consecutive_blocks_together(cluster, transport
             assert len(set(nodes)) == 2, nodes  # the next run goes to the node with more room
         finally:
             c.abort(r.reservation_id)
+
+
+def test_admin_refuses_to_drain_the_last_store_or_evict_a_serving_nodes_blocks() -> None:
+    """Found by a new-user pass: draining the only live store was accepted (every publish then failed,
+    with no undrain), and `evict --node <prefill node>` answered "evicted 7" while the node still held
+    them (its local tier is its own: only its index entries went)."""
+    from kvpool.client import NodeInfo
+    from kvpool.errors import FailedPrecondition
+    from kvpool.rpc import PROTOCOL_VERSION
+
+    if transfer.ucx_available() is not None:
+        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    master = start_master("--heartbeat-timeout-ms", "60000")
+    store = start_store(master.grpc_address, "only")
+    try:
+        wait_stores(master.grpc_address, 1)
+        with MasterClient(master.grpc_address) as c:
+            with pytest.raises(FailedPrecondition, match="only live store"):
+                c.drain("only")
+            assert not {n.node.node_id: n.draining for n in c.list_nodes()}["only"]
+            c.register_node(
+                NodeInfo("p0", "prefill", "127.0.0.1:9", "", 1), protocol_version=PROTOCOL_VERSION,
+                layout_fingerprint=LAYOUT,
+            )  # fmt: skip
+            with pytest.raises(FailedPrecondition, match="prefill node, not a store"):
+                c.evict(0.5, node_id="p0")
+        second = start_store(master.grpc_address, "second")
+        try:
+            wait_stores(master.grpc_address, 2)
+            with MasterClient(master.grpc_address) as c:
+                assert c.drain("only") >= 0  # another store takes the blocks now
+        finally:
+            second.kill()
+    finally:
+        store.kill()
+        master.kill()

@@ -19,6 +19,14 @@ def drain(m: Master, node_id: str) -> int:
             raise FailedPrecondition(f"node {node_id} is a {rec.role} node, not a store")
         if not rec.alive:
             raise FailedPrecondition(f"node {node_id} is dead")
+        others = [
+            n for n in m.st.nodes.values() if n.is_store and n.alive and not n.draining and n is not rec
+        ]
+        if not rec.draining and not others:
+            raise FailedPrecondition(
+                f"node {node_id} is the only live store taking blocks: draining it would leave no store for "
+                "new blocks and nowhere to copy its own (start another store first)"
+            )
         rec.draining = True
         blocks = m.st.node_blocks.get(node_id, set())
         for key in blocks:
@@ -35,7 +43,9 @@ def admin_evict(m: Master, fraction: float, node_id: str) -> tuple[int, int]:
         raise InvalidArgument(f"fraction must be in (0, 1], got {fraction}")
     with m.lock:
         if node_id:
-            m.node(node_id)
+            rec = m.node(node_id)
+            if not rec.is_store:  # a serving node's local tier is its own: the master cannot evict it
+                raise FailedPrecondition(f"node {node_id} is a {rec.role} node, not a store")
             want = math.ceil(fraction * m.index.num_blocks_on_node(node_id))
         else:
             want = math.ceil(fraction * m.index.num_blocks)
