@@ -44,6 +44,19 @@ def test_bad_setting_is_one_line_not_a_traceback() -> None:
     assert "Traceback" not in out.stderr
 
 
+def test_a_segment_larger_than_the_hosts_memory_is_refused() -> None:
+    """It was accepted (a new user's `--segment-size 1TiB` on a 23 GiB host registered 4 M slots, and the
+    master would have placed blocks there until the host ran out of memory)."""
+    import psutil
+
+    too_big = f"{(psutil.virtual_memory().total >> 30) + 1}GiB"
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "store", "--segment-size", too_big],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "more than this host's memory" in out.stderr, out.stderr
+
+
 def _kvpool(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvpool.cli.main", *args], capture_output=True, text=True, timeout=120

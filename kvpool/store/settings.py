@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import psutil
 from pydantic import Field, field_validator
 
 from kvpool.config import KVPoolSettings, check_host_port
@@ -63,7 +64,10 @@ class StoreSettings(KVPoolSettings):
     @field_validator("segment_size")
     @classmethod
     def _size(cls, value: str) -> str:
-        parse_size(value)
+        nbytes = parse_size(value)
+        total = psutil.virtual_memory().total
+        if nbytes > total:  # the master would place blocks in it until the host runs out of memory
+            raise ValueError(f"segment_size {value} is more than this host's memory ({total >> 20} MiB)")
         return value
 
     @field_validator("pin_memory")
