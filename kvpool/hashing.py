@@ -189,7 +189,9 @@ def parse_hash(value: bytes | str, what: str = "block hash") -> bytes:
         try:
             value = bytes.fromhex(value)
         except ValueError:
-            raise ValueError(f"{what} must be {HASH_NBYTES * 2} hex characters") from None
+            value = b""
+        if len(value) != HASH_NBYTES:  # one message for text, whatever is wrong with it
+            raise ValueError(f"{what} must be {HASH_NBYTES * 2} hex characters")
     if not isinstance(value, bytes) or len(value) != HASH_NBYTES:
         raise ValueError(f"{what} must be {HASH_NBYTES} bytes")
     return value

@@ -209,6 +209,11 @@ def test_admin_match_refuses_malformed_token_ids_before_calling_the_master(token
         (["economics", "--model-params", "1e9", "--d-attn", "-64"], "--d-attn", "must be >= 0, got -64"),
         (["economics", "--model-params", "1e9", "--mfu", "1.5"], "--mfu", "must be in (0, 1], got 1.5"),
         (["economics", "--model-params", "1e9", "--gpu", "X"], "--gpu", "unknown GPU 'X'"),
+        (["set-version", "--model", "m", "--version", ""], "--version", "must not be empty"),
+        (["invalidate", "--namespace", "abc"], "--namespace", "must be 32 hex characters"),
+        (["invalidate", "--namespace", "ab" * 15], "--namespace", "must be 32 hex characters"),
+        (["match", "--namespace", "ab" * 15, "1,2"], "--namespace", "must be 32 hex characters"),
+        (["set-version", "--model", " ", "--version", "v2"], "--model", "must not be empty"),
     ],
 )
 def test_admin_out_of_range_numbers_are_usage_errors_before_calling_the_master(

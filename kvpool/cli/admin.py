@@ -34,6 +34,23 @@ NON_NEGATIVE = _checked(lambda v: v >= 0, ">= 0")
 UNIT_FRACTION = _checked(lambda v: 0 < v <= 1, "in (0, 1]")
 
 
+def _non_empty(value: str) -> str:
+    if not value.strip():
+        raise typer.BadParameter("must not be empty")
+    return value
+
+
+def _namespace_hex(value: str) -> str:
+    from kvpool.hashing import parse_hash
+
+    if value:
+        try:
+            parse_hash(value, "namespace")
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
 def _known_gpu(gpu: str) -> str:
     from kvpool.bench.economics import GPUS
 
@@ -209,7 +226,7 @@ def parse_token_ids(text: str, param_hint: str = "'TOKENS'") -> list[int]:
 @admin_app.command()
 def match(
     tokens: str = typer.Argument(..., help="Comma-separated token ids, e.g. 1,2,3 (each in 0-4294967295)."),
-    namespace: str = typer.Option("", help="Namespace digest (32 hex chars)."),
+    namespace: str = typer.Option("", help="Namespace digest (32 hex chars).", callback=_namespace_hex),
     model: str = typer.Option("", help="Model id (with --version) instead of --namespace."),
     version: str = typer.Option("", help="Weights version."),
     layout: str = typer.Option(
@@ -257,8 +274,8 @@ def match(
 
 @admin_app.command("set-version")
 def set_version(
-    model: str = typer.Option(..., "--model", help="Model id."),
-    version: str = typer.Option(..., "--version", help="Weights version to activate."),
+    model: str = typer.Option(..., "--model", help="Model id.", callback=_non_empty),
+    version: str = typer.Option(..., "--version", help="Weights version to activate.", callback=_non_empty),
     as_json: bool = JSON,
 ) -> None:
     """Activate a weights version: every other version of the model becomes unreachable."""
@@ -272,7 +289,9 @@ def set_version(
 
 @admin_app.command()
 def invalidate(
-    namespace: str = typer.Option(..., "--namespace", help="Namespace digest (32 hex chars)."),
+    namespace: str = typer.Option(
+        ..., "--namespace", help="Namespace digest (32 hex chars).", callback=_namespace_hex
+    ),
     as_json: bool = JSON,
 ) -> None:
     """Flush one namespace: its blocks are unreachable now (reclaimed in the background), publishes begun
