@@ -44,6 +44,15 @@ def test_bad_setting_is_one_line_not_a_traceback() -> None:
     assert "Traceback" not in out.stderr
 
 
+def test_the_offline_only_eviction_policy_is_refused_by_a_live_master() -> None:
+    """`master --policy opt` started (a new-user pass) and ran as LRU: nothing feeds it next-use times."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "master", "--policy", "opt"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "opt is offline-only" in out.stderr, out.stderr
+
+
 def test_a_segment_larger_than_the_hosts_memory_is_refused() -> None:
     """It was accepted (a new user's `--segment-size 1TiB` on a 23 GiB host registered 4 M slots, and the
     master would have placed blocks there until the host ran out of memory)."""

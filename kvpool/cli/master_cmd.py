@@ -13,7 +13,7 @@ import typer
 from pydantic import ValidationError
 
 from kvpool.cli.settings_help import settings_command
-from kvpool.index.policies import POLICY_NAMES
+from kvpool.index.policies import ONLINE_POLICY_NAMES
 
 
 def register_master_command(app: typer.Typer) -> None:
@@ -30,7 +30,7 @@ def register_master_command(app: typer.Typer) -> None:
         high_watermark: float | None = typer.Option(None, help="Per store node: evict above this fill."),
         low_watermark: float | None = typer.Option(None, help="...down to this fill."),
         replicas: int | None = typer.Option(None, help="Default replicas per block."),
-        policy: str | None = typer.Option(None, help=f"Eviction policy: {', '.join(POLICY_NAMES)}."),
+        policy: str | None = typer.Option(None, help=f"Eviction policy: {', '.join(ONLINE_POLICY_NAMES)}."),
         rebuild_grace_ms: int | None = typer.Option(
             None, help="Unclaimed inventory blocks are freed after this."
         ),

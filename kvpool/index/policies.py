@@ -30,6 +30,8 @@ from kvpool.errors import InvalidArgument
 from kvpool.types import BlockHash
 
 POLICY_NAMES = ("lru", "lfu", "fwlru", "cost", "opt", "tail", "adaptive")
+ONLINE_POLICY_NAMES = tuple(n for n in POLICY_NAMES if n != "opt")
+"""The policies a live master can run: `opt` needs each block's next use, known only to a trace replay."""
 DEFAULT_POLICY = "tail"
 
 

@@ -6,6 +6,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kvpool.config import KVPoolSettings
 from kvpool.index import DEFAULT_POLICY
+from kvpool.index.policies import ONLINE_POLICY_NAMES
 from kvpool.types import DEFAULT_LAYOUT, KVLayout
 
 
@@ -40,6 +41,16 @@ class MasterSettings(KVPoolSettings):
     metrics: bool = True  # serve Prometheus /metrics (kvpool.metrics)
     # on bind_host; 0 = ephemeral (announced as metrics_address)
     metrics_port: int = Field(default=0, ge=0, le=65535)
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        if value not in (*ONLINE_POLICY_NAMES, "default"):
+            offline = " (opt is offline-only: it needs each block's next use; `kvpool bench trace` runs it)"
+            raise ValueError(
+                f"policy must be one of {', '.join(ONLINE_POLICY_NAMES)}{offline}, got {value!r}"
+            )
+        return value
 
     @field_validator("layout")
     @classmethod

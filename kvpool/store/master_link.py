@@ -164,7 +164,7 @@ class MasterLink:
             self.interval_ms = int(resp.heartbeat_interval_ms)
         self.master_epoch = resp.master_epoch
         self.registered.set()
-        log.info("registered with master %s (epoch %d)", self.address, resp.master_epoch)
+        log.info("registered with master %s (master epoch %d)", self.address, resp.master_epoch)
 
     def _heartbeat(self, stub: pb_grpc.MasterStub) -> None:
         freed = self._table.drain_freed()
