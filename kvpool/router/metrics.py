@@ -46,6 +46,15 @@ class RouterMetrics:
             buckets=_TTFT_BUCKETS, registry=r,
         )  # fmt: skip
         self.inflight = Gauge("kvpool_router_inflight_requests", "Requests being served now.", registry=r)
+        self.node_failures = Counter(
+            "kvpool_router_node_failures",
+            "Calls to a prefill/decode node that could not reach it (UNAVAILABLE): the node went into back-off.",
+            ["role", "node"], registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "kvpool_router_retries", "Requests retried on another node after their node could not be reached.",
+            ["role"], registry=r,
+        )  # fmt: skip
         self.rejected = Counter(
             "kvpool_router_rejected", "Requests refused before routing, by reason.", ["reason"], registry=r
         )

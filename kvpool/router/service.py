@@ -12,6 +12,16 @@ node list comes from the master, refreshed in the background every `refresh_inte
 The master down is `Unavailable` (HTTP 503): `health()` asks the master each time; a request uses the
 cached node list only while the last master call succeeded and the list is at most
 `4 * refresh_interval_s` old (a failed refresh or a peek the master did not answer drops it at once).
+
+A node that died is listed alive until the master's heartbeat timeout. Failover (as production routers
+do): a call to a prefill or decode node that fails UNAVAILABLE (connection refused or reset, the node
+gone) before anything of that call was sent to the client puts the node in a local back-off of
+`node_backoff_s` (keyed by node id and epoch; it ends early when the node answers a call) and the request
+is retried on the next node the same policy chooses among the others, up to `node_retries` times. A
+prefill failure is always before the client got anything; a decode stream is retried only while it has
+sent no token (the first token, from prefill, is the same for any decode node). Nodes in back-off are
+left out of placement unless every candidate is in back-off (then all are tried: a back-off is a hint,
+not a verdict). No other node left: `Unavailable` naming the failure. Other errors are not retried.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Generator, Sequence
+from collections.abc import Collection, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +94,8 @@ class RouterService:
         self._nodes_lock = threading.Lock()
         self._last_serving: dict[str, tuple[list[NodeStatus], float]] = {}
         self._namespaces: dict[str, bytes] = {}
+        self._down: dict[tuple[str, int], float] = {}  # (node id, epoch) -> end of its back-off
+        self._down_lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
         self._stop = threading.Event()
@@ -153,6 +165,53 @@ class RouterService:
             return last[0]
         return []
 
+    # ---- node back-off (failover) -----------------------------------------------------------------
+    def node_failed(self, role: str, node: NodeStatus) -> None:
+        """A call could not reach `node`: leave it out of placement for `node_backoff_s`."""
+        now = time.monotonic()
+        with self._down_lock:
+            self._down = {k: t for k, t in self._down.items() if t > now}
+            self._down[(node.node.node_id, node.node.epoch)] = now + self.settings.node_backoff_s
+        self.metrics.node_failures.labels(role, node.node.node_id).inc()
+
+    def node_answered(self, node: NodeStatus) -> None:
+        """`node` served a call: its back-off, if any, ends."""
+        if self._down:
+            with self._down_lock:
+                self._down.pop((node.node.node_id, node.node.epoch), None)
+
+    def in_backoff(self, node: NodeStatus) -> bool:
+        with self._down_lock:
+            return self._down.get((node.node.node_id, node.node.epoch), 0.0) > time.monotonic()
+
+    def candidates(self, role: str, exclude: Collection[str] = ()) -> list[NodeStatus]:
+        """The live nodes of `role` but `exclude` (node ids), those in back-off left out unless all are."""
+        nodes = [n for n in self.serving(role) if n.node.node_id not in exclude]
+        return [n for n in nodes if not self.in_backoff(n)] or nodes
+
+    def _call_failed(self, role: str, node: NodeStatus, exc: grpc.RpcError, tried: list[str]) -> str:
+        """A call to `node` failed before anything of it was sent to the client. When it could not reach
+        the node (UNAVAILABLE) and another node is left: the node goes into back-off, the retry is counted
+        and the failure returned (for the log); otherwise raises the call's error as a `KVPoolError`."""
+        what = f"{role} on {node.node.node_id}"
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        if code != grpc.StatusCode.UNAVAILABLE:
+            raise_from_rpc_error(exc, what)
+        details = (exc.details() if hasattr(exc, "details") else "") or code.name
+        self.node_failed(role, node)
+        tried.append(node.node.node_id)
+        try:
+            others = self.candidates(role, tried)
+        except KVPoolError:  # the master is gone too
+            others = []
+        if not others or len(tried) > self.settings.node_retries:
+            why = (
+                f"gave up after {len(tried)} {role} nodes" if others else f"no other {role} node to retry on"
+            )
+            raise Unavailable(f"{what}: {details}; {why} (tried {', '.join(tried)})")
+        self.metrics.retries.labels(role).inc()
+        return f"{what} unreachable ({details}): in back-off for {self.settings.node_backoff_s:g} s"
+
     def health(self) -> dict[str, Any]:
         """Live serving nodes per role, from the master now (never the cache): `Unavailable` when it does
         not answer, so a health check right after the master died fails."""
@@ -187,8 +246,12 @@ class RouterService:
 
     def place(self, tokens: Sequence[int], cache_salt: str) -> tuple[Choice, NodeStatus]:
         """Choose the prefill node (peek + policy); `Unavailable` when no prefill node is alive."""
-        prefill = self.serving("prefill")
-        if not prefill:
+        return self.choose_prefill(self.peek(tokens, cache_salt))
+
+    def peek(self, tokens: Sequence[int], cache_salt: str) -> tuple[RouteRequest, Match | None, int]:
+        """What placement needs of the pool for this prompt (one peek, reused by retries):
+        `Unavailable` when no prefill node is alive or the master does not answer."""
+        if not self.serving("prefill"):
             raise Unavailable("no live prefill node")
         layout = self.model.layout
         max_blocks = max(0, (len(tokens) - 1) // layout.block_size)
@@ -208,6 +271,16 @@ class RouterService:
             block_nbytes=layout.block_nbytes,
             pool_blocks=match.num_matched if match is not None else 0,
         )
+        return req, match, max_blocks
+
+    def choose_prefill(
+        self, peeked: tuple[RouteRequest, Match | None, int], exclude: Collection[str] = ()
+    ) -> tuple[Choice, NodeStatus]:
+        """The prefill node the policy chooses among `candidates` (counted in flight until its first token)."""
+        req, match, max_blocks = peeked
+        prefill = self.candidates("prefill", exclude)
+        if not prefill:
+            raise Unavailable("no live prefill node")
         with self._policy_lock:
             states = node_states(prefill, match, self.inflight, max_blocks)
             choice = self.policy.choose(req, states)
@@ -217,9 +290,9 @@ class RouterService:
         self.metrics.predicted_ttft.observe(choice.prediction.ttft_s)
         return choice, node
 
-    def pick_decode(self) -> NodeStatus:
-        """The least-loaded decode node (own in-flight or reported queue); ties by a seeded choice."""
-        decode = self.serving("decode")
+    def pick_decode(self, exclude: Collection[str] = ()) -> NodeStatus:
+        """The least-loaded decode node of `candidates` (own in-flight or reported queue); ties seeded."""
+        decode = self.candidates("decode", exclude)
         if not decode:
             raise Unavailable("no live decode node")
 
@@ -255,15 +328,11 @@ class RouterService:
             self._admitted -= 1
         self.metrics.inflight.dec()
 
-    def generate(
-        self, tokens: Sequence[int], sampling: Sampling, *, cache_salt: str = "", request_id: str = ""
-    ) -> Generator[Event, None, None]:
-        """Serve one admitted request: "first", then "tokens"*, then "done". Raises `KVPoolError`."""
-        rid = request_id or uuid.uuid4().hex[:16]
-        tokens = list(tokens)
-        t0 = time.perf_counter()
-        choice, pnode = self.place(tokens, cache_salt)
-        service_s = choice.prediction.service_s
+    def _prefill(
+        self, pnode: NodeStatus, service_s: float, req: pb.PrefillRequest, t0: float
+    ) -> tuple[pb.PrefillFirstToken | None, pb.PrefillPublished | None, float]:
+        """One Prefill call on `pnode` (in flight until its first token): (first token, published, TTFT
+        from `t0`). Raises the call's `grpc.RpcError`."""
         pending = True
 
         def end_prefill() -> None:
@@ -272,10 +341,6 @@ class RouterService:
                 pending = False
                 self.inflight.end(pnode.node.node_id, pnode.node.epoch, service_s)
 
-        req = pb.PrefillRequest(
-            request_id=rid, token_ids=tokens, sampling=sampling.to_proto(), cache_salt=cache_salt,
-            publish=True, use_cache=True,
-        )  # fmt: skip
         first: pb.PrefillFirstToken | None = None
         published: pb.PrefillPublished | None = None
         ttft_s = 0.0
@@ -290,10 +355,34 @@ class RouterService:
                     end_prefill()
                 elif ev.HasField("published"):
                     published = ev.published
-        except grpc.RpcError as exc:
-            raise_from_rpc_error(exc, f"prefill on {pnode.node.node_id}")
         finally:
             end_prefill()
+        return first, published, ttft_s
+
+    def generate(
+        self, tokens: Sequence[int], sampling: Sampling, *, cache_salt: str = "", request_id: str = ""
+    ) -> Generator[Event, None, None]:
+        """Serve one admitted request: "first", then "tokens"*, then "done". Raises `KVPoolError`."""
+        rid = request_id or uuid.uuid4().hex[:16]
+        tokens = list(tokens)
+        t0 = time.perf_counter()
+        peeked = self.peek(tokens, cache_salt)
+        req = pb.PrefillRequest(
+            request_id=rid, token_ids=tokens, sampling=sampling.to_proto(), cache_salt=cache_salt,
+            publish=True, use_cache=True,
+        )  # fmt: skip
+        tried: list[str] = []
+        failure = ""
+        while True:  # nothing reaches the client before the prefill ends: an unreachable node is retried
+            choice, pnode = self.choose_prefill(peeked, tried)
+            if failure:
+                log.warning("[%s] %s; retrying on %s", rid, failure, pnode.node.node_id)
+            try:
+                first, published, ttft_s = self._prefill(pnode, choice.prediction.service_s, req, t0)
+                break
+            except grpc.RpcError as exc:
+                failure = self._call_failed("prefill", pnode, exc, tried)
+        self.node_answered(pnode)
         if first is None:
             raise Unavailable(f"prefill on {pnode.node.node_id} ended without a first token")
         stats = first.stats
@@ -313,28 +402,40 @@ class RouterService:
             yield Event("done", finish_reason=reason, ttft_s=ttft_s, **common)
             return
         status = published.status if published is not None else "publish_failed"
-        dnode = self.pick_decode()
         dreq = pb.DecodeRequest(
             request_id=rid, token_ids=tokens, first_token=first.token_id, block_hashes=list(first.block_hashes),
             sampling=sampling.to_proto(), cache_salt=cache_salt, prompt_committed=status == "committed",
             publish=True, use_cache=True,
         )  # fmt: skip
-        n_out, reason = 1, "length"
+        n_out = 1
         t_first = time.perf_counter()
-        self.decode_inflight.begin(dnode.node.node_id, dnode.node.epoch)
-        try:
-            for dev in self._stub(dnode.node.grpc_address, "decode").Decode(
-                dreq, timeout=self.settings.request_timeout_s
-            ):
-                if dev.token_ids:
-                    n_out += len(dev.token_ids)
-                    yield Event("tokens", token_ids=list(dev.token_ids))
-                if dev.finished:
-                    reason = dev.stats.finish_reason or reason
-        except grpc.RpcError as exc:
-            raise_from_rpc_error(exc, f"decode on {dnode.node.node_id}")
-        finally:
-            self.decode_inflight.end(dnode.node.node_id, dnode.node.epoch)
+        tried = []
+        failure = ""
+        while True:
+            dnode = self.pick_decode(tried)
+            if failure:
+                log.warning("[%s] %s; retrying on %s", rid, failure, dnode.node.node_id)
+            reason = "length"
+            self.decode_inflight.begin(dnode.node.node_id, dnode.node.epoch)
+            try:
+                for dev in self._stub(dnode.node.grpc_address, "decode").Decode(
+                    dreq, timeout=self.settings.request_timeout_s
+                ):
+                    if dev.token_ids:
+                        n_out += len(dev.token_ids)
+                        yield Event("tokens", token_ids=list(dev.token_ids))
+                    if dev.finished:
+                        reason = dev.stats.finish_reason or reason
+                break
+            except grpc.RpcError as exc:
+                if n_out > 1:  # this node's tokens went out: never retried
+                    if hasattr(exc, "code") and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.node_failed("decode", dnode)
+                    raise_from_rpc_error(exc, f"decode on {dnode.node.node_id}")
+                failure = self._call_failed("decode", dnode, exc, tried)
+            finally:
+                self.decode_inflight.end(dnode.node.node_id, dnode.node.epoch)
+        self.node_answered(dnode)
         self.metrics.completion_tokens.inc(n_out)
         if n_out > 1:
             self.metrics.tpot.observe((time.perf_counter() - t_first) / (n_out - 1))

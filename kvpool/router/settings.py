@@ -28,6 +28,16 @@ class RouterSettings(KVPoolSettings):
     max_inflight: int = Field(default=64, gt=0, description="concurrent requests; more are answered 429")
     refresh_interval_s: float = Field(default=0.25, gt=0, description="node list refresh period")
     request_timeout_s: float = Field(default=300.0, gt=0)
+    node_backoff_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="a node a call could not reach (UNAVAILABLE) is avoided this long, or until it answers",
+    )
+    node_retries: int = Field(
+        default=2,
+        ge=0,
+        description="other nodes a request is retried on when its node cannot be reached (0 = none)",
+    )
     node_grace_s: float = Field(
         default=30.0,
         ge=0,
