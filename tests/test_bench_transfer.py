@@ -91,3 +91,6 @@ def test_quick_run_writes_the_report_and_plot(tmp_path: Path) -> None:
     assert 0 < lat["pool_p50_us"] <= lat["pool_p99_us"]
     assert report["summary"]["targets"] and png.stat().st_size > 1000
     assert "data plane throughput" in proc.stdout
+    # stdout is a pipe here: the table keeps its full width (rich assumed 80 columns and cut the headers
+    # to "tran…", "Moon…" in a file — found by a new-user pass)
+    assert "…" not in proc.stdout and "Mooncake" in proc.stdout and "transport" in proc.stdout

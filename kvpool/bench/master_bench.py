@@ -140,9 +140,9 @@ def run_master_bench(
     depth: int = 1,
     client: str = "lean",
 ) -> dict[str, Any]:
-    from rich.console import Console
     from rich.table import Table
 
+    from kvpool.console import console
     from transfer import UcxTransport
 
     layout = KVLayout.from_fingerprint(LAYOUT)
@@ -199,9 +199,7 @@ def run_master_bench(
                 for k in ("clients", "mode", "matches", "match_per_s", "match_p50_ms", "match_p99_ms")
             ]
         )
-    console = Console()
-    console.print(table)
-    console.print(
-        f"publish: {summary['publish_per_s']} prompts/s ({summary['publish_blocks_per_s']} blocks/s)"
-    )
+    out = console()
+    out.print(table)
+    out.print(f"publish: {summary['publish_per_s']} prompts/s ({summary['publish_blocks_per_s']} blocks/s)")
     return write_report(json_out, "master", records, summary)

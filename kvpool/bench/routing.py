@@ -197,9 +197,8 @@ def run_routing(
     plot_out: Path | None = None, progress: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """Run the grid (and the real run), print the table, write the report (and plot)."""
-    from rich.console import Console
-
     from kvpool.bench.report import write_report
+    from kvpool.console import console
 
     if profile not in PROFILES:
         raise InvalidArgument(f"unknown profile {profile!r}; expected one of {', '.join(PROFILES)}")
@@ -216,11 +215,11 @@ def run_routing(
         records += real_recs + mirror
     summary = summarize(records, nodes) | ({"real_" + k: v for k, v in info.items()} if real else {}) | {"trace": trace.name, "profile": profile, "load": load, "seed": seed,
                                            "profile_source": PROFILES[profile].source}  # fmt: skip
-    console = Console()
-    console.print(_table(records, trace.name, profile, load))
+    out = console()
+    out.print(_table(records, trace.name, profile, load))
     g_a, g_l = summary["cost_p90_gain_vs_affinity"], summary["cost_p90_gain_vs_least_load"]
     if g_a is not None and g_l is not None:
-        console.print(f"{TARGET_NODES} nodes: cost p90 {g_a:+.1%} vs affinity, {g_l:+.1%} vs least-load "
+        out.print(f"{TARGET_NODES} nodes: cost p90 {g_a:+.1%} vs affinity, {g_l:+.1%} vs least-load "
                       f"(target >= {TARGET_GAIN:.0%} lower: {'met' if summary['target_met'] else 'NOT met'})")  # fmt: skip
     if plot_out is not None:
         _plot(records, plot_out)

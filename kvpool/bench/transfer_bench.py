@@ -301,9 +301,8 @@ def run_transfer_bench(
     mooncake: bool = True,
 ) -> dict[str, Any]:
     """Measure everything (see the module docstring), print the tables, write the report and the plot."""
-    from rich.console import Console
-
     from kvpool.bench.report import write_report
+    from kvpool.console import console
 
     sizes = list(QUICK_SIZES if quick else FULL_SIZES)
     batch = batch or (8 if quick else 256)
@@ -344,7 +343,7 @@ def run_transfer_bench(
     records, summary = build_report(measured, perftest, mc)
     summary["config"] = {k: v for k, v in cfg.items()}
     summary["transports_env"] = TRANSPORTS
-    print_tables(Console(), records, summary)
+    print_tables(console(), records, summary)
     report = write_report(json_out, "transfer", records, summary)
     if plot_out is not None:
         plot_report(records, plot_out)

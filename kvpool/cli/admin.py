@@ -14,6 +14,8 @@ from typing import Any
 
 import typer
 
+from kvpool.console import console
+
 admin_app = typer.Typer(no_args_is_help=True, help="Operate a live pool (status, nodes, stats, versions...).")
 
 
@@ -110,28 +112,15 @@ def _plain(value: Any) -> Any:
     return value
 
 
-PIPE_WIDTH = 1 << 16  # columns when stdout is no terminal: wider than any row, so no cell is cut
-
-
-def _console() -> Any:
-    """A rich Console: the terminal's width on a terminal (unchanged look); piped or redirected, where rich
-    would assume 80 columns (or the width of a terminal on stdin/stderr) and wrap or cut cells with '…' (a
-    node id, an address), one wide enough that every value stays whole on its line (`| grep`, `> file`)."""
-    from rich.console import Console
-
-    console = Console()
-    return console if console.is_terminal else Console(width=PIPE_WIDTH)
-
-
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     from rich.table import Table
 
-    table = Table(title=title)  # not expanded: as wide as its cells, never PIPE_WIDTH
+    table = Table(title=title)  # not expanded: as wide as its cells (see kvpool.console)
     for c in columns:
         table.add_column(c)
     for r in rows:
         table.add_row(*[str(x) for x in r])
-    _console().print(table)
+    console().print(table)
 
 
 def _kv(title: str, data: dict[str, Any]) -> None:
