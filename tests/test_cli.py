@@ -256,3 +256,23 @@ def test_a_missing_model_is_one_line_not_a_traceback(cmd: list[str]) -> None:
     out = _kvpool(*cmd, "--model", "/nonexistent/model")
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr and "kvpool: NotFound: no config.json" in out.stderr, out.stderr
+
+
+def test_a_router_whose_layout_the_master_refuses_does_not_start() -> None:
+    """A new-user pass started `kvpool router --block-size 32` against a pool of 64-token blocks: it printed
+    KVPOOL_READY and served, logging on every request that the master refused its namespace (no peek could
+    hit). Now one line and exit 1, as the README says."""
+    from kvpool.master.procs import start_master
+    from kvpool.types import DEFAULT_LAYOUT
+
+    master = start_master(layout=DEFAULT_LAYOUT)  # 64-token blocks, the embedded model's layout
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "kvpool.cli.main", "router", "--master", master.grpc_address, "--port", "0",
+             "--block-size", "32"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        master.kill()
+    assert out.returncode == 1 and "KVPOOL_READY" not in out.stdout, out.stdout + out.stderr
+    assert "refuses this router's KV layout" in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -7,6 +7,7 @@ import logging
 import socket
 import threading
 import time
+from typing import Any
 
 from kvpool.router.settings import RouterSettings
 
@@ -25,9 +26,27 @@ def build(settings: RouterSettings) -> tuple[object, object]:
     master = MasterClient(settings.master)
     block_size = settings.block_size or master.stats().block_size
     model = ModelInfo.load(settings.model, block_size=block_size)
+    _check_layout(master, model)
     service = RouterService(settings, master, model).start()
     app = build_app(service, tenants, model_name=settings.served_model_name)
     return app, service
+
+
+def _check_layout(master: Any, model: Any) -> None:
+    """Refuse to start when the master refuses this router's KV layout (a `--block-size` or model other
+    than the pool's): every peek would miss. A master that is down is no refusal (503 until it is back)."""
+    from kvpool.errors import InvalidArgument, KVPoolError
+
+    info = model.namespace("")
+    try:
+        master.register_namespace(info.model_id, info.weights_version, info.layout.fingerprint())
+    except InvalidArgument as exc:
+        raise InvalidArgument(
+            f"the master refuses this router's KV layout: {exc} (give the pool's --block-size and --model, "
+            "or no --block-size to take the pool's)"
+        ) from None
+    except KVPoolError as exc:
+        log.warning("could not check the KV layout with the master (%s): checked on first use", exc)
 
 
 def serve(settings: RouterSettings) -> None:
