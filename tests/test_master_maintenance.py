@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -263,5 +264,46 @@ def test_watermark_eviction_spares_leased_and_interior_blocks() -> None:
                 assert not res.blocks[0].ok and res.blocks[0].data is None
             assert [b.data for b in pc.get_blocks(ns, new).blocks] == new_data
             c.release_lease(lease.lease_id)
+    finally:
+        _stop(master, stores, tr)
+
+
+def test_a_drain_into_a_store_near_its_high_watermark_finishes_instead_of_looping() -> None:
+    """Found by a new-user pass: draining s2 into a nearly full s1 never finished — every copy pushed s1
+    over its high watermark, its eviction dropped copies, the drain copied them again (50 k copies in
+    3 minutes, two processes busy). Copies now stop at the high watermark; what has nowhere to go is
+    evicted from the draining store, leaves first."""
+    slots = 16
+    master = start_master(*FAST, "--high-watermark", "0.75", "--low-watermark", "0.5")
+    seg = f"{slots * LAY.block_nbytes >> 10}KiB"
+    stores: list[Proc] = []
+    tr = transfer.UcxTransport()
+    try:
+        stores = [start_store(master.grpc_address, f"s{i}", segment=seg) for i in range(2)]
+        wait_stores(master.grpc_address, 2)
+        with (
+            MasterClient(master.grpc_address) as c,
+            PoolClient(master.grpc_address, tr, block_nbytes=LAY.block_nbytes) as pc,
+        ):
+            ns, _ = c.register_namespace("drain-full", "v1", LAYOUT)
+            chains = [hash_blocks(ns, [i] * 64, LAY.block_size) for i in range(20)]  # 20 one-block prompts
+            for k, ch in enumerate(chains):
+                assert pc.put_blocks(ns, None, ch, [blocks_for(1, 70 + k)[0].tobytes()]).num_committed == 1
+            on = {n.node.node_id: n.num_blocks for n in c.list_nodes() if n.node.role == "store"}
+            assert on["s0"] > 4 and on["s1"] > 4, on
+            c.drain("s0")
+
+            def drained() -> bool:
+                nodes = {n.node.node_id: n for n in c.list_nodes() if n.node.role == "store"}
+                return nodes["s0"].num_blocks == 0 and nodes["s0"].num_used_slots == 0
+
+            eventually(drained, timeout_s=30)
+            copies = c.stats().num_rereplications
+            s1 = next(n for n in c.list_nodes() if n.node.node_id == "s1")
+            assert s1.num_used_slots <= 0.75 * slots and copies <= slots, (s1.num_used_slots, copies)
+            time.sleep(1.5)  # several maintenance ticks: nothing keeps copying
+            assert c.stats().num_rereplications == copies
+            matched = sum(c.match(ns, ch).num_matched for ch in chains)
+            assert matched == s1.num_blocks  # what stayed is readable from s1; the rest was evicted
     finally:
         _stop(master, stores, tr)

@@ -231,10 +231,21 @@ class Maintenance:
         if not store_locs:
             return None, False
         have = {x.node_id for x in store_locs}
-        dsts = [
-            n for n in nodes.values() if n.placeable and m.reachable(n) and n.node_id not in have and n.free
-        ]
+        high = m.settings.high_watermark
+        dsts = [  # a copy never takes a store past its high watermark: its eviction would undo the copy
+            n
+            for n in nodes.values()
+            if n.placeable and m.reachable(n) and n.node_id not in have and n.free
+            and n.num_allocated + 1 <= high * n.num_slots
+        ]  # fmt: skip
         if not dsts:
+            if draining and not good and not info.num_leases and not info.num_children:
+                # nowhere to copy it: the drain evicts this leaf instead (its parent becomes a leaf next)
+                for loc in draining:
+                    m.on_dropped(m.index.remove_location(NamespaceId(key[0]), BlockHash(key[1]), loc))
+                    m.queue_free(loc)
+                m.counters.num_evictions += 1
+                return None, False
             return None, bool(draining)
         dst_node = max(dsts, key=lambda n: len(n.free))
         dst = dst_node.take(1)[0]
