@@ -40,6 +40,9 @@ class DecodeJob:
     out: queue.Queue[Any] = field(default_factory=queue.Queue)
     generated: list[int] = field(default_factory=list)
     cache: Any = None
+    flush_epoch: int | None = (
+        None  # the master's flush epoch its prompt's load began with (publishes under it)
+    )
     stats: dict[str, Any] = field(default_factory=dict)
     error: BaseException | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -130,6 +133,7 @@ class DecodeScheduler:
             use_cache=job.use_cache and job.prompt_committed,
         )  # fmt: skip
         _logits, job.cache = rt.compute_prompt(job.prompt, loaded)
+        job.flush_epoch = loaded.flush_epoch
         rt.connector.keep_pulled(job.ns, loaded)
         s = loaded.stats
         job.stats.update(
@@ -188,7 +192,12 @@ class DecodeScheduler:
         try:
             blocks = rt.runner.blocks_from_prefix(cache, start, len(hashes))
             committed, _existing = rt.connector.publish(
-                job.ns, hashes, blocks, start_block=start, request_id=job.request_id
+                job.ns,
+                hashes,
+                blocks,
+                start_block=start,
+                request_id=job.request_id,
+                flush_epoch=job.flush_epoch,
             )
             log.info("[%s] published %d blocks of prompt + output", job.request_id, committed)
         except Exception as exc:  # noqa: BLE001 - publishing is best effort after the answer

@@ -114,12 +114,14 @@ class PrefillService(pb_grpc.PrefillServicer):
             )
         )
         rt.connector.keep_pulled(ns, loaded)
-        yield pb.PrefillEvent(published=self._publish(request, ns, hashes, full, stats, rid))
+        yield pb.PrefillEvent(published=self._publish(request, ns, hashes, full, loaded, rid))
 
     def _publish(
-        self, request: Any, ns: bytes, hashes: list, full: Any, stats: Any, rid: str
+        self, request: Any, ns: bytes, hashes: list, full: Any, loaded: Any, rid: str
     ) -> pb.PrefillPublished:
-        """Publish the full blocks the pool does not hold yet (off the TTFT path)."""
+        """Publish the full blocks the pool does not hold yet (off the TTFT path), under the flush epoch
+        the load began with."""
+        stats, flush_epoch = loaded.stats, loaded.flush_epoch
         if not request.publish or not hashes:
             return pb.PrefillPublished(status="skipped")
         rt = self.rt
@@ -130,7 +132,13 @@ class PrefillService(pb_grpc.PrefillServicer):
             bs = rt.runner.layout.block_size
             cost = [rt.recompute.t_recompute_s(bs, i * bs) for i in range(start, len(hashes))]
             committed, existing = rt.connector.publish(
-                ns, hashes, blocks, start_block=start, recompute_cost_s=cost, request_id=rid
+                ns,
+                hashes,
+                blocks,
+                start_block=start,
+                recompute_cost_s=cost,
+                request_id=rid,
+                flush_epoch=flush_epoch,
             )
         except Exception as exc:  # noqa: BLE001 - publish failure never fails the request
             log.warning("[%s] publish failed: %s", rid, exc)

@@ -221,3 +221,33 @@ def test_local_tier_events_keep_each_blocks_last_state() -> None:
     tier.clear()
     [(ns, stored, removed)] = tier.drain_events()
     assert ns == NS and stored == [] and sorted(removed) == sorted([b, c])
+
+
+def test_kv_is_published_under_the_flush_epoch_its_load_began_with() -> None:
+    """Found by a new-user pass: after `admin invalidate` under load the pool refilled within a second
+    from KV computed before the flush (a node's local tier, a request in flight). A load now records the
+    master's flush epoch the node knew when it began; the publish carries it, so the master refuses KV
+    computed before a flush. When a heartbeat shows the epoch moved, the local tier is dropped first."""
+    master = _RecordingMaster()
+    conn = make(master, tier_bytes=16 * NBYTES)
+    calls: list[Any] = []
+
+    class Pool:
+        def put_blocks(self, ns: bytes, parent: Any, hashes: list[bytes], blocks: Any, **kwargs: Any) -> Any:
+            from kvpool.client.types import PutResult
+
+            calls.append(kwargs.get("flush_epoch"))
+            return PutResult(len(hashes), 0, 0, 1)
+
+    conn.pool = Pool()
+    h = [bytes([9, i]) * 8 for i in range(2)]
+    conn.note_flush_epoch(3)
+    conn.local_tier.put(NS, h[0], np.zeros(NBYTES, np.uint8))
+    loaded = conn.load_prefix(NS, list(range(3 * BLOCK)), h, count_hit=True, use_cache=False)
+    assert loaded.flush_epoch == 3
+    conn.note_flush_epoch(3)
+    assert len(conn.local_tier) == 1  # the same epoch: nothing dropped
+    conn.note_flush_epoch(4)  # a namespace was invalidated meanwhile
+    assert len(conn.local_tier) == 0 and conn.flush_epoch == 4
+    conn.publish(NS, h, [np.zeros(NBYTES, np.uint8)] * 2, start_block=0, flush_epoch=loaded.flush_epoch)
+    assert calls == [3]  # the old epoch goes to the master, which refuses it

@@ -231,6 +231,12 @@ def test_invalidate_flushes_a_namespace_that_then_fills_again(cluster, transport
         assert c.heartbeat_answer("no-such-node", 1).flush_epoch == before + 1
         with pytest.raises(FailedPrecondition, match="invalidated"):
             c.commit(inflight.reservation_id, [])
+        # KV computed before the flush (a node's load began under the old epoch) is refused at reserve
+        now = c.heartbeat_answer("no-such-node", 1).flush_epoch
+        with pytest.raises(FailedPrecondition, match="invalidated since this KV was computed"):
+            c.reserve(ns, None, late, block_nbytes=LAY.block_nbytes, flush_epoch=before)
+        fresh = c.reserve(ns, None, late, block_nbytes=LAY.block_nbytes, flush_epoch=now)
+        c.abort(fresh.reservation_id)
         again = pool.put_blocks(ns, None, hashes, blocks_for(4, 8))
         assert again.num_committed == 4 and again.num_existing == 0  # a fresh, empty namespace
         got = pool.get_blocks(ns, hashes)
@@ -245,19 +251,26 @@ def test_a_serving_node_drops_its_local_tier_when_a_namespace_is_invalidated(clu
     from kvpool.connector.agent import NodeAgent
 
     master, _ = cluster
-    flushed = threading.Event()
+    epochs: list[int] = []
+    moved = threading.Event()
+
+    def note(epoch: int) -> None:
+        epochs.append(epoch)
+        if epoch != epochs[0]:
+            moved.set()
+
     with MasterClient(master.grpc_address) as c:
         ns, _ = c.register_namespace("tier-flush", "v1", LAYOUT)
         agent = NodeAgent(
             c, node_id="flush-watcher", role="prefill", grpc_address="127.0.0.1:9", layout_fingerprint=LAYOUT,
-            on_flush=flushed.set,
+            on_flush_epoch=note,
         )  # fmt: skip
         agent.start()
         try:
-            time.sleep(3 * agent.heartbeat_interval_s)  # heartbeats without a flush: nothing dropped
-            assert not flushed.is_set()
+            time.sleep(3 * agent.heartbeat_interval_s)  # heartbeats without a flush: the epoch holds
+            assert epochs and len(set(epochs)) == 1 and not moved.is_set()
             c.invalidate(ns)
-            assert flushed.wait(5 * agent.heartbeat_interval_s + 2)
+            assert moved.wait(5 * agent.heartbeat_interval_s + 2) and epochs[-1] == epochs[0] + 1
         finally:
             agent.stop()
 

@@ -235,6 +235,7 @@ class MasterClient:
         write_lease_ms: int = 0,
         writer_node_id: str = "",
         request_id: str = "",
+        flush_epoch: int | None = None,
     ) -> Reservation:
         req = pb.ReserveRequest(
             namespace=namespace,
@@ -247,6 +248,8 @@ class MasterClient:
             request_id=request_id,
             writer_node_id=writer_node_id,
         )
+        if flush_epoch is not None:  # the master's flush epoch when this KV was computed
+            req.flush_epoch = flush_epoch
         return cv.reservation(self._call("Reserve", req))
 
     def commit(self, reservation_id: int, blocks: Sequence[CommitBlock]) -> CommitResult:

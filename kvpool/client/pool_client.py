@@ -161,8 +161,10 @@ class PoolClient:
         num_replicas: int = 0,
         recompute_cost_s: Sequence[float] = (),
         writer_node_id: str = "",
+        flush_epoch: int | None = None,
     ) -> PutResult:
-        """Publish a chain of blocks below `parent` (None: the namespace root).
+        """Publish a chain of blocks below `parent` (None: the namespace root). `flush_epoch`: the master's
+        flush epoch when the blocks were computed (a namespace invalidated since refuses them).
 
         Blocks already in the pool are not written again. Raises `kvpool.errors` when the master
         refuses (fenced version, no capacity...); a partial write commits the leading run that landed.
@@ -183,6 +185,7 @@ class PoolClient:
             block_nbytes=self.block_nbytes,
             recompute_cost_s=recompute_cost_s,
             writer_node_id=writer_node_id,
+            flush_epoch=flush_epoch,
         )
         if res.reservation_id == 0:
             return PutResult(0, len(block_hashes), 0, 0)

@@ -37,8 +37,8 @@ class NodeAgent:
     """Registers `node` (a dict of NodeEndpoint fields) and heartbeats every interval in a thread.
 
     `load_fn` returns the node's current load (a dict of NodeLoad fields) for each heartbeat;
-    `on_heartbeat` runs after each successful one (e.g. to flush local-tier events); `on_flush` when the
-    master's flush epoch moved (a namespace was invalidated: drop the local tier). `start()` raises the
+    `on_heartbeat` runs after each successful one (e.g. to flush local-tier events); `on_flush_epoch` with
+    each answer's flush epoch (it moves when a namespace is invalidated). `start()` raises the
     master's refusal of the first registration; a refused re-registration (`REFUSALS`: e.g. another live
     node took this node id while the master was restarting) stops heartbeating and calls `on_fatal(message)`.
     """
@@ -54,7 +54,7 @@ class NodeAgent:
         load_fn: Callable[[], dict[str, Any]] | None = None,
         on_heartbeat: Callable[[int], None] | None = None,
         on_fatal: Callable[[str], None] | None = None,
-        on_flush: Callable[[], None] | None = None,
+        on_flush_epoch: Callable[[int], None] | None = None,
     ) -> None:
         self.master = master
         self.node_id = node_id
@@ -65,8 +65,7 @@ class NodeAgent:
         self.load_fn = load_fn
         self.on_heartbeat = on_heartbeat
         self.on_fatal = on_fatal
-        self.on_flush = on_flush
-        self._flush_epoch: int | None = None  # the master's flush epoch at the last heartbeat
+        self.on_flush_epoch = on_flush_epoch
         self.heartbeat_interval_s = 1.0
         self._namespaces: dict[NamespaceId, Namespace] = {}
         self._lock = threading.Lock()
@@ -140,14 +139,6 @@ class NodeAgent:
             except Exception as exc:  # noqa: BLE001 - never block shutdown; it expires instead
                 log.warning("could not deregister %s from the master: %s", self.node_id, exc)
 
-    def _note_flush_epoch(self, flush_epoch: int) -> None:
-        """A namespace was invalidated since the last heartbeat (or the master restarted): `on_flush`."""
-        changed = self._flush_epoch is not None and flush_epoch != self._flush_epoch
-        self._flush_epoch = flush_epoch
-        if changed and self.on_flush is not None:
-            log.info("a namespace was invalidated: dropping %s's local tier", self.node_id)
-            self.on_flush()
-
     def _run(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_s):
             try:
@@ -155,7 +146,8 @@ class NodeAgent:
 
                 load = NodeLoad(**self.load_fn()) if self.load_fn else None
                 answer = self.master.heartbeat_answer(self.node_id, self.epoch, load=load)
-                self._note_flush_epoch(answer.flush_epoch)
+                if self.on_flush_epoch is not None:
+                    self.on_flush_epoch(answer.flush_epoch)
                 if not answer.known:
                     log.warning("master does not know %s (restarted?): re-registering", self.node_id)
                     try:

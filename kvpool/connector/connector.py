@@ -82,6 +82,9 @@ class LoadedPrefix:
     stats: LoadStats = field(default_factory=LoadStats)
     pulled: list[tuple[bytes, np.ndarray]] = field(default_factory=list)
     """(block hash, bytes) of the pulled blocks, for `KVConnector.keep_pulled` off the TTFT path."""
+    flush_epoch: int | None = None
+    """The master's flush epoch as this node knew it when the load began: KV computed from this load is
+    published under it (`KVConnector.publish`), so a namespace invalidated since refuses it."""
 
 
 class KVConnector:
@@ -128,6 +131,7 @@ class KVConnector:
         self.pull_timeout_s = pull_timeout_s
         self.margin = margin
         self.breaker = breaker or PoolBreaker()
+        self.flush_epoch: int | None = None  # the master's, from the last heartbeat (None: not heard yet)
 
     @property
     def recompute(self) -> RecomputeModel:
@@ -172,7 +176,7 @@ class KVConnector:
         """Fetch the reusable leading blocks of a prompt (see the module docstring). Never raises for a
         pool failure: a failed load falls back to recompute of exactly the missing span."""
         stats = LoadStats(num_prompt_tokens=len(tokens))
-        out = LoadedPrefix(stats=stats)
+        out = LoadedPrefix(stats=stats, flush_epoch=self.flush_epoch)
         max_blocks = min(self.max_reusable_blocks(len(tokens)), len(hashes))
         if not use_cache or max_blocks == 0:
             return out
@@ -297,8 +301,11 @@ class KVConnector:
         start_block: int,
         recompute_cost_s: Sequence[float] | None = None,
         request_id: str = "",
+        flush_epoch: int | None = None,
     ) -> tuple[int, int]:
-        """Publish blocks `start_block..` of a chain (`blocks[i]` is block `start_block + i`).
+        """Publish blocks `start_block..` of a chain (`blocks[i]` is block `start_block + i`). `flush_epoch`:
+        the `LoadedPrefix.flush_epoch` of the load the blocks were computed from (a namespace invalidated
+        since refuses them; None: unchecked).
 
         Returns (num committed, num already present). Raises a `KVPoolError` on failure (the caller
         reports `publish_failed`); a partial failure aborts the reservation, so nothing half-visible.
@@ -307,7 +314,7 @@ class KVConnector:
         for h, block in zip(mine, blocks, strict=True):
             self.local_tier.put(ns, h, block, report=False)  # reported once the master holds the block
         try:
-            result = self._put(ns, hashes, start_block, mine, blocks, recompute_cost_s)
+            result = self._put(ns, hashes, start_block, mine, blocks, recompute_cost_s, flush_epoch)
         finally:
             self.local_tier.report_stored(ns, mine)
         if result is None:
@@ -324,6 +331,7 @@ class KVConnector:
         mine: list[bytes],
         blocks: Sequence[np.ndarray],
         recompute_cost_s: Sequence[float] | None,
+        flush_epoch: int | None,
     ) -> PutResult | None:
         """`publish`'s pool write (None: nothing to write); records the outcome in the breaker."""
         if not blocks:
@@ -335,12 +343,21 @@ class KVConnector:
             result = self.pool.put_blocks(
                 ns, parent, mine, list(blocks), num_replicas=self.num_replicas,
                 recompute_cost_s=list(recompute_cost_s or ()), writer_node_id=self.node_id,
+                flush_epoch=flush_epoch,
             )  # fmt: skip
         except (Unavailable, DeadlineExceeded):
             self.breaker.record(False)
             raise
         self.breaker.record(True)
         return result
+
+    def note_flush_epoch(self, flush_epoch: int) -> None:
+        """A heartbeat answer's flush epoch: when it moved (a namespace was invalidated, or the master
+        restarted), the local tier is dropped first, then the new epoch is what later loads publish under."""
+        if self.flush_epoch is not None and flush_epoch != self.flush_epoch:
+            log.info("a namespace was invalidated (flush epoch %d): dropping the local tier", flush_epoch)
+            self.local_tier.clear()
+        self.flush_epoch = flush_epoch
 
     def report_local_events(self, epoch: int) -> None:
         """Send queued local-tier stored/removed events to the master (best effort)."""

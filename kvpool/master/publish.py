@@ -68,7 +68,10 @@ class Publisher:
         block_nbytes: int,
         costs: Sequence[float],
         write_lease_ms: int,
+        flush_epoch: int | None = None,
     ) -> ReserveOutcome:
+        """`flush_epoch`: the master's flush epoch when the writer's KV was computed (None: unchecked); a
+        namespace invalidated since refuses the reserve with `VersionFenced`."""
         m, s = self.m, self.m.settings
         check_hash(ns, "namespace")
         if parent:
@@ -98,6 +101,11 @@ class Publisher:
         for attempt in range(2):
             with m.lock:
                 self._check_ns(ns)
+                if flush_epoch is not None and flush_epoch != m.namespaces.flush_epoch:
+                    raise VersionFenced(
+                        f"a namespace was invalidated since this KV was computed (flush epoch {flush_epoch}, "
+                        f"now {m.namespaces.flush_epoch}): not publishing it"
+                    )
                 if parent and m.index.lookup(NamespaceId(ns), BlockHash(parent)) is None:
                     raise NotFound(f"parent block {parent.hex()} is not in the pool")
                 # pin the parent chain so that making room below cannot evict it before the commit

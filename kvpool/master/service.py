@@ -200,6 +200,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             block_nbytes=request.block_nbytes,
             costs=list(request.recompute_cost_s),
             write_lease_ms=request.write_lease_ms,
+            flush_epoch=request.flush_epoch if request.HasField("flush_epoch") else None,
         )
         locations = out.locations
         if self.m.capabilities is not None:

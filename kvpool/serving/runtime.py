@@ -125,7 +125,7 @@ class NodeRuntime:
             load_fn=load_fn,
             on_heartbeat=self.connector.report_local_events,
             on_fatal=on_fatal,
-            on_flush=self.connector.local_tier.clear,  # a namespace was invalidated: its KV may be stale
+            on_flush_epoch=self.connector.note_flush_epoch,  # moved: a namespace was invalidated
         )
         self.agent = agent  # GetInfo answers with this epoch from the registration on
         agent.start()

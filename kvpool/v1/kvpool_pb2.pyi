@@ -250,7 +250,7 @@ class ReleaseLeaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace", "parent_hash", "block_hashes", "num_replicas", "block_nbytes", "recompute_cost_s", "write_lease_ms", "request_id", "writer_node_id")
+    __slots__ = ("namespace", "parent_hash", "block_hashes", "num_replicas", "block_nbytes", "recompute_cost_s", "write_lease_ms", "request_id", "writer_node_id", "flush_epoch")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,7 @@ class ReserveRequest(_message.Message):
     WRITE_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WRITER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_EPOCH_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     parent_hash: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -269,7 +270,8 @@ class ReserveRequest(_message.Message):
     write_lease_ms: int
     request_id: str
     writer_node_id: str
-    def __init__(self, namespace: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_replicas: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., recompute_cost_s: _Optional[_Iterable[float]] = ..., write_lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., writer_node_id: _Optional[str] = ...) -> None: ...
+    flush_epoch: int
+    def __init__(self, namespace: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_replicas: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., recompute_cost_s: _Optional[_Iterable[float]] = ..., write_lease_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., writer_node_id: _Optional[str] = ..., flush_epoch: _Optional[int] = ...) -> None: ...
 
 class ReservedBlock(_message.Message):
     __slots__ = ("block_hash", "already_present", "locations")
