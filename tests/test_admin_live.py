@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.client import MasterClient
-from kvpool.master.procs import Proc, start_master, start_store
+from kvpool.master.procs import LAYOUT, Proc, start_master, start_store
 from tests.test_master_cluster import wait_stores
 
 transfer = pytest.importorskip("transfer")
@@ -88,3 +88,23 @@ def test_admin_tables_piped_keep_every_value_whole(pool) -> None:
     assert LONG_ID in out
     status = admin(master, "status")
     assert "…" not in status and table_values(status)["master"] == master.grpc_address
+
+
+def test_admin_namespaces_lists_the_digests_to_invalidate(pool) -> None:
+    """A new-user pass could not find the router's namespace for `admin invalidate --namespace HEX`: no log
+    or admin command showed a digest."""
+    master, _ = pool
+    with MasterClient(master.grpc_address) as c:
+        ns, _ = c.register_namespace("listed-model", "v7", LAYOUT)
+    rows = json.loads(admin(master, "namespaces", "--json"))
+    mine = [r for r in rows if r["model_id"] == "listed-model"]
+    assert mine == [
+        {
+            "namespace": ns.hex(),
+            "model_id": "listed-model",
+            "weights_version": "v7",
+            "active": True,
+            "num_blocks": 0,
+        }
+    ], rows
+    assert ns.hex() in admin(master, "namespaces")  # the table (piped) shows the whole digest

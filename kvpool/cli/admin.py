@@ -184,11 +184,22 @@ def nodes(as_json: bool = JSON) -> None:
 
 
 @admin_app.command()
+def namespaces(as_json: bool = JSON) -> None:
+    """Registered namespaces: the digest (for `invalidate`/`match --namespace`), model, version, blocks."""
+
+    def render(ns: Any) -> None:
+        rows = [[x.namespace.hex(), x.model_id, x.weights_version, x.active, x.num_blocks] for x in ns]
+        _table("namespaces", ["namespace", "model", "version", "active", "blocks"], rows)
+
+    _run(lambda c: c.stats().namespaces, as_json, render)
+
+
+@admin_app.command()
 def stats(as_json: bool = JSON) -> None:
     """All pool counters (hit tokens and requested tokens, evictions, leases...)."""
 
     def render(s: Any) -> None:
-        data = {k: v for k, v in _plain(s).items() if k != "nodes"}
+        data = {k: v for k, v in _plain(s).items() if k not in ("nodes", "namespaces")}
         data["hit_rate"] = round(s.hit_rate, 4)
         _kv("kvpool stats", data)
 

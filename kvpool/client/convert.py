@@ -8,6 +8,7 @@ from typing import Any
 from kvpool.client.types import (
     CommitBlock,
     Match,
+    NamespaceStatus,
     NodeInfo,
     NodeLoad,
     NodeStatus,
@@ -167,4 +168,8 @@ def stats(r: Any) -> PoolStats:
         num_rereplications=r.num_rereplications,
         block_size=r.block_size,
         nodes=[node_status(n) for n in r.nodes],
+        namespaces=[
+            NamespaceStatus(bytes(x.namespace), x.model_id, x.weights_version, x.active, x.num_blocks)
+            for x in r.namespaces
+        ],
     )

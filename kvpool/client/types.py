@@ -17,6 +17,17 @@ class NodeInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class NamespaceStatus:
+    """A registered namespace: its digest, model and weights version, whether reachable, its blocks."""
+
+    namespace: bytes
+    model_id: str
+    weights_version: str
+    active: bool
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class HeartbeatAnswer:
     """`known`: the master knows this node and epoch (else register again); `flush_epoch` changes whenever
     a namespace is invalidated (a serving node then drops its local tier)."""
@@ -126,6 +137,7 @@ class PoolStats:
     num_rereplications: int
     block_size: int
     nodes: list[NodeStatus] = field(default_factory=list)
+    namespaces: list[NamespaceStatus] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:

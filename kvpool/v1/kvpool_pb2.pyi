@@ -410,7 +410,7 @@ class NodeStats(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., alive: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_slots: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "used_bytes", "capacity_bytes", "num_live_leases", "num_evictions", "num_match_requests", "requested_tokens", "hit_tokens", "requested_blocks", "hit_blocks", "uptime_s", "nodes", "num_namespaces", "num_reserved_blocks", "num_rereplications", "block_size")
+    __slots__ = ("num_blocks", "used_bytes", "capacity_bytes", "num_live_leases", "num_evictions", "num_match_requests", "requested_tokens", "hit_tokens", "requested_blocks", "hit_blocks", "uptime_s", "nodes", "num_namespaces", "num_reserved_blocks", "num_rereplications", "block_size", "namespaces")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +427,7 @@ class StatsResponse(_message.Message):
     NUM_RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_REREPLICATIONS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     used_bytes: int
     capacity_bytes: int
@@ -443,7 +444,22 @@ class StatsResponse(_message.Message):
     num_reserved_blocks: int
     num_rereplications: int
     block_size: int
-    def __init__(self, num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_live_leases: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_match_requests: _Optional[int] = ..., requested_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., requested_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., num_rereplications: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
+    def __init__(self, num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_live_leases: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_match_requests: _Optional[int] = ..., requested_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., requested_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., num_rereplications: _Optional[int] = ..., block_size: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
+
+class NamespaceInfo(_message.Message):
+    __slots__ = ("namespace", "model_id", "weights_version", "active", "num_blocks")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    model_id: str
+    weights_version: str
+    active: bool
+    num_blocks: int
+    def __init__(self, namespace: _Optional[bytes] = ..., model_id: _Optional[str] = ..., weights_version: _Optional[str] = ..., active: _Optional[bool] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
