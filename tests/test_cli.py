@@ -220,6 +220,7 @@ def test_admin_match_refuses_malformed_token_ids_before_calling_the_master(token
         (["economics", "--model-params", "1e9", "--gpu", "X"], "--gpu", "unknown GPU 'X'"),
         (["set-version", "--model", "m", "--version", ""], "--version", "must not be empty"),
         (["invalidate", "--namespace", "abc"], "--namespace", "must be 32 hex characters"),
+        (["invalidate", "--namespace", ""], "--namespace", "must be 32 hex characters"),
         (["invalidate", "--namespace", "ab" * 15], "--namespace", "must be 32 hex characters"),
         (["match", "--namespace", "ab" * 15, "1,2"], "--namespace", "must be 32 hex characters"),
         (["set-version", "--model", " ", "--version", "v2"], "--model", "must not be empty"),

@@ -43,6 +43,7 @@ def _non_empty(value: str) -> str:
 
 
 def _namespace_hex(value: str) -> str:
+    """A `--namespace` digest given as hex, checked before any call ("" only where it may be left out)."""
     from kvpool.hashing import parse_hash
 
     if value:
@@ -51,6 +52,12 @@ def _namespace_hex(value: str) -> str:
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
     return value
+
+
+def _namespace_hex_given(value: str) -> str:
+    if not value:
+        raise typer.BadParameter("must be 32 hex characters, got ''")
+    return _namespace_hex(value)
 
 
 def _known_gpu(gpu: str) -> str:
@@ -290,7 +297,7 @@ def set_version(
 @admin_app.command()
 def invalidate(
     namespace: str = typer.Option(
-        ..., "--namespace", help="Namespace digest (32 hex chars).", callback=_namespace_hex
+        ..., "--namespace", help="Namespace digest (32 hex chars).", callback=_namespace_hex_given
     ),
     as_json: bool = JSON,
 ) -> None:
