@@ -182,19 +182,16 @@ def _read(ucx: Any, server: Any, read: BlockRead) -> tuple[Any, bytes]:
     return res, bytes(out)
 
 
-# The in-process stores below run in a fresh interpreter each (tests/fresh_process.py): after other
-# modules' UCX work in the same pytest process a new in-process server's handshake could be swallowed.
+def _fresh(case: str, *args: object) -> None:
+    """The in-process stores below run in a fresh interpreter each (tests/fresh_process.py): after other
+    modules' UCX work in the same pytest process a new in-process server's handshake could be swallowed."""
+    in_fresh_process("tests.test_capability", case, *args, transport_kwargs="probe_bytes=1 << 20")
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["ucx", "same-host-mapped"])
 def test_store_serves_only_reads_with_a_valid_capability(shared: bool) -> None:
     """Over UCX and through a same-host reader's mapping of the segment alike: the store checks every read."""
-    in_fresh_process(
-        "tests.test_capability",
-        "_case_store_serves_only_reads_with_a_valid_capability",
-        shared,
-        transport_kwargs="probe_bytes=1 << 20",
-    )
+    _fresh("_case_store_serves_only_reads_with_a_valid_capability", shared)
 
 
 def _case_store_serves_only_reads_with_a_valid_capability(ucx: Any, shared: bool) -> None:
@@ -242,11 +239,7 @@ def _case_store_serves_only_reads_with_a_valid_capability(ucx: Any, shared: bool
 
 
 def test_store_accepts_only_writes_with_a_write_capability() -> None:
-    in_fresh_process(
-        "tests.test_capability",
-        "_case_store_accepts_only_writes_with_a_write_capability",
-        transport_kwargs="probe_bytes=1 << 20",
-    )
+    _fresh("_case_store_accepts_only_writes_with_a_write_capability")
 
 
 def _case_store_accepts_only_writes_with_a_write_capability(ucx: Any) -> None:
@@ -276,11 +269,7 @@ def _case_store_accepts_only_writes_with_a_write_capability(ucx: Any) -> None:
 
 
 def test_secret_off_serves_without_capability() -> None:
-    in_fresh_process(
-        "tests.test_capability",
-        "_case_secret_off_serves_without_capability",
-        transport_kwargs="probe_bytes=1 << 20",
-    )
+    _fresh("_case_secret_off_serves_without_capability")
 
 
 def _case_secret_off_serves_without_capability(ucx: Any) -> None:

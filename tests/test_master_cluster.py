@@ -223,16 +223,16 @@ def test_invalidate_flushes_a_namespace_that_then_fills_again(cluster, transport
     ):
         ns, _ = c.register_namespace("flush", "v1", LAYOUT)
         assert pool.put_blocks(ns, None, hashes, blocks_for(4, 7)).num_committed == 4
-        before = c.heartbeat_answer("no-such-node", 1).flush_epoch
+        before = c.heartbeat("no-such-node", 1).flush_epoch
         inflight = c.reserve(ns, None, late, block_nbytes=LAY.block_nbytes)  # begun before the flush
         assert inflight.reservation_id > 0
         c.invalidate(ns)
         assert c.match(ns, hashes).num_matched == 0
-        assert c.heartbeat_answer("no-such-node", 1).flush_epoch == before + 1
+        assert c.heartbeat("no-such-node", 1).flush_epoch == before + 1
         with pytest.raises(FailedPrecondition, match="invalidated"):
             c.commit(inflight.reservation_id, [])
         # KV computed before the flush (a node's load began under the old epoch) is refused at reserve
-        now = c.heartbeat_answer("no-such-node", 1).flush_epoch
+        now = c.heartbeat("no-such-node", 1).flush_epoch
         with pytest.raises(FailedPrecondition, match="invalidated since this KV was computed"):
             c.reserve(ns, None, late, block_nbytes=LAY.block_nbytes, flush_epoch=before)
         fresh = c.reserve(ns, None, late, block_nbytes=LAY.block_nbytes, flush_epoch=now)

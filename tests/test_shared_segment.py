@@ -123,6 +123,20 @@ def _case_same_host_reads_copy_from_the_mapping_and_verify_every_block(transport
         s.server.stop()
 
 
+def _watch_pins(transport: UcxTransport, s: _Store) -> list[int]:
+    """The store's pinned-slot count at the start of every copy from its mapping (filled as reads run)."""
+    seen: list[int] = []
+    mapping = _slow_copies(transport, s.peer, 0.0, [])
+    real = mapping.copy_verify
+
+    def watching(parts: Any, stop: Any = None) -> Any:
+        seen.append(s.table.num_inflight)
+        return real(parts, stop)
+
+    mapping.copy_verify = watching  # type: ignore[method-assign]
+    return seen
+
+
 def _case_optimistic_reads_copy_without_pins_and_verify_every_block(transport: UcxTransport) -> None:
     """With the slot state mapped, a read asks nothing: no slot is pinned while it copies; a bit flip is
     still caught (the block then takes the pinned path, which reports the mismatch)."""
@@ -134,15 +148,7 @@ def _case_optimistic_reads_copy_without_pins_and_verify_every_block(transport: U
         assert all(r.ok for r in res) and np.array_equal(out, data)
         assert transport._peers[s.peer].state is not None
         _wait_unpinned(s.table)
-        pinned: list[int] = []
-        mapping = _slow_copies(transport, s.peer, 0.0, [])
-        real = mapping.copy_verify
-
-        def watching(parts: Any, stop: Any = None) -> Any:
-            pinned.append(s.table.num_inflight)
-            return real(parts, stop)
-
-        mapping.copy_verify = watching  # type: ignore[method-assign]
+        pinned = _watch_pins(transport, s)
         res, out = s.read(transport, 64)
         assert all(r.ok for r in res) and np.array_equal(out, data)
         assert pinned and max(pinned) == 0  # copied without a pin: no `mread`
@@ -220,15 +226,7 @@ def _case_slots_stay_pinned_while_the_reader_copies(transport: UcxTransport) -> 
         s.commit(data)
         s.read(transport, 8)  # connect and map
         _wait_unpinned(s.table)
-        seen: list[int] = []
-        mapping = _slow_copies(transport, s.peer, 0.0, [])
-        real = mapping.copy_verify
-
-        def watching(parts: Any, stop: Any = None) -> Any:
-            seen.append(s.table.num_inflight)
-            return real(parts, stop)
-
-        mapping.copy_verify = watching  # type: ignore[method-assign]
+        seen = _watch_pins(transport, s)
         res, out = s.read(transport, 8)
         assert all(r.ok for r in res) and np.array_equal(out, data)
         assert seen and min(seen) == 8  # all eight pinned during the copy

@@ -123,22 +123,9 @@ class MasterClient:
         freed_slots: Sequence[tuple[int, int]] = (),
         num_used_slots: int = 0,
         load: NodeLoad | None = None,
-    ) -> bool:
-        """False: the master does not know this node/epoch; register again."""
-        return self.heartbeat_answer(
-            node_id, epoch, freed_slots=freed_slots, num_used_slots=num_used_slots, load=load
-        ).known
-
-    def heartbeat_answer(
-        self,
-        node_id: str,
-        epoch: int,
-        *,
-        freed_slots: Sequence[tuple[int, int]] = (),
-        num_used_slots: int = 0,
-        load: NodeLoad | None = None,
     ) -> HeartbeatAnswer:
-        """`heartbeat`, with the whole answer (`flush_epoch`: see `kvpool.v1.HeartbeatResponse`)."""
+        """`known` false: the master does not know this node/epoch (register again); `flush_epoch`: see
+        `kvpool.v1.HeartbeatResponse`."""
         req = pb.HeartbeatRequest(
             node_id=node_id,
             epoch=epoch,

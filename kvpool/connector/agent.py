@@ -145,7 +145,7 @@ class NodeAgent:
                 from kvpool.client import NodeLoad
 
                 load = NodeLoad(**self.load_fn()) if self.load_fn else None
-                answer = self.master.heartbeat_answer(self.node_id, self.epoch, load=load)
+                answer = self.master.heartbeat(self.node_id, self.epoch, load=load)
                 if self.on_flush_epoch is not None:
                     self.on_flush_epoch(answer.flush_epoch)
                 if not answer.known:
