@@ -53,6 +53,16 @@ def test_the_offline_only_eviction_policy_is_refused_by_a_live_master() -> None:
     assert out.returncode == 2 and "opt is offline-only" in out.stderr, out.stderr
 
 
+def test_a_device_torch_cannot_name_is_a_bad_setting() -> None:
+    """It was torch's raw RuntimeError, after the node had loaded and opened its ports (a new-user pass)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "prefill", "--device", "bogus", "--port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "invalid setting device: 'bogus' is not a torch device" in out.stderr
+    assert "RuntimeError" not in out.stderr, out.stderr
+
+
 def test_a_segment_larger_than_the_hosts_memory_is_refused() -> None:
     """It was accepted (a new user's `--segment-size 1TiB` on a 23 GiB host registered 4 M slots, and the
     master would have placed blocks there until the host ran out of memory)."""

@@ -308,7 +308,7 @@ def invalidate(
 
     def fn(c: Any) -> dict[str, Any]:
         c.invalidate(parse_hash(namespace, "namespace"))
-        return {"namespace": namespace, "invalidated": True}
+        return {"namespace": namespace.lower(), "invalidated": True}
 
     _run(fn, as_json, lambda r: _kv("invalidate", r))
 

@@ -10,7 +10,7 @@ import typer
 def register_router_command(app: typer.Typer) -> None:
     @app.command()
     def router(
-        master: str | None = typer.Option(None, help="Master HOST:PORT."),
+        master: str | None = typer.Option(None, help="Master HOST:PORT [default: 127.0.0.1:50051]."),
         listen: str | None = typer.Option(None, help="Bind host (default 127.0.0.1)."),
         port: int | None = typer.Option(None, help="HTTP port (default 8000; 0: ephemeral)."),
         policy: str | None = typer.Option(None, help="cost (default) | affinity | least-load | round-robin."),

@@ -4,7 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import field_validator
+
 from kvpool.config import KVPoolSettings
+
+
+def check_device(value: str) -> str:
+    """`value` if torch can name it as a device; else `ValueError` (a settings error naming `device`, before
+    a node loads its model and opens its ports)."""
+    import torch
+
+    try:
+        torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{value!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    return value
 
 
 class ModelSettings(KVPoolSettings):
@@ -25,3 +39,8 @@ class ModelSettings(KVPoolSettings):
     block_size: int = 64
     dtype: str | None = None
     batch_invariant: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        return check_device(value)

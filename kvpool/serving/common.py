@@ -24,6 +24,14 @@ class ServingSettings(KVPoolSettings):
     node_id: str = ""
     model: str | None = Field(default=None, description="HF model directory; None = the embedded model")
     device: str = "cpu"
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        from kvpool.model.settings import check_device
+
+        return check_device(value)
+
     block_size: int = Field(default=64, gt=0)
     local_tier_bytes: int = Field(default=256 * 1024 * 1024, ge=0, description="node-local tier capacity")
     num_replicas: int = Field(default=1, ge=1)
