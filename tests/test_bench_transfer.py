@@ -49,11 +49,14 @@ def test_pool_over_raw_pairs_each_repeat() -> None:
     """A slow repeat slows pool and raw alike: the paired ratio (median of per-repeat ratios) sees through
     it where the ratio of medians (2.0 / 1.5 here) would not."""
     s = {"get": [1.0, 3.0, 2.0], "put": [1.0] * 3, "raw_get": [1.0, 4.0, 1.5], "raw_put": [1.0] * 3,
-         "memcpy": [2.0, 6.0, 4.0]}  # fmt: skip
+         "raw_get_xxh3": [0.5, 3.0, 2.0], "memcpy": [2.0, 6.0, 4.0]}  # fmt: skip
     records, summary = build_report({"shm": {"sizes": {"65536": s}}}, {}, {})
     get = next(r for r in records if r["op"] == "get")
     assert get["gb_per_s"] == 2.0 and get["raw_ucx_gb_per_s"] == 1.5
     assert get["pool_over_raw"] == pytest.approx(1.0)
+    assert get["raw_ucx_xxh3_gb_per_s"] == 2.0 and get["pool_over_raw_xxh3"] == pytest.approx(1.0)
+    put = next(r for r in records if r["op"] == "put")
+    assert put["raw_ucx_xxh3_gb_per_s"] is None and put["pool_over_raw_xxh3"] is None  # not measured
     ratios = {t["target"]: t["ratio"] for t in summary["targets"]}
     assert ratios["shm get >= 85% raw UCX"] == pytest.approx(1.0)
     assert ratios["shm get >= 50% memcpy"] == pytest.approx(0.5)
@@ -80,7 +83,7 @@ def test_quick_run_writes_the_report_and_plot(tmp_path: Path) -> None:
     }
     for r in recs:
         assert keys <= set(r)
-        for k in ("gb_per_s", "raw_ucx_gb_per_s", "memcpy_gb_per_s"):
+        for k in ("gb_per_s", "raw_ucx_gb_per_s", "raw_ucx_xxh3_gb_per_s", "memcpy_gb_per_s"):
             assert r[k] > 0, (k, r)
         assert r["perftest_gb_per_s"] is None or r["perftest_gb_per_s"] > 0
         assert r["mooncake_gb_per_s"] is None  # --quick never runs Mooncake

@@ -3,11 +3,18 @@
 `python -m kvpool.bench.raw_ucx` runs the peer: it prints `RAW_UCX_READY <port>` and serves until killed.
 `RawUcxClient` (in the benchmark process) drives it with the pool's shape: a batch of `n` blocks of
 `nbytes` is split into messages of `blocks_per_message` spread over `endpoints` endpoints, all in flight,
-one msgpack header per message and one tagged message per block, but no slots, generations, checksums or
-per-block results:
+one msgpack header per message and one tagged message per block, but no slots, generations or per-block
+results:
 
     get   client -> {op:"get", id, n, nbytes}           server -> n tagged sends (from one buffer)
-    put   client -> {op:"put", id, n, nbytes} + n tagged sends;  server -> {id} once all have landed
+    put   client -> {op:"put", id, n, nbytes, lo} + n tagged sends (into the peer's rows lo..lo+n-1);
+          server -> {id} once all have landed
+
+and the same with the pool's checksums and nothing else (`verify=True`: what the end-to-end xxh3 costs by
+itself on this machine): a get hashes the blocks that landed on the hashing threads (`transfer.xxh3`) while
+later ones still move, and compares them with the peer's; a put hashes the rows first (as
+`PoolClient.put_blocks` does), sends their checksums in the header (`op:"put_xxh3"`, `s`), and the peer hashes
+what landed the same way and answers how many differ (`bad`).
 
 Both sides use the project's UCX runtime (`transfer.ucx_runtime`), so environment defaults, progress mode
 and the UCX context are the ones the pool runs with.
@@ -25,18 +32,41 @@ import numpy as np
 
 from transfer.ucx_runtime import _pack, _Runtime, _tag, _unpack
 from transfer.ucx_wait import am_recv
+from transfer.xxh3 import HASH_POOL, checksum, checksum_many, checksums
+
+HASH_JOB_BYTES = 16 << 20
+"""`verify=True`: landed blocks are hashed in jobs of at least this many bytes (the pool hashes each landed
+message of up to 64 MiB, `transfer.coalesce`; one job per 64 KiB block would measure thread hand-offs)."""
+
+
+async def _recv_hashed(ep: Any, bufs: list[np.ndarray], rid: int) -> list[int]:
+    """Receive `bufs` (tags 0..n-1 of `rid`) and xxh3 each, in order: landed blocks are hashed on
+    `HASH_POOL` in jobs of `HASH_JOB_BYTES` while later ones still move."""
+    recvs = [asyncio.ensure_future(ep.recv(b, tag=_tag(rid, j))) for j, b in enumerate(bufs)]
+    jobs: list[asyncio.Future[list[int]]] = []
+    pending: list[np.ndarray] = []
+    for b, r in zip(bufs, recvs, strict=True):
+        await r
+        pending.append(b)
+        if sum(p.nbytes for p in pending) >= HASH_JOB_BYTES:
+            jobs.append(asyncio.wrap_future(HASH_POOL.submit(checksum_many, pending)))
+            pending = []
+    if pending:
+        jobs.append(asyncio.wrap_future(HASH_POOL.submit(checksum_many, pending)))
+    return [cs for got in await asyncio.gather(*jobs) for cs in got]
 
 
 class _Buffers:
-    """One reusable buffer per block size (the peer never checks what it moves)."""
+    """One reusable buffer per block size and direction: gets send all ones (what a verifying client
+    expects), puts land in a buffer of their own."""
 
     def __init__(self) -> None:
-        self._bufs: dict[int, np.ndarray] = {}
+        self._bufs: dict[tuple[bool, int], np.ndarray] = {}
 
-    def get(self, n: int, nbytes: int) -> np.ndarray:
-        buf = self._bufs.get(nbytes)
+    def get(self, n: int, nbytes: int, *, landing: bool) -> np.ndarray:
+        buf = self._bufs.get((landing, nbytes))
         if buf is None or buf.shape[0] < n:
-            buf = self._bufs[nbytes] = np.ones((n, nbytes), dtype=np.uint8)
+            buf = self._bufs[(landing, nbytes)] = np.ones((n, nbytes), dtype=np.uint8)
         return buf
 
 
@@ -46,8 +76,9 @@ async def _serve_ep(ep: Any, bufs: _Buffers) -> None:
             msg = _unpack(await am_recv(ep, _Runtime.get().waker))
         except Exception:  # noqa: BLE001 - the peer went away
             return
-        rid, n, nbytes = int(msg["id"]), int(msg["n"]), int(msg["nbytes"])
-        buf = bufs.get(n, nbytes)
+        rid, n, nbytes, lo = int(msg["id"]), int(msg["n"]), int(msg["nbytes"]), int(msg.get("lo", 0))
+        landing = msg["op"] != "get"  # each put's blocks land in rows of their own: puts run concurrently
+        buf = bufs.get(lo + n, nbytes, landing=landing)[lo if landing else 0 :]
         with _Runtime.get().waker.busy():  # as the pool's server does per request
             await _serve_op(ep, msg, rid, n, buf)
 
@@ -58,6 +89,9 @@ async def _serve_op(ep: Any, msg: dict[str, Any], rid: int, n: int, buf: np.ndar
     elif msg["op"] == "put":
         await asyncio.gather(*(ep.recv(buf[i], tag=_tag(rid, i)) for i in range(n)))
         await ep.am_send(_pack({"id": rid}))
+    elif msg["op"] == "put_xxh3":
+        got = await _recv_hashed(ep, [buf[i] for i in range(n)], rid)
+        await ep.am_send(_pack({"id": rid, "bad": sum(a != b for a, b in zip(got, msg["s"], strict=True))}))
     else:  # ping
         await ep.am_send(_pack({"id": rid}))
 
@@ -101,35 +135,53 @@ class RawUcxClient:
             for k, s in enumerate(range(0, n, self._per_msg))
         ]
 
-    def get(self, out: np.ndarray, timeout_s: float = 60.0) -> None:
-        """Receive `out.shape[0]` blocks of `out.shape[1]` bytes into `out` (rows)."""
-        self._rt.run(self._busy(self._get(out)), timeout_s)
+    def get(self, out: np.ndarray, timeout_s: float = 60.0, *, verify: bool = False) -> None:
+        """Receive `out.shape[0]` blocks of `out.shape[1]` bytes into `out` (rows). `verify`: also xxh3 each
+        landed block and compare it with the peer's (its buffer is all ones); `RuntimeError` on a mismatch."""
+        bad = self._rt.run(self._busy(self._get(out, verify)), timeout_s)
+        if bad:
+            raise RuntimeError(f"raw get: {bad} blocks differ from what the peer sent")
 
-    def put(self, data: np.ndarray, timeout_s: float = 60.0) -> None:
-        """Send the rows of `data`; returns once the peer has received all of them."""
-        self._rt.run(self._busy(self._put(data)), timeout_s)
+    def put(self, data: np.ndarray, timeout_s: float = 60.0, *, verify: bool = False) -> None:
+        """Send the rows of `data`; returns once the peer has received all of them. `verify`: hash the rows
+        first and have the peer hash what landed and compare; `RuntimeError` on a mismatch."""
+        sums = checksums(data) if verify else None
+        bad = self._rt.run(self._busy(self._put(data, sums)), timeout_s)
+        if bad:
+            raise RuntimeError(f"raw put: the peer received {bad} blocks that differ from what was sent")
 
     async def _busy(self, coro: Any) -> Any:
         with self._rt.waker.busy():  # as the pool's client does per batch
             return await coro
 
-    async def _get(self, out: np.ndarray) -> None:
-        async def one(ep: Any, lo: int, hi: int) -> None:
-            rid = next(self._rt.ids)
-            recvs = [ep.recv(out[lo + j], tag=_tag(rid, j)) for j in range(hi - lo)]
-            await ep.am_send(_pack({"op": "get", "id": rid, "n": hi - lo, "nbytes": out.shape[1]}))
-            await asyncio.gather(*recvs)
+    async def _get(self, out: np.ndarray, verify: bool) -> int:
+        expected = checksum(np.ones(out.shape[1], dtype=np.uint8)) if verify else 0
 
-        await asyncio.gather(*(one(*c) for c in self._chunks(out.shape[0])))
-
-    async def _put(self, data: np.ndarray) -> None:
-        async def one(ep: Any, lo: int, hi: int) -> None:
+        async def one(ep: Any, lo: int, hi: int) -> int:
             rid = next(self._rt.ids)
-            await ep.am_send(_pack({"op": "put", "id": rid, "n": hi - lo, "nbytes": data.shape[1]}))
+            header = _pack({"op": "get", "id": rid, "n": hi - lo, "nbytes": out.shape[1]})
+            if not verify:
+                recvs = [ep.recv(out[lo + j], tag=_tag(rid, j)) for j in range(hi - lo)]
+                await ep.am_send(header)
+                await asyncio.gather(*recvs)
+                return 0
+            hashed = asyncio.ensure_future(_recv_hashed(ep, [out[lo + j] for j in range(hi - lo)], rid))
+            await ep.am_send(header)
+            return sum(cs != expected for cs in await hashed)
+
+        return sum(await asyncio.gather(*(one(*c) for c in self._chunks(out.shape[0]))))
+
+    async def _put(self, data: np.ndarray, sums: list[int] | None) -> int:
+        async def one(ep: Any, lo: int, hi: int) -> int:
+            rid = next(self._rt.ids)
+            header: dict[str, Any] = {"op": "put", "id": rid, "n": hi - lo, "nbytes": data.shape[1], "lo": lo}
+            if sums is not None:
+                header.update(op="put_xxh3", s=sums[lo:hi])
+            await ep.am_send(_pack(header))
             await asyncio.gather(*(ep.send(data[lo + j], tag=_tag(rid, j)) for j in range(hi - lo)))
-            await ep.am_recv()
+            return int(_unpack(await ep.am_recv()).get("bad", 0))
 
-        await asyncio.gather(*(one(*c) for c in self._chunks(data.shape[0])))
+        return sum(await asyncio.gather(*(one(*c) for c in self._chunks(data.shape[0]))))
 
     def close(self) -> None:
         async def close() -> None:

@@ -5,8 +5,9 @@ worker process (`python -m kvpool.bench.transfer_bench worker CFG`, the transpor
 environment) runs, per block size, a real `kvpool store` process and a raw-UCX peer
 (`kvpool.bench.raw_ucx`), and measures, interleaved and repeated: pool batch `get` (checksums verified)
 and `put` (checksummed, reserved slots) of `batch` blocks through `UcxTransport`; raw ucxx tagged
-send/recv of the same blocks with the same endpoints and message split; a numpy copy of the same bytes;
-and single-block read latency. The parent runs the C `ucx_perftest` (`tag_bw`, same message size) from
+send/recv of the same blocks with the same endpoints and message split, without and with the pool's
+xxh3 checksums (`raw_ucx.py`: what the end-to-end checksum costs by itself); a numpy copy of the same
+bytes; and single-block read latency. The parent runs the C `ucx_perftest` (`tag_bw`, same message size) from
 the libucx wheel per transport and size, and Mooncake's store (`mooncake_master` with its HTTP metadata
 server, one storage process, one client; `tcp` protocol) when `mooncake-transfer-engine-non-cuda` is
 installed. Which UCX transports really carried the bytes is read from the raw peer's `UCX_LOG_LEVEL=info`
@@ -189,7 +190,8 @@ def _measure_size(
     store.commit(get_slots, 1)
     reads = [BlockRead(s, 1, size) for s in get_slots]
     outs = [memoryview(o) for o in out]
-    keys = ("get", "put", "raw_get", "raw_put", "memcpy") + (("get_ucx",) if t_ucx is not None else ())
+    keys = ["get", "put", "raw_get", "raw_put", "raw_get_xxh3", "raw_put_xxh3", "memcpy"]
+    keys += ["get_ucx"] if t_ucx is not None else []
     samples: dict[str, list[float]] = {k: [] for k in keys}
     nbytes = batch * size
 
@@ -218,22 +220,30 @@ def _measure_size(
         store.put_gen = store.free(put_slots, gen)
         samples["put"].append(gbps(nbytes, dt))
 
-    def raw_get() -> None:
+    def raw_get(verify: bool = False) -> None:
         t0 = time.perf_counter()
-        raw.get(out)
-        samples["raw_get"].append(gbps(nbytes, time.perf_counter() - t0))
+        raw.get(out, verify=verify)
+        samples["raw_get_xxh3" if verify else "raw_get"].append(gbps(nbytes, time.perf_counter() - t0))
 
-    def raw_put() -> None:
+    def raw_put(verify: bool = False) -> None:
         t0 = time.perf_counter()
-        raw.put(data)
-        samples["raw_put"].append(gbps(nbytes, time.perf_counter() - t0))
+        raw.put(data, verify=verify)
+        samples["raw_put_xxh3" if verify else "raw_put"].append(gbps(nbytes, time.perf_counter() - t0))
 
     def memcpy() -> None:
         t0 = time.perf_counter()
         np.copyto(out, data)
         samples["memcpy"].append(gbps(nbytes, time.perf_counter() - t0))
 
-    steps: list[Callable[[], None]] = [pool_get, raw_get, pool_put, raw_put, memcpy]
+    steps: list[Callable[[], None]] = [
+        pool_get,
+        raw_get,
+        lambda: raw_get(verify=True),
+        pool_put,
+        raw_put,
+        lambda: raw_put(verify=True),
+        memcpy,
+    ]
     if t_ucx is not None:
         t_ucx.link(store.data_address)
         steps.append(lambda: get_with(t_ucx, "get_ucx"))

@@ -50,6 +50,8 @@ def build_report(
                         "raw_ucx_gb_per_s": raw, "perftest_gb_per_s": pt, "memcpy_gb_per_s": memcpy,
                         "mooncake_gb_per_s": mcv, "samples_gb_per_s": s[op], "raw_ucx_samples_gb_per_s": s[f"raw_{op}"],
                         "pool_over_raw": _paired_ratio(s[op], s[f"raw_{op}"]),
+                        "raw_ucx_xxh3_gb_per_s": _median(s.get(f"raw_{op}_xxh3", [])),
+                        "pool_over_raw_xxh3": _paired_ratio(s[op], s.get(f"raw_{op}_xxh3", [])),
                         "path": "mapped" if op == "get" and "get_ucx" in s else "ucx",
                         "ucx_path_gb_per_s": _median(s["get_ucx"]) if op == "get" and "get_ucx" in s else None,
                     }
@@ -93,15 +95,16 @@ def print_tables(console: Any, records: Sequence[dict[str, Any]], summary: dict[
     from rich.table import Table
 
     table = Table(title="data plane throughput (GB/s, medians)")
-    cols = ("transport", "block", "op", "pool", "pool, UCX path", "raw UCX", "pool/raw", "perftest", "memcpy")
+    cols = ("transport", "block", "op", "pool", "pool, UCX path", "raw UCX", "pool/raw", "raw+xxh3",
+            "pool/raw+xxh3", "perftest", "memcpy")  # fmt: skip
     for col in (*cols, "Mooncake"):
         table.add_column(col, justify="right")
     for r in records:
         op = r["op"] + (" (mapped)" if r.get("path") == "mapped" else "")
         table.add_row(
             r["transport"], _size_name(r["block_bytes"]), op, _fmt(r["gb_per_s"]), _fmt(r.get("ucx_path_gb_per_s")),
-            _fmt(r["raw_ucx_gb_per_s"]), _fmt(r["pool_over_raw"], ".0%"),
-            _fmt(r["perftest_gb_per_s"]), _fmt(r["memcpy_gb_per_s"]), _fmt(r["mooncake_gb_per_s"]),
+            _fmt(r["raw_ucx_gb_per_s"]), _fmt(r["pool_over_raw"], ".0%"), _fmt(r.get("raw_ucx_xxh3_gb_per_s")),
+            _fmt(r.get("pool_over_raw_xxh3"), ".0%"), _fmt(r["perftest_gb_per_s"]), _fmt(r["memcpy_gb_per_s"]), _fmt(r["mooncake_gb_per_s"]),
         )  # fmt: skip
     console.print(table)
     lat = Table(title="one-block read latency (µs)")
@@ -137,6 +140,8 @@ def plot_report(records: Sequence[dict[str, Any]], path: Path) -> None:
     series = [
         ("get", "gb_per_s", "pool get", "C0", "-o"), ("put", "gb_per_s", "pool put", "C1", "-o"),
         ("get", "raw_ucx_gb_per_s", "raw ucxx get", "C0", "--x"), ("put", "raw_ucx_gb_per_s", "raw ucxx put", "C1", "--x"),
+        ("get", "raw_ucx_xxh3_gb_per_s", "raw ucxx get + xxh3", "C0", ":+"),
+        ("put", "raw_ucx_xxh3_gb_per_s", "raw ucxx put + xxh3", "C1", ":+"),
         ("get", "perftest_gb_per_s", "ucx_perftest tag_bw", "C2", ":s"), ("get", "memcpy_gb_per_s", "memcpy", "C7", ":^"),
         ("get", "mooncake_gb_per_s", "Mooncake get", "C3", "-.d"), ("put", "mooncake_gb_per_s", "Mooncake put", "C4", "-.d"),
         ("get", "ucx_path_gb_per_s", "pool get, UCX path (not mapped)", "C5", "-v"),
