@@ -349,9 +349,11 @@ def _case_malformed_mread_requests_are_refused_and_the_store_keeps_serving(trans
         assert s.table.num_inflight == 0
         # ids no store could hold fail those blocks as a refused request, not a lost link (no back-off)
         bad = [BlockRead(-1, 1, NB), BlockRead(True, 1, NB)]  # type: ignore[arg-type]
+        conns = list(transport._peers[s.peer].conns)
         res = transport.read_blocks(s.peer, bad, [memoryview(o) for o in data[:2].copy()], timeout_s=10.0)
         assert [("must be ints" in r.error) for r in res] == [True, True], res
         assert not transport.backoff.down(s.peer)
+        assert all(a is b for a, b in zip(transport._peers[s.peer].conns, conns, strict=True))  # kept
         res, out = s.read(transport, 4)
         assert all(r.ok for r in res) and np.array_equal(out, data)
     finally:

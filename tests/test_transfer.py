@@ -218,6 +218,33 @@ def test_peer_killed_while_bytes_flow(transport: UcxTransport) -> None:
         s.kill()
 
 
+def test_a_refused_request_keeps_its_connection(transport: UcxTransport) -> None:
+    """A request the store refuses as a whole (a slot no store can hold) fails its blocks, but the store
+    answered before anything moved: the connection is kept (it was aborted, and the next call reconnected),
+    no reply is left expected, and the next read on it works."""
+    s = start_store(segment="8MiB", layout=MIB_LAYOUT)
+    try:
+        data = _fill(s, transport, 4)
+        conns = list(transport._peers[s.data_address].conns)
+        assert any(c is not None for c in conns)
+        res, _ = read(transport, s, [-1], nb=MIB)
+        assert not res[0].ok and "refused" in res[0].error, res[0].error
+        bad = transport.write_blocks(
+            s.data_address, [BlockWrite(-1, 1, data[0], checksum(data[0]))], timeout_s=10
+        )
+        assert not bad[0].ok and "refused" in bad[0].error, bad[0].error
+        after = transport._peers[s.data_address].conns
+        assert all(a is b for a, b in zip(after, conns, strict=True)), (
+            "a refused request dropped its connection"
+        )
+        assert all(c is None or (not c.dead and not c._pending) for c in after)
+        assert not transport.backoff.down(s.data_address)
+        res, out = read(transport, s, list(range(4)), nb=MIB)
+        assert all(r.ok for r in res) and np.array_equal(out, data)
+    finally:
+        s.kill()
+
+
 _STALL_SCRIPT = """
 import os, signal, sys, time
 from tests.test_store_node import start_store, read, MIB_LAYOUT

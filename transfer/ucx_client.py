@@ -76,8 +76,8 @@ async def _request_runs(
     header: list[Any] = reply["r"]
     try:
         return header, client_plan(reply.get("m"), [bool(h[0]) for h in header], views, groups)
-    except ValueError as exc:
-        raise PeerRefused(f"bad reply: {exc}") from None
+    except ValueError as exc:  # the peer moves what it planned: the connection cannot be reused
+        raise PeerRefused(f"bad reply: {exc}", in_flight=True) from None
 
 
 class UcxTransport:
@@ -296,6 +296,7 @@ class UcxTransport:
         errors: list[str] = [""] * len(chunks)
 
         refused = [False] * len(chunks)
+        keep = [False] * len(chunks)  # refused before anything moved: the connection stays
 
         async def run(k: int) -> None:
             try:
@@ -303,7 +304,7 @@ class UcxTransport:
                 await one(conn, chunks[k], results)
                 done[k] = True
             except PeerRefused as exc:  # it answered: the link is fine
-                errors[k], refused[k] = _err(exc), True
+                errors[k], refused[k], keep[k] = _err(exc), True, not exc.in_flight
             except Exception as exc:  # noqa: BLE001 - the chunk fails as a whole
                 errors[k] = _err(exc)
 
@@ -321,7 +322,7 @@ class UcxTransport:
             if done[k]:
                 continue
             conn = used[k]
-            if conn is not None:
+            if conn is not None and not keep[k]:
                 conn.abort()  # cancels its posted receives before the caller sees the result
             why = errors[k] or f"deadline of {timeout_s:.3g} s passed"
             for i in idxs:
@@ -400,7 +401,11 @@ class UcxTransport:
             }
             if any(writes[i].capability for i in idxs):
                 msg["c"] = [[writes[i].expiry_ms, bytes(writes[i].capability)] for i in idxs]
-            _, plan = await _request_runs(conn, msg, [views[i] for i in idxs])
+            try:
+                _, plan = await _request_runs(conn, msg, [views[i] for i in idxs])
+            except PeerRefused:
+                conn.forget(rid, 1)  # no final answer comes for a refused write
+                raise
             await asyncio.gather(*(tag_send(conn.ep, buf, _tag(rid, j), self._rt.waker) for j, buf in plan))
             for j, (ok, cs, err) in enumerate((await final)["r"]):
                 results[idxs[j]] = (bool(ok), int(cs), str(err))

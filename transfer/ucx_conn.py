@@ -19,7 +19,14 @@ _HANDSHAKE_RETRY_S = 0.2  # first wait for a handshake reply before pinging agai
 
 
 class PeerRefused(TransferError):
-    """The peer answered with an error: the request was bad, not the link."""
+    """The peer answered with an error: the request was bad, not the link.
+
+    `in_flight`: bytes of the request may still move on the connection (the peer accepted it but its reply
+    was unusable), so the connection must be aborted; False (a refusal before anything moved) keeps it."""
+
+    def __init__(self, message: str, *, in_flight: bool = False) -> None:
+        super().__init__(message)
+        self.in_flight = in_flight
 
 
 class Conn:
@@ -59,6 +66,12 @@ class Conn:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[(rid, phase)] = fut
         return fut
+
+    def forget(self, rid: int, phase: int) -> None:
+        """Stop expecting a reply (the request was refused before that phase could come)."""
+        fut = self._pending.pop((rid, phase), None)
+        if fut is not None and not fut.done():
+            fut.cancel()
 
     async def request(self, msg: dict[str, Any]) -> dict[str, Any]:
         fut = self.expect(msg["id"], 0)
