@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch==2.13.0 first: the CPU wheel on disk; nothing may pull a CUDA torch.
-$(STAMP): pyproject.toml setup.py transfer/_kernels.c | $(BIN)/python
+$(STAMP): pyproject.toml setup.py transfer/_kernels.c transfer/_xxh3_avx2.h | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)

@@ -11,6 +11,7 @@ setup(
         Extension(
             "transfer._kernels",
             ["transfer/_kernels.c"],
+            depends=["transfer/_xxh3_avx2.h", "transfer/third_party/xxhash/xxhash.h"],
             extra_compile_args=["-O3", "-fno-strict-aliasing"],
             optional=True,
         )

@@ -3,6 +3,7 @@ checksums as the Python paths they replace, stop between blocks, refuse rows out
 
 from __future__ import annotations
 
+import importlib
 import shutil
 import sysconfig
 from collections.abc import Iterator
@@ -10,6 +11,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from transfer import shared_segment, xxh3
 from transfer.shared_segment import SegmentMapping, SharedSegment, StopFlag
@@ -23,6 +26,34 @@ def test_the_kernels_are_built_where_a_compiler_is() -> None:
     if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is None:
         pytest.skip("no C compiler here: the Python paths are the ones in use")
     assert KERNELS is not None
+
+
+@needs_kernels
+@pytest.mark.parametrize("avx2", [True, False], ids=["avx2", "binding"])
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 20000), seed=st.integers(0, 2**32 - 1), cut=st.integers(0, 20000))
+@example(n=240, seed=0, cut=16).via("the 129-240 B path whole, the 9-16 B path cut")
+@example(n=241, seed=1, cut=128).via("the first long input, the 17-128 B path cut")
+def test_both_xxh3_builds_hash_and_copy_as_the_binding(avx2: bool, n: int, seed: int, cut: int) -> None:
+    """The extension's AVX2 build of XXH3 and the binding's functions, each driving the batch loops, give
+    the binding's values for every length (XXH3 has separate paths up to 16, 128, 240 B and long inputs),
+    whole and copied in 8 KiB pieces."""
+    kernels = xxh3.Kernels(importlib.import_module("transfer._kernels"), xxh3._EXT, avx2=avx2)
+    if kernels.simd != ("avx2" if avx2 else "binding"):
+        pytest.skip("this CPU or compiler has no AVX2 build")
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+    src = np.frombuffer(data + bytes(8), dtype=np.uint8)  # never empty: an address to copy from
+    parts = [src[: len(data)], src[: min(cut, len(data))], src[min(cut, len(data)) : len(data)]]
+    want = [xxhash.xxh3_64_intdigest(p.tobytes()) for p in parts]
+    got = np.zeros(3, dtype=np.uint64)
+    kernels.hash_many(parts, got)
+    assert got.tolist() == want
+    dsts = [np.zeros(p.nbytes, dtype=np.uint8) for p in parts]
+    offsets = np.array([0, 0, min(cut, len(data))], dtype=np.int64)
+    got[:] = 0
+    done = kernels.copy_verify(src.ctypes.data, src.nbytes, offsets, dsts, got, np.zeros(1, dtype=np.uint8))
+    assert done == 3 and got.tolist() == want
+    assert all(d.tobytes() == p.tobytes() for d, p in zip(dsts, parts, strict=True))
 
 
 @pytest.fixture(params=["kernels", "python"])

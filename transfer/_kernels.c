@@ -4,9 +4,10 @@
  * back; two copying threads then spend their time handing the GIL to each other (measured here: two
  * threads no faster than one at 64 KiB blocks). One call per batch runs the whole loop without it.
  *
- * The hash itself is not here: the caller passes the addresses of xxHash's XXH3 functions exported by
- * the `xxhash` binding's extension module (transfer/xxh3.py), so both sides of a transfer use the one
- * implementation. Source: xxHash's XXH3 (Y. Collet, https://github.com/Cyan4973/xxHash), seed 0.
+ * The hash is passed in: the caller gives the addresses of XXH3's functions, either those exported by the
+ * `xxhash` binding's extension module or the AVX2 build of the same code here (`xxh3_avx2`, from
+ * _xxh3_avx2.h), which transfer/xxh3.py uses only after checking it returns the binding's values.
+ * Source: xxHash's XXH3 (Y. Collet, https://github.com/Cyan4973/xxHash), seed 0.
  *
  * Built by setup.py as an optional extension: without a C compiler kvpool uses its numpy paths.
  */
@@ -14,6 +15,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "_xxh3_avx2.h"
 
 typedef uint64_t (*xxh3_fn)(const void *, size_t);
 typedef void *(*create_state_fn)(void);
@@ -295,10 +298,28 @@ static PyObject *addresses(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* xxh3_avx2() -> (XXH3_64bits, createState, freeState, reset, update, digest) addresses of the AVX2 build
+ * (the order of transfer/xxh3.py's _STREAM_FNS after the first), or None where it was not compiled or the
+ * CPU does not report AVX2. */
+static PyObject *xxh3_avx2(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+#ifdef KVPOOL_XXH3_AVX2
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2"))
+        return Py_BuildValue("(NNNNNN)", PyLong_FromVoidPtr((void *)avx2_xxh3),
+                             PyLong_FromVoidPtr((void *)avx2_create_state), PyLong_FromVoidPtr((void *)avx2_free_state),
+                             PyLong_FromVoidPtr((void *)avx2_reset), PyLong_FromVoidPtr((void *)avx2_update),
+                             PyLong_FromVoidPtr((void *)avx2_digest));
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"addresses", addresses, METH_VARARGS, "The address of each buffer's first byte."},
     {"copy_verify", copy_verify, METH_VARARGS, "Copy blocks out of a mapped segment and xxh3 each copy."},
     {"hash_many", hash_many, METH_VARARGS, "XXH3_64bits of many blocks in one call."},
+    {"xxh3_avx2", xxh3_avx2, METH_NOARGS, "Addresses of XXH3 built for AVX2, or None."},
     {NULL, NULL, 0, NULL},
 };
 
