@@ -3,8 +3,12 @@ answer health checks and reflection."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -12,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool import errors
-from kvpool.rpc.server import channel, start_server, wait_healthy
+from kvpool.rpc.server import CONNECT_TIMEOUT_MS, channel, start_server, wait_healthy
 from kvpool.rpc.status import raise_from_rpc_error, status_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,4 +59,56 @@ def test_health_and_reflection_registered() -> None:
                 with pytest.raises(errors.NotFound):
                     raise_from_rpc_error(exc, "health")
     finally:
+        server.stop(0)
+
+
+def _delaying_proxy(target_port: int, delay_s: float) -> tuple[socket.socket, int]:
+    """A TCP proxy to 127.0.0.1:`target_port` that holds each new connection `delay_s` before forwarding
+    (a peer slow to answer its handshake: a busy host, a long path). Returns (listening socket, port)."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = lsock.accept()
+                time.sleep(delay_s)
+                upstream = socket.create_connection(("127.0.0.1", target_port))
+                for a, b in ((client, upstream), (upstream, client)):
+                    threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return lsock, lsock.getsockname()[1]
+
+
+def test_a_connection_attempt_gets_its_timeout_not_more_nor_less() -> None:
+    """Our channels once gave a connection attempt 0.1 s (gRPC reads its minimum connect timeout from
+    `grpc.min_reconnect_backoff_ms`, set low for fast reconnects): a server slower than that to answer its
+    handshake, as a loaded 2-core host is, failed every call UNAVAILABLE. A peer that never answers still
+    fails in about `CONNECT_TIMEOUT_MS` (gRPC's default is 20 s: a router would hold a request that long
+    before failing over)."""
+    server = start_server([], host="127.0.0.1", port=0)
+    lsock, port = _delaying_proxy(server.port, 0.4)
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, never answers
+    try:
+        with channel(f"127.0.0.1:{port}") as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        with channel(f"127.0.0.1:{silent.getsockname()[1]}") as ch:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+            elapsed = time.monotonic() - t0
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert CONNECT_TIMEOUT_MS / 1000 * 0.8 <= elapsed < 10, elapsed
+    finally:
+        lsock.close()
+        silent.close()
         server.stop(0)

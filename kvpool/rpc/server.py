@@ -24,12 +24,17 @@ _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+CONNECT_TIMEOUT_MS = 1000
+"""How long a channel's connection attempt may take (TCP connect, TLS and HTTP/2 handshake) before the
+calls waiting on it fail UNAVAILABLE: a peer that drops packets or never answers costs this, not gRPC's
+default 20 s. gRPC takes it from `grpc.min_reconnect_backoff_ms` (its MIN_CONNECT_TIMEOUT; measured here:
+100 there failed connection attempts to a server slower than 0.1 s to send its HTTP/2 SETTINGS)."""
 # Channels reconnect quickly after a peer restarts (gRPC's default backoff grows to minutes): a restarted
 # master is back in the cluster within about a second, not after a long reconnect backoff.
 _CHANNEL_OPTIONS = [
     *_OPTIONS,
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
