@@ -203,6 +203,7 @@ def test_master_port_out_of_range_names_the_option_not_the_settings_class() -> N
     out = _kvpool("master", "--low-watermark", "0.95")  # a check across fields names the fields
     line = _one_error_line(out, "kvpool: invalid settings: need 0 < low_watermark")
     assert out.returncode == 2 and "MasterSettings" not in line
+    assert "--low-watermark" in line and "got 0.95 and 0.9" in line, line  # the flags and the values
 
 
 @pytest.mark.parametrize("tokens", ["a,b", "1,-2", "1,2.5", ",", "1,4294967296"])

@@ -61,7 +61,10 @@ class MasterSettings(KVPoolSettings):
     @model_validator(mode="after")
     def _ranges(self) -> MasterSettings:
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
-            raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
+            raise ValueError(
+                "need 0 < low_watermark <= high_watermark <= 1 (--low-watermark, --high-watermark); "
+                f"got {self.low_watermark:g} and {self.high_watermark:g}"
+            )
         if self.replicas < 1:
             raise ValueError("replicas must be >= 1")
         if self.heartbeat_timeout_ms <= self.heartbeat_interval_ms:
