@@ -4,6 +4,8 @@ answer health checks and reflection."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +18,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool import errors
-from kvpool.rpc.server import CONNECT_TIMEOUT_MS, channel, start_server, wait_healthy
+from kvpool.rpc.server import (
+    CONNECT_TIMEOUT_MS,
+    KEEPALIVE_TIME_MS,
+    KEEPALIVE_TIMEOUT_MS,
+    channel,
+    start_server,
+    wait_healthy,
+)
 from kvpool.rpc.status import raise_from_rpc_error, status_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,3 +121,45 @@ def test_a_connection_attempt_gets_its_timeout_not_more_nor_less() -> None:
         lsock.close()
         silent.close()
         server.stop(0)
+
+
+_HANGING_SERVER = """
+import time
+from kvpool.rpc.server import start_server
+s = start_server([], host="127.0.0.1", port=0)
+print(s.port, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_call_to_a_peer_that_hangs_fails_within_the_keepalive() -> None:
+    """A peer that stops answering with its connection open (SIGSTOP: the kernel still acknowledges every
+    TCP segment) held a streaming call until its deadline. The channel's keepalive pings now drop the
+    connection after `KEEPALIVE_TIME_MS` + `KEEPALIVE_TIMEOUT_MS`: UNAVAILABLE, which the router fails over
+    on. The server side accepts those pings (no GOAWAY "too_many_pings" on a healthy, quiet call)."""
+    proc = subprocess.Popen([sys.executable, "-c", _HANGING_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        with channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            quiet = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+            assert next(quiet).status == health_pb2.HealthCheckResponse.SERVING
+            # a healthy call that sends nothing for several keepalive periods stays up
+            time.sleep(3 * KEEPALIVE_TIME_MS / 1000)
+            assert stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == 1
+            os.kill(proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                next(quiet)
+            elapsed = time.monotonic() - t0
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+        assert elapsed < (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 10, (
+            elapsed,
+            info.value.details(),
+        )
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()

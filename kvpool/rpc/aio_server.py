@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from kvpool import errors
 from kvpool.rpc.loop import new_event_loop
 from kvpool.rpc.security import _OPEN_METHODS, bind, security
-from kvpool.rpc.server import _CHANNEL_OPTIONS, _OPTIONS
+from kvpool.rpc.server import _CHANNEL_OPTIONS, _SERVER_OPTIONS
 from kvpool.rpc.status import status_for
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ def start_aio_server(
     async def start() -> int:
         server = grpc.aio.server(
             migration_thread_pool=futures.ThreadPoolExecutor(max_workers=max_workers),
-            options=_OPTIONS,
+            options=_SERVER_OPTIONS,
             interceptors=[_Auth(sec.auth_token)] if sec.auth_token else [],
             maximum_concurrent_rpcs=max_concurrent_rpcs,
         )

@@ -29,6 +29,12 @@ CONNECT_TIMEOUT_MS = 1000
 calls waiting on it fail UNAVAILABLE: a peer that drops packets or never answers costs this, not gRPC's
 default 20 s. gRPC takes it from `grpc.min_reconnect_backoff_ms` (its MIN_CONNECT_TIMEOUT; measured here:
 100 there failed connection attempts to a server slower than 0.1 s to send its HTTP/2 SETTINGS)."""
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+"""A channel with calls in flight pings its peer after `KEEPALIVE_TIME_MS` without traffic and drops the
+connection when no answer comes within `KEEPALIVE_TIMEOUT_MS`: its calls fail UNAVAILABLE. A peer that
+hangs (stopped, swapped out, wedged) with its connections open otherwise held every call until its
+deadline (a router's prefill call: 300 s) — the kernel keeps acknowledging its TCP segments."""
 # Channels reconnect quickly after a peer restarts (gRPC's default backoff grows to minutes): a restarted
 # master is back in the cluster within about a second, not after a long reconnect backoff.
 _CHANNEL_OPTIONS = [
@@ -36,6 +42,17 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # what gRPC >= 1.6x waits for a ping's ack (1 min)
+    ("grpc.http2.max_pings_without_data", 0),  # a long call that sends nothing (a prefill) keeps pinging
+]
+# Servers accept those pings (gRPC servers answer pings more often than every 5 min without data frames
+# with GOAWAY "too_many_pings", which would close the very connections the pings keep checked).
+_SERVER_OPTIONS = [
+    *_OPTIONS,
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 
@@ -79,7 +96,7 @@ def start_server(
     sec = security()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=_OPTIONS,
+        options=_SERVER_OPTIONS,
         interceptors=[*server_interceptors(sec), DecodeErrors()],
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
