@@ -12,7 +12,7 @@ results:
 
 and the same with the pool's checksums and nothing else (`verify=True`: what the end-to-end xxh3 costs by
 itself on this machine): a get hashes the blocks that landed on the hashing threads (`transfer.xxh3`) while
-later ones still move, and compares them with the peer's; a put hashes the rows first (as
+later ones still move, and compares each with the checksum of what the peer sends (all ones); a put hashes the rows first (as
 `PoolClient.put_blocks` does), sends their checksums in the header (`op:"put_xxh3"`, `s`), and the peer hashes
 what landed the same way and answers how many differ (`bad`).
 
