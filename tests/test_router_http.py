@@ -153,3 +153,49 @@ def test_bad_tenants_file_names_file_and_field(tmp_path: Any) -> None:
     tfile.write_text('[[tenants]]\nname = "a"\napi_keys = []\n')
     with pytest.raises(InvalidArgument, match=r"t\.toml: tenants\.0\.api_keys"):
         Tenants.load(tfile)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("presence_penalty", 0.5), ("frequency_penalty", 2), ("repetition_penalty", 1.2), ("logit_bias", {"65": 100}),
+     ("min_p", 0.1), ("min_tokens", 5), ("ignore_eos", True), ("response_format", {"type": "json_object"})],
+)  # fmt: skip
+def test_sampling_controls_the_nodes_lack_are_refused_not_ignored(
+    model: ModelInfo, field: str, value: Any
+) -> None:
+    """Found by a new-user pass: logit_bias, frequency_penalty, ignore_eos + min_tokens and a JSON
+    response_format were accepted and silently ignored (200, the same tokens as without them)."""
+    client, _ = _client(model, NODES)
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": "hi"}]})):  # fmt: skip
+        r = client.post(path, json={"model": model.model_id, **body, field: value})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field and "not supported" in r.json()["error"]["message"]
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {},
+               "min_p": 0, "min_tokens": 0, "ignore_eos": False, "response_format": {"type": "text"}}  # fmt: skip
+    r = client.post("/v1/completions", json={"model": model.model_id, "prompt": "hi", field: neutral[field]})
+    assert r.status_code == 200, r.text  # the "off" value clients send by default is fine
+
+
+def test_a_lone_surrogate_is_a_400_not_a_500(model: ModelInfo) -> None:
+    """Found by a new-user pass: "\\ud800" in a prompt (valid JSON, not encodable text) reached the
+    tokenizer's UTF-8 encode and answered 500. Any string of the body: prompt, message content, stop."""
+    client, _ = _client(model, NODES)
+    json_headers = {"content-type": "application/json"}
+    cases = [
+        ("/v1/completions", '{"model": "M", "prompt": "\\ud800"}', "prompt"),
+        ("/v1/completions", '{"model": "M", "prompt": "x", "stream": true, "stop": ["\\udc00"]}', "stop.0"),
+        ("/v1/chat/completions", '{"model": "M", "messages": [{"role": "user", "content": "hi \\udc00"}]}',
+         "messages.0.content"),
+    ]  # fmt: skip
+    for path, body, where in cases:
+        r = client.post(
+            path, content=body.replace('"M"', f'"{model.model_id}"').encode(), headers=json_headers
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == where and "surrogate" in r.json()["error"]["message"]
+    ok = '{"model": "M", "prompt": "caf\\u00e9 \\ud83d\\ude00"}'  # a valid pair is one emoji: fine
+    r = client.post(
+        "/v1/completions", content=ok.replace('"M"', f'"{model.model_id}"').encode(), headers=json_headers
+    )
+    assert r.status_code == 200, r.text

@@ -34,7 +34,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpool import errors
-from kvpool.router.schemas import APIError, ChatBody, CommonBody, CompletionBody, text_content
+from kvpool.router.schemas import (
+    APIError,
+    ChatBody,
+    CommonBody,
+    CompletionBody,
+    first_invalid_text,
+    text_content,
+    unsupported_field,
+)
 from kvpool.router.service import Event, RouterService, Sampling
 from kvpool.router.tenants import Tenants
 
@@ -120,6 +128,8 @@ class OpenAIApp:
             raise APIError(400, "the request body is not valid JSON (or nests too deeply)") from None
         if not isinstance(raw, dict):
             raise APIError(400, "the request body must be a JSON object")
+        if (where := first_invalid_text(raw)) is not None:
+            raise APIError(400, f"{where}: not valid Unicode text (a lone surrogate code point)", param=where)
         try:
             body = cls.model_validate(raw)
         except ValidationError as exc:
@@ -133,6 +143,9 @@ class OpenAIApp:
             raise APIError(400, "only n=1 is supported", param="n")
         if body.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
+        if (name := unsupported_field(body)) is not None:
+            raise APIError(400, f"{name} is not supported (sampling here: temperature, top_p, top_k, seed, "
+                           "stop, max_tokens)", param=name)  # fmt: skip
         return body
 
     def _check_prompt(self, tokens: list[int], max_tokens: int) -> None:

@@ -38,6 +38,56 @@ class CommonBody(BaseModel):
     cache_salt: str = ""
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: each choice also carries its generated `token_ids`
+    # Sampling controls the nodes do not implement: refused when set to anything but their neutral value
+    # (`UNSUPPORTED`), never silently ignored.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    response_format: dict[str, Any] | None = None
+    ignore_eos: bool = False  # vLLM's extensions: min_p, min_tokens, ignore_eos, repetition_penalty
+
+
+UNSUPPORTED: dict[str, Any] = {
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None,
+    "min_p": 0.0, "min_tokens": 0, "ignore_eos": False,
+}  # fmt: skip
+"""Fields of `CommonBody` accepted only at these values (OpenAI's and vLLM's "off"); `response_format`
+is accepted only as `{"type": "text"}`."""
+
+
+def unsupported_field(body: CommonBody) -> str | None:
+    """The first sampling control `body` sets that the nodes do not implement, or None."""
+    for name, neutral in UNSUPPORTED.items():
+        value = getattr(body, name)
+        if value != neutral and not (name == "logit_bias" and value == {}):
+            return name
+    if body.response_format not in (None, {"type": "text"}):
+        return "response_format"
+    return None
+
+
+def first_invalid_text(value: Any, path: str = "") -> str | None:
+    """The path (e.g. `messages.0.content`) of the first string in a parsed JSON value that is not valid
+    Unicode text (a lone surrogate such as "\ud800", which JSON allows and UTF-8 cannot encode), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items: Any = (
+        value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    )
+    for key, item in items:
+        if isinstance(key, str) and first_invalid_text(key) is not None:
+            return f"{path}.{key!r}" if path else repr(key)
+        found = first_invalid_text(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class CompletionBody(CommonBody):
