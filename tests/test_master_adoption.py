@@ -53,3 +53,26 @@ def test_no_wait_for_a_store_whose_inventory_failed_or_that_registered_long_ago(
     rec = _store(master, "s2", ready=False)
     rec.registered_ms -= int(ADOPTION_WAIT_S * 1000) + 1
     assert _timed_wait(master) < 0.1
+
+
+def test_a_dead_node_is_listed_for_its_retention_then_forgotten() -> None:
+    """Found by a new-user pass: dead nodes stayed in `admin nodes` (and in `status` counts) forever, and
+    stores started with default ids (one per pid) piled up across restarts."""
+    server = serve(MasterSettings(port=0, tick_ms=60_000, dead_node_retention_ms=5_000))
+    try:
+        m = server.master
+        now = m.clock.now_ms()
+        rec = NodeRecord("p-gone", "prefill", "127.0.0.1:1", "", 1, 0, 1 << 18, now)
+        with m.lock:
+            m.st.nodes["p-gone"] = rec
+        rec.last_seen_ms = now - m.settings.heartbeat_timeout_ms - 1
+        server.maintenance.tick()
+        assert not m.st.nodes["p-gone"].alive  # dead: still listed, alive=false
+        rec.last_seen_ms = m.clock.now_ms() - 4_000
+        server.maintenance.tick()
+        assert "p-gone" in m.st.nodes  # within the retention
+        rec.last_seen_ms = m.clock.now_ms() - 5_001
+        server.maintenance.tick()
+        assert "p-gone" not in m.st.nodes
+    finally:
+        server.stop()

@@ -79,6 +79,13 @@ class Maintenance:
             for rec in list(m.st.nodes.values()):
                 if rec.alive and now - rec.last_seen_ms > m.settings.heartbeat_timeout_ms:
                     m.declare_dead(rec)
+                elif not rec.alive and now - rec.last_seen_ms > m.settings.dead_node_retention_ms:
+                    del m.st.nodes[rec.node_id]  # its blocks left the index when it died: only the record
+                    log.info(
+                        "node %s forgotten: dead for over %d ms",
+                        rec.node_id,
+                        m.settings.dead_node_retention_ms,
+                    )
             m.index.expire_leases()
             m.publisher.expire(now)
             adopt = [(n, m.st.nodes[n].grpc_address, m.st.nodes[n].epoch) for n in m.st.to_adopt]

@@ -34,6 +34,9 @@ class MasterSettings(KVPoolSettings):
         3.0  # below clients' 5 s deadline, so a call to a cut-off store leaves time to answer
     )
     stale_after_ms: int = 2000  # no heartbeat for this long: no new placements there (still alive)
+    dead_node_retention_ms: int = Field(
+        default=600_000, ge=0
+    )  # a dead (or deregistered) node stays listed, alive=false, this long after its last heartbeat; then forgotten
     unreachable_backoff_ms: int = 5000  # after a failed call to a store: no placements or calls to it
     max_workers: int = 16
     max_concurrent_rpcs: int = 256  # more in flight are refused with RESOURCE_EXHAUSTED (bounded queue)
