@@ -145,8 +145,9 @@ class MasterClient:
     def list_nodes(self) -> list[NodeStatus]:
         return [cv.node_status(n) for n in self._call("ListNodes", pb.ListNodesRequest(), retry=True).nodes]
 
-    def drain(self, node_id: str) -> int:
-        return int(self._call("Drain", pb.DrainRequest(node_id=node_id)).num_blocks_to_move)
+    def drain(self, node_id: str, *, cancel: bool = False) -> int:
+        """Drain a store (the blocks it must move), or with `cancel` stop draining it (0)."""
+        return int(self._call("Drain", pb.DrainRequest(node_id=node_id, cancel=cancel)).num_blocks_to_move)
 
     # ---- namespaces -------------------------------------------------------------------------------
     def register_namespace(

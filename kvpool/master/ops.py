@@ -37,6 +37,18 @@ def drain(m: Master, node_id: str) -> int:
         return m.index.num_blocks_on_node(node_id)
 
 
+def undrain(m: Master, node_id: str) -> int:
+    """Cancel a drain of `node_id`: it takes new blocks again and keeps the blocks it still holds (those a
+    drain already moved stay where they went). Returns the blocks it holds; a no-op on a node not draining."""
+    with m.lock:
+        rec = m.node(node_id)
+        if not rec.is_store:
+            raise FailedPrecondition(f"node {node_id} is a {rec.role} node, not a store")
+        rec.draining = False
+        m.wake.set()
+        return m.index.num_blocks_on_node(node_id)
+
+
 def admin_evict(m: Master, fraction: float, node_id: str) -> tuple[int, int]:
     """Evict `fraction` of the resident blocks (of one node's slots with `node_id`): (evicted, shortfall)."""
     if not (math.isfinite(fraction) and 0.0 < fraction <= 1.0):

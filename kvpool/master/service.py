@@ -15,7 +15,7 @@ from kvpool.master import replica_ops
 from kvpool.master.core import Master
 from kvpool.master.grants import match_grants, write_grants
 from kvpool.master.nodes import NodeRecord
-from kvpool.master.ops import admin_evict, drain
+from kvpool.master.ops import admin_evict, drain, undrain
 from kvpool.master.placement import CommitBlock
 from kvpool.rpc.status import rpc_errors
 from kvpool.types import Location
@@ -298,6 +298,9 @@ class MasterServicer(pb_grpc.MasterServicer):
 
     @rpc_errors
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
+        if request.cancel:
+            undrain(self.m, request.node_id)
+            return pb.DrainResponse(num_blocks_to_move=0)
         return pb.DrainResponse(num_blocks_to_move=drain(self.m, request.node_id))
 
     @rpc_errors

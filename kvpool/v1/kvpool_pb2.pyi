@@ -472,10 +472,12 @@ class ListNodesResponse(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "cancel")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    cancel: bool
+    def __init__(self, node_id: _Optional[str] = ..., cancel: _Optional[bool] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
     __slots__ = ("num_blocks_to_move",)
