@@ -9,6 +9,7 @@ everything (children also die with this process on Linux), freeing the ports.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import tempfile
@@ -41,6 +42,7 @@ def register_up_command(app: typer.Typer) -> None:
 def _wait_http(url: str, timeout_s: float) -> None:
     import httpx
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per health poll
     deadline = time.monotonic() + timeout_s
     while True:
         try:
