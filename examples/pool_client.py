@@ -23,6 +23,7 @@ import sys
 import numpy as np
 
 from kvpool.client import MasterClient, PoolClient
+from kvpool.errors import KVPoolError
 from kvpool.hashing import hash_blocks
 from kvpool.types import DEFAULT_LAYOUT, KVLayout
 from transfer import UcxTransport
@@ -67,4 +68,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KVPoolError as exc:  # the master unreachable, a refused call: one line, not a traceback
+        sys.exit(f"pool_client: {type(exc).__name__}: {exc}")
