@@ -199,3 +199,30 @@ def test_a_lone_surrogate_is_a_400_not_a_500(model: ModelInfo) -> None:
         "/v1/completions", content=ok.replace('"M"', f'"{model.model_id}"').encode(), headers=json_headers
     )
     assert r.status_code == 200, r.text
+
+
+def test_a_router_port_in_use_is_one_line_naming_it() -> None:
+    """Found by a new-user pass: `kvpool router --port <in use>` said only `OSError: [Errno 98] Address
+    already in use`."""
+    import socket
+    import subprocess
+    import sys
+
+    from kvpool.master import MasterSettings, serve
+
+    master = serve(MasterSettings(port=0))
+    busy = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = busy.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "kvpool.cli.main", "router", "--port", str(port), "--master",
+             master.address],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert f"cannot bind the router to 127.0.0.1:{port}" in out.stderr.strip().splitlines()[-1], (
+            out.stderr
+        )
+    finally:
+        busy.close()
+        master.stop()

@@ -57,7 +57,13 @@ def serve(settings: RouterSettings) -> None:
     app, service = build(settings)
     sock = socket.socket(socket.AF_INET6 if ":" in settings.bind_host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.bind_host, settings.port))
+    try:
+        sock.bind((settings.bind_host, settings.port))
+    except OSError as exc:  # the CLI prints it as one line: say which address
+        sock.close()
+        raise OSError(
+            exc.errno, f"cannot bind the router to {settings.bind_host}:{settings.port}: {exc.strerror}"
+        ) from None
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, access_log=False)  # type: ignore[arg-type]
     server = uvicorn.Server(config)
