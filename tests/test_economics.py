@@ -17,6 +17,8 @@ from kvpool.bench.economics import (
     exact_saved_flop_per_s,
     gpu_prefill_tokens_per_s,
     gpus_saved,
+    has_traffic,
+    no_traffic,
     saved_flop_per_s,
     verdict,
     workload_from_counters,
@@ -105,3 +107,14 @@ def test_counters_give_lambda_times_mean_reused() -> None:
     assert w.mean_prompt_tokens == 1000.0
     idle = workload_from_counters(_Stats(1, 0, 0), _Stats(1, 0, 0), 1.0)
     assert idle.saved_tokens_per_s == 0.0
+
+
+def test_a_window_without_traffic_has_no_verdict() -> None:
+    """No request (or no prompt token) in the window: no share to judge, not `does not pay ... 0%`."""
+    assert not has_traffic(workload_from_counters(_Stats(1, 0, 0), _Stats(1, 0, 0), 1.0))
+    assert not has_traffic(workload_from_counters(_Stats(1, 0, 0), _Stats(3, 0, 0), 1.0))  # no tokens
+    assert has_traffic(workload_from_counters(_Stats(1, 0, 0), _Stats(3, 0, 128), 1.0))
+    assert (
+        no_traffic(2.0)
+        == "no traffic in the 2 s window: no prefill request reached the master, so no verdict"
+    )

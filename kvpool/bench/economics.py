@@ -17,7 +17,8 @@ Definitions (DESIGN.md, "Why"):
     prefill throughput at this context (tokens/s = peak·MFU / (F(s_c)/s_c)); or saved tokens/s ÷ the
     measured prefill tokens/s of the local device (`--measure-local`, the node's calibrated model).
   - Share of prefill compute saved = F_saved / F_all (all prompt tokens); the verdict is read from it:
-    ≥ 20 % "pays", 5–20 % "marginal", < 5 % "does not pay".
+    ≥ 20 % "pays", 5–20 % "marginal", < 5 % "does not pay". A window of live counters with no request
+    or no prompt token has no share to read: no verdict, it says so (`no_traffic`).
 
 Sources: Mooncake (Qin et al., FAST'25, arXiv 2407.00079) — reuse of cached KV cuts prefill compute and
 TTFT; their traces have ~50 % reusable tokens; SGLang (Zheng et al., arXiv 2312.07104) — RadixAttention
@@ -127,6 +128,16 @@ def gpus_saved(flop_per_s: float, gpu: Gpu, mfu: float = DEFAULT_MFU) -> float:
     if not 0.0 < mfu <= 1.0:
         raise InvalidArgument(f"mfu must be in (0, 1], got {mfu}")
     return flop_per_s / (gpu.peak_flop_per_s * mfu)
+
+
+def has_traffic(w: Workload) -> bool:
+    """Whether any request with prompt tokens came in: without one there is no share to judge."""
+    return w.request_rate_per_s > 0 and w.mean_prompt_tokens > 0
+
+
+def no_traffic(window_s: float) -> str:
+    """The line that stands for the verdict over a window without traffic."""
+    return f"no traffic in the {window_s:g} s window: no prefill request reached the master, so no verdict"
 
 
 def verdict(share_saved: float, gpus: float, gpu_name: str) -> str:
@@ -289,7 +300,11 @@ def run_economics(
     if exact is not None:  # a replay knows every request: the measured row uses Σ F(s_i), not F(mean)
         measured |= {"saved_flop_per_s": exact, "share_prefill_flop_saved": exact / exact_total if exact_total else 0.0,
                      **{f"gpus_saved_{g}": gpus_saved(exact, GPUS[g], mfu) for g in gpu_names}}  # fmt: skip
-    line = verdict(measured["share_prefill_flop_saved"], measured[f"gpus_saved_{gpu_names[0]}"], gpu_names[0])
+    line = (
+        verdict(measured["share_prefill_flop_saved"], measured[f"gpus_saved_{gpu_names[0]}"], gpu_names[0])
+        if has_traffic(w)
+        else no_traffic(window_s)
+    )
     table = Table(title=f"economics: {model.name}, λ = {w.request_rate_per_s:.2f} req/s, s_c = "
                         f"{w.mean_reused_tokens:.0f} tokens, s_prompt = {w.mean_prompt_tokens:.0f} ({info['source']})")  # fmt: skip
     for col in (

@@ -385,6 +385,7 @@ def economics(
         flop = eco.saved_flop_per_s(w, shape)
         total = w.request_rate_per_s * shape.prefill_flop(w.mean_prompt_tokens)
         gpus = eco.gpus_saved(flop, eco.GPUS[gpu], mfu)
+        traffic = eco.has_traffic(w)
         return {
             "window_s": window_s,
             "request_rate_per_s": round(w.request_rate_per_s, 3),
@@ -392,14 +393,14 @@ def economics(
             "saved_prefill_tokens_per_s": round(w.saved_tokens_per_s, 2),
             "hit_tokens_per_s": round(hit_tps, 2),
             "requested_tokens_per_s": round(req_tps, 2),
-            "hit_rate_window": round(hit_tps / req_tps, 4) if req_tps else 0.0,
+            "hit_rate_window": round(hit_tps / req_tps, 4) if traffic else None,
             "flop_per_s_saved": flop,
-            "share_prefill_flop_saved": round(flop / total, 4) if total else 0.0,
+            "share_prefill_flop_saved": round(flop / total, 4) if traffic else None,
             f"gpus_saved_{gpu}": round(gpus, 4),
             "mfu": mfu,
             "hit_tokens_total": b.hit_tokens,
             "flop_saved_total": 2.0 * model_params * b.hit_tokens,
-            "verdict": eco.verdict(flop / total if total else 0.0, gpus, gpu),
+            "verdict": eco.verdict(flop / total, gpus, gpu) if traffic else eco.no_traffic(window_s),
         }
 
-    _run(fn, as_json, lambda r: _kv("economics", r))
+    _run(fn, as_json, lambda r: _kv("economics", {k: "-" if v is None else v for k, v in r.items()}))
