@@ -11,7 +11,7 @@ from decode_node.scheduler import DecodeJob, DecodeScheduler, is_done
 from kvpool.errors import InvalidArgument
 from kvpool.hashing import hash_blocks
 from kvpool.rpc.status import rpc_errors
-from kvpool.serving.common import validate_tokens
+from kvpool.serving.common import prompt_token_limit, validate_tokens
 from kvpool.serving.runtime import NodeRuntime, sampling_from_proto
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
@@ -34,8 +34,9 @@ class DecodeService(pb_grpc.DecodeServicer):
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeEvent]:  # noqa: N802
         rt = self.rt
         prompt = validate_tokens(
-            request.token_ids, vocab_size=rt.runner.vocab_size, max_tokens=rt.settings.max_prompt_tokens
-        )
+            request.token_ids, vocab_size=rt.runner.vocab_size,
+            max_tokens=prompt_token_limit(rt.settings.max_prompt_tokens, rt.runner.max_model_len),
+        )  # fmt: skip
         if request.first_token >= rt.runner.vocab_size:
             raise InvalidArgument(f"first_token {request.first_token} is outside the vocabulary")
         params = sampling_from_proto(request.sampling)

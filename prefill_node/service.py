@@ -16,10 +16,9 @@ from typing import Any
 
 import grpc
 
-from kvpool.errors import InvalidArgument
 from kvpool.hashing import hash_blocks
 from kvpool.rpc.status import rpc_errors
-from kvpool.serving.common import validate_tokens
+from kvpool.serving.common import prompt_token_limit, validate_tokens
 from kvpool.serving.runtime import NodeRuntime, make_step_generator, sampling_from_proto
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
@@ -49,14 +48,9 @@ class PrefillService(pb_grpc.PrefillServicer):
         rt = self.rt
         t_start = time.perf_counter()
         rid = request.request_id or f"req-{id(request):x}"
-        tokens = validate_tokens(
-            request.token_ids, vocab_size=rt.runner.vocab_size, max_tokens=rt.settings.max_prompt_tokens
-        )
+        limit = prompt_token_limit(rt.settings.max_prompt_tokens, rt.runner.max_model_len)
+        tokens = validate_tokens(request.token_ids, vocab_size=rt.runner.vocab_size, max_tokens=limit)
         params = sampling_from_proto(request.sampling)
-        if len(tokens) >= rt.runner.max_model_len:
-            raise InvalidArgument(
-                f"the prompt has {len(tokens)} tokens; the model's context is {rt.runner.max_model_len}"
-            )
         ns = rt.namespace(request.cache_salt)
         block_size = rt.runner.layout.block_size
         hashes = hash_blocks(ns, tokens, block_size)

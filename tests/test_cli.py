@@ -76,9 +76,11 @@ def test_a_segment_larger_than_the_hosts_memory_is_refused() -> None:
     assert out.returncode == 2 and "more than this host's memory" in out.stderr, out.stderr
 
 
-def _kvpool(*args: str) -> subprocess.CompletedProcess[str]:
+def _kvpool(*args: str, wide: bool = False) -> subprocess.CompletedProcess[str]:
+    """`kvpool ARGS`; `wide`: a usage error's box is one line per message (no wrapping)."""
+    env = {**os.environ, "COLUMNS": "1000"} if wide else None
     return subprocess.run(
-        [sys.executable, "-m", "kvpool.cli.main", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kvpool.cli.main", *args], capture_output=True, text=True, timeout=120, env=env
     )
 
 
@@ -139,12 +141,107 @@ def test_bench_ttft_refuses_a_non_positive_request_count() -> None:
         ["demo", "--questions", "9"],  # silently ran 5
         ["demo", "--conversations", "0"],
         ["demo", "--max-tokens", "0"],
+        ["demo", "--trace-block-tokens", "0"],  # started the cluster, then every chat prompt was empty
+        ["demo", "--trace-block-tokens", "-5"],  # a numpy traceback
     ],
 )
 def test_out_of_range_counts_are_refused_before_anything_starts(args: list[str]) -> None:
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "Invalid value" in result.output
+
+
+def test_demo_refuses_a_missing_or_malformed_trace_before_anything_starts(tmp_path) -> None:
+    """Found by a new-user pass: a FileNotFoundError / ValueError traceback (exit 1); now a usage error
+    naming the file (and the line), as `kvpool bench trace` says it."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 512, "hash_ids": [0]}\nnot json\n')
+    for trace, expected in (
+        ("/nonexistent.jsonl", "/nonexistent.jsonl: cannot read trace"),
+        (str(bad), ":2: not JSON"),
+    ):
+        out = _kvpool("demo", "--trace", trace, wide=True)
+        assert out.returncode == 2 and expected in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and "starting a local cluster" not in out.stdout, out.stdout
+
+
+UNUSABLE_DEVICE = "cuda:99"  # torch names it; no machine of ours can use it (no CUDA, or fewer GPUs)
+
+
+def test_a_device_this_machine_cannot_use_is_a_bad_setting(tmp_path) -> None:
+    """Found by a new-user pass: `prefill --device cuda` on CPU-only torch was `AssertionError: Torch not
+    compiled with CUDA enabled` (exit 1); `bench ttft` / `demo` found out only after their cluster started."""
+    out = _kvpool("prefill", "--master", "127.0.0.1:1", "--port", "0", "--device", UNUSABLE_DEVICE)
+    line = _one_error_line(
+        out, "kvpool: invalid setting device: 'cuda:99' is a torch device this machine cannot use"
+    )
+    assert out.returncode == 2, line
+    for cmd in (["bench", "ttft"], ["demo"]):
+        out = _kvpool(*cmd, "--device", UNUSABLE_DEVICE, wide=True)
+        assert out.returncode == 2 and "this machine cannot use" in out.stderr, out.stderr
+        assert "Invalid value for '--device'" in out.stderr and "local cluster" not in out.stdout + out.stderr
+    spec = tmp_path / "cluster.toml"
+    spec.write_text(f'[cluster]\ndevice = "{UNUSABLE_DEVICE}"\n')
+    out = _kvpool("up", "-c", str(spec))
+    assert out.returncode == 2, out.stderr
+    assert _one_error_line(
+        out, f"kvpool up: {spec}: cluster.device: 'cuda:99' is a torch device this machine"
+    )
+
+
+def test_bench_ttft_refuses_an_unknown_transport_and_a_too_long_prompt_before_starting() -> None:
+    """Found by a new-user pass: `--transport foo` ran (as auto); `--prefix-tokens 40000` failed only once the
+    cluster was up (`the limit is 32768`, while the router said 32767)."""
+    result = CliRunner().invoke(app, ["bench", "ttft", "--transport", "foo"])
+    assert result.exit_code == 2 and "Invalid value for '--transport'" in result.output, result.output
+    out = _kvpool("bench", "ttft", "--prefix-tokens", "40000", wide=True)
+    assert out.returncode == 2 and "40050 tokens" in out.stderr and "the limit is 32767 tokens" in out.stderr
+    assert "local cluster" not in out.stdout + out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_nodes_and_the_router_have_one_prompt_limit() -> None:
+    """One rule (`prompt_token_limit`): the nodes said 32768 where the router said 32767 (the model's
+    context less the first output token)."""
+    from kvpool.router.model_info import ModelInfo
+    from kvpool.router.settings import RouterSettings
+    from kvpool.serving.common import ServingSettings, model_context_len, prompt_token_limit
+
+    context = model_context_len(None)
+    assert context == ModelInfo.load(None, block_size=64).max_model_len
+    node = prompt_token_limit(ServingSettings().max_prompt_tokens, context)
+    assert node == prompt_token_limit(RouterSettings().max_prompt_tokens, context) == 32767
+
+
+def test_admin_economics_over_a_window_without_traffic_has_no_verdict() -> None:
+    """Found by a new-user pass: an idle master got `verdict: does not pay: the pool saves 0% ...` (so did
+    `kvpool bench economics --master`)."""
+    import json
+
+    from kvpool.master.procs import start_master
+
+    master = start_master()
+    try:
+        base = [
+            "admin",
+            "--master",
+            master.grpc_address,
+            "economics",
+            "--model-params",
+            "8e9",
+            "--window",
+            "0.2",
+        ]
+        table, as_json = _kvpool(*base, wide=True), _kvpool(*base, "--json")
+        bench = _kvpool("bench", "economics", "--master", master.grpc_address, "--window", "0.2", wide=True)
+    finally:
+        master.kill()
+    assert table.returncode == 0 and "no traffic in the 0.2 s window" in table.stdout, table.stdout
+    assert "does not pay" not in table.stdout
+    report = json.loads(as_json.stdout)
+    assert report["verdict"].startswith("no traffic in the 0.2 s window"), report
+    assert report["verdict"].endswith("no verdict"), report
+    assert report["share_prefill_flop_saved"] is None and report["hit_rate_window"] is None
+    assert bench.returncode == 0 and "verdict: no traffic in the 0.2 s window" in bench.stdout, bench.stdout
 
 
 def test_a_store_that_cannot_start_says_why_in_one_line() -> None:

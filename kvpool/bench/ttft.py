@@ -18,6 +18,25 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpool.bench.report import write_report
+from kvpool.errors import InvalidArgument
+
+TRANSPORTS = ("tcp", "auto")
+
+
+def check_prompt_fits(prompt_tokens: int, model_dir: str | None) -> int:
+    """The serving nodes' prompt limit (`kvpool.serving.common.prompt_token_limit`, with their settings from
+    `KVPOOL_*` as the nodes will see them); `InvalidArgument` when `prompt_tokens` exceeds it. Called
+    before any process starts."""
+    from kvpool.serving.common import ServingSettings, model_context_len, prompt_token_limit
+
+    max_prompt, context = ServingSettings().max_prompt_tokens, model_context_len(model_dir)
+    limit = prompt_token_limit(max_prompt, context)
+    if prompt_tokens > limit:
+        raise InvalidArgument(
+            f"a prompt of {prompt_tokens} tokens is longer than the nodes accept: the limit is {limit} tokens "
+            f"(max_prompt_tokens {max_prompt}, the model's context {context} less one for the first output token)"
+        )
+    return limit
 
 
 def run_ttft(
@@ -35,6 +54,9 @@ def run_ttft(
     from kvpool.demo.orchestrator import Orchestrator, Sampling
     from kvpool.model import ModelRunner
 
+    if transport not in TRANSPORTS:
+        raise InvalidArgument(f"transport must be {' or '.join(TRANSPORTS)}, got {transport!r}")
+    check_prompt_fits(prefix_tokens + question_tokens, model_dir)
     console = Console()
     runner = ModelRunner.load(model_dir, device="cpu", block_size=block_size)
     vocab = min(runner.vocab_size, 256)

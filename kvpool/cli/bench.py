@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from kvpool.cli.checks import device_option
+
 bench_app = typer.Typer(no_args_is_help=True)
 
 
@@ -16,7 +18,7 @@ def ttft(
     requests: int = typer.Option(3, min=1, help="warm and cold requests each"),
     block_size: int = typer.Option(64, min=1, help="tokens per block"),
     transport: str = typer.Option("tcp", help="tcp (forces UCX_TLS=tcp, the cross-host path) or auto"),
-    device: str = typer.Option("cpu", help="torch device of the serving nodes"),
+    device: str = typer.Option("cpu", help="torch device of the serving nodes", callback=device_option),
     model: str = typer.Option(None, help="HF model directory (default: embedded)"),
     json_out: Path = typer.Option(None, "--json", help="write the report JSON here"),
     sweep: bool = typer.Option(False, help="sweep prefix x question length and fit the TTFT formula"),
@@ -26,25 +28,48 @@ def ttft(
     plot: Path = typer.Option(None, "--plot", help="--sweep: write a PNG of the fit here"),
 ) -> None:
     """Cold vs warm TTFT for RAG with a long shared prefix pulled from the pool (`--sweep`: a grid + fit)."""
+    from kvpool.bench.ttft import TRANSPORTS
+
+    if transport not in TRANSPORTS:
+        raise typer.BadParameter(
+            f"must be {' or '.join(TRANSPORTS)}, got {transport!r}", param_hint="'--transport'"
+        )
     if sweep:
-        from kvpool.bench.ttft_sweep import run_ttft_sweep
+        from kvpool.bench import ttft_sweep
 
         try:
             plist = [int(x) for x in prefixes.split(",") if x.strip()] or None
             qlist = [int(x) for x in questions.split(",") if x.strip()] or None
         except ValueError:
             raise typer.BadParameter("--prefixes / --questions take comma-separated integers") from None
-        run_ttft_sweep(
+        if min([*(plist or [1]), *(qlist or [1])]) < 1:
+            raise typer.BadParameter("--prefixes / --questions take lengths >= 1")
+        grid_p = plist or (ttft_sweep.QUICK_PREFIXES if quick else ttft_sweep.FULL_PREFIXES)
+        grid_q = qlist or (ttft_sweep.QUICK_QUESTIONS if quick else ttft_sweep.FULL_QUESTIONS)
+        _prompt_fits(max(grid_p) + max(grid_q), model, "'--prefixes' + '--questions'")
+        ttft_sweep.run_ttft_sweep(
             prefixes=plist, questions=qlist, reps=requests, quick=quick, block_size=block_size, model_dir=model,
             json_out=json_out, plot_out=plot,
         )  # fmt: skip
         return
     from kvpool.bench.ttft import run_ttft
 
+    _prompt_fits(prefix_tokens + question_tokens, model, "'--prefix-tokens' + '--question-tokens'")
     run_ttft(
         prefix_tokens=prefix_tokens, question_tokens=question_tokens, num_requests=requests, block_size=block_size,
         transport=transport, device=device, model_dir=model, json_out=json_out,
     )  # fmt: skip
+
+
+def _prompt_fits(prompt_tokens: int, model: str | None, param_hint: str) -> None:
+    """A usage error (exit 2) before anything starts when the nodes would refuse a prompt this long."""
+    from kvpool.bench.ttft import check_prompt_fits
+    from kvpool.errors import InvalidArgument
+
+    try:
+        check_prompt_fits(prompt_tokens, model)
+    except InvalidArgument as exc:
+        raise typer.BadParameter(str(exc), param_hint=param_hint) from None
 
 
 @bench_app.command("crossover")

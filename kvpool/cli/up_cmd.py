@@ -28,7 +28,7 @@ def register_up_command(app: typer.Typer) -> None:
         quiet: bool = typer.Option(False, help="Do not echo the roles' logs."),
     ) -> None:
         """Start a cluster from a TOML spec (local processes) and run until Ctrl-C/SIGTERM."""
-        from kvpool.cluster.spec import load_spec
+        from kvpool.cluster.spec import is_local, load_spec
         from kvpool.errors import InvalidArgument
 
         try:
@@ -36,6 +36,14 @@ def register_up_command(app: typer.Typer) -> None:
         except InvalidArgument as exc:
             typer.echo(f"kvpool up: {exc}", err=True)
             raise typer.Exit(2) from None
+        if all(is_local(h) for h in (*spec.prefill.hosts, *spec.decode.hosts)):  # the nodes' device is here
+            from kvpool.model.settings import check_device
+
+            try:
+                check_device(spec.cluster.device)
+            except ValueError as exc:
+                typer.echo(f"kvpool up: {config}: cluster.device: {exc}", err=True)
+                raise typer.Exit(2) from None
         raise typer.Exit(run_up(spec, timeout_s=timeout_s, echo=not quiet))
 
 

@@ -18,6 +18,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvpool.bench.report import write_report
+from kvpool.bench.trace import Trace
 from kvpool.demo.orchestrator import Orchestrator, RequestResult, Sampling
 from kvpool.demo.workload import DemoRequest, chat_requests, default_chat_trace, rag_requests
 
@@ -64,7 +65,7 @@ def summarize(pairs: list[tuple[DemoRequest, RequestResult, RequestResult]]) -> 
 def run_demo(
     *,
     json_out: Path | None = None,
-    trace: Path | None = None,
+    trace: Path | Trace | None = None,
     trace_block_tokens: int = 64,
     num_conversations: int = 4,
     questions_per_doc: int = 3,

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvpool.bench.trace import TRACE_BLOCK_TOKENS, Trace, TraceRequest, load_trace
+from kvpool.errors import InvalidArgument
+
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
-TRACE_BLOCK_TOKENS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +58,17 @@ def block_tokens(hash_id: int, num_tokens: int, vocab_size: int) -> np.ndarray:
     return rng.integers(0, vocab_size, size=num_tokens, dtype=np.int64)
 
 
-def find_conversations(records: Sequence[dict], *, min_turns: int) -> list[list[int]]:
+def find_conversations(records: Sequence[TraceRequest], *, min_turns: int) -> list[list[int]]:
     """Chains of record indices where each turn's hash_ids extend the previous turn's full blocks (beyond
     block 0; the previous turn's last, possibly partial, block may differ)."""
     chains: dict[int, list[int]] = {}
     for i, rec in enumerate(records):
-        ids = rec["hash_ids"]
+        ids = rec.hash_ids
         if len(ids) < 2:
             continue
         chain = chains.setdefault(ids[1], [])
         if chain:
-            prev = records[chain[-1]]["hash_ids"]
+            prev = records[chain[-1]].hash_ids
             # the previous turn's last block may be partial: its id need not recur
             if len(ids) < len(prev) or ids[: len(prev) - 1] != prev[:-1]:
                 continue
@@ -75,7 +77,7 @@ def find_conversations(records: Sequence[dict], *, min_turns: int) -> list[list[
 
 
 def chat_requests(
-    trace: Path,
+    trace: Path | Trace,
     *,
     vocab_size: int,
     num_conversations: int = 4,
@@ -85,21 +87,16 @@ def chat_requests(
 ) -> list[DemoRequest]:
     """Whole conversations from the trace, turn by turn, in trace order (turns of chains interleaved).
 
-    Raises `ValueError` naming the line for a malformed trace record.
+    A path is read with `kvpool.bench.trace.load_trace`: `InvalidArgument` naming the file and line of a
+    malformed record (the CLI loads it before it starts anything).
     """
-    records = []
-    with trace.open() as fh:
-        for line_no, line in enumerate(fh, 1):
-            try:
-                rec = json.loads(line)
-                _ = (int(rec["input_length"]), list(rec["hash_ids"]))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{trace}:{line_no}: malformed trace record: {exc}") from None
-            records.append(rec)
+    if trace_block_tokens < 1:
+        raise InvalidArgument(f"trace_block_tokens must be >= 1, got {trace_block_tokens}")
+    records = (load_trace(trace) if isinstance(trace, Path) else trace).requests
     scale = trace_block_tokens / TRACE_BLOCK_TOKENS
     chosen: list[list[int]] = []
     for chain in find_conversations(records, min_turns=3):
-        turns = [i for i in chain if math.ceil(records[i]["input_length"] * scale) <= max_prompt_tokens][
+        turns = [i for i in chain if math.ceil(records[i].input_length * scale) <= max_prompt_tokens][
             :max_turns
         ]
         if len(turns) >= 3:
@@ -111,10 +108,8 @@ def chat_requests(
     turn_of: dict[int, int] = {}
     for i, c in order:
         rec = records[i]
-        n = math.ceil(rec["input_length"] * scale)
-        tokens = np.concatenate([block_tokens(h, trace_block_tokens, vocab_size) for h in rec["hash_ids"]])[
-            :n
-        ]
+        n = math.ceil(rec.input_length * scale)
+        tokens = np.concatenate([block_tokens(h, trace_block_tokens, vocab_size) for h in rec.hash_ids])[:n]
         turn_of[c] = turn_of.get(c, 0) + 1
         out.append(
             DemoRequest(

@@ -25,6 +25,7 @@ from kvpool.model.embedded import embedded_model_dir, read_marker
 from kvpool.model.kv import BlockBytes, KVPrefix, gather_blocks, scatter_blocks
 from kvpool.model.sampling import SamplingParams, make_generator, sample_next
 from kvpool.model.tokenizer import Tokenizer, load_tokenizer
+from kvpool.serving.common import DEFAULT_MAX_MODEL_LEN
 from kvpool.types import KVLayout
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class ModelRunner:
         self.synthetic = synthetic
         self.batch_invariant = batch_invariant
         self.vocab_size = int(config.vocab_size)
-        self.max_model_len = int(getattr(config, "max_position_embeddings", None) or 32768)
+        self.max_model_len = int(getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN)
         eos = config.eos_token_id
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) and eos else eos
         self.bos_token_id: int | None = config.bos_token_id

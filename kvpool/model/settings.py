@@ -3,22 +3,55 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import field_validator
 
 from kvpool.config import KVPoolSettings
 
+if TYPE_CHECKING:
+    import torch
+
 
 def check_device(value: str) -> str:
-    """`value` if torch can name it as a device; else `ValueError` (a settings error naming `device`, before
-    a node loads its model and opens its ports)."""
+    """`value` if torch can name it as a device and this machine can use it; else `ValueError` (a settings
+    error naming `device`, before a node loads its model and opens its ports, or a command starts any)."""
     import torch
 
     try:
-        torch.device(value)
+        dev = torch.device(value)
     except (RuntimeError, TypeError):
         raise ValueError(f"{value!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    reason = unusable_device_reason(dev)
+    if reason:
+        raise ValueError(f"{value!r} is a torch device this machine cannot use: {reason}")
     return value
+
+
+def unusable_device_reason(dev: torch.device) -> str | None:
+    """Why this machine cannot put tensors on `dev`, or None when it can (torch can name every device its
+    build knows: `cuda` on a CPU-only build, `cuda:3` on a 1-GPU host, `mps` off a Mac)."""
+    import torch
+
+    if dev.type == "cpu":
+        return None
+    module = getattr(torch, dev.type, None)  # torch.cuda, torch.mps, torch.xpu, ...
+    if dev.type == "cuda":
+        built = torch.backends.cuda.is_built()
+    elif dev.type == "mps":
+        module, built = torch.backends.mps, torch.backends.mps.is_built()
+    else:
+        built = module is not None
+    is_available = getattr(module, "is_available", None)
+    if not built or is_available is None:
+        return f"this torch ({torch.__version__}) has no {dev.type} support"
+    if not is_available():
+        return f"no {dev.type} device is available"
+    device_count = getattr(getattr(torch, dev.type, None), "device_count", None)
+    count = int(device_count()) if device_count is not None else 1
+    if dev.index is not None and dev.index >= count:
+        return f"index {dev.index} is out of range: this machine has {count} {dev.type} device(s)"
+    return None
 
 
 class ModelSettings(KVPoolSettings):

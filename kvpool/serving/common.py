@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 from pydantic import Field, field_validator
 
 from kvpool.config import KVPoolSettings, check_host_port
-from kvpool.errors import InvalidArgument
+from kvpool.errors import InvalidArgument, NotFound
+
+DEFAULT_MAX_PROMPT_TOKENS = 32_768
+"""A node's `max_prompt_tokens` by default (the router's default is the same number)."""
+DEFAULT_MAX_MODEL_LEN = 32_768
+"""A model's context when its config.json names no `max_position_embeddings` (the runner's and router's)."""
 
 
 class ServingSettings(KVPoolSettings):
@@ -37,7 +44,7 @@ class ServingSettings(KVPoolSettings):
     num_replicas: int = Field(default=1, ge=1)
     lease_ttl_ms: int = Field(default=10_000, gt=0)
     pull_timeout_s: float = Field(default=10.0, gt=0)
-    max_prompt_tokens: int = Field(default=32_768, gt=0)
+    max_prompt_tokens: int = Field(default=DEFAULT_MAX_PROMPT_TOKENS, gt=0)
     max_batch_size: int = Field(default=8, gt=0)
     cost_margin: float = Field(default=0.1, ge=0.0)
     pull_endpoints_per_peer: int = Field(default=2, ge=1, le=16, description="UCX endpoints per store node")
@@ -50,13 +57,40 @@ class ServingSettings(KVPoolSettings):
     )
 
 
+def prompt_token_limit(max_prompt_tokens: int, max_model_len: int) -> int:
+    """The longest prompt accepted: at most `max_prompt_tokens`, and one position short of the model's
+    context (the first generated token needs it). The one rule of the prefill and decode nodes and of
+    `kvpool bench ttft`'s check before it starts; the router's `_check_prompt` computes the same min."""
+    return min(max_prompt_tokens, max_model_len - 1)
+
+
+def model_context_len(model_dir: str | Path | None) -> int:
+    """`max_position_embeddings` of a model directory's config.json (None = the embedded model), read
+    without torch or loading weights; `NotFound` without a config.json (as the runner), `InvalidArgument`
+    when it is not JSON."""
+    if model_dir is None:
+        from kvpool.model.embedded import DEFAULT_SPEC
+
+        return DEFAULT_SPEC.max_position_embeddings
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise NotFound(f"no config.json in model directory {path.parent}") from None
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot read {path}: {exc}") from None
+    cfg = (raw.get("text_config") or raw) if isinstance(raw, dict) else {}
+    return int(cfg.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN)
+
+
 def validate_tokens(token_ids: Sequence[int], *, vocab_size: int, max_tokens: int) -> list[int]:
-    """A prompt's token ids as a list; `InvalidArgument` when empty, too long or out of the vocabulary."""
+    """A prompt's token ids as a list; `InvalidArgument` when empty, longer than `max_tokens` (see
+    `prompt_token_limit`) or out of the vocabulary."""
     tokens = list(token_ids)
     if not tokens:
         raise InvalidArgument("token_ids must not be empty")
     if len(tokens) > max_tokens:
-        raise InvalidArgument(f"prompt has {len(tokens)} tokens; the limit is {max_tokens}")
+        raise InvalidArgument(f"the prompt has {len(tokens)} tokens; the limit is {max_tokens} tokens")
     bad = next((t for t in tokens if t >= vocab_size), None)
     if bad is not None:
         raise InvalidArgument(f"token id {bad} is outside the model's vocabulary of {vocab_size}")
