@@ -45,6 +45,7 @@ from kvpool.router.schemas import (
 )
 from kvpool.router.service import Event, RouterService, Sampling
 from kvpool.router.tenants import Tenants
+from kvpool.serving.common import prompt_token_limit
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class OpenAIApp:
 
     def _check_prompt(self, tokens: list[int], max_tokens: int) -> None:
         s, m = self.service.settings, self.service.model
-        limit = min(s.max_prompt_tokens, m.max_model_len - 1)
+        limit = prompt_token_limit(s.max_prompt_tokens, m.max_model_len)  # the nodes' rule
         if len(tokens) > limit:
             raise APIError(400, f"the prompt has {len(tokens)} tokens; the limit is {limit} tokens",
                            param="prompt", code="context_length_exceeded")  # fmt: skip

@@ -6,6 +6,7 @@ from pydantic import Field, field_validator
 
 from kvpool.config import KVPoolSettings, check_host_port
 from kvpool.router.policy import POLICIES
+from kvpool.serving.common import DEFAULT_MAX_PROMPT_TOKENS
 
 
 class RouterSettings(KVPoolSettings):
@@ -23,7 +24,7 @@ class RouterSettings(KVPoolSettings):
     tenants: str | None = Field(default=None, description="tenants TOML file; None = single tenant")
     block_size: int | None = Field(default=None, gt=0, description="None = the master's block size")
     seed: int = Field(default=0, description="seed of the tie-breaking random choice")
-    max_prompt_tokens: int = Field(default=32_768, gt=0)
+    max_prompt_tokens: int = Field(default=DEFAULT_MAX_PROMPT_TOKENS, gt=0)
     max_tokens_limit: int = Field(default=4096, gt=0, description="largest max_tokens a request may ask")
     max_inflight: int = Field(default=64, gt=0, description="concurrent requests; more are answered 429")
     refresh_interval_s: float = Field(default=0.25, gt=0, description="node list refresh period")
