@@ -331,6 +331,11 @@ def test_admin_match_refuses_malformed_token_ids_before_calling_the_master(token
         (["invalidate", "--namespace", ""], "--namespace", "must be 32 hex characters"),
         (["invalidate", "--namespace", "ab" * 15], "--namespace", "must be 32 hex characters"),
         (["match", "--namespace", "ab" * 15, "1,2"], "--namespace", "must be 32 hex characters"),
+        (
+            ["match", "--namespace", "ab" * 16, "--salt", "x", "1,2"],
+            "--salt",
+            "not --namespace",
+        ),  # was ignored
         (["set-version", "--model", " ", "--version", "v2"], "--model", "must not be empty"),
     ],
 )

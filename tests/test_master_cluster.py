@@ -171,6 +171,23 @@ def test_admin_commands(cluster, args: list[str]) -> None:
     json.loads(as_json.output)
 
 
+def test_admin_set_version_warns_when_no_node_serves_that_version(cluster) -> None:
+    """Found by a new-user pass: `set-version` with a typo'd version answered rc 0 and silently fenced the
+    live version (every publish then failed). It still sets it (activating a version ahead of its rollout
+    is how a weight change fences the old KV, B28) but says that nothing of the model is served at it."""
+    master, _ = cluster
+    with MasterClient(master.grpc_address) as c:
+        c.register_namespace("warnme", "v1", LAYOUT)
+    runner = CliRunner()
+    base = ["admin", "--master", master.grpc_address, "set-version", "--model", "warnme"]
+    typo = runner.invoke(app, [*base, "--version", "v1-typo"])
+    assert typo.exit_code == 0, typo.output
+    assert "warning: no node has registered 'warnme' at version 'v1-typo' (registered: v1)" in typo.output
+    back = runner.invoke(app, [*base, "--version", "v1", "--json"])
+    assert back.exit_code == 0 and "warning" not in back.output, back.output
+    assert json.loads(back.stdout)["registered_versions"] == ["v1"]
+
+
 def test_admin_match_peeks_without_registering_anything(cluster) -> None:
     """A peek by --model/--version computes the namespace as the nodes do; it used to register it, so a
     peek with a wrong version before any node registered made that version the model's active one."""
@@ -372,6 +389,12 @@ def test_admin_refuses_to_drain_the_last_store_or_evict_a_serving_nodes_blocks()
                 # and a drain can be taken back (a new-user pass found no way to): new blocks go there again
                 assert c.drain("only", cancel=True) == 0
                 assert not {n.node.node_id: n.draining for n in c.list_nodes()}["only"]
+                again = CliRunner().invoke(app, ["admin", "--master", master.grpc_address, "drain", "only"])
+                assert again.exit_code == 0 and c.list_nodes() and any(n.draining for n in c.list_nodes())
+                undo = ["admin", "--master", master.grpc_address, "drain", "only", "--cancel", "--json"]
+                out = CliRunner().invoke(app, undo)
+                assert out.exit_code == 0 and json.loads(out.stdout) == {"node": "only", "draining": False}
+                assert not any(n.draining for n in c.list_nodes())
                 with pytest.raises(FailedPrecondition, match="prefill node, not a store"):
                     c.drain("p0", cancel=True)
         finally:
