@@ -390,3 +390,12 @@ def test_a_router_whose_layout_the_master_refuses_does_not_start() -> None:
         master.kill()
     assert out.returncode == 1 and "KVPOOL_READY" not in out.stdout, out.stdout + out.stderr
     assert "refuses this router's KV layout" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_version_flag() -> None:
+    """Found by a new-user pass: there was no `kvpool --version`."""
+    from importlib.metadata import version
+
+    out = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "--version"], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == f"kvpool {version('kvpool')}", out

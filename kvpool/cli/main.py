@@ -38,8 +38,24 @@ register_up_command(app)
 app.add_typer(admin_app, name="admin")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"kvpool {version('kvpool')}")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            typer.echo("kvpool (not installed)")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
+def _root(
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+    _version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", callback=_print_version, is_eager=True
+    ),
+) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
