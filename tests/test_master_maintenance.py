@@ -152,7 +152,11 @@ def test_drain_moves_blocks_off_while_reads_keep_working() -> None:
                     app, ["admin", "--master", master.grpc_address, "drain", node, "--json"]
                 )
                 assert out.exit_code == 0, out.output
-                assert json.loads(out.output) == {"node": node, "num_blocks_to_move": on[node]}
+                assert json.loads(out.output) == {
+                    "node": node,
+                    "draining": True,
+                    "num_blocks_to_move": on[node],
+                }
                 assert next(n for n in c.list_nodes() if n.node.node_id == node).draining
                 # no new placements on a draining node
                 fresh = [hash_blocks(ns, [100 + i] * 64, LAY.block_size) for i in range(6)]
