@@ -59,8 +59,8 @@ class ServingSettings(KVPoolSettings):
 
 def prompt_token_limit(max_prompt_tokens: int, max_model_len: int) -> int:
     """The longest prompt accepted: at most `max_prompt_tokens`, and one position short of the model's
-    context (the first generated token needs it). The one rule of the prefill and decode nodes and of
-    `kvpool bench ttft`'s check before it starts and the router's `_check_prompt`."""
+    context (the first generated token needs it). The one rule of the prefill and decode nodes, the
+    router's `_check_prompt` and `kvpool bench ttft`'s check before it starts."""
     return min(max_prompt_tokens, max_model_len - 1)
 
 
