@@ -83,7 +83,7 @@ def match(
         raise typer.BadParameter(str(exc)) from None
 
     def fn(c: Any) -> dict[str, Any]:
-        block_size = lay.block_size if layout or not namespace else c.stats().block_size
+        block_size = c.stats().block_size if namespace else lay.block_size  # a digest names no layout
         hashes = hash_blocks(ns, ids, block_size)
         m = c.match(ns, hashes)
         return {
