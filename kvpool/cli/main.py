@@ -15,6 +15,7 @@ import typer
 from kvpool.cli.admin import admin_app
 from kvpool.cli.bench import bench_app
 from kvpool.cli.master_cmd import register_master_command
+from kvpool.cli.model_cmd import model_app
 from kvpool.cli.roles import register_role_commands
 from kvpool.cli.router_cmd import register_router_command
 from kvpool.cli.serving_cmd import register_serving_commands
@@ -36,6 +37,7 @@ register_master_command(app)
 register_router_command(app)
 register_up_command(app)
 app.add_typer(admin_app, name="admin")
+app.add_typer(model_app, name="model")
 
 
 def _print_version(value: bool) -> None:
