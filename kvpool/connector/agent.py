@@ -112,17 +112,40 @@ class NodeAgent:
     def _register_namespace(self, ns: Namespace) -> bytes:
         extra = dict(ns.extra) if ns.extra else None
         digest, _active = self.master.register_namespace(
-            ns.model_id, ns.weights_version, ns.layout.fingerprint(), cache_salt=ns.cache_salt,
-            adapter_digest=ns.adapter_digest, extra=extra,
-        )  # fmt: skip
+            ns.model_id,
+            ns.weights_version,
+            ns.layout.fingerprint(),
+            cache_salt=ns.cache_salt,
+            adapter_digest=ns.adapter_digest,
+            extra=extra,
+        )
         return bytes(digest)
+
+    def known(self, digest: bytes) -> bool:
+        """Whether namespace `digest` was registered with the master through this agent."""
+        with self._lock:
+            return digest in self._namespaces
 
     def forget_namespaces(self) -> None:
         with self._lock:
             self._namespaces.clear()
 
-    def start(self) -> None:
-        self.register()
+    def start(self, *, require_master: bool = True) -> None:
+        """Register, then heartbeat in a thread. Raises the master's refusal (`REFUSALS`) of the first
+        registration; an unreachable master raises too, unless `require_master` is False: then the agent
+        heartbeats anyway and registers when the master first answers (a serving engine starts without it)."""
+        try:
+            self.register()
+        except REFUSALS:
+            raise
+        except Exception as exc:
+            if require_master:
+                raise
+            log.warning(
+                "master unreachable (%s): %s starts without the pool and registers when it answers",
+                exc,
+                self.node_id,
+            )
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.node_id}", daemon=True)
         self._thread.start()
 

@@ -1,4 +1,8 @@
-"""Load a prompt's cached prefix into the model and publish new full blocks (prefill and decode).
+"""Load a prompt's cached prefix into the model and publish new full blocks (prefill, decode, vLLM).
+
+A load has two halves: `plan_load` decides (steps 1-3 below: match and the cost model) and `pull`
+transfers (step 4's pool part). `load_prefix` runs both for kvpool's own runner; the vLLM connector runs
+the first in vLLM's scheduler and the second in its workers, with the same code.
 
 `load_prefix` (data flow steps 2-3 of DESIGN.md):
   1. The reusable span is at most `(len(tokens) - 1) // block_size` blocks: a fully cached prompt still
@@ -20,7 +24,6 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,6 +31,7 @@ import numpy as np
 from kvpool.client.types import PutResult
 from kvpool.connector.breaker import PoolBreaker
 from kvpool.connector.local_tier import LocalTier
+from kvpool.connector.plan import LoadedPrefix, LoadPlan, LoadStats
 from kvpool.connector.pull import pull_blocks
 from kvpool.cost import LOCAL_LINK, LinkEstimate, RecomputeModel, decide_reuse, t_transfer_s
 from kvpool.cost.online import OnlineCalibration
@@ -48,43 +52,6 @@ def forced_decision() -> str:
     """The value of `KVPOOL_FORCE_DECISION` (read per load), "auto" when unset or unknown."""
     value = os.environ.get(FORCE_DECISION_ENV, "auto").strip().lower()
     return value if value in ("pull", "recompute") else "auto"
-
-
-@dataclass(slots=True)
-class LoadStats:
-    """What one load did; units in names. `decision` is "none" | "local" | "pull" | "recompute"."""
-
-    num_prompt_tokens: int = 0
-    num_matched_tokens: int = 0
-    num_reused_tokens: int = 0
-    num_pulled_tokens: int = 0
-    num_local_tokens: int = 0
-    num_pool_blocks: int = 0
-    pulled_bytes: int = 0
-    num_failed_blocks: int = 0
-    decision: str = "none"
-    match_s: float = 0.0
-    pull_s: float = 0.0
-    predicted_pull_s: float = 0.0
-    predicted_recompute_s: float = 0.0
-    predicted_compute_s: float = 0.0
-    reason: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(slots=True)
-class LoadedPrefix:
-    """The reused blocks' bytes (uint8, `block_nbytes` each, in chain order) and the load's stats."""
-
-    blocks: list[np.ndarray] = field(default_factory=list)
-    stats: LoadStats = field(default_factory=LoadStats)
-    pulled: list[tuple[bytes, np.ndarray]] = field(default_factory=list)
-    """(block hash, bytes) of the pulled blocks, for `KVConnector.keep_pulled` off the TTFT path."""
-    flush_epoch: int | None = None
-    """The master's flush epoch as this node knew it when the load began: KV computed from this load is
-    published under it (`KVConnector.publish`), so a namespace invalidated since refuses it."""
 
 
 class KVConnector:
@@ -173,22 +140,74 @@ class KVConnector:
         request_id: str = "",
         use_cache: bool = True,
     ) -> LoadedPrefix:
-        """Fetch the reusable leading blocks of a prompt (see the module docstring). Never raises for a
-        pool failure: a failed load falls back to recompute of exactly the missing span."""
+        """Fetch the reusable leading blocks of a prompt (see the module docstring): `plan_load`, the
+        node-local tier's blocks, `pull`, `release`. Never raises for a pool failure: a failed load falls
+        back to recompute of exactly the missing span."""
+        plan = self.plan_load(
+            ns, tokens, hashes, count_hit=count_hit, request_id=request_id, use_cache=use_cache
+        )
+        out = LoadedPrefix(stats=plan.stats, flush_epoch=plan.flush_epoch)
+        try:
+            for h in plan.hashes[: plan.pull_start]:
+                block = self.local_tier.get(ns, h)
+                if block is None:  # evicted between the run check and now
+                    break
+                out.blocks.append(block)
+            plan.stats.num_local_tokens = len(out.blocks) * self.block_size
+            if plan.num_load_blocks > 0:
+                plan.stats.decision = "local"
+            if len(out.blocks) < plan.num_load_blocks and plan.pull_end > len(out.blocks):
+                start = len(out.blocks)
+                pulled = self.pull(plan, start=start, request_id=request_id)
+                out.blocks.extend(pulled)
+                out.pulled = list(zip(plan.hashes[start:], pulled, strict=False))
+        finally:
+            self.release(plan, request_id=request_id)
+        plan.stats.num_reused_tokens = len(out.blocks) * self.block_size
+        return out
+
+    def plan_load(
+        self,
+        ns: bytes,
+        tokens: Sequence[int],
+        hashes: Sequence[bytes],
+        *,
+        count_hit: bool,
+        request_id: str = "",
+        use_cache: bool = True,
+        num_local_blocks: int | None = None,
+    ) -> LoadPlan:
+        """The decision half of a load: `MatchPrefix` (counting the hit or not, with a read lease) and the
+        cost model's choice of how many leading blocks to reuse.
+
+        Args:
+            ns, tokens, hashes: the namespace digest, the prompt's token ids and its full blocks' hashes.
+            count_hit: count the hit (prefill) or not (decode: the request was counted at prefill).
+            num_local_blocks: leading blocks the caller already holds (vLLM's own prefix cache); None:
+                this connector's node-local tier's leading run.
+        Returns:
+            A `LoadPlan`. When it pulls (`pull_end > pull_start`) it holds the match's read lease: the
+            caller runs `pull` and then `release` (also on failure). Otherwise no lease is held.
+        Never raises for a pool failure: a failed match is a plan that recomputes (breaker: B19).
+        """
         stats = LoadStats(num_prompt_tokens=len(tokens))
-        out = LoadedPrefix(stats=stats, flush_epoch=self.flush_epoch)
+        plan = LoadPlan(ns=ns, stats=stats, flush_epoch=self.flush_epoch)
         max_blocks = min(self.max_reusable_blocks(len(tokens)), len(hashes))
         if not use_cache or max_blocks == 0:
-            return out
-        candidates = list(hashes[:max_blocks])
+            return plan
+        plan.hashes = list(hashes[:max_blocks])
         t0 = time.perf_counter()
         match = None
         if self.breaker.allow():
             try:
                 match = self.master.match(
-                    ns, candidates, count_hit=count_hit, lease_ttl_ms=self.lease_ttl_ms,
-                    num_prompt_tokens=len(tokens), request_id=request_id,
-                )  # fmt: skip
+                    ns,
+                    plan.hashes,
+                    count_hit=count_hit,
+                    lease_ttl_ms=self.lease_ttl_ms,
+                    num_prompt_tokens=len(tokens),
+                    request_id=request_id,
+                )
                 self.breaker.record(True)
             except Exception as exc:  # noqa: BLE001 - the master being down means recompute, not failure
                 self.breaker.record(False)
@@ -196,37 +215,38 @@ class KVConnector:
         else:
             stats.decision = "degraded"
         stats.match_s = time.perf_counter() - t0
-        num_pool = match.num_matched if match is not None else 0
-        stats.num_pool_blocks = num_pool
-        num_local = self.local_tier.leading_run(ns, candidates)
-        stats.num_matched_tokens = max(num_pool, num_local) * self.block_size
+        if match is not None:
+            plan.lease_id = match.lease_id
+            plan.num_pool_blocks = min(match.num_matched, max_blocks)
+            plan.replicas = list(match.replicas[: plan.num_pool_blocks])
+            plan.addresses = {n: info.data_address for n, info in match.nodes.items() if info.data_address}
+        if num_local_blocks is None:
+            plan.num_local_blocks = self.local_tier.leading_run(ns, plan.hashes)
+        else:
+            plan.num_local_blocks = max(0, min(num_local_blocks, max_blocks))
+        stats.num_pool_blocks = plan.num_pool_blocks
+        stats.num_matched_tokens = max(plan.num_pool_blocks, plan.num_local_blocks) * self.block_size
         try:
-            self._load(ns, candidates, match, num_pool, num_local, out, request_id)
+            self._decide(plan)
         finally:
-            if match is not None and match.lease_id:
-                try:
-                    self.master.release_lease(match.lease_id)
-                except Exception as exc:  # noqa: BLE001 - the lease expires on its own
-                    log.warning("[%s] release_lease failed: %s", request_id, exc)
-        stats.num_reused_tokens = len(out.blocks) * self.block_size
-        return out
+            if plan.pull_end <= plan.pull_start:
+                self.release(plan, request_id=request_id)
+        return plan
 
-    def _load(
-        self,
-        ns: bytes,
-        candidates: list[bytes],
-        match: Any,
-        num_pool: int,
-        num_local: int,
-        out: LoadedPrefix,
-        request_id: str,
-    ) -> None:
-        stats = out.stats
+    def _decide(self, plan: LoadPlan) -> None:
+        """Fill `plan.num_load_blocks`, its deadline and its predictions (the cost model, or the forced
+        decision of a benchmark)."""
+        stats = plan.stats
+        num_pool, num_local = plan.num_pool_blocks, plan.num_local_blocks
         num_hit = max(num_pool, num_local)
         if num_hit == 0:
             return
-        addresses = [match.data_address(loc.node_id) for reps in match.replicas for loc in reps
-                     if not loc.local and match.data_address(loc.node_id)] if match else []  # fmt: skip
+        addresses = [
+            plan.addresses[loc.node_id]
+            for reps in plan.replicas
+            for loc in reps
+            if not loc.local and loc.node_id in plan.addresses
+        ]
         link = self.link_to_pool(addresses) if num_pool > num_local else None
         cal = self.calibration
         decision = decide_reuse(
@@ -253,37 +273,60 @@ class KVConnector:
                 (k - n_local) * self.block_nbytes, cal.link(link) if link is not None else LOCAL_LINK
             )
             stats.reason = f"forced_{force} (auto: {decision.reason})"
-        if k == 0:
-            stats.decision = "recompute"
+        plan.num_load_blocks = k
+        plan.link = link
+        plan.pull_timeout_s = (
+            self.pull_timeout_s if force == "pull" else self.pull_deadline_s(decision.load_deadline_s)
+        )
+        stats.decision = "recompute" if k == 0 else ("pull" if plan.pull_end > plan.pull_start else "local")
+
+    def pull(self, plan: LoadPlan, *, start: int | None = None, request_id: str = "") -> list[np.ndarray]:
+        """The transfer half of a load: read blocks `[start, plan.pull_end)` from the pool (default start:
+        `plan.pull_start`), checksums and generations verified, one retry on another replica (B18).
+
+        Returns the leading run of intact blocks (uint8 arrays of `block_nbytes`, back to back in one
+        buffer); fewer than asked when a block failed: the caller recomputes from there. Fills the plan's
+        stats (`pull_s`, `num_failed_blocks`, `num_pulled_tokens`, `pulled_bytes`) and the breaker; an
+        intact pull corrects the online link overhead. Never raises for a pool failure.
+        """
+        stats = plan.stats
+        start = plan.pull_start if start is None else start
+        if start >= plan.pull_end:
+            return []
+        stats.decision = "pull"
+        t0 = time.perf_counter()
+        pulled, failed = pull_blocks(
+            self.transport,
+            self.master,
+            plan.ns,
+            plan.hashes,
+            plan.replicas,
+            plan.addresses,
+            start=start,
+            end=plan.pull_end,
+            block_nbytes=self.block_nbytes,
+            timeout_s=plan.pull_timeout_s,
+            request_id=request_id,
+        )
+        stats.pull_s = time.perf_counter() - t0
+        stats.num_failed_blocks = failed
+        self.breaker.record(bool(pulled) or failed == 0)
+        stats.num_pulled_tokens = len(pulled) * self.block_size
+        stats.pulled_bytes = sum(b.nbytes for b in pulled)
+        if plan.link is not None and failed == 0 and pulled:
+            self.calibration.observe_pull(stats.pulled_bytes, stats.pull_s, plan.link)
+        return pulled
+
+    def release(self, plan: LoadPlan, *, request_id: str = "") -> None:
+        """Drop the plan's read lease, if it holds one (idempotent; B13). Never raises: an unreleased lease
+        expires on its own."""
+        lease_id, plan.lease_id = plan.lease_id, None
+        if not lease_id:
             return
-        num_from_local = min(k, num_local)
-        for h in candidates[:num_from_local]:
-            block = self.local_tier.get(ns, h)
-            if block is None:  # evicted between the run check and now
-                break
-            out.blocks.append(block)
-        stats.num_local_tokens = len(out.blocks) * self.block_size
-        stats.decision = "local"
-        if len(out.blocks) < k and match is not None:
-            stats.decision = "pull"
-            t0 = time.perf_counter()
-            start = len(out.blocks)
-            addrs = {node_id: info.data_address for node_id, info in match.nodes.items() if info.data_address}
-            pulled, failed = pull_blocks(
-                self.transport, self.master, ns, candidates, match.replicas, addrs,
-                start=start, end=min(k, num_pool), block_nbytes=self.block_nbytes,
-                timeout_s=self.pull_timeout_s if force == "pull" else self.pull_deadline_s(decision.load_deadline_s),
-                request_id=request_id,
-            )  # fmt: skip
-            stats.pull_s = time.perf_counter() - t0
-            stats.num_failed_blocks = failed
-            self.breaker.record(bool(pulled) or failed == 0)
-            out.blocks.extend(pulled)
-            stats.num_pulled_tokens = len(pulled) * self.block_size
-            stats.pulled_bytes = sum(b.nbytes for b in pulled)
-            if link is not None and failed == 0 and pulled:
-                cal.observe_pull(stats.pulled_bytes, stats.pull_s, link)
-            out.pulled = list(zip(candidates[start:], pulled, strict=False))
+        try:
+            self.master.release_lease(lease_id)
+        except Exception as exc:  # noqa: BLE001 - the lease expires on its own
+            log.warning("[%s] release_lease failed: %s", request_id, exc)
 
     def keep_pulled(self, ns: bytes, loaded: LoadedPrefix) -> None:
         """Copy a load's pulled blocks into the node-local tier (called once the first token is out, so
@@ -341,10 +384,15 @@ class KVConnector:
         parent = hashes[start_block - 1] if start_block > 0 else None
         try:
             result = self.pool.put_blocks(
-                ns, parent, mine, list(blocks), num_replicas=self.num_replicas,
-                recompute_cost_s=list(recompute_cost_s or ()), writer_node_id=self.node_id,
+                ns,
+                parent,
+                mine,
+                list(blocks),
+                num_replicas=self.num_replicas,
+                recompute_cost_s=list(recompute_cost_s or ()),
+                writer_node_id=self.node_id,
                 flush_epoch=flush_epoch,
-            )  # fmt: skip
+            )
         except (Unavailable, DeadlineExceeded):
             self.breaker.record(False)
             raise

@@ -95,6 +95,7 @@ def pull_blocks(
                 num_failed += 1
                 pending.append(i)
                 reason = res.error if res is not None else "transfer failed"
+                log.debug("[%s] block %d from %s failed: %s", request_id, i, loc.node_id, reason)
                 if not is_replica_fault(reason):
                     continue
                 try:

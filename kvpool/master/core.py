@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 MAX_PROMPT_TOKENS = (1 << 32) - 1
 """The most prompt tokens one match may report (the hit-rate denominator; keeps counters in uint64)."""
 
-ROLES = ("store", "prefill", "decode", "router")
+ROLES = ("store", "prefill", "decode", "router", "vllm")
 DUPLICATE_PROBE_TIMEOUT_S = 1.0
 """How long a registration waits for the node that already holds its node id to answer."""
 PROBED_ROLES = ("store", "prefill", "decode")

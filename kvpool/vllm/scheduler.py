@@ -1,0 +1,395 @@
+"""The connector's scheduler half (vLLM's EngineCore process): match, decide, lease, and plan the saves.
+
+Rules:
+- **The engine step never waits on the pool.** A request's first `get_num_new_matched_tokens` submits one
+  counted, leased `MatchPrefix` plus the cost model's decision (`KVConnector.plan_load`) to a thread and
+  answers `None` ("ask again"); later calls return the cached answer and have no side effect. A master that
+  has not answered after `match_wait_s` costs that request its hit, never its latency beyond that.
+- **Never claim the last prompt token** (`KVConnector.max_reusable_blocks`), and load only what vLLM's own
+  prefix cache lacks: blocks below the block-aligned local hit are never pulled.
+- **Leases** (B13): renewed while the request waits, released when its load ends, when nothing is loaded,
+  on abort and in `request_finished`; a match that answers after its request gave up is released at once.
+- **Saves**: every step, each scheduled request's blocks that became full (prefill, chunked-prefill
+  continuations, decode) and whose tokens are known are published once, in chain order, starting after the
+  pool's matched run. A finished request's last full blocks are saved in the next step, with the free of
+  its blocks delayed until the worker copied them out (B16).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvpool.connector.agent import NodeAgent
+from kvpool.connector.connector import KVConnector
+from kvpool.connector.plan import LoadPlan
+from kvpool.cost import LinkEstimate
+from kvpool.errors import TransferError
+from kvpool.hashing import Namespace, hash_blocks
+from kvpool.vllm.identity import Namespaces
+from kvpool.vllm.meta import KVPoolMetadata, KVPoolWorkerMetadata, LoadSpec, SaveSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestState:
+    """The scheduler half's view of one request. `phase`: matching | decided | loading | done."""
+
+    request: Any
+    ns: Namespace | None = None
+    digest: bytes = b""
+    hashes: list[bytes] = field(default_factory=list)
+    future: Future[LoadPlan] | None = None
+    asked_s: float = 0.0
+    plan: LoadPlan | None = None
+    phase: str = "done"
+    num_local_tokens: int = 0
+    num_external_tokens: int = 0
+    num_saved_blocks: int = 0
+    num_matches: int = 0
+    num_preemptions: int = 0
+    load_failed: bool = False
+
+
+class ReportedLinks:
+    """The links the workers measured (their transport's connect probe, updated by every real transfer),
+    as the decision connector's `transport.link`. Thread-safe. A store no worker has measured yet has no
+    estimate: the decision then treats the pull as free and the pull deadline bounds the loss."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._links: dict[str, LinkEstimate] = {}
+
+    def update(self, peer: str, link: LinkEstimate) -> None:
+        with self._lock:
+            self._links[peer] = link
+
+    def link(self, peer: str) -> LinkEstimate:
+        with self._lock:
+            link = self._links.get(peer)
+        if link is None:
+            raise TransferError(f"no worker has measured the link to {peer} yet")
+        return link
+
+    def close(self) -> None:
+        return
+
+
+class SchedulerHalf:
+    """Owns the master link (an agent registered as role `vllm`), the decision connector and request states."""
+
+    def __init__(
+        self,
+        *,
+        connector: KVConnector,
+        agent: NodeAgent,
+        namespaces: Namespaces,
+        match_wait_s: float,
+        load_async: bool = False,
+        save_decode_blocks: bool = True,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.connector = connector
+        self.agent = agent
+        self.namespaces = namespaces
+        self.block_size = connector.block_size
+        self.match_wait_s = match_wait_s
+        self.load_async = load_async
+        self.save_decode_blocks = save_decode_blocks
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._reqs: dict[str, RequestState] = {}
+        self._loads: list[LoadSpec] = []
+        self._final_saves: list[SaveSpec] = []
+        self._matcher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpool-match")
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew_leases, name="kvpool-lease-renew", daemon=True)
+        self._renewer.start()
+        self.kv_cache_manager: Any = None
+        self.num_match_timeouts = 0
+
+    # ---- matching ----------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        rid = request.request_id
+        st = self._reqs.get(rid)
+        if st is None or (st.phase == "done" and self._may_ask_again(st, request)):
+            st = self._start_match(request, num_computed_tokens, st)
+            if st is None:
+                return 0, False
+        if st.phase == "matching":
+            assert st.future is not None
+            if not st.future.done():
+                if self._clock() - st.asked_s < self.match_wait_s:
+                    return None, False
+                self.num_match_timeouts += 1
+                log.warning(
+                    "[%s] no answer from the pool in %.2fs (match, link calibration): computing without it",
+                    rid,
+                    self.match_wait_s,
+                )
+                st.future.add_done_callback(self._release_late)
+                st.phase = "done"
+                return 0, False
+            self._decided(st, num_computed_tokens)
+        if st.phase != "decided":
+            return 0, False
+        plan = st.plan
+        assert plan is not None
+        if st.num_local_tokens != num_computed_tokens:  # vLLM's own cache changed since: re-answer
+            self._answer(st, num_computed_tokens)
+        return st.num_external_tokens, self.load_async and st.num_external_tokens > 0
+
+    @staticmethod
+    def _may_ask_again(st: RequestState, request: Any) -> bool:
+        """A request asks the pool again only when it was preempted since (its blocks were freed), and
+        never after a load of it failed (vLLM recomputes from the failure; asking again could loop)."""
+        return not st.load_failed and int(getattr(request, "num_preemptions", 0)) > st.num_preemptions
+
+    def _start_match(
+        self, request: Any, num_computed_tokens: int, old: RequestState | None
+    ) -> RequestState | None:
+        """Submit the match of a new (or resumed) request; None when it cannot use the pool at all."""
+        rid = request.request_id
+        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+            return None  # multimodal or embedding prompts: token ids do not identify the KV
+        max_blocks = self.connector.max_reusable_blocks(request.num_tokens)
+        st = old or RequestState(request=request)
+        try:
+            lora = request.lora_request
+            st.ns = self.namespaces.namespace(
+                cache_salt=request.cache_salt, lora_path=lora.lora_path if lora else None
+            )
+        except Exception as exc:  # noqa: BLE001 - e.g. an adapter directory that is gone: no pool for it
+            log.warning("[%s] no namespace (%s): computing without the pool", rid, exc)
+            return None
+        st.digest = st.ns.digest()
+        self._reqs[rid] = st
+        if max_blocks * self.block_size <= num_computed_tokens:
+            return st  # vLLM holds every reusable block itself: nothing to ask ("done"; saves still run)
+        tokens = list(request.all_token_ids)
+        self._extend_hashes(st, tokens, max_blocks)
+        st.num_preemptions = int(getattr(request, "num_preemptions", 0))
+        count_hit = st.num_matches == 0  # a preempted request asks again: its hit was counted already
+        st.num_matches += 1
+        st.future = self._matcher.submit(
+            self._plan, st.ns, tokens, st.hashes[:max_blocks], num_computed_tokens, rid, count_hit
+        )
+        st.asked_s = self._clock()
+        st.phase = "matching"
+        return st
+
+    def _plan(
+        self,
+        ns: Namespace,
+        tokens: list[int],
+        hashes: list[bytes],
+        num_local_tokens: int,
+        rid: str,
+        count_hit: bool,
+    ) -> LoadPlan:
+        digest = self.agent.namespace(ns)  # registered once with the master (raises when it is down)
+        return self.connector.plan_load(
+            digest,
+            tokens,
+            hashes,
+            count_hit=count_hit,
+            request_id=rid,
+            num_local_blocks=num_local_tokens // self.block_size,
+        )
+
+    def _decided(self, st: RequestState, num_computed_tokens: int) -> None:
+        assert st.future is not None
+        try:
+            st.plan = st.future.result()
+        except Exception as exc:  # noqa: BLE001 - a failed match is a miss
+            log.warning("[%s] match failed: %s", st.request.request_id, exc)
+            st.phase = "done"
+            return
+        s = st.plan.stats
+        log.info(
+            "[%s] pool: %d of %d blocks matched, local %d, decision %s (%s): load %d, predicted pull %.3fs, "
+            "recompute %.3fs, match %.3fs",
+            st.request.request_id,
+            s.num_pool_blocks,
+            len(st.plan.hashes),
+            st.plan.num_local_blocks,
+            s.decision,
+            s.reason,
+            st.plan.num_load_blocks,
+            s.predicted_pull_s,
+            s.predicted_recompute_s,
+            s.match_s,
+        )
+        st.num_saved_blocks = max(st.num_saved_blocks, st.plan.num_pool_blocks)  # those are in the pool
+        st.phase = "decided"
+        self._answer(st, num_computed_tokens)
+
+    def _answer(self, st: RequestState, num_computed_tokens: int) -> None:
+        """Tokens to load beyond vLLM's block-aligned local hit: the chosen blocks the pool holds."""
+        plan = st.plan
+        assert plan is not None
+        end = min(plan.num_load_blocks, plan.num_pool_blocks)
+        st.num_local_tokens = num_computed_tokens
+        st.num_external_tokens = max(0, end * self.block_size - num_computed_tokens)
+        if st.num_external_tokens == 0:
+            self.connector.release(plan, request_id=st.request.request_id)
+
+    def _release_late(self, future: Future[LoadPlan]) -> None:
+        if future.exception() is None:
+            self.connector.release(future.result())
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.phase != "decided" or st.plan is None:
+            return
+        plan = st.plan
+        if num_external_tokens <= 0:
+            self.connector.release(plan, request_id=request.request_id)
+            st.phase = "done"
+            return
+        start = st.num_local_tokens // self.block_size
+        n = num_external_tokens // self.block_size
+        plan.num_local_blocks, plan.num_load_blocks = start, start + n
+        block_ids = list(blocks.get_block_ids()[0][start : start + n])
+        spec = LoadSpec(
+            request_id=request.request_id, plan=replace(plan), block_ids=block_ids, sync=not self.load_async
+        )
+        plan.lease_id = None  # the worker releases it once its pull ended
+        with self._lock:
+            self._loads.append(spec)
+        st.phase = "loading" if self.load_async else "done"
+
+    # ---- each step ---------------------------------------------------------------------------------
+    def build_connector_meta(self, so: Any) -> KVPoolMetadata:
+        with self._lock:
+            meta = KVPoolMetadata(loads=self._loads, saves=self._final_saves)
+            self._loads, self._final_saves = [], []
+        spec_tokens = getattr(so, "scheduled_spec_decode_tokens", None) or {}
+        steps: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        steps += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for rid, num_computed in steps:
+            n = so.num_scheduled_tokens.get(rid, 0)
+            meta.step_tokens.append((n, num_computed))
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            done = num_computed + n - len(spec_tokens.get(rid, ()))
+            save = self._save_spec(st, done, self._block_ids(rid))
+            if save is not None:
+                meta.saves.append(save)
+        return meta
+
+    def _block_ids(self, rid: str) -> list[int]:
+        if self.kv_cache_manager is None:
+            return []
+        return list(self.kv_cache_manager.get_block_ids(rid)[0])
+
+    def _save_spec(self, st: RequestState, num_done_tokens: int, block_ids: list[int]) -> SaveSpec | None:
+        """The blocks of `st` that became full (KV computed, tokens known) and are not saved yet."""
+        if st.ns is None or not self.agent.known(st.digest):
+            return None  # the master never accepted the namespace: publishing would be refused
+        req = st.request
+        limit = min(num_done_tokens, req.num_tokens)
+        if not self.save_decode_blocks:
+            limit = min(limit, req.num_prompt_tokens)
+        n_full = min(limit // self.block_size, len(block_ids))
+        if n_full <= st.num_saved_blocks:
+            return None
+        self._extend_hashes(st, req.all_token_ids, n_full)
+        start, st.num_saved_blocks = st.num_saved_blocks, n_full
+        return SaveSpec(
+            request_id=req.request_id,
+            ns=st.digest,
+            hashes=st.hashes[:n_full],
+            start_block=start,
+            block_ids=block_ids[start:n_full],
+            flush_epoch=self.connector.flush_epoch,
+        )
+
+    def _extend_hashes(self, st: RequestState, tokens: Any, n_blocks: int) -> None:
+        """Hash blocks up to `n_blocks` incrementally: block i's parent is block i-1's hash (the namespace
+        for block 0), the same tagged field either way (`kvpool.hashing`)."""
+        have, bs = len(st.hashes), self.block_size
+        if n_blocks <= have:
+            return
+        parent = st.hashes[-1] if st.hashes else st.digest
+        st.hashes.extend(hash_blocks(parent, list(tokens[have * bs : n_blocks * bs]), bs))
+
+    def update_connector_output(self, output: Any) -> None:
+        for rid in output.finished_recving or ():
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            st.phase = "done"
+            if st.request is None:  # finished while loading (see `request_finished`)
+                self._reqs.pop(rid, None)
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KVPoolWorkerMetadata):
+            self._observe(meta)
+
+    def _observe(self, meta: KVPoolWorkerMetadata) -> None:
+        cal = self.connector.calibration
+        if meta.forward is not None:
+            cal.observe_compute(*meta.forward)
+        for p in meta.pulls:
+            cal.observe_pull(
+                p.nbytes, p.seconds, LinkEstimate(alpha_s=p.alpha_s, beta_bytes_per_s=p.beta_bytes_per_s)
+            )
+        links = self.connector.transport
+        if isinstance(links, ReportedLinks):
+            for peer, (alpha_s, beta) in meta.links.items():
+                links.update(peer, LinkEstimate(alpha_s=alpha_s, beta_bytes_per_s=beta))
+        for rid, num_ok in meta.load_failures.items():
+            st = self._reqs.get(rid)
+            if st is not None:  # the pool's copy is bad or gone: the recomputed blocks are published again
+                st.num_saved_blocks = min(st.num_saved_blocks, num_ok)
+                st.load_failed = True
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        st = self._reqs.pop(rid, None)
+        if st is None:
+            return False, None
+        if st.future is not None and not st.future.done():
+            st.future.add_done_callback(self._release_late)
+        elif st.plan is not None and st.phase != "loading":
+            self.connector.release(st.plan, request_id=rid)
+        elif st.plan is not None:  # vLLM frees its blocks when the load ends; the worker owns the lease
+            self._reqs[rid] = RequestState(request=None, phase="loading")
+            return False, None
+        save = self._save_spec(st, request.num_computed_tokens, list(block_ids))
+        if save is None:
+            return False, None
+        save.final = True
+        with self._lock:
+            self._final_saves.append(save)
+        return True, None
+
+    # ---- leases ------------------------------------------------------------------------------------
+    def _renew_leases(self) -> None:
+        period_s = max(0.05, self.connector.lease_ttl_ms / 3000.0)
+        while not self._stop.wait(period_s):
+            states = list(self._reqs.values())  # a snapshot: the engine thread adds and removes requests
+            plans = [st.plan for st in states if st.plan is not None and st.plan.lease_id]
+            for plan in plans:
+                lease_id = plan.lease_id
+                if not lease_id:
+                    continue
+                try:
+                    self.connector.master.renew_lease(lease_id, self.connector.lease_ttl_ms)
+                except Exception as exc:  # noqa: BLE001 - an expired lease: the pull may fail and recompute
+                    log.debug("renew of lease %d failed: %s", lease_id, exc)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._matcher.shutdown(wait=False, cancel_futures=True)
+        for st in list(self._reqs.values()):
+            if st.plan is not None:
+                self.connector.release(st.plan)
+        self._reqs.clear()
