@@ -250,7 +250,7 @@ class SchedulerHalf:
         plan = st.plan
         if num_external_tokens <= 0:
             self.connector.release(plan, request_id=request.request_id)
-            st.phase = "done"
+            st.phase, st.num_external_tokens = "done", 0
             return
         start = st.num_local_tokens // self.block_size
         n = num_external_tokens // self.block_size
@@ -352,24 +352,47 @@ class SchedulerHalf:
                 st.load_failed = True
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Release what the request holds and queue its last full blocks' save. Returns (delay the free of
+        its blocks until the worker copied them out, `{"kvpool": what the pool did}` for the request's
+        `kv_transfer_params`)."""
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         if st is None:
             return False, None
+        params = {"kvpool": self._report(st)}
         if st.future is not None and not st.future.done():
             st.future.add_done_callback(self._release_late)
         elif st.plan is not None and st.phase != "loading":
             self.connector.release(st.plan, request_id=rid)
         elif st.plan is not None:  # vLLM frees its blocks when the load ends; the worker owns the lease
             self._reqs[rid] = RequestState(request=None, phase="loading")
-            return False, None
+            return False, params
         save = self._save_spec(st, request.num_computed_tokens, list(block_ids))
         if save is None:
-            return False, None
+            return False, params
         save.final = True
         with self._lock:
             self._final_saves.append(save)
-        return True, None
+        return True, params
+
+    def _report(self, st: RequestState) -> dict[str, Any]:
+        """What the pool did for a request: the decision, its predictions, what was loaded and saved."""
+        out: dict[str, Any] = {"num_saved_blocks": st.num_saved_blocks, "load_failed": st.load_failed}
+        plan = st.plan
+        if plan is None:
+            return out | {"decision": "none" if st.future is None else "no_answer"}
+        s = plan.stats
+        loaded = st.num_external_tokens // self.block_size
+        return out | {
+            "decision": s.decision,
+            "reason": s.reason,
+            "num_pool_blocks": plan.num_pool_blocks,
+            "num_loaded_tokens": st.num_external_tokens,
+            "loaded_bytes": loaded * self.connector.block_nbytes,
+            "predicted_pull_s": s.predicted_pull_s,
+            "predicted_recompute_s": s.predicted_recompute_s,
+            "match_s": s.match_s,
+        }
 
     # ---- leases ------------------------------------------------------------------------------------
     def _renew_leases(self) -> None:
