@@ -7,7 +7,8 @@ A job is a JSON object: `model` (directory), `dtype`, `block_size`, `master` (""
 ids of one unrelated request run first), and `phases`: lists of requests run one after another, each
 `{"prompt_token_ids": [...], "max_tokens": N, "cache_salt": "..."?}`. A phase with
 `"batch": true` submits its requests together. For each request the result gives the greedy tokens,
-`num_cached_tokens`, the time to its first token (`ttft_s`) and to its end (`e2e_s`).
+`num_cached_tokens`, the time to its first token (`ttft_s`) and to its end (`e2e_s`), and what the pool did
+(`kvpool`: the connector's `kv_transfer_params`).
 
 The engine is vLLM's in-process one (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) unless the job says
 `"multiprocess": true`. Nothing here is kvpool's product path: it drives vLLM as its users do.
@@ -85,6 +86,7 @@ def _result(out: Any, e2e_s: float) -> dict[str, Any]:
         "num_cached_tokens": int(out.num_cached_tokens or 0),
         "ttft_s": ttft_s,
         "e2e_s": e2e_s,
+        "kvpool": (getattr(out, "kv_transfer_params", None) or {}).get("kvpool", {}),
     }
 
 
