@@ -6,7 +6,8 @@ A job is a JSON object: `model` (directory), `dtype`, `block_size`, `master` (""
 `prefix_caching`, `max_num_batched_tokens`, `extra` (more `kv_connector_extra_config`), `warmup` (token
 ids of one unrelated request run first), and `phases`: lists of requests run one after another, each
 `{"prompt_token_ids": [...], "max_tokens": N, "cache_salt": "..."?}`. A phase with
-`"batch": true` submits its requests together. For each request the result gives the greedy tokens,
+`"batch": true` submits its `requests` together; one with `"chat": true` runs a conversation (`start`,
+`users`: each next prompt is the previous prompt + the reply + the user's tokens). For each request the result gives the greedy tokens,
 `num_cached_tokens`, the time to its first token (`ttft_s`) and to its end (`e2e_s`), and what the pool did
 (`kvpool`: the connector's `kv_transfer_params`).
 
@@ -90,6 +91,19 @@ def _result(out: Any, e2e_s: float) -> dict[str, Any]:
     }
 
 
+def _chat(llm: Any, phase: dict[str, Any]) -> list[dict[str, Any]]:
+    """A conversation: `start` tokens, then for each of `users` the next prompt is the previous prompt, the
+    reply and the user's tokens (each result carries its `prompt_token_ids`)."""
+    prompt = list(phase["start"])
+    results = []
+    for user in [None, *phase["users"]]:
+        if user is not None:
+            prompt = prompt + results[-1]["tokens"] + list(user)
+        res = _request(llm, {"prompt_token_ids": prompt, "max_tokens": phase.get("max_tokens", 16)})
+        results.append(res | {"prompt_token_ids": prompt})
+    return results
+
+
 def _batch(llm: Any, reqs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     from vllm import SamplingParams
 
@@ -116,6 +130,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     for phase in job.get("phases", []):
         if isinstance(phase, dict) and phase.get("batch"):
             phases.append(_batch(llm, phase["requests"]))
+        elif isinstance(phase, dict) and phase.get("chat"):
+            phases.append(_chat(llm, phase))
         else:
             reqs = phase["requests"] if isinstance(phase, dict) else phase
             phases.append([_request(llm, r) for r in reqs])

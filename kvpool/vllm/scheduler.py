@@ -377,7 +377,11 @@ class SchedulerHalf:
 
     def _report(self, st: RequestState) -> dict[str, Any]:
         """What the pool did for a request: the decision, its predictions, what was loaded and saved."""
-        out: dict[str, Any] = {"num_saved_blocks": st.num_saved_blocks, "load_failed": st.load_failed}
+        out: dict[str, Any] = {
+            "num_saved_blocks": st.num_saved_blocks,
+            "load_failed": st.load_failed,
+            "num_preemptions": int(getattr(st.request, "num_preemptions", 0)),
+        }
         plan = st.plan
         if plan is None:
             return out | {"decision": "none" if st.future is None else "no_answer"}

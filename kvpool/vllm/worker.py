@@ -235,6 +235,15 @@ class WorkerHalf:
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=False)
         self.publisher.close()
+        c = self.publisher.counters
+        log.info(
+            "kvpool publisher: %d jobs, %d blocks committed, %d already present, %d failed, %d dropped",
+            c.num_jobs,
+            c.num_committed_blocks,
+            c.num_existing_blocks,
+            c.num_failed_jobs,
+            c.num_dropped_jobs,
+        )
         self.connector.transport.close()
         self.connector.pool.close()
         self.connector.master.close()

@@ -1,0 +1,103 @@
+"""vLLM's OpenAI server (its default multi-process engine) on a bf16 pool: the server computes and publishes
+a text prompt; a fresh in-process engine loads it from the pool and gives the same greedy text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.cluster.local import LocalCluster, LocalClusterSpec
+from kvpool.model.export import export_model_dir
+from kvpool.model.tokenizer import ByteTokenizer
+from tests.vllm.harness import BF16_LAYOUT, BLOCK, run_engine
+
+pytestmark = pytest.mark.vllm
+
+TEXT = "".join(random.Random(5).choice("abcdefghij klmnopqrstuvwxyz,.") for _ in range(1300))
+TOKENIZER = ByteTokenizer(bos_token_id=256, eos_token_id=257, vocab_size=259)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+        return out
+
+
+def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}:\n{log.read_text()[-5000:]}")
+        try:
+            with urllib.request.urlopen(f"{base}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1.0)
+    raise AssertionError(f"server not ready in {timeout_s}s:\n{log.read_text()[-5000:]}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    model = export_model_dir(tmp_path_factory.mktemp("model") / "kvpool-tiny")
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    spec = LocalClusterSpec(layout=BF16_LAYOUT, num_stores=1, num_prefill=0, num_decode=0)
+    with LocalCluster(spec) as cluster:
+        port = _free_port()
+        kv = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.vllm", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"master": cluster.master_address}}  # fmt: skip
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype",
+               "bfloat16", "--block-size", "64", "--max-model-len", "4096", "--enforce-eager", "--host",
+               "127.0.0.1", "--port", str(port), "--kv-transfer-config", json.dumps(kv)]  # fmt: skip
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+        with log.open("wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            _wait_ready(base, proc, log)
+            body = {"model": str(model), "prompt": TEXT, "max_tokens": 12, "temperature": 0.0}
+            served = _post(f"{base}/v1/completions", body)
+            chat = _post(
+                f"{base}/v1/chat/completions",
+                {"model": str(model), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            )
+            time.sleep(1.0)  # the publish runs after the response
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        ids = TOKENIZER.encode(TEXT)
+        job = {"master": cluster.master_address, "model": str(model), "dtype": "bfloat16",
+               "phases": [[{"prompt_token_ids": ids, "max_tokens": 12}]]}  # fmt: skip
+        fresh = run_engine(job)["phases"][0][0]
+    return {"served": served, "chat": chat, "fresh": fresh, "ids": ids, "log": log.read_text()}
+
+
+def test_the_server_publishes_and_a_fresh_engine_loads_the_same_text(runs: dict[str, Any]) -> None:
+    served_text = runs["served"]["choices"][0]["text"]
+    assert runs["served"]["usage"]["prompt_tokens"] == len(runs["ids"])
+    assert runs["fresh"]["num_cached_tokens"] == (len(runs["ids"]) - 1) // BLOCK * BLOCK, runs["fresh"][
+        "kvpool"
+    ]
+    assert TOKENIZER.decode(runs["fresh"]["tokens"]) == served_text
+
+
+def test_chat_completions_work_through_the_connector(runs: dict[str, Any]) -> None:
+    assert runs["chat"]["choices"][0]["message"]["content"] is not None
+    assert "Traceback" not in runs["log"]
