@@ -54,6 +54,7 @@ class RequestState:
     num_matches: int = 0
     num_preemptions: int = 0
     load_failed: bool = False
+    num_intact_blocks: int = 0
 
 
 class ReportedLinks:
@@ -349,7 +350,7 @@ class SchedulerHalf:
             st = self._reqs.get(rid)
             if st is not None:  # the pool's copy is bad or gone: the recomputed blocks are published again
                 st.num_saved_blocks = min(st.num_saved_blocks, num_ok)
-                st.load_failed = True
+                st.load_failed, st.num_intact_blocks = True, num_ok
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Release what the request holds and queue its last full blocks' save. Returns (delay the free of
@@ -380,6 +381,9 @@ class SchedulerHalf:
         out: dict[str, Any] = {
             "num_saved_blocks": st.num_saved_blocks,
             "load_failed": st.load_failed,
+            # a failed load: the leading blocks that arrived intact (vLLM recomputed from there; its
+            # num_cached_tokens still counts the whole planned load)
+            "num_intact_tokens": st.num_intact_blocks * self.block_size if st.load_failed else None,
             "num_preemptions": int(getattr(st.request, "num_preemptions", 0)),
         }
         plan = st.plan

@@ -1,5 +1,6 @@
 """Chunked prefill (a prompt longer than one step's token budget) and preemption (a KV cache too small for
-the batch): every full block is published exactly once, and a fresh engine then hits every one of them.
+the batch): every full block is published exactly once, and a fresh engine, loading asynchronously, then
+hits every one of them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ def runs() -> dict[str, Any]:
             {"master": m, "max_num_batched_tokens": 256, "num_gpu_blocks_override": 45, "max_num_seqs": 3,
              "phases": [{"batch": True, "requests": requests(PROMPTS, max_tokens=MAX_TOKENS)}], "settle_s": 1.0}
         )  # fmt: skip
-        b = run_engine({"master": m, "phases": [requests(PROMPTS, max_tokens=MAX_TOKENS)]})
+        # B loads between engine steps (load_async): the requests wait for their loads, the engine steps on
+        b = run_engine(
+            {"master": m, "extra": {"load_async": True}, "phases": [requests(PROMPTS, max_tokens=MAX_TOKENS)]}
+        )
         cold = run_engine({"phases": [requests(PROMPTS, max_tokens=MAX_TOKENS)]})
     return {"a": a, "b": b["phases"][0], "cold": cold["phases"][0]}
 

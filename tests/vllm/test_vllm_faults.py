@@ -63,7 +63,7 @@ def runs() -> dict[str, Any]:
         cluster.stores[1].kill()
         out["store_killed"] = run_engine({"master": master, "phases": [requests(PROMPTS)]})["phases"][0]
         out["mismatch"] = run_engine({"master": master, "block_size": 128, "phases": []}, expect_ok=False)
-        lsock, slow = delaying_proxy(master, 1.5)
+        lsock, slow = delaying_proxy(master, 4.0)
         try:
             job = {"master": slow, "extra": {"match_wait_s": 0.3}, "phases": [requests(PROMPTS)]}
             out["slow_master"] = run_engine(job)["phases"][0]
@@ -81,13 +81,12 @@ def _equal_to_a(runs: dict[str, Any], name: str) -> None:
 
 def test_a_killed_store_costs_the_missing_span_only(runs: dict[str, Any]) -> None:
     _equal_to_a(runs, "store_killed")
-    cached = [r["num_cached_tokens"] for r in runs["store_killed"]]
     assert any(r["kvpool"]["load_failed"] for r in runs["store_killed"]), [
         r["kvpool"] for r in runs["store_killed"]
     ]
-    assert all(
-        c < FULL for c, r in zip(cached, runs["store_killed"], strict=True) if r["kvpool"]["load_failed"]
-    )
+    for r in runs["store_killed"]:
+        if r["kvpool"]["load_failed"]:
+            assert r["kvpool"]["num_intact_tokens"] < r["kvpool"]["num_loaded_tokens"], r["kvpool"]
 
 
 def test_a_layout_the_pool_does_not_hold_stops_the_engine_naming_both(runs: dict[str, Any]) -> None:
@@ -104,14 +103,14 @@ def test_a_slow_master_costs_hits_never_requests_nor_steps(runs: dict[str, Any])
     _equal_to_a(runs, "slow_master")
     for r in runs["slow_master"]:
         assert r["num_cached_tokens"] == 0
-        # a 1.5 s-per-message master never holds a request longer than match_wait_s (0.3 s) + its compute
-        assert r["e2e_s"] < 1.2, r
+        # one round trip to this master takes >= 8 s; a request that waited on it would show it
+        assert r["e2e_s"] < 3.0, r
 
 
 def test_a_dead_master_costs_hits_never_requests(runs: dict[str, Any]) -> None:
     _equal_to_a(runs, "master_down")
     assert all(r["num_cached_tokens"] == 0 for r in runs["master_down"])
-    assert all(r["e2e_s"] < 2.0 for r in runs["master_down"]), [r["e2e_s"] for r in runs["master_down"]]
+    assert all(r["e2e_s"] < 3.0 for r in runs["master_down"]), [r["e2e_s"] for r in runs["master_down"]]
 
 
 def test_pooled_prompts_hit_before_the_faults(runs: dict[str, Any]) -> None:

@@ -140,6 +140,7 @@ def test_corrupted_pool_bytes_are_detected_and_recomputed(runs: dict[str, Any]) 
     the recomputed blocks are published again in fresh slots."""
     first = runs["b"][2 * CORRUPT_DOC]
     assert first["kvpool"]["load_failed"] is True, first["kvpool"]
+    assert first["kvpool"]["num_intact_tokens"] == 3 * BLOCK, first["kvpool"]  # blocks 0-2 arrived intact
     assert first["kvpool"]["num_saved_blocks"] >= DOC_TOKENS // BLOCK
     assert len(runs["offered_after"]) >= 7  # published again
     assert not runs["offered_after"] & runs["corrupted"]
