@@ -13,7 +13,7 @@ import pytest
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 from tests.vllm.harness import BLOCK, FP32_LAYOUT, requests, run_engine, tokens
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 PROMPTS = [tokens(700 + i, 1200) for i in range(3)]
 MAX_TOKENS = 100

@@ -18,7 +18,7 @@ import pytest
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 from tests.vllm.harness import BLOCK, FP32_LAYOUT, requests, run_engine, tokens
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 PROMPTS = [tokens(500 + d, 1000) for d in range(4)]
 FULL = (1000 - 1) // BLOCK * BLOCK
@@ -103,14 +103,15 @@ def test_a_slow_master_costs_hits_never_requests_nor_steps(runs: dict[str, Any])
     _equal_to_a(runs, "slow_master")
     for r in runs["slow_master"]:
         assert r["num_cached_tokens"] == 0
-        # one round trip to this master takes >= 8 s; a request that waited on it would show it
-        assert r["e2e_s"] < 3.0, r
+        # the request did not wait for the answer (it arrives >= 8 s later: one round trip through the proxy)
+        assert r["kvpool"]["decision"] == "no_answer", r["kvpool"]
+        assert r["ttft_s"] < 6.0, r
 
 
 def test_a_dead_master_costs_hits_never_requests(runs: dict[str, Any]) -> None:
     _equal_to_a(runs, "master_down")
     assert all(r["num_cached_tokens"] == 0 for r in runs["master_down"])
-    assert all(r["e2e_s"] < 3.0 for r in runs["master_down"]), [r["e2e_s"] for r in runs["master_down"]]
+    assert all(r["ttft_s"] < 6.0 for r in runs["master_down"]), [r["ttft_s"] for r in runs["master_down"]]
 
 
 def test_pooled_prompts_hit_before_the_faults(runs: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from kvpool.types import KVLayout
 from kvpool.vllm.identity import Namespaces, directory_digest, model_identity
 from tests.vllm.harness import BLOCK, FP32_LAYOUT, model_dir, run_engine, tokens
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 PROMPT = tokens(900, 800)
 FULL = (len(PROMPT) - 1) // BLOCK * BLOCK

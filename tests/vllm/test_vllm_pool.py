@@ -17,7 +17,7 @@ from kvpool.hashing import hash_blocks
 from tests.faults.common import corrupt
 from tests.vllm.harness import BLOCK, FP32_LAYOUT, requests, run_engine, tokens
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 NUM_DOCS, DOC_TOKENS, Q_TOKENS = 5, 700, 36
 SYSTEM_TOKENS, USER_TOKENS, REPLY_TOKENS = 330, 40, 16  # turn 1 + 15 reply tokens crosses block 6 (384)

@@ -22,7 +22,7 @@ from kvpool.model.export import export_model_dir
 from kvpool.model.tokenizer import ByteTokenizer
 from tests.vllm.harness import BF16_LAYOUT, BLOCK, run_engine
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 TEXT = "".join(random.Random(5).choice("abcdefghij klmnopqrstuvwxyz,.") for _ in range(1300))
 TOKENIZER = ByteTokenizer(bos_token_id=256, eos_token_id=257, vocab_size=259)
