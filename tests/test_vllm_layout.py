@@ -175,12 +175,6 @@ def test_no_blocks(kind: str) -> None:
     assert same_bits(paged.gather(caches, [0, 1, 2]), kv)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="layout.py scatter: the docstring promises ValueError on a size mismatch; "
-    "blocks.reshape raises torch's RuntimeError",
-)
 def test_scatter_size_mismatch_raises_value_error() -> None:
     lay = layout()
     paged = PagedLayout(kind=CPU_VEC, layout=lay)

@@ -186,11 +186,6 @@ def test_after_a_failed_job_the_requests_later_jobs_are_dropped(fake: FakeConnec
     assert pub.counters.num_dropped_jobs == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="publisher.py _run publishes a queued job even when an earlier job of its request failed "
-    "after it was queued (the broken set is only checked in submit): a child published without its parent",
-)
 def test_a_job_queued_behind_a_failing_one_of_its_request_is_not_published(
     fake: FakeConnector, make: Any
 ) -> None:

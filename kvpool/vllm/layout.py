@@ -111,6 +111,8 @@ class PagedLayout:
         n = len(block_ids)
         if n == 0:
             return
+        if blocks.numel() != n * lay.block_nbytes // lay.dtype_nbytes:
+            raise ValueError(f"{blocks.numel()} elements for {n} blocks of {lay.fingerprint()}")
         src = blocks.reshape(n, *lay.shape)
         H, bs, hd = lay.num_kv_heads, lay.block_size, lay.head_dim
         for li, kv in enumerate(kv_caches):

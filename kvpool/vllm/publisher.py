@@ -86,6 +86,14 @@ class Publisher:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
+            with self._lock:
+                broken = job.request_id in self._broken
+            if broken:  # an earlier job of this request failed after this one was queued: no parent
+                with self._lock:
+                    self.counters.num_dropped_jobs += 1
+                    self._pending_bytes -= job.blocks.nbytes
+                    self._idle.notify_all()
+                continue
             try:
                 committed, existing = self.connector.publish(
                     job.ns,
