@@ -31,7 +31,7 @@ def runs() -> dict[str, Any]:
         m = cluster.master_address
         # 256-token steps: each prompt is prefilled in 5 chunks; 45 blocks for 3 x 21 needed: preemption
         a = run_engine(
-            {"master": m, "max_num_batched_tokens": 256, "num_gpu_blocks_override": 45, "max_num_seqs": 3,
+            {"master": m, "max_num_batched_tokens": 256, "num_gpu_blocks_override": 45, "max_num_seqs": 3, "max_model_len": 2048,
              "phases": [{"batch": True, "requests": requests(PROMPTS, max_tokens=MAX_TOKENS)}], "settle_s": 1.0}
         )  # fmt: skip
         # B loads between engine steps (load_async): the requests wait for their loads, the engine steps on
