@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -70,6 +71,31 @@ def _prompt_fits(prompt_tokens: int, model: str | None, param_hint: str) -> None
         check_prompt_fits(prompt_tokens, model)
     except InvalidArgument as exc:
         raise typer.BadParameter(str(exc), param_hint=param_hint) from None
+
+
+@bench_app.command("vllm")
+def vllm_cmd(
+    num_prefixes: int = typer.Option(5, min=1, help="distinct RAG prefixes (the medians are over them)"),
+    prefix_tokens: int = typer.Option(8192, min=1, help="tokens per RAG prefix"),
+    question_tokens: int = typer.Option(50, min=1, help="tokens per question"),
+    max_tokens: int = typer.Option(16, min=1, help="greedy tokens generated per request"),
+    python: str = typer.Option(sys.executable, help="python of a venv with vllm (runs the engines)"),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG: per-prefix TTFT (a)/(b)/(c)."),
+    log_dir: Path | None = typer.Option(None, help="Keep the engines' and the pool's logs here."),
+) -> None:
+    """vLLM TTFT with kvpool's connector: (a) cold, (b) vLLM's own prefix cache, (c) loaded from the pool."""
+    from kvpool.bench.vllm_bench import run_vllm_bench
+    from kvpool.errors import InvalidArgument
+
+    try:
+        run_vllm_bench(
+            num_prefixes=num_prefixes, prefix_tokens=prefix_tokens, question_tokens=question_tokens,
+            max_tokens=max_tokens, python=python, json_out=json_out, plot_out=plot,
+            log_dir=log_dir,
+        )  # fmt: skip
+    except InvalidArgument as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 @bench_app.command("crossover")
