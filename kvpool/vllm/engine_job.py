@@ -95,7 +95,7 @@ def _chat(llm: Any, phase: dict[str, Any]) -> list[dict[str, Any]]:
     """A conversation: `start` tokens, then for each of `users` the next prompt is the previous prompt, the
     reply and the user's tokens (each result carries its `prompt_token_ids`)."""
     prompt = list(phase["start"])
-    results = []
+    results: list[dict[str, Any]] = []
     for user in [None, *phase["users"]]:
         if user is not None:
             prompt = prompt + results[-1]["tokens"] + list(user)

@@ -8,8 +8,8 @@ A pool block is `[num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]` in 
   the kernel views the cache as `[B, H, 2*bs, hd]`; K matches HF's post-RoPE keys to 7e-6 in fp32).
 - `nhd` (FlashAttention-style GPU backends): `[2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`.
 
-Blocks move per layer: one `index_select` out of (or `index_copy_` into) the layer's tensor and one strided
-copy, so the cost is `num_layers` torch calls per batch of blocks. Device tensors are staged through host
+Blocks move per layer: out, one `index_select` and one strided copy; in, one indexed strided write per K
+and V straight into the engine's blocks; so the cost is a few torch calls per layer per batch of blocks. Device tensors are staged through host
 memory: the pool side is always a CPU buffer. Any other backend or shape is refused at start
 (`UnsupportedLayout`), never guessed.
 """
@@ -92,9 +92,9 @@ class PagedLayout:
         for li, kv in enumerate(kv_caches):
             ids = torch.as_tensor(block_ids, dtype=torch.long, device=kv.device)
             if self.kind == CPU_VEC:
-                x = kv.view(kv.shape[0], -1).index_select(0, ids).to("cpu").view(n, H, 2, bs * hd)
-                out[:, li, 0].copy_(x[:, :, 0].reshape(n, H, hd, bs).transpose(-1, -2))
-                out[:, li, 1].copy_(x[:, :, 1].reshape(n, H, bs, hd))
+                per_head = kv.view(kv.shape[0], H, 2, bs * hd)
+                out[:, li, 0].copy_(per_head[:, :, 0].unflatten(-1, (hd, bs))[ids].transpose(-1, -2))
+                out[:, li, 1].copy_(per_head[:, :, 1].unflatten(-1, (bs, hd))[ids])
             else:
                 for j in (0, 1):
                     out[:, li, j].copy_(kv[j].index_select(0, ids).to("cpu").permute(0, 2, 1, 3))
@@ -117,11 +117,10 @@ class PagedLayout:
         H, bs, hd = lay.num_kv_heads, lay.block_size, lay.head_dim
         for li, kv in enumerate(kv_caches):
             ids = torch.as_tensor(block_ids, dtype=torch.long, device=kv.device)
-            if self.kind == CPU_VEC:
-                x = torch.empty((n, H, 2, bs * hd), dtype=src.dtype)
-                x[:, :, 0].copy_(src[:, li, 0].transpose(-1, -2).reshape(n, H, hd * bs))
-                x[:, :, 1].copy_(src[:, li, 1].reshape(n, H, bs * hd))
-                kv.view(kv.shape[0], -1).index_copy_(0, ids, x.view(n, -1).to(kv.device, non_blocking=True))
+            if self.kind == CPU_VEC:  # one strided pass per K and V, straight into the engine's blocks
+                per_head = kv.view(kv.shape[0], H, 2, bs * hd)
+                per_head[:, :, 0].unflatten(-1, (hd, bs))[ids] = src[:, li, 0].transpose(-1, -2)
+                per_head[:, :, 1].unflatten(-1, (bs, hd))[ids] = src[:, li, 1]
             else:
                 for j in (0, 1):
                     kv[j].index_copy_(

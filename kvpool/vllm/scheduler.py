@@ -171,7 +171,10 @@ class SchedulerHalf:
         st.digest = st.ns.digest()
         self._reqs[rid] = st
         if max_blocks * self.block_size <= num_computed_tokens:
-            return st  # vLLM holds every reusable block itself: nothing to ask ("done"; saves still run)
+            # vLLM holds every reusable block itself: nothing to ask. Its blocks came from this engine's
+            # earlier requests, which published them (or loaded them from the pool): saves start after them.
+            st.num_saved_blocks = max(st.num_saved_blocks, num_computed_tokens // self.block_size)
+            return st
         tokens = list(request.all_token_ids)
         self._extend_hashes(st, tokens, max_blocks)
         st.num_preemptions = int(getattr(request, "num_preemptions", 0))
@@ -360,15 +363,15 @@ class SchedulerHalf:
         st = self._reqs.pop(rid, None)
         if st is None:
             return False, None
-        params = {"kvpool": self._report(st)}
         if st.future is not None and not st.future.done():
             st.future.add_done_callback(self._release_late)
         elif st.plan is not None and st.phase != "loading":
             self.connector.release(st.plan, request_id=rid)
         elif st.plan is not None:  # vLLM frees its blocks when the load ends; the worker owns the lease
             self._reqs[rid] = RequestState(request=None, phase="loading")
-            return False, params
+            return False, {"kvpool": self._report(st)}
         save = self._save_spec(st, request.num_computed_tokens, list(block_ids))
+        params = {"kvpool": self._report(st)}
         if save is None:
             return False, params
         save.final = True

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +30,11 @@ from kvpool.vllm.meta import KVPoolMetadata, KVPoolWorkerMetadata, LoadSpec, Pul
 from kvpool.vllm.publisher import Publisher, PublishJob
 
 log = logging.getLogger(__name__)
+
+LOADING_SWITCH_INTERVAL_S = 0.0002
+"""The interpreter's thread switch interval while background loads run. Between steps an engine whose
+requests all wait for loads spins in Python, and at the default 5 ms each hand-off of a pull (loader thread,
+UCX loop, hashing threads) waits for it: a 5 MB pull took 1.5-2 s instead of tens of ms."""
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -62,6 +68,7 @@ class WorkerHalf:
         self._saved_final: set[str] = set()
         self._report = KVPoolWorkerMetadata()
         self._t_bind = 0.0
+        self._switch_interval_s = sys.getswitchinterval()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Keep the per-layer tensors in model order; raises `UnsupportedLayout` when they are not the
@@ -123,12 +130,16 @@ class WorkerHalf:
                     self._record_load(spec.request_id, failed, n_intact, sample)
                 continue
             with self._lock:
+                if not self._loads:
+                    self._switch_interval_s = sys.getswitchinterval()
+                    sys.setswitchinterval(LOADING_SWITCH_INTERVAL_S)
                 self._loads[spec.request_id] = self._loader.submit(self._load, spec)
 
     def _load(self, spec: LoadSpec) -> tuple[list[int], int, PullSample | None]:
         """Pull and scatter one request's blocks; returns (failed vLLM block ids, intact chain blocks, sample)."""
         plan, rid = spec.plan, spec.request_id
         n_ok = 0
+        t0 = time.perf_counter()
         try:
             pulled = self.connector.pull(plan, request_id=rid)
             n_ok = len(pulled)
@@ -143,13 +154,14 @@ class WorkerHalf:
             n_ok = 0
         finally:
             self.connector.release(plan, request_id=rid)
+        load_s = time.perf_counter() - t0  # the pull and the copy into vLLM's blocks: what a load costs
         failed = spec.block_ids[n_ok:]
         s = plan.stats
         sample = None
         if plan.link is not None and n_ok == len(spec.block_ids) and n_ok:
             sample = PullSample(
                 nbytes=s.pulled_bytes,
-                seconds=s.pull_s,
+                seconds=load_s,
                 alpha_s=plan.link.alpha_s,
                 beta_bytes_per_s=plan.link.beta_bytes_per_s,
             )
@@ -179,6 +191,8 @@ class WorkerHalf:
                 del self._loads[rid]
                 recving.add(rid)
                 self._record_load(rid, *fut.result())
+            if done and not self._loads:
+                sys.setswitchinterval(self._switch_interval_s)
         return sending or None, recving or None
 
     def _record_load(self, rid: str, failed: list[int], n_intact: int, sample: PullSample | None) -> None:

@@ -29,11 +29,16 @@ def runs() -> dict[str, Any]:
     spec = LocalClusterSpec(layout=FP32_LAYOUT, num_stores=2, num_prefill=0, num_decode=0)
     with LocalCluster(spec) as cluster:
         m = cluster.master_address
-        # 256-token steps: each prompt is prefilled in 5 chunks; 45 blocks for 3 x 21 needed: preemption
-        a = run_engine(
-            {"master": m, "max_num_batched_tokens": 256, "num_gpu_blocks_override": 45, "max_num_seqs": 3, "max_model_len": 2048,
-             "phases": [{"batch": True, "requests": requests(PROMPTS, max_tokens=MAX_TOKENS)}], "settle_s": 1.0}
-        )  # fmt: skip
+        # 256-token steps: each prompt is prefilled in 5 chunks; 40 blocks: two requests admitted (2 x 19),
+        # then their decodes need 2 x 21: one is preempted
+        small = {
+            "max_num_batched_tokens": 256,
+            "num_gpu_blocks_override": 40,
+            "max_num_seqs": 3,
+            "max_model_len": 2048,
+        }
+        batch = {"batch": True, "requests": requests(PROMPTS, max_tokens=MAX_TOKENS)}
+        a = run_engine({"master": m, **small, "phases": [batch], "settle_s": 1.0})
         # B loads between engine steps (load_async): the requests wait for their loads, the engine steps on
         b = run_engine(
             {"master": m, "extra": {"load_async": True}, "phases": [requests(PROMPTS, max_tokens=MAX_TOKENS)]}
