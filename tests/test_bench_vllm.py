@@ -28,15 +28,31 @@ from kvpool.errors import InvalidArgument
 TOKENS = [7, 8, 9]
 
 
-def _res(ttft_s: float, cached: int = 0, tokens: list[int] = TOKENS, report: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    return {"tokens": tokens, "num_cached_tokens": cached, "ttft_s": ttft_s, "e2e_s": ttft_s + 0.1,
-            "kvpool": report or {}}  # fmt: skip
+def _res(
+    ttft_s: float, cached: int = 0, tokens: list[int] = TOKENS, report: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {
+        "tokens": tokens,
+        "num_cached_tokens": cached,
+        "ttft_s": ttft_s,
+        "e2e_s": ttft_s + 0.1,
+        "kvpool": report or {},
+    }
 
 
 def _pool_report(predicted_pull_s: float = 0.02) -> dict[str, Any]:
-    return {"decision": "load", "reason": "pull cheaper", "num_pool_blocks": 128, "num_loaded_tokens": 8192,
-            "loaded_bytes": 128 * 256 * 1024, "predicted_pull_s": predicted_pull_s, "predicted_recompute_s": 1.2,
-            "match_s": 0.003, "num_saved_blocks": 129, "load_failed": False}  # fmt: skip
+    return {
+        "decision": "load",
+        "reason": "pull cheaper",
+        "num_pool_blocks": 128,
+        "num_loaded_tokens": 8192,
+        "loaded_bytes": 128 * 256 * 1024,
+        "predicted_pull_s": predicted_pull_s,
+        "predicted_recompute_s": 1.2,
+        "match_s": 0.003,
+        "num_saved_blocks": 129,
+        "load_failed": False,
+    }
 
 
 def _records(
@@ -45,8 +61,10 @@ def _records(
     recs = []
     for i in range(5):
         cold = [_res(1.0 + 0.01 * i), _res(1.0 + 0.01 * i, tokens=[1, 2])]
-        local = [_res(1.1, report={"decision": "miss", "num_saved_blocks": 129}),
-                 _res(0.02, cached=8192, tokens=[1, 2], report={"decision": "none", "num_saved_blocks": 129})]  # fmt: skip
+        local = [
+            _res(1.1, report={"decision": "miss", "num_saved_blocks": 129}),
+            _res(0.02, cached=8192, tokens=[1, 2], report={"decision": "none", "num_saved_blocks": 129}),
+        ]
         toks = [1, 3] if i < bad_tokens else [1, 2]
         pool = _res(pool_ttft_s, cached=8192, tokens=toks, report=_pool_report(predicted))
         recs.append(prefix_record(i, cold, local, pool, {"pull_s": 0.015} if i else None))
@@ -108,8 +126,16 @@ def test_json_table_and_plot(tmp_path: Path) -> None:
     write_report(out, "vllm", recs, s)
     report = json.loads(out.read_text())
     assert report["benchmark"] == "vllm" and set(report) == {"benchmark", "env", "records", "summary"}
-    for key in ("pool_over_cold", "pool_minus_local_s", "predicted_pull_s", "greedy_equal", "cold_ttft_s",
-                "local_ttft_s", "pool_ttft_s", "all_targets_met"):  # fmt: skip
+    for key in (
+        "pool_over_cold",
+        "pool_minus_local_s",
+        "predicted_pull_s",
+        "greedy_equal",
+        "cold_ttft_s",
+        "local_ttft_s",
+        "pool_ttft_s",
+        "all_targets_met",
+    ):
         assert key in report["summary"]
     assert len(report["records"]) == 5
     buf = io.StringIO()
@@ -135,8 +161,15 @@ def test_prompts_are_distinct_bytes_and_seeded() -> None:
 
 def test_engine_job_one_request_per_phase() -> None:
     prompts = [[1] * 100, [2] * 130]
-    job = engine_job(model_dir="/m", master="h:1", prefix_caching=True, prompts=prompts, warmup=[3] * 50,
-                     max_tokens=16, settle_s=1.0)  # fmt: skip
+    job = engine_job(
+        model_dir="/m",
+        master="h:1",
+        prefix_caching=True,
+        prompts=prompts,
+        warmup=[3] * 50,
+        max_tokens=16,
+        settle_s=1.0,
+    )
     assert job["phases"] == [[{"prompt_token_ids": p, "max_tokens": 16}] for p in prompts]
     assert job["max_model_len"] == 192 and job["max_model_len"] >= 146 and job["block_size"] == 64
     assert job["dtype"] == "float32" and job["kv_cache_gib"] == 2 and job["settle_s"] == 1.0

@@ -103,8 +103,15 @@ def test_weights_and_namespace_equal_the_embedded_model(exported: Path, cache_di
     assert weights_digest(exported) == weights_digest(source)
     assert (exported / MARKER_FILE).read_bytes() == (source / MARKER_FILE).read_bytes()
     names = {p.name for p in exported.iterdir()}
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-            "tokenizer_config.json", "special_tokens_map.json", MARKER_FILE} <= names  # fmt: skip
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        MARKER_FILE,
+    } <= names
     gen = json.loads((exported / "generation_config.json").read_text())
     assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (256, 257, 258)
     a, b = ModelInfo.load(exported, block_size=64), ModelInfo.load(source, block_size=64)

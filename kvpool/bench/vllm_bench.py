@@ -80,11 +80,17 @@ def engine_job(
     """An `engine_job` JSON object: one request per phase, in order (so `settle_s` follows each)."""
     longest = max(len(p) for p in [*prompts, warmup]) + max_tokens
     return {
-        "model": model_dir, "dtype": "float32", "block_size": BLOCK_SIZE, "master": master,
-        "prefix_caching": prefix_caching, "max_model_len": -(-(longest + 1) // BLOCK_SIZE) * BLOCK_SIZE,
-        "kv_cache_gib": 2, "warmup": warmup, "settle_s": settle_s,
+        "model": model_dir,
+        "dtype": "float32",
+        "block_size": BLOCK_SIZE,
+        "master": master,
+        "prefix_caching": prefix_caching,
+        "max_model_len": -(-(longest + 1) // BLOCK_SIZE) * BLOCK_SIZE,
+        "kv_cache_gib": 2,
+        "warmup": warmup,
+        "settle_s": settle_s,
         "phases": [[{"prompt_token_ids": p, "max_tokens": max_tokens}] for p in prompts],
-    }  # fmt: skip
+    }
 
 
 def parse_result(stdout: str) -> dict[str, Any]:
@@ -101,8 +107,12 @@ def parse_pulls(log: str) -> dict[int, dict[str, Any]]:
     warm-up is 0, the measured requests 1, 2, ...): blocks loaded and asked, measured and predicted s."""
     out: dict[int, dict[str, Any]] = {}
     for m in _PULL_LINE.finditer(log):
-        out[int(m[1])] = {"num_loaded_blocks": int(m[2]), "num_blocks": int(m[3]),
-                          "pull_s": float(m[4]), "logged_predicted_pull_s": float(m[5])}  # fmt: skip
+        out[int(m[1])] = {
+            "num_loaded_blocks": int(m[2]),
+            "num_blocks": int(m[3]),
+            "pull_s": float(m[4]),
+            "logged_predicted_pull_s": float(m[5]),
+        }
     return out
 
 
@@ -113,9 +123,13 @@ def run_engine(python: str, job: dict[str, Any], name: str, workdir: Path) -> tu
     job_path.write_text(json.dumps(job))
     with log_path.open("w") as log_f:
         proc = subprocess.run(
-            [python, "-m", "kvpool.vllm.engine_job", str(job_path)], stdout=subprocess.PIPE, stderr=log_f,
-            text=True, timeout=ENGINE_TIMEOUT_S, check=False,
-        )  # fmt: skip
+            [python, "-m", "kvpool.vllm.engine_job", str(job_path)],
+            stdout=subprocess.PIPE,
+            stderr=log_f,
+            text=True,
+            timeout=ENGINE_TIMEOUT_S,
+            check=False,
+        )
     with log_path.open("a") as log_f:  # vLLM logs to stdout: keep it, less the result line
         log_f.writelines(ln for ln in proc.stdout.splitlines(True) if not ln.startswith(RESULT_PREFIX))
     log = log_path.read_text(errors="replace")
@@ -191,11 +205,20 @@ def run_vllm_bench(
         return result, log
 
     def job(master: str, prompts: list[list[int]]) -> dict[str, Any]:  # a connector engine has the pool
-        return engine_job(model_dir=model_dir, master=master, prefix_caching=bool(master), prompts=prompts,
-                          warmup=warmup, max_tokens=max_tokens, settle_s=SETTLE_S if master else 0.0)  # fmt: skip
+        return engine_job(
+            model_dir=model_dir,
+            master=master,
+            prefix_caching=bool(master),
+            prompts=prompts,
+            warmup=warmup,
+            max_tokens=max_tokens,
+            settle_s=SETTLE_S if master else 0.0,
+        )
 
-    console.print(f"vLLM {version}, {num_prefixes} prefixes of {prefix_tokens} tokens + {question_tokens}-token "
-                  f"questions, {max_tokens} greedy tokens each, model {model_dir}")  # fmt: skip
+    console.print(
+        f"vLLM {version}, {num_prefixes} prefixes of {prefix_tokens} tokens + {question_tokens}-token "
+        f"questions, {max_tokens} greedy tokens each, model {model_dir}"
+    )
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-vllm-") as tmp:
         workdir = log_dir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -223,10 +246,19 @@ def run_vllm_bench(
         for i in range(num_prefixes)
     ]
     summary = summarize(
-        records, prefix_tokens=prefix_tokens, question_tokens=question_tokens, max_tokens=max_tokens,
-        block_size=BLOCK_SIZE, layout=LAYOUT, warmup_tokens=WARMUP_TOKENS, settle_s=SETTLE_S, engines=engines,
-        wall_s=time.perf_counter() - t_start, pulls_logged=pulls, kvpool_logs=kvpool_logs,
-    )  # fmt: skip
+        records,
+        prefix_tokens=prefix_tokens,
+        question_tokens=question_tokens,
+        max_tokens=max_tokens,
+        block_size=BLOCK_SIZE,
+        layout=LAYOUT,
+        warmup_tokens=WARMUP_TOKENS,
+        settle_s=SETTLE_S,
+        engines=engines,
+        wall_s=time.perf_counter() - t_start,
+        pulls_logged=pulls,
+        kvpool_logs=kvpool_logs,
+    )
     print_report(console, records, summary)
     report = write_report(None, "vllm", records, summary)
     report["env"] |= {"vllm": version, "engine_python": python}

@@ -14,8 +14,16 @@ from typing import Any
 POOL_OVER_COLD_MAX = 0.10
 POOL_OVER_COLD_STRETCH = 0.05
 PULL_FACTOR_MAX = 1.5  # (c) - (b) <= this x the predicted pull time
-_POOL_KEYS = ("decision", "reason", "num_pool_blocks", "num_loaded_tokens", "loaded_bytes",
-              "predicted_pull_s", "predicted_recompute_s", "match_s")  # fmt: skip
+_POOL_KEYS = (
+    "decision",
+    "reason",
+    "num_pool_blocks",
+    "num_loaded_tokens",
+    "loaded_bytes",
+    "predicted_pull_s",
+    "predicted_recompute_s",
+    "match_s",
+)
 
 
 def prefix_record(
@@ -31,14 +39,17 @@ def prefix_record(
     rep = pool.get("kvpool") or {}
     rec: dict[str, Any] = {
         "prefix": i,
-        "cold_ttft_s": cold[1]["ttft_s"], "cold_q1_ttft_s": cold[0]["ttft_s"],
-        "local_ttft_s": local[1]["ttft_s"], "publish_ttft_s": local[0]["ttft_s"], "pool_ttft_s": pool["ttft_s"],
+        "cold_ttft_s": cold[1]["ttft_s"],
+        "cold_q1_ttft_s": cold[0]["ttft_s"],
+        "local_ttft_s": local[1]["ttft_s"],
+        "publish_ttft_s": local[0]["ttft_s"],
+        "pool_ttft_s": pool["ttft_s"],
         "pool_over_cold": _ratio(pool["ttft_s"], cold[1]["ttft_s"]),
         "pool_minus_local_s": pool["ttft_s"] - local[1]["ttft_s"],
         "cold_num_cached_tokens": cold[1]["num_cached_tokens"],
         "local_num_cached_tokens": local[1]["num_cached_tokens"],
         "pool_num_cached_tokens": pool["num_cached_tokens"],
-    }  # fmt: skip
+    }
     rec |= {k: rep.get(k) for k in _POOL_KEYS}
     rec["decision"] = rep.get("decision", "no report")
     rec["pull_s"] = pull.get("pull_s") if pull else None  # measured by the worker (its log), not predicted
@@ -75,11 +86,17 @@ def summarize(records: Sequence[dict[str, Any]], **settings: Any) -> dict[str, A
     s: dict[str, Any] = dict(settings)
     s |= {
         "num_prefixes": n,
-        "cold_ttft_s": cold, "cold_ttft_over": "the cold engine's prefix+q2 requests (the prompts (b) and (c) serve)",
+        "cold_ttft_s": cold,
+        "cold_ttft_over": "the cold engine's prefix+q2 requests (the prompts (b) and (c) serve)",
         "cold_all_ttft_s": _median([x for r in records for x in (r["cold_ttft_s"], r["cold_q1_ttft_s"])]),
-        "local_ttft_s": local, "pool_ttft_s": pool, "publish_ttft_s": _median([r["publish_ttft_s"] for r in records]),
-        "pool_over_cold": over, "local_over_cold": _ratio(local, cold), "pool_minus_local_s": minus,
-        "predicted_pull_s": predicted, "pull_s": _median([r["pull_s"] for r in records]),
+        "local_ttft_s": local,
+        "pool_ttft_s": pool,
+        "publish_ttft_s": _median([r["publish_ttft_s"] for r in records]),
+        "pool_over_cold": over,
+        "local_over_cold": _ratio(local, cold),
+        "pool_minus_local_s": minus,
+        "predicted_pull_s": predicted,
+        "pull_s": _median([r["pull_s"] for r in records]),
         "predicted_recompute_s": _median([r["predicted_recompute_s"] for r in records]),
         "match_s": _median([r["match_s"] for r in records]),
         "loaded_bytes": _median([r["loaded_bytes"] for r in records]),
@@ -90,14 +107,14 @@ def summarize(records: Sequence[dict[str, Any]], **settings: Any) -> dict[str, A
         "decisions": dict(Counter(r["decision"] for r in records)),
         "greedy_equal": sum(r["greedy_equal"] for r in records) / n if n else None,
         "greedy_equal_local": sum(r["local_greedy_equal"] for r in records) / n if n else None,
-    }  # fmt: skip
+    }
     limit = None if predicted is None else PULL_FACTOR_MAX * predicted
     targets = [
         _target(f"(c)/(a) <= {POOL_OVER_COLD_MAX}", over, POOL_OVER_COLD_MAX),
         _target(f"(c)/(a) <= {POOL_OVER_COLD_STRETCH} (stretch)", over, POOL_OVER_COLD_STRETCH, stretch=True),
         _target(f"(c) - (b) <= {PULL_FACTOR_MAX} x predicted pull", minus, limit),
         _target("greedy equality (c) vs (a) = 100%", s["greedy_equal"], 1.0, at_least=True),
-    ]  # fmt: skip
+    ]
     s["targets"] = targets
     s["pool_over_cold_met"] = targets[0]["met"]
     s["pool_over_cold_stretch_met"] = targets[1]["met"]
@@ -130,26 +147,57 @@ def print_report(console: Any, records: Sequence[dict[str, Any]], summary: dict[
         "-token question; (a) cold, (b) vLLM's own cache, (c) loaded from kvpool by a fresh engine"
     )
     table = Table(title=title)
-    cols = ("prefix", "(a) cold s", "(b) local s", "(c) pool s", "(c)/(a)", "(c)-(b) s", "pred. pull s",
-            "pull s", "decision", "loaded MiB", "cached (b)/(c)", "greedy =")  # fmt: skip
+    cols = (
+        "prefix",
+        "(a) cold s",
+        "(b) local s",
+        "(c) pool s",
+        "(c)/(a)",
+        "(c)-(b) s",
+        "pred. pull s",
+        "pull s",
+        "decision",
+        "loaded MiB",
+        "cached (b)/(c)",
+        "greedy =",
+    )
     for col in cols:
         table.add_column(col, justify="left" if col in ("decision",) else "right")
     for r in records:
         dec = r["decision"] + (f" ({r['reason']})" if r.get("reason") else "")
         table.add_row(
-            str(r["prefix"]), _f(r["cold_ttft_s"]), _f(r["local_ttft_s"]), _f(r["pool_ttft_s"]),
-            _f(r["pool_over_cold"]), _f(r["pool_minus_local_s"]), _f(r["predicted_pull_s"]), _f(r["pull_s"]),
-            dec, _mib(r["loaded_bytes"]), f"{r['local_num_cached_tokens']}/{r['pool_num_cached_tokens']}",
+            str(r["prefix"]),
+            _f(r["cold_ttft_s"]),
+            _f(r["local_ttft_s"]),
+            _f(r["pool_ttft_s"]),
+            _f(r["pool_over_cold"]),
+            _f(r["pool_minus_local_s"]),
+            _f(r["predicted_pull_s"]),
+            _f(r["pull_s"]),
+            dec,
+            _mib(r["loaded_bytes"]),
+            f"{r['local_num_cached_tokens']}/{r['pool_num_cached_tokens']}",
             "yes" if r["greedy_equal"] else "[red]NO[/red]",
-        )  # fmt: skip
+        )
     s = summary
     decisions = ", ".join(f"{k} x{v}" for k, v in s["decisions"].items())
     cached = f"{_f(s['local_num_cached_tokens'], '.0f')}/{_f(s['pool_num_cached_tokens'], '.0f')}"
     table.add_row(
-        "median", _f(s["cold_ttft_s"]), _f(s["local_ttft_s"]), _f(s["pool_ttft_s"]), _f(s["pool_over_cold"]),
-        _f(s["pool_minus_local_s"]), _f(s["predicted_pull_s"]), _f(s["pull_s"]), decisions, _mib(s["loaded_bytes"]),
-        cached, _f(s["greedy_equal"], ".0%"), style="bold", end_section=True,
-    )  # fmt: skip
+        "median",
+        _f(s["cold_ttft_s"]),
+        _f(s["local_ttft_s"]),
+        _f(s["pool_ttft_s"]),
+        _f(s["pool_over_cold"]),
+        _f(s["pool_minus_local_s"]),
+        _f(s["predicted_pull_s"]),
+        _f(s["pull_s"]),
+        decisions,
+        _mib(s["loaded_bytes"]),
+        cached,
+        _f(s["greedy_equal"], ".0%"),
+        style="bold",
+        end_section=True,
+    )
     console.print(table)
     console.print(
         f"(a) = median over the cold engine's prefix+q2 requests (all its requests: {_f(s['cold_all_ttft_s'])} s); "
@@ -171,9 +219,11 @@ def plot_report(records: Sequence[dict[str, Any]], summary: dict[str, Any], path
     import matplotlib.pyplot as plt
 
     labels = [f"prefix {r['prefix']}" for r in records] + ["median"]
-    series = [("cold_ttft_s", "(a) cold, fresh engine", "C3"),
-              ("local_ttft_s", "(b) vLLM's own prefix cache", "C2"),
-              ("pool_ttft_s", "(c) loaded from kvpool, fresh engine", "C0")]  # fmt: skip
+    series = [
+        ("cold_ttft_s", "(a) cold, fresh engine", "C3"),
+        ("local_ttft_s", "(b) vLLM's own prefix cache", "C2"),
+        ("pool_ttft_s", "(c) loaded from kvpool, fresh engine", "C0"),
+    ]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(labels) + 2), 4.5))
     width = 0.27
     for k, (key, label, color) in enumerate(series):

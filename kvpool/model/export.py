@@ -80,10 +80,16 @@ def build_byte_tokenizer() -> Any:
 
 def _tokenizer_config(spec: EmbeddedSpec) -> dict[str, Any]:
     added = {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                 "special": True}
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for t, i in SPECIAL_IDS.items()
-    }  # fmt: skip
+    }
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,

@@ -44,9 +44,17 @@ def make_adapter(path: Path, seed: int, rank: int = 8) -> str:
             tensors[f"{key}.lora_B.weight"] = rng.standard_normal((out, rank), dtype=np.float32) * 0.1
     path.mkdir(parents=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ["q_proj", "v_proj"],
-              "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM", "fan_in_fan_out": False,
-              "base_model_name_or_path": model_dir()}  # fmt: skip
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": rank,
+        "target_modules": ["q_proj", "v_proj"],
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+        "fan_in_fan_out": False,
+        "base_model_name_or_path": model_dir(),
+    }
     (path / "adapter_config.json").write_text(json.dumps(config))
     return str(path)
 

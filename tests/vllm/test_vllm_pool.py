@@ -57,10 +57,14 @@ def runs() -> dict[str, Any]:
         # B (fresh process, vLLM's prefix cache on): two new questions per document, then turns 2-4
         rag = [doc(d) + question(d, q) for d in range(NUM_DOCS) for q in (1, 2)]
         chats = [
-            {"chat": True, "start": chat_turn1(c) + a["phases"][0][NUM_DOCS + c]["tokens"] + user(c, 2),
-             "users": [user(c, 3), user(c, 4)], "max_tokens": REPLY_TOKENS}
+            {
+                "chat": True,
+                "start": chat_turn1(c) + a["phases"][0][NUM_DOCS + c]["tokens"] + user(c, 2),
+                "users": [user(c, 3), user(c, 4)],
+                "max_tokens": REPLY_TOKENS,
+            }
             for c in range(NUM_CHATS)
-        ]  # fmt: skip
+        ]
         b = run_engine(
             {
                 "master": master,

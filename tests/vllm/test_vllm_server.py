@@ -61,11 +61,32 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     spec = LocalClusterSpec(layout=BF16_LAYOUT, num_stores=1, num_prefill=0, num_decode=0)
     with LocalCluster(spec) as cluster:
         port = _free_port()
-        kv = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.vllm", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"master": cluster.master_address}}  # fmt: skip
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype",
-               "bfloat16", "--block-size", "64", "--max-model-len", "4096", "--enforce-eager", "--host",
-               "127.0.0.1", "--port", str(port), "--kv-transfer-config", json.dumps(kv)]  # fmt: skip
+        kv = {
+            "kv_connector": "KVPoolConnector",
+            "kv_connector_module_path": "kvpool.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"master": cluster.master_address},
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--dtype",
+            "bfloat16",
+            "--block-size",
+            "64",
+            "--max-model-len",
+            "4096",
+            "--enforce-eager",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--kv-transfer-config",
+            json.dumps(kv),
+        ]
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
         with log.open("wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -83,8 +104,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             proc.terminate()
             proc.wait(timeout=60)
         ids = TOKENIZER.encode(TEXT)
-        job = {"master": cluster.master_address, "model": str(model), "dtype": "bfloat16",
-               "phases": [[{"prompt_token_ids": ids, "max_tokens": 12}]]}  # fmt: skip
+        job = {
+            "master": cluster.master_address,
+            "model": str(model),
+            "dtype": "bfloat16",
+            "phases": [[{"prompt_token_ids": ids, "max_tokens": 12}]],
+        }
         fresh = run_engine(job)["phases"][0][0]
     return {"served": served, "chat": chat, "fresh": fresh, "ids": ids, "log": log.read_text()}
 
