@@ -355,35 +355,22 @@ def test_saves_each_full_block_once(half) -> None:
     assert half.build_connector_meta(sched_out()).saves == []
 
 
-def finish_after_spec_decode(half: SchedulerHalf, seed: int) -> tuple[Req, bool, dict[str, Any] | None]:
-    """Prefill 200 tokens, then one step of 1 + 55 drafts, all accepted: block 3's KV is computed, but the
-    step announced only the verified token (drafts are not counted done); then the request stops."""
-    req = Req("f", prompt(200, seed=seed))
+def test_a_finished_requests_last_full_block_is_saved_before_its_blocks_are_freed(half) -> None:
+    # Prefill 200 tokens, then one step of 1 + 55 drafts, all accepted: block 3's KV is computed, but the
+    # step announced only the verified token (drafts are not counted done); then the request stops.
+    req = Req("f", prompt(200, seed=9))
     assert len(prefill(half, req, [20, 21, 22, 23])) == 1
     so = sched_out(cached=[("f", 200)], tokens={"f": 56}, spec={"f": list(range(55))})
     assert half.build_connector_meta(so).saves == []
     req.num_computed_tokens = 4 * BS
     req.all_token_ids += [3] * 56
-    return req, *half.request_finished(req, [20, 21, 22, 23, 24])
-
-
-def test_a_finished_requests_last_full_block_is_saved_before_its_blocks_are_freed(half) -> None:
-    req, done, params = finish_after_spec_decode(half, seed=9)
+    done, params = half.request_finished(req, [20, 21, 22, 23, 24])
     assert done is True and params is not None and params["kvpool"]["decision"] == "none"
+    assert params["kvpool"]["num_saved_blocks"] == 4  # the final save counts
     [save] = half.build_connector_meta(sched_out()).saves
     assert (save.start_block, save.block_ids, save.final) == (3, [23], True)
     assert save.hashes == hash_blocks(digest(half), req.all_token_ids[: 4 * BS], BS)
     assert half.build_connector_meta(sched_out()).saves == []
-
-
-@bug(
-    "scheduler.py request_finished builds the report (_report) before the final SaveSpec, so "
-    "num_saved_blocks leaves out the blocks that final save publishes",
-)
-def test_the_report_counts_the_final_save(half) -> None:
-    _, done, params = finish_after_spec_decode(half, seed=10)
-    assert done is True and params is not None
-    assert params["kvpool"]["num_saved_blocks"] == 4
 
 
 @bug(
