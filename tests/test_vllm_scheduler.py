@@ -37,10 +37,6 @@ BS = LAYOUT.block_size
 FAST_S = 0.05  # no call of the engine step may take longer
 
 
-def bug(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=reason)
-
-
 class Req:
     """vLLM's `Request`, as far as the scheduler half reads it."""
 
@@ -239,10 +235,6 @@ def test_leases_b13(half, pool) -> None:
     assert wait_until(lambda: live(pool) == base), "the late match's lease was never released"
 
 
-@bug(
-    "scheduler.py request_finished: a match that answered but was never polled again has no "
-    "st.plan, so its lease is neither released nor renewed (held until its TTL expires)",
-)
 def test_a_request_finished_after_its_match_answered_releases_the_lease(half, pool) -> None:
     tokens = prompt(6 * BS + 10, seed=5)
     put(half, pool, tokens, 5)
@@ -262,10 +254,6 @@ def test_a_request_finished_after_its_match_answered_releases_the_lease(half, po
         half.connector.release(plan)
 
 
-@bug(
-    "scheduler.py get_num_new_matched_tokens re-answers from a plan whose lease _answer already "
-    "released (answer 0), so a later, smaller local hit loads pool blocks under no lease (B13)",
-)
 def test_a_load_after_the_local_hit_shrank_holds_a_lease(half, pool) -> None:
     tokens = prompt(6 * BS + 10, seed=6)
     put(half, pool, tokens, 5)
@@ -373,11 +361,6 @@ def test_a_finished_requests_last_full_block_is_saved_before_its_blocks_are_free
     assert half.build_connector_meta(sched_out()).saves == []
 
 
-@bug(
-    "scheduler.py _start_match returns before agent.namespace when there is nothing to match "
-    "(prompt < 1 block + 1 token, or all local), so a namespace new to this engine stays unknown and "
-    "_save_spec never saves the request's decode blocks",
-)
 def test_decode_blocks_of_a_short_first_prompt_are_saved(half) -> None:
     req = Req("short", prompt(10, seed=11))
     saves = prefill(half, req, [5, 6]) + decode(half, req, until=BS - 1)

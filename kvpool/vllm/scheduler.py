@@ -118,10 +118,16 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         st = self._reqs.get(rid)
-        if st is None or (st.phase == "done" and self._may_ask_again(st, request)):
+        if st is not None and st.phase == "decided" and self._lease_gone(st, num_computed_tokens):
+            st.phase, st.plan = (
+                "done",
+                None,
+            )  # vLLM's own cache shrank below a plan whose lease is gone: ask again
             st = self._start_match(request, num_computed_tokens, st)
-            if st is None:
-                return 0, False
+        elif st is None or (st.phase == "done" and self._may_ask_again(st, request)):
+            st = self._start_match(request, num_computed_tokens, st)
+        if st is None:
+            return 0, False
         if st.phase == "matching":
             assert st.future is not None
             if not st.future.done():
@@ -144,6 +150,14 @@ class SchedulerHalf:
         if st.num_local_tokens != num_computed_tokens:  # vLLM's own cache changed since: re-answer
             self._answer(st, num_computed_tokens)
         return st.num_external_tokens, self.load_async and st.num_external_tokens > 0
+
+    def _lease_gone(self, st: RequestState, num_computed_tokens: int) -> bool:
+        """Would the decided plan now load blocks (vLLM's local hit shrank) although its lease was released
+        (the earlier answer loaded nothing)? Loading them unleased could read freed slots (B13)."""
+        plan = st.plan
+        if plan is None or plan.lease_id or st.num_local_tokens == num_computed_tokens:
+            return False
+        return min(plan.num_load_blocks, plan.num_pool_blocks) * self.block_size > num_computed_tokens
 
     @staticmethod
     def _may_ask_again(st: RequestState, request: Any) -> bool:
@@ -174,6 +188,8 @@ class SchedulerHalf:
             # vLLM holds every reusable block itself: nothing to ask. Its blocks came from this engine's
             # earlier requests, which published them (or loaded them from the pool): saves start after them.
             st.num_saved_blocks = max(st.num_saved_blocks, num_computed_tokens // self.block_size)
+            if not self.agent.known(st.digest):  # a new namespace still needs registering for the saves
+                self._matcher.submit(self._register, st.ns)
             return st
         tokens = list(request.all_token_ids)
         self._extend_hashes(st, tokens, max_blocks)
@@ -186,6 +202,12 @@ class SchedulerHalf:
         st.asked_s = self._clock()
         st.phase = "matching"
         return st
+
+    def _register(self, ns: Namespace) -> None:
+        try:
+            self.agent.namespace(ns)
+        except Exception as exc:  # noqa: BLE001 - the master is down: this request's blocks go unsaved
+            log.debug("namespace registration failed: %s", exc)
 
     def _plan(
         self,
@@ -244,7 +266,8 @@ class SchedulerHalf:
             self.connector.release(plan, request_id=st.request.request_id)
 
     def _release_late(self, future: Future[LoadPlan]) -> None:
-        if future.exception() is None:
+        """Drop the lease of a match nobody will use (idempotent: `KVConnector.release`)."""
+        if not future.cancelled() and future.exception() is None:
             self.connector.release(future.result())
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -363,8 +386,8 @@ class SchedulerHalf:
         st = self._reqs.pop(rid, None)
         if st is None:
             return False, None
-        if st.future is not None and not st.future.done():
-            st.future.add_done_callback(self._release_late)
+        if st.future is not None and st.plan is None:  # a match in flight, or answered but not taken up yet
+            st.future.add_done_callback(self._release_late)  # runs now when the future is done
         elif st.plan is not None and st.phase != "loading":
             self.connector.release(st.plan, request_id=rid)
         elif st.plan is not None:  # vLLM frees its blocks when the load ends; the worker owns the lease
@@ -426,4 +449,6 @@ class SchedulerHalf:
         for st in list(self._reqs.values()):
             if st.plan is not None:
                 self.connector.release(st.plan)
+            elif st.future is not None:
+                st.future.add_done_callback(self._release_late)
         self._reqs.clear()
