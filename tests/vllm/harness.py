@@ -7,6 +7,7 @@ generators so every run sees the same ones.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -30,9 +31,21 @@ def model_dir(seed: int = 0) -> str:
     return str(embedded_model_dir(EmbeddedSpec(seed=seed)))
 
 
-def run_engine(job: dict[str, Any], *, timeout_s: float = 300.0, expect_ok: bool = True) -> dict[str, Any]:
-    """Run one engine process on `job`; returns its results (plus `stderr`), or with `expect_ok=False`
-    `{"returncode", "stderr"}` whatever happened."""
+FORCE_PULL = {"KVPOOL_FORCE_DECISION": "pull"}
+"""For tests that assert exact hits: every matched block is loaded, under `pull_timeout_s` rather than the
+cost model's deadline (on a loaded 2-core host that deadline can rightly abandon a slow pull and
+recompute, which costs a hit and changes nothing else)."""
+
+
+def run_engine(
+    job: dict[str, Any],
+    *,
+    timeout_s: float = 300.0,
+    expect_ok: bool = True,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Run one engine process on `job` (with `env` added to the environment); returns its results (plus
+    `stderr`), or with `expect_ok=False` `{"returncode", "stderr"}` whatever happened."""
     job = {"model": model_dir(), "block_size": BLOCK, **job}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
@@ -41,6 +54,7 @@ def run_engine(job: dict[str, Any], *, timeout_s: float = 300.0, expect_ok: bool
         capture_output=True,
         text=True,
         timeout=timeout_s,
+        env={**os.environ, **(env or {})},
     )
     Path(f.name).unlink(missing_ok=True)
     if not expect_ok:

@@ -74,11 +74,18 @@ def runs() -> dict[str, Any]:
         )
         b_results = [r | {"prompt_token_ids": p} for r, p in zip(b["phases"][0], rag, strict=True)]
         b_results += [r for phase in b["phases"][1:] for r in phase]
+        offered_after = set(_replicas(cluster, doc(CORRUPT_DOC)))
         # C: the same prompts, cold (no connector, no prefix cache)
         c = run_engine(
             {"phases": [requests([r["prompt_token_ids"] for r in b_results], max_tokens=REPLY_TOKENS)]}
         )
-        return {"a": a, "b": b_results, "cold": c["phases"][0], "corrupted": corrupted, "b_log": b["stderr"]}
+        return {
+            "a": a,
+            "b": b_results,
+            "cold": c["phases"][0],
+            "corrupted": corrupted,
+            "offered_after": offered_after,
+        }
 
 
 def _replicas(cluster: LocalCluster, prompt: list[int]) -> list[tuple[str, int, int]]:
