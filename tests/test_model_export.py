@@ -156,8 +156,11 @@ def test_cli_export(tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyP
     assert result.exit_code == 0, result.output
     lines = result.stdout.strip().splitlines()
     assert lines[0] == str(out.resolve())
-    assert lines[1].startswith("HF_HUB_OFFLINE=1 python -m vllm.entrypoints.openai.api_server --model ")
+    assert lines[1].startswith(
+        "HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 python -m vllm.entrypoints.openai.api_server"
+    )
     assert "--dtype float32 --block-size 64" in lines[1] and DEFAULT_SPEC.model_id in lines[1]
+    assert '"kv_connector": "KVPoolConnector"' in lines[1] and '"master": "127.0.0.1:50051"' in lines[1]
     assert (out / "tokenizer.json").is_file()
     again = CliRunner().invoke(app, ["model", "export", str(out)])
     assert again.exit_code == 1 and "AlreadyExists" in again.output

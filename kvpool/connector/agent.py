@@ -163,6 +163,7 @@ class NodeAgent:
                 log.warning("could not deregister %s from the master: %s", self.node_id, exc)
 
     def _run(self) -> None:
+        failing = False  # one warning per outage, not one per heartbeat
         while not self._stop.wait(self.heartbeat_interval_s):
             try:
                 from kvpool.client import NodeLoad
@@ -183,5 +184,16 @@ class NodeAgent:
                     self._register_namespaces()
                 if self.on_heartbeat is not None:
                     self.on_heartbeat(self.epoch)
+                if failing:
+                    log.warning("heartbeats of %s reach the master again", self.node_id)
+                    failing = False
             except Exception as exc:  # noqa: BLE001 - keep heartbeating through master outages
-                log.warning("heartbeat failed: %s", exc)
+                if not failing:
+                    log.warning(
+                        "heartbeat failed: %s (retrying every %.1fs; quiet until it answers)",
+                        exc,
+                        self.heartbeat_interval_s,
+                    )
+                else:
+                    log.debug("heartbeat failed: %s", exc)
+                failing = True

@@ -163,10 +163,21 @@ def export_model_dir(
     return out_dir
 
 
-def vllm_serve_command(model_dir: Path, *, served_model_name: str) -> str:
-    """The one-line shell command that serves `model_dir` with vLLM's OpenAI server on a CPU, offline."""
+def vllm_serve_command(model_dir: Path, *, served_model_name: str, master: str = "127.0.0.1:50051") -> str:
+    """The shell command that serves `model_dir` with vLLM's OpenAI server on a CPU, offline, with kvpool's
+    connector on the pool whose master is `master` (layout `kv1:float32:b64:l4:h4:d32`, kvpool's default).
+    `VLLM_CPU_KVCACHE_SPACE` (GiB) sizes vLLM's CPU KV cache: its default takes ~92 % of the host's memory."""
+    kv = json.dumps(
+        {
+            "kv_connector": "KVPoolConnector",
+            "kv_connector_module_path": "kvpool.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"master": master},
+        }
+    )
     return (
-        "HF_HUB_OFFLINE=1 python -m vllm.entrypoints.openai.api_server"
-        f" --model {shlex.quote(str(model_dir))} --dtype float32 --block-size 64 --max-model-len 4096"
-        f" --served-model-name {shlex.quote(served_model_name)}"
+        "HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 python -m vllm.entrypoints.openai.api_server"
+        f" --model {shlex.quote(str(model_dir))} --dtype float32 --block-size 64 --max-model-len 8192"
+        f" --served-model-name {shlex.quote(served_model_name)} --enable-prompt-tokens-details"
+        f" --kv-transfer-config {shlex.quote(kv)}"
     )

@@ -403,7 +403,9 @@ class SchedulerHalf:
         return True, params
 
     def _report(self, st: RequestState) -> dict[str, Any]:
-        """What the pool did for a request: the decision, its predictions, what was loaded and saved."""
+        """What the pool did for a request: the decision and its predictions, the tokens loaded (planned,
+        and what arrived), and `num_saved_blocks`: the request's chain blocks queued for publishing (a
+        publish that fails later shows in the log and the publisher's counters, not here)."""
         out: dict[str, Any] = {
             "num_saved_blocks": st.num_saved_blocks,
             "load_failed": st.load_failed,
@@ -416,12 +418,15 @@ class SchedulerHalf:
         if plan is None:
             return out | {"decision": "none" if st.future is None else "no_answer"}
         s = plan.stats
-        loaded = st.num_external_tokens // self.block_size
+        loaded = st.num_external_tokens // self.block_size  # a failed load: only its intact leading run
+        if st.load_failed:
+            loaded = max(0, st.num_intact_blocks - st.num_local_tokens // self.block_size)
         return out | {
             "decision": s.decision,
             "reason": s.reason,
             "num_pool_blocks": plan.num_pool_blocks,
-            "num_loaded_tokens": st.num_external_tokens,
+            "num_loaded_tokens": loaded * self.block_size,
+            "num_planned_load_tokens": st.num_external_tokens,
             "loaded_bytes": loaded * self.connector.block_nbytes,
             "predicted_pull_s": s.predicted_pull_s,
             "predicted_recompute_s": s.predicted_recompute_s,
@@ -444,6 +449,7 @@ class SchedulerHalf:
                     log.debug("renew of lease %d failed: %s", lease_id, exc)
 
     def shutdown(self) -> None:
+        """Stop matching and renewing, release every lease held, and deregister the engine at the master."""
         self._stop.set()
         self._matcher.shutdown(wait=False, cancel_futures=True)
         for st in list(self._reqs.values()):
@@ -452,3 +458,4 @@ class SchedulerHalf:
             elif st.future is not None:
                 st.future.add_done_callback(self._release_late)
         self._reqs.clear()
+        self.agent.stop()  # deregisters: `kvpool admin nodes` drops the engine at once

@@ -251,7 +251,8 @@ class WorkerHalf:
         self.publisher.close()
         c = self.publisher.counters
         log.info(
-            "kvpool publisher: %d jobs, %d blocks committed, %d already present, %d failed, %d dropped",
+            "kvpool publisher: %d publishes, %d blocks committed, %d already present, %d publishes failed, "
+            "%d dropped",
             c.num_jobs,
             c.num_committed_blocks,
             c.num_existing_blocks,

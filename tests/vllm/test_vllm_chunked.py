@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 PROMPTS = [tokens(700 + i, 1200) for i in range(3)]
 MAX_TOKENS = 100
 _PUBLISHER = re.compile(
-    r"kvpool publisher: (\d+) jobs, (\d+) blocks committed, (\d+) already present, (\d+) failed"
+    r"kvpool publisher: (\d+) publishes, (\d+) blocks committed, (\d+) already present, (\d+) publishes failed"
 )
 
 
