@@ -21,64 +21,19 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from kvpool.connector.agent import NodeAgent
 from kvpool.connector.connector import KVConnector
 from kvpool.connector.plan import LoadPlan
 from kvpool.cost import LinkEstimate
-from kvpool.errors import TransferError
 from kvpool.hashing import Namespace, hash_blocks
 from kvpool.vllm.identity import Namespaces
 from kvpool.vllm.meta import KVPoolMetadata, KVPoolWorkerMetadata, LoadSpec, SaveSpec
+from kvpool.vllm.request_state import ReportedLinks, RequestState, request_report
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RequestState:
-    """The scheduler half's view of one request. `phase`: matching | decided | loading | done."""
-
-    request: Any
-    ns: Namespace | None = None
-    digest: bytes = b""
-    hashes: list[bytes] = field(default_factory=list)
-    future: Future[LoadPlan] | None = None
-    asked_s: float = 0.0
-    plan: LoadPlan | None = None
-    phase: str = "done"
-    num_local_tokens: int = 0
-    num_external_tokens: int = 0
-    num_saved_blocks: int = 0
-    num_matches: int = 0
-    num_preemptions: int = 0
-    load_failed: bool = False
-    num_intact_blocks: int = 0
-
-
-class ReportedLinks:
-    """The links the workers measured (their transport's connect probe, updated by every real transfer),
-    as the decision connector's `transport.link`. Thread-safe. A store no worker has measured yet has no
-    estimate: the decision then treats the pull as free and the pull deadline bounds the loss."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._links: dict[str, LinkEstimate] = {}
-
-    def update(self, peer: str, link: LinkEstimate) -> None:
-        with self._lock:
-            self._links[peer] = link
-
-    def link(self, peer: str) -> LinkEstimate:
-        with self._lock:
-            link = self._links.get(peer)
-        if link is None:
-            raise TransferError(f"no worker has measured the link to {peer} yet")
-        return link
-
-    def close(self) -> None:
-        return
 
 
 class SchedulerHalf:
@@ -403,35 +358,7 @@ class SchedulerHalf:
         return True, params
 
     def _report(self, st: RequestState) -> dict[str, Any]:
-        """What the pool did for a request: the decision and its predictions, the tokens loaded (planned,
-        and what arrived), and `num_saved_blocks`: the request's chain blocks queued for publishing (a
-        publish that fails later shows in the log and the publisher's counters, not here)."""
-        out: dict[str, Any] = {
-            "num_saved_blocks": st.num_saved_blocks,
-            "load_failed": st.load_failed,
-            # a failed load: the leading blocks that arrived intact (vLLM recomputed from there; its
-            # num_cached_tokens still counts the whole planned load)
-            "num_intact_tokens": st.num_intact_blocks * self.block_size if st.load_failed else None,
-            "num_preemptions": int(getattr(st.request, "num_preemptions", 0)),
-        }
-        plan = st.plan
-        if plan is None:
-            return out | {"decision": "none" if st.future is None else "no_answer"}
-        s = plan.stats
-        loaded = st.num_external_tokens // self.block_size  # a failed load: only its intact leading run
-        if st.load_failed:
-            loaded = max(0, st.num_intact_blocks - st.num_local_tokens // self.block_size)
-        return out | {
-            "decision": s.decision,
-            "reason": s.reason,
-            "num_pool_blocks": plan.num_pool_blocks,
-            "num_loaded_tokens": loaded * self.block_size,
-            "num_planned_load_tokens": st.num_external_tokens,
-            "loaded_bytes": loaded * self.connector.block_nbytes,
-            "predicted_pull_s": s.predicted_pull_s,
-            "predicted_recompute_s": s.predicted_recompute_s,
-            "match_s": s.match_s,
-        }
+        return request_report(st, self.block_size, self.connector.block_nbytes)
 
     # ---- leases ------------------------------------------------------------------------------------
     def _renew_leases(self) -> None:
