@@ -288,12 +288,12 @@ def silent_master() -> Iterator[str]:
 
 
 def test_a_silent_master_costs_the_hit_never_the_step() -> None:
-    with silent_master() as address, built(address, match_wait_s=0.2, timeout_s=1.0) as h:
+    with silent_master() as address, built(address, match_wait_s=0.2, timeout_s=5.0) as h:
         req = Req("r", prompt(3 * BS, seed=7))
         t0 = time.monotonic()
         assert call(h, req, 0) == (None, False)
         assert answer(h, req, 0, timed=True) == 0
-        assert 0.2 <= time.monotonic() - t0 < 0.8
+        assert 0.2 <= time.monotonic() - t0 < 3.0  # well before the master call times out (5 s)
         assert call(h, req, 0) == (0, False)  # never asked again
         assert h.num_match_timeouts == 1 and h._reqs["r"].num_matches == 1
         _, params = h.request_finished(req, [])
