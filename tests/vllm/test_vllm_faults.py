@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
+from kvpool.client import MasterClient
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec
+from kvpool.hashing import hash_blocks
 from tests.vllm.harness import BLOCK, FP32_LAYOUT, requests, run_engine, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -50,6 +52,15 @@ def delaying_proxy(target: str, delay_s: float) -> tuple[socket.socket, str]:
     return lsock, f"127.0.0.1:{lsock.getsockname()[1]}"
 
 
+def _store_of_block(cluster: LocalCluster, prompt: list[int], i: int) -> Any:
+    """The store process holding block `i` of `prompt` (the only namespace in the pool)."""
+    with MasterClient(cluster.master_address, timeout_s=5.0) as m:
+        ns = m.stats().namespaces[0].namespace
+        match = m.match(ns, hash_blocks(ns, prompt, BLOCK))
+    node_id = match.replicas[i][0].node_id
+    return next(p for p in cluster.stores if p.name == node_id)
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Any]:
     # the master keeps offering a dead store for a minute (it learns of deaths by missed heartbeats)
@@ -60,7 +71,7 @@ def runs() -> dict[str, Any]:
     with LocalCluster(spec) as cluster:
         master = cluster.master_address
         out["a"] = run_engine({"master": master, "phases": [requests(PROMPTS)], "settle_s": 1.0})["phases"][0]
-        cluster.stores[1].kill()
+        _store_of_block(cluster, PROMPTS[0], 3).kill()  # prompt 0's load fails from block 3 at the latest
         out["store_killed"] = run_engine({"master": master, "phases": [requests(PROMPTS)]})["phases"][0]
         out["mismatch"] = run_engine({"master": master, "block_size": 128, "phases": []}, expect_ok=False)
         lsock, slow = delaying_proxy(master, 4.0)
@@ -86,7 +97,7 @@ def test_a_killed_store_costs_the_missing_span_only(runs: dict[str, Any]) -> Non
     ]
     for r in runs["store_killed"]:
         if r["kvpool"]["load_failed"]:
-            assert r["kvpool"]["num_intact_tokens"] < r["kvpool"]["num_loaded_tokens"], r["kvpool"]
+            assert r["kvpool"]["num_loaded_tokens"] < r["kvpool"]["num_planned_load_tokens"], r["kvpool"]
 
 
 def test_a_layout_the_pool_does_not_hold_stops_the_engine_naming_both(runs: dict[str, Any]) -> None:
