@@ -28,6 +28,7 @@ from kvpool.connector.agent import NodeAgent
 from kvpool.connector.connector import KVConnector
 from kvpool.connector.plan import LoadPlan
 from kvpool.cost import LinkEstimate
+from kvpool.errors import DeadlineExceeded, Unavailable
 from kvpool.hashing import Namespace, hash_blocks
 from kvpool.vllm.identity import Namespaces
 from kvpool.vllm.meta import KVPoolMetadata, KVPoolWorkerMetadata, LoadSpec, SaveSpec
@@ -188,7 +189,14 @@ class SchedulerHalf:
         try:
             st.plan = st.future.result()
         except Exception as exc:  # noqa: BLE001 - a failed match is a miss
-            log.warning("[%s] match failed: %s", st.request.request_id, exc)
+            # an unreachable master is reported once per outage by the agent's heartbeats, not per request
+            down = isinstance(exc, (Unavailable, DeadlineExceeded))
+            log.log(
+                logging.DEBUG if down else logging.WARNING,
+                "[%s] match failed: %s",
+                st.request.request_id,
+                exc,
+            )
             st.phase = "done"
             return
         s = st.plan.stats
