@@ -33,8 +33,11 @@ def model_dir(seed: int = 0) -> str:
 
 FORCE_PULL = {"KVPOOL_FORCE_DECISION": "pull"}
 """For tests that assert exact hits: every matched block is loaded, under `pull_timeout_s` rather than the
-cost model's deadline (on a loaded 2-core host that deadline can rightly abandon a slow pull and
-recompute, which costs a hit and changes nothing else)."""
+cost model's deadline (on a loaded 2-core host the cost model can rightly choose to recompute a short
+prompt, or abandon a slow pull: that costs a hit and changes nothing else). The decisions themselves are
+tested in tests/test_vllm_scheduler.py, tests/test_cost.py and by `kvpool bench vllm`."""
+EXACT_WAIT_S = 30.0
+"""`match_wait_s` of an engine whose hits a test counts: the pool's answer is awaited, however busy the host."""
 
 
 def run_engine(
@@ -44,9 +47,13 @@ def run_engine(
     expect_ok: bool = True,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run one engine process on `job` (with `env` added to the environment); returns its results (plus
-    `stderr`), or with `expect_ok=False` `{"returncode", "stderr"}` whatever happened."""
+    """Run one engine process on `job` (with `env` added to the environment; `exact_hits`: see FORCE_PULL);
+    returns its results (plus `stderr`), or with `expect_ok=False` `{"returncode", "stderr"}` whatever
+    happened."""
     job = {"model": model_dir(), "block_size": BLOCK, **job}
+    if exact_hits:  # see FORCE_PULL
+        job["extra"] = {"match_wait_s": EXACT_WAIT_S, **job.get("extra", {})}
+        env = {**FORCE_PULL, **(env or {})}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     proc = subprocess.run(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec
-from tests.vllm.harness import BLOCK, FORCE_PULL, FP32_LAYOUT, requests, run_engine, tokens
+from tests.vllm.harness import BLOCK, FP32_LAYOUT, requests, run_engine, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -44,7 +44,7 @@ def runs() -> dict[str, Any]:
                 "extra": {"load_async": True},
                 "phases": [requests(PROMPTS, max_tokens=MAX_TOKENS)],
             },
-            env=FORCE_PULL,
+            exact_hits=True,
         )
         cold = run_engine({"phases": [requests(PROMPTS, max_tokens=MAX_TOKENS)]})
     return {"a": a, "b": b["phases"][0], "cold": cold["phases"][0]}

@@ -72,7 +72,9 @@ def runs() -> dict[str, Any]:
         master = cluster.master_address
         out["a"] = run_engine({"master": master, "phases": [requests(PROMPTS)], "settle_s": 1.0})["phases"][0]
         _store_of_block(cluster, PROMPTS[0], 3).kill()  # prompt 0's load fails from block 3 at the latest
-        out["store_killed"] = run_engine({"master": master, "phases": [requests(PROMPTS)]})["phases"][0]
+        out["store_killed"] = run_engine({"master": master, "phases": [requests(PROMPTS)]}, exact_hits=True)[
+            "phases"
+        ][0]
         out["mismatch"] = run_engine({"master": master, "block_size": 128, "phases": []}, expect_ok=False)
         lsock, slow = delaying_proxy(master, 4.0)
         try:

@@ -80,9 +80,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 "master": m,
                 **lora,
                 "phases": [[req(cache_salt="t2"), req(cache_salt="t1"), req(**a2), req(**a1), req()]],
-            }
+            },
+            exact_hits=True,
         )
-        other = run_engine({"master": m, "model": model_dir(seed=1), "phases": [[req()]]})
+        other = run_engine({"master": m, "model": model_dir(seed=1), "phases": [[req()]]}, exact_hits=True)
     return {"a": a["phases"][0], "b": b["phases"][0], "other_model": other["phases"][0]}
 
 

@@ -70,7 +70,8 @@ def runs() -> dict[str, Any]:
                 "master": master,
                 "prefix_caching": True,
                 "phases": [requests(rag, max_tokens=REPLY_TOKENS), *chats],
-            }
+            },
+            exact_hits=True,
         )
         b_results = [r | {"prompt_token_ids": p} for r, p in zip(b["phases"][0], rag, strict=True)]
         b_results += [r for phase in b["phases"][1:] for r in phase]

@@ -111,7 +111,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "dtype": "bfloat16",
             "phases": [[{"prompt_token_ids": ids, "max_tokens": 12}]],
         }
-        fresh = run_engine(job)["phases"][0][0]
+        fresh = run_engine(job, exact_hits=True)["phases"][0][0]
     return {"served": served, "chat": chat, "fresh": fresh, "ids": ids, "log": serving_log}
 
 
