@@ -46,6 +46,7 @@ def run_engine(
     timeout_s: float = 300.0,
     expect_ok: bool = True,
     env: dict[str, str] | None = None,
+    exact_hits: bool = False,
 ) -> dict[str, Any]:
     """Run one engine process on `job` (with `env` added to the environment; `exact_hits`: see FORCE_PULL);
     returns its results (plus `stderr`), or with `expect_ok=False` `{"returncode", "stderr"}` whatever
