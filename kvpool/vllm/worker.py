@@ -36,6 +36,9 @@ LOADING_SWITCH_INTERVAL_S = 0.0002
 requests all wait for loads spins in Python, and at the default 5 ms each hand-off of a pull (loader thread,
 UCX loop, hashing threads) waits for it: a 5 MB pull took 1.5-2 s instead of tens of ms."""
 
+FINISHED_KEEP_STEPS = 64
+"""Engine steps a finished request's id is remembered, waiting for its final save to be copied out."""
+
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -64,7 +67,8 @@ class WorkerHalf:
         self._lock = threading.Lock()
         self._loads: dict[str, Future[tuple[list[int], int, PullSample | None]]] = {}
         self._load_errors: set[int] = set()
-        self._finished_seen: set[str] = set()
+        self._finished_seen: dict[str, int] = {}  # finished request id -> the step it was seen in
+        self._steps = 0
         self._saved_final: set[str] = set()
         self._report = KVPoolWorkerMetadata()
         self._t_bind = 0.0
@@ -182,10 +186,18 @@ class WorkerHalf:
         for rid in finished_req_ids:
             self.publisher.forget(rid)
         with self._lock:
-            self._finished_seen |= finished_req_ids
-            sending = self._saved_final & self._finished_seen
+            self._steps += 1
+            for rid in finished_req_ids:
+                self._finished_seen.setdefault(rid, self._steps)
+            sending = self._saved_final & self._finished_seen.keys()
             self._saved_final -= sending
-            self._finished_seen -= sending
+            # a finished request's final save arrives in the same step as its id; keep ids a while for
+            # overlapping batches, then forget them (they would grow with every request served)
+            self._finished_seen = {
+                rid: step
+                for rid, step in self._finished_seen.items()
+                if rid not in sending and self._steps - step < FINISHED_KEEP_STEPS
+            }
             done = [(rid, f) for rid, f in self._loads.items() if f.done()]
             for rid, fut in done:
                 del self._loads[rid]
