@@ -156,7 +156,10 @@ def vllm_version(python: str) -> str:
     except OSError as exc:
         raise InvalidArgument(f"--python {python}: {exc}") from None
     if proc.returncode != 0:
-        raise InvalidArgument(f"--python {python} has no vllm (use the vLLM venv's python)")
+        raise InvalidArgument(
+            f"--python {python} has no vllm: give a python with vllm and kvpool, "
+            "e.g. .venv-vllm/bin/python ('make test-vllm' builds it)"
+        )
     return proc.stdout.strip() or "?"
 
 
