@@ -44,6 +44,15 @@ class MasterSettings(KVPoolSettings):
     metrics: bool = True  # serve Prometheus /metrics (kvpool.metrics)
     # on bind_host; 0 = ephemeral (announced as metrics_address)
     metrics_port: int = Field(default=0, ge=0, le=65535)
+    join_tokens_file: str = Field(
+        default="",
+        description="JSON file of the join tokens' SHA-256 digests (`kvpool token`), re-read when it "
+        "changes; a secured master admits non-store nodes and clients presenting one of them",
+    )
+    max_pending_challenges: int = Field(
+        default=1024, ge=1, description="unanswered store join challenges held at once (RESOURCE_EXHAUSTED past it)"
+    )
+    challenge_ttl_ms: int = Field(default=30_000, ge=100, description="a join challenge must be answered within this")
 
     @field_validator("policy")
     @classmethod
