@@ -30,12 +30,20 @@ if TYPE_CHECKING:
 
 
 def evict(
-    index: RadixIndex, num_blocks: int, node_id: str | None, namespaces: Collection[NamespaceId] = ()
+    index: RadixIndex,
+    num_blocks: int,
+    node_id: str | None,
+    namespaces: Collection[NamespaceId] = (),
+    group: str | None = None,
 ) -> EvictResult:
     """Raises `InvalidArgument` on a negative `num_blocks`. Expired leases are dropped first.
-    `namespaces` (non-empty): only leaves of those namespaces, on any node (`node_id` is ignored)."""
+    `namespaces` (non-empty): only leaves of those namespaces, on any node (`node_id` is ignored);
+    `group`: likewise, only leaves of the active namespaces registered with that group."""
     v.check_count(num_blocks, "num_blocks")
     index.expire_leases()
+    if group is not None:
+        dropped = _evict_leaves(index, num_blocks, None, group=group)
+        return EvictResult(dropped, len(dropped), num_blocks - len(dropped))
     if namespaces:
         slots = {index._ns_active[ns] for ns in namespaces if ns in index._ns_active}
         dropped = _evict_leaves(index, num_blocks, None, slots) if slots else []
@@ -53,11 +61,16 @@ def evict(
 
 
 def _evict_leaves(
-    index: RadixIndex, budget: int, node_id: str | None, ns_slots: set[int] | None = None
+    index: RadixIndex,
+    budget: int,
+    node_id: str | None,
+    ns_slots: set[int] | None = None,
+    *,
+    group: str | None = None,
 ) -> list[DroppedBlock]:
     """Pop evictable leaves in key order; with `node_id`, only those with a replica on that node count
-    (`budget` then counts that node's slots); with `ns_slots`, only leaves of those namespace slots
-    (`budget` counts blocks); the others go back into the heap unchanged."""
+    (`budget` then counts that node's slots); with `ns_slots` (or `group`), only leaves of those
+    namespace slots (of that group; `budget` counts blocks); the others go back into the heap unchanged."""
     c, heap, dropped = index._c, index._heap, []
     skipped: list[tuple[float, int, int, int]] = []
     freed = 0
@@ -69,7 +82,12 @@ def _evict_leaves(
         if c.stale_key[row]:  # accessed since pushed: its key only rose; push it again with the new key
             index._push(row)
             continue
-        if ns_slots is not None:
+        if group is not None:
+            if index._ns_group[int(c.ns_slot[row])] != group:
+                skipped.append(entry)
+                continue
+            freed += 1
+        elif ns_slots is not None:
             if int(c.ns_slot[row]) not in ns_slots:
                 skipped.append(entry)
                 continue

@@ -29,12 +29,27 @@ def check_invariants(index: RadixIndex) -> None:
                 _fail(f"namespace slot {slot} maps {h.hex()} to a wrong row {row}")
     if mapped != len(alive):
         _fail(f"{mapped} mapped hashes for {len(alive)} rows")
+    free = set(index._ns_free)
+    if len(free) != len(index._ns_free):
+        _fail("a namespace slot is on the free list twice")
+    groups: Counter[str] = Counter()
     for slot, ns in enumerate(index._ns_ids):
+        if slot in free:
+            if index._ns_rows[slot] or index._ns_valid[slot] or slot in index._pending:
+                _fail(f"free namespace slot {slot} is in use")
+            continue
+        group = index._ns_group[slot]
+        if group is not None and index._ns_valid[slot]:
+            groups[group] += len(index._ns_rows[slot])
         active = index._ns_active.get(ns) == slot
         if active != index._ns_valid[slot]:
             _fail(f"namespace slot {slot} validity disagrees with the active map")
         if not active and index._ns_rows[slot] and slot not in index._pending:
             _fail(f"invalidated namespace slot {slot} holds blocks but is not pending reclamation")
+    if any(index.num_blocks_in_group(g) != n for g, n in groups.items()) or any(
+        n != groups[g] for g, n in index._group_blocks.items()
+    ):
+        _fail(f"group block counts {index._group_blocks} != {dict(groups)}")
     pins: Counter[int] = Counter()
     for lease in index._leases.live.values():
         for row, gen in zip(lease.rows.tolist(), lease.gens.tolist(), strict=True):

@@ -22,6 +22,7 @@ from kvpool.index import validate as v
 from kvpool.index.columns import NO_ROW, Columns
 from kvpool.index.leases import LeaseLockMixin, LeaseTable
 from kvpool.index.matching import match_prefix as _match_prefix
+from kvpool.index.ns_slots import NamespaceSlotsMixin
 from kvpool.index.policies import DEFAULT_POLICY, BlockStats, EvictionPolicy, make_policy
 from kvpool.index.results import BlockInfo, DroppedBlock, EvictResult, InsertResult, MatchResult
 from kvpool.index.space import NodeSpace
@@ -31,9 +32,9 @@ _REBASE_EXPONENT = 512.0
 """Decayed-hit weights are 2**((t - epoch)/half_life); past this exponent the epoch moves to now."""
 
 
-class RadixIndex(LeaseLockMixin):
+class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
     """See the module docstring and DESIGN.md "Matching, counting, leases"; leases and locks are in
-    `leases.py` (`LeaseLockMixin`)."""
+    `leases.py` (`LeaseLockMixin`), namespace slots in `ns_slots.py` (`NamespaceSlotsMixin`)."""
 
     def __init__(self, *, clock: Clock, policy: str | EvictionPolicy = DEFAULT_POLICY) -> None:
         self._clock = clock
@@ -41,12 +42,7 @@ class RadixIndex(LeaseLockMixin):
         self._c = Columns()
         self._leases = LeaseTable()
         self._space = NodeSpace(self._c)
-        self._ns_active: dict[NamespaceId, int] = {}
-        self._ns_ids: list[NamespaceId] = []
-        self._ns_rows: list[dict[BlockHash, int]] = []
-        self._ns_valid: list[bool] = []
-        self._pending: list[int] = []
-        self._reclaim_work: dict[int, list[tuple[int, int]]] = {}
+        self._init_slots()
         self._heap: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._decay_epoch_ms = clock.now_ms()
@@ -56,26 +52,7 @@ class RadixIndex(LeaseLockMixin):
         self.num_hit_blocks = 0
         """Blocks matched by counted matches."""
 
-    # ---- namespaces -------------------------------------------------------------------------------
-    def register_namespace(self, ns: NamespaceId) -> None:
-        """Make `ns` accept inserts (idempotent). After an invalidation this starts a fresh, empty tree."""
-        v.check_hash(ns, "ns")
-        if ns in self._ns_active:
-            return
-        self._ns_active[ns] = len(self._ns_ids)
-        self._ns_ids.append(ns)
-        self._ns_rows.append({})
-        self._ns_valid.append(True)
-
-    def invalidate_namespace(self, ns: NamespaceId) -> None:
-        """O(1): every lookup under `ns` misses from now on; its blocks wait for `reclaim_invalidated`.
-        Unknown namespaces are ignored (idempotent)."""
-        slot = self._ns_active.pop(ns, None)
-        if slot is None:
-            return
-        self._ns_valid[slot] = False
-        self._pending.append(slot)
-
+    # ---- namespaces: register / invalidate / forget in `ns_slots.py` ---------------------------------
     def reclaim_invalidated(self, max_blocks: int = 1024) -> list[DroppedBlock]:
         """Drop up to `max_blocks` blocks of invalidated namespaces, leaves first (the tree stays
         prefix-closed); leased or locked blocks wait until they are released. Returns what was dropped,
@@ -182,6 +159,7 @@ class RadixIndex(LeaseLockMixin):
         for row, block_hash in zip(row_list, hashes, strict=True):
             c.hashes[row] = block_hash
         self._ns_rows[slot].update(zip(hashes, row_list, strict=True))
+        self._group_add(slot, len(row_list))
         firsts = [x[0] for x in locs]
         c.rep_node[rows] = [c.node_index(x.node_id) for x in firsts]
         c.rep_slot[rows] = [x.slot for x in firsts]
@@ -262,18 +240,19 @@ class RadixIndex(LeaseLockMixin):
 
     # ---- eviction ---------------------------------------------------------------------------------
     def evict(
-        self, num_blocks: int, *, node_id: str | None = None, namespaces: Collection[NamespaceId] = ()
+        self,
+        num_blocks: int,
+        *,
+        node_id: str | None = None,
+        namespaces: Collection[NamespaceId] = (),
+        group: str | None = None,
     ) -> EvictResult:
         """Free up to `num_blocks` blocks (or, with `node_id`, slots on that node); with `namespaces`,
-        only leaves of those (a tenant's quota); see `eviction.py`."""
+        only leaves of those; with `group`, only leaves of that group's namespaces (a tenant's quota);
+        see `eviction.py`."""
         from kvpool.index.eviction import evict
 
-        return evict(self, num_blocks, node_id, namespaces)
-
-    def num_blocks_in(self, ns: NamespaceId) -> int:
-        """Resident blocks of an active namespace (0 when unknown or invalidated)."""
-        slot = self._ns_active.get(ns)
-        return 0 if slot is None else len(self._ns_rows[slot])
+        return evict(self, num_blocks, node_id, namespaces, group)
 
     @property
     def num_blocks(self) -> int:
@@ -387,6 +366,8 @@ class RadixIndex(LeaseLockMixin):
         for loc in locs:
             self._remove_location_row(row, loc)
         del self._ns_rows[slot][block_hash]
+        if self._ns_valid[slot]:
+            self._group_add(slot, -1)
         parent = int(c.parent[row])
         c.unlink_child(row)
         c.free(row)

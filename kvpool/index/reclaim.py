@@ -45,7 +45,7 @@ def reclaim_invalidated(index: RadixIndex, max_blocks: int) -> list[DroppedBlock
         work.extend(blocked)
         if not rows_map:
             index._pending.remove(slot)
-            index._reclaim_work.pop(slot, None)
+            index._free_slot(slot)  # reused by the next namespace registered
         if len(dropped) >= max_blocks:
             break
     return dropped
