@@ -53,6 +53,41 @@ class MasterSettings(KVPoolSettings):
         default=1024, ge=1, description="unanswered store join challenges held at once (RESOURCE_EXHAUSTED past it)"
     )
     challenge_ttl_ms: int = Field(default=30_000, ge=100, description="a join challenge must be answered within this")
+    # ---- bounded state (issue 24): everything a client can create has a cap or an expiry -----------
+    max_namespaces: int = Field(
+        default=100_000,
+        ge=1,
+        description="namespaces registered at once, all tenants (RESOURCE_EXHAUSTED past it; idle ones expire)",
+    )
+    max_namespaces_per_tenant: int = Field(
+        default=25_000,
+        ge=1,
+        description="namespaces registered at once per tenant, i.e. per cache salt before its first '/' "
+        "(kvpool.tenants): one tenant's distinct salts cannot take every namespace",
+    )
+    namespace_idle_expiry_s: float = Field(
+        default=600.0,
+        ge=60.0,
+        description="a namespace with no blocks in the pool, not registered or matched for this long (s), "
+        "is forgotten (a later RegisterNamespace recreates it; serving nodes re-register within 60 s)",
+    )
+    max_models: int = Field(
+        default=10_000,
+        ge=1,
+        description="model ids with an active-version record; past it a new model id is refused unless a "
+        "model with no namespaces left, never set by SetModelVersion, can be forgotten",
+    )
+    max_leases: int = Field(
+        default=200_000,
+        ge=1,
+        description="live read leases (leased matches), all clients: MatchPrefix carries no client "
+        "identity, so the cap is global; leases expire (at most max_lease_ttl_ms) and are reaped",
+    )
+    max_leases_per_client: int = Field(
+        default=10_000,
+        ge=1,
+        description="live write leases (open reservations) per writer_node_id of Reserve",
+    )
 
     @field_validator("policy")
     @classmethod
