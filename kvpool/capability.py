@@ -121,6 +121,14 @@ class CapabilityKey:
         """HMAC-SHA256(secret, data) truncated to `CAPABILITY_NBYTES`."""
         return self.keyed(b"")(data)
 
+    def hmac256(self, data: bytes) -> bytes:
+        """The whole HMAC-SHA256(secret, data), 32 bytes (membership proofs, `kvpool.membership`)."""
+        inner = self._inner.copy()
+        inner.update(data)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
+
 
 class Capabilities:
     """Signs (master) and checks (store node) capabilities with one cluster key. Thread-safe.
@@ -151,6 +159,10 @@ class Capabilities:
         expiry_ms: int,
     ) -> bytes:
         return self._key.mac(message(op, namespace, block_hash, node_id, slot, generation, expiry_ms))
+
+    def proof(self, message: bytes) -> bytes:
+        """HMAC-SHA256(cluster secret, message), 32 bytes: a membership proof (`kvpool.membership`)."""
+        return self._key.hmac256(message)
 
     def signer(self, op: str, namespace: bytes, expiry_ms: int) -> Callable[[str, bytes, int, int], bytes]:
         """`sign(node_id, block_hash, slot, generation)` for many blocks sharing op, namespace and expiry

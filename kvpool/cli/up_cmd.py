@@ -26,6 +26,12 @@ def register_up_command(app: typer.Typer) -> None:
         config: Path = typer.Option(..., "--config", "-c", help="Cluster spec (TOML)."),
         timeout_s: float = typer.Option(180.0, help="Seconds to wait for each role to become healthy."),
         quiet: bool = typer.Option(False, help="Do not echo the roles' logs."),
+        insecure: bool = typer.Option(
+            False,
+            "--insecure",
+            help="No cluster secret and no join tokens: any process that reaches the master may join, "
+            "read and write (local experiments only).",
+        ),
     ) -> None:
         """Start a cluster from a TOML spec (local processes) and run until Ctrl-C/SIGTERM."""
         from kvpool.cluster.spec import is_local, load_spec
@@ -44,7 +50,7 @@ def register_up_command(app: typer.Typer) -> None:
             except ValueError as exc:
                 typer.echo(f"kvpool up: {config}: cluster.device: {exc}", err=True)
                 raise typer.Exit(2) from None
-        raise typer.Exit(run_up(spec, timeout_s=timeout_s, echo=not quiet))
+        raise typer.Exit(run_up(spec, timeout_s=timeout_s, echo=not quiet, secured=not insecure))
 
 
 def _wait_http(url: str, timeout_s: float) -> None:
@@ -79,9 +85,27 @@ def _echo_logs(paths: list[Path], stop: threading.Event) -> None:
         stop.wait(0.2)
 
 
-def run_up(spec: object, *, timeout_s: float, echo: bool) -> int:
-    """Start and supervise; returns the exit code (0 on a clean stop, 1 when a role failed)."""
-    from kvpool.capability import SECRET_ROLES, new_secret_env
+def _membership_env(log_dir: Path, secured: bool) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """(the stores' and master's secret entries, the master's token-digest entries, the other roles' join
+    token entries); unsecured: all empty, and the secret variables of this environment are dropped."""
+    from kvpool.capability import new_secret_env
+    from kvpool.master.members import UNSECURED_WARNING
+    from kvpool.membership import new_cluster_tokens
+
+    if not secured:
+        for name in ("KVPOOL_CLUSTER_SECRET", "KVPOOL_CLUSTER_SECRET_FILE", "KVPOOL_JOIN_TOKENS_FILE"):
+            os.environ.pop(name, None)
+        typer.echo(f"kvpool up: --insecure: {UNSECURED_WARNING}", err=True)
+        return {}, {}, {}
+    secret_env = new_secret_env(log_dir)  # data-plane capabilities on: master and stores share it
+    _token, master_env, member_env = new_cluster_tokens(log_dir)
+    return secret_env, master_env, member_env
+
+
+def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) -> int:
+    """Start and supervise; returns the exit code (0 on a clean stop, 1 when a role failed). `secured`:
+    master and stores share a fresh cluster secret, every other role a fresh join token."""
+    from kvpool.capability import SECRET_ROLES
     from kvpool.cluster.process import RoleProcess
     from kvpool.cluster.spec import ClusterSpec, plan
     from kvpool.router.model_info import ModelInfo
@@ -91,7 +115,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool) -> int:
     layout = ModelInfo.load(spec.cluster.model or None, block_size=spec.cluster.block_size).layout
     launches = plan(spec, layout.fingerprint())
     log_dir = Path(tempfile.mkdtemp(prefix="kvpool-up-"))
-    secret_env = new_secret_env(log_dir)  # data-plane capabilities on: master and stores share it
+    secret_env, master_env, member_env = _membership_env(log_dir, secured)
     procs: list[RoleProcess] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -107,15 +131,21 @@ def run_up(spec: object, *, timeout_s: float, echo: bool) -> int:
         for launch in launches:
             if stop.is_set():
                 break
-            holds_secret = launch.role in SECRET_ROLES and secret_env
+            holds_secret = launch.role in SECRET_ROLES
             if not launch.local:
-                note = f"  (KVPOOL_CLUSTER_SECRET_FILE = a 0600 copy of {log_dir / 'cluster_secret'})"
-                remote.append(
-                    f"  on {launch.host}: {launch.command(master)}" + (note if holds_secret else "")
-                )
+                if holds_secret and secured:
+                    note = f"  (KVPOOL_CLUSTER_SECRET_FILE = a 0600 copy of {log_dir / 'cluster_secret'})"
+                elif secured:
+                    note = f"  (KVPOOL_JOIN_TOKEN_FILE = a 0600 copy of {log_dir / 'join_token'})"
+                else:
+                    note = ""
+                remote.append(f"  on {launch.host}: {launch.command(master)}" + note)
                 continue
             args = [a.replace("{master}", master) for a in launch.args]
-            env = dict(os.environ) | (secret_env if holds_secret else {})
+            role_env = secret_env if holds_secret else member_env
+            if launch.role == "master":
+                role_env = role_env | master_env
+            env = dict(os.environ) | role_env
             proc = RoleProcess(launch.name, args, log_path=log_dir / f"{launch.name}.log", env=env)
             procs.append(proc)
             logs.append(proc.log_path)
@@ -139,6 +169,11 @@ def run_up(spec: object, *, timeout_s: float, echo: bool) -> int:
             typer.echo("kvpool cluster up:\n" + "\n".join(endpoints))
             if remote:
                 typer.echo("start these on their hosts:\n" + "\n".join(remote))
+            if secured:
+                typer.echo(
+                    "secured: stores prove the cluster secret, other members present the join token; "
+                    f"for the admin CLI: export KVPOOL_JOIN_TOKEN_FILE={log_dir / 'join_token'}"
+                )
             typer.echo(f"logs in {log_dir}; Ctrl-C stops everything")
         reported: set[str] = set()
         while not stop.is_set():

@@ -71,6 +71,7 @@ class MasterClient:
         self.timeout_s = timeout_s
         self._channel = channel(address)
         self._stub = pb_grpc.MasterStub(self._channel)
+        self._sessions: dict[str, bytes] = {}  # node id -> its registration's session (secured master)
 
     def __enter__(self) -> MasterClient:
         return self
@@ -113,6 +114,7 @@ class MasterClient:
             block_nbytes=block_nbytes,
         )
         resp = self._call("RegisterNode", req, retry=True)
+        self._sessions[node.node_id] = bytes(resp.session)  # our heartbeats and deregistration carry it
         return Registration(resp.heartbeat_interval_ms, resp.master_epoch, resp.layout_fingerprint)
 
     def heartbeat(
@@ -132,6 +134,7 @@ class MasterClient:
             freed_slots=[pb.SlotRef(slot=s, generation=g) for s, g in freed_slots],
             num_used_slots=num_used_slots,
             load=cv.load_pb(load or NodeLoad()),
+            session=self._sessions.get(node_id, b""),
         )
         resp = self._call("Heartbeat", req, retry=True)
         return HeartbeatAnswer(bool(resp.known), int(resp.master_epoch), int(resp.flush_epoch))
@@ -139,7 +142,7 @@ class MasterClient:
     def deregister_node(self, node_id: str, epoch: int, *, timeout_s: float | None = None) -> bool:
         """Leave the pool now (a graceful stop); False when the master knew no live node with that id and
         epoch. Not retried: callers on their way out give it one short try."""
-        req = pb.DeregisterNodeRequest(node_id=node_id, epoch=epoch)
+        req = pb.DeregisterNodeRequest(node_id=node_id, epoch=epoch, session=self._sessions.get(node_id, b""))
         return bool(self._call("DeregisterNode", req, timeout_s=timeout_s).known)
 
     def list_nodes(self) -> list[NodeStatus]:

@@ -15,6 +15,8 @@ from types import TracebackType
 
 from kvpool.capability import SECRET_ROLES, new_secret_env
 from kvpool.cluster.process import RoleProcess
+from kvpool.membership import new_cluster_tokens
+from kvpool.rpc.security import adopt_join_token, join_token
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,12 @@ class LocalCluster:
         self._own_log_dir = log_dir is None
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
         self._secret_env = new_secret_env() if spec.capabilities else {}
+        self._master_env: dict[str, str] = {}
+        self._member_env: dict[str, str] = {}  # roles without the secret: the join token file
+        self.join_token = ""
+        """Secured cluster: its join token (this process adopts it while the cluster runs)."""
+        if spec.capabilities:
+            self.join_token, self._master_env, self._member_env = new_cluster_tokens(self.log_dir)
         self.processes: list[RoleProcess] = []
         self.master_address = ""
         self.stores: list[RoleProcess] = []
@@ -65,13 +73,18 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str]) -> RoleProcess:
         import os
 
-        env = dict(os.environ) | self.spec.extra_env | (self._secret_env if args[0] in SECRET_ROLES else {})
+        role_env = self._secret_env if args[0] in SECRET_ROLES else self._member_env
+        if args[0] == "master":
+            role_env = role_env | self._master_env
+        env = dict(os.environ) | self.spec.extra_env | role_env
         proc = RoleProcess(name, args, log_path=self.log_dir / f"{name}.log", env=env)
         self.processes.append(proc)
         return proc
 
     def _start(self, timeout_s: float) -> None:
         s = self.spec
+        if self.join_token:
+            adopt_join_token(self.join_token)  # this process's clients of the cluster (tests, benchmarks)
         self.master = self._start_master(0)
         self.master_address = self.master.wait_ready(timeout_s)["grpc_address"]
         for i in range(s.num_stores):
@@ -121,7 +134,14 @@ class LocalCluster:
             proc.wait_ready(timeout_s)
         return proc
 
+    @property
+    def member_env(self) -> dict[str, str]:
+        """Environment entries a process needs to join this cluster as a non-store member ({} unsecured)."""
+        return dict(self._member_env)
+
     def stop(self) -> None:
+        if self.join_token and join_token() == self.join_token:
+            adopt_join_token("")
         for proc in reversed(self.processes):
             try:
                 proc.stop()

@@ -40,7 +40,8 @@ class NodeAgent:
     `on_heartbeat` runs after each successful one (e.g. to flush local-tier events); `on_flush_epoch` with
     each answer's flush epoch (it moves when a namespace is invalidated). `start()` raises the
     master's refusal of the first registration; a refused re-registration (`REFUSALS`: e.g. another live
-    node took this node id while the master was restarting) stops heartbeating and calls `on_fatal(message)`.
+    node took this node id while the master was restarting) or a refused heartbeat (its join token was
+    revoked) stops heartbeating and calls `on_fatal(message)`.
     """
 
     def __init__(
@@ -169,7 +170,14 @@ class NodeAgent:
                 from kvpool.client import NodeLoad
 
                 load = NodeLoad(**self.load_fn()) if self.load_fn else None
-                answer = self.master.heartbeat(self.node_id, self.epoch, load=load)
+                try:
+                    answer = self.master.heartbeat(self.node_id, self.epoch, load=load)
+                except (PermissionDenied, Unauthenticated) as exc:  # e.g. its join token was revoked
+                    log.error("the master refused %s node %s: %s", self.role, self.node_id, exc)
+                    self._registered = False
+                    if self.on_fatal is not None:
+                        self.on_fatal(f"{type(exc).__name__}: {exc}")
+                    return
                 if self.on_flush_epoch is not None:
                     self.on_flush_epoch(answer.flush_epoch)
                 if not answer.known:

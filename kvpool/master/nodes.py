@@ -37,6 +37,8 @@ class NodeRecord:
     free: deque[tuple[int, int]] = field(default_factory=deque)  # (slot, generation), acknowledged
     pending_free: dict[int, int] = field(default_factory=dict)  # slot -> generation ordered freed
     free_set: set[int] = field(default_factory=set)  # the slots in `free` (no slot handed out twice)
+    session: bytes = b""  # secured cluster: what its heartbeats carry (RegisterNodeResponse.session)
+    join_token: str = ""  # secured cluster, non-store: the name of the join token it joined with
 
     @property
     def is_store(self) -> bool:

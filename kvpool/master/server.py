@@ -6,6 +6,7 @@ import logging
 
 from kvpool.master.aio_service import AioMasterServicer
 from kvpool.master.core import Master
+from kvpool.master.gate import MemberGate
 from kvpool.master.maintenance import Maintenance
 from kvpool.master.metrics import master_registry
 from kvpool.master.settings import MasterSettings
@@ -61,6 +62,7 @@ def serve(settings: MasterSettings, *, clock: Clock | None = None) -> MasterServ
         port=settings.port,
         max_workers=settings.max_workers,
         max_concurrent_rpcs=settings.max_concurrent_rpcs,
+        interceptors=[MemberGate(master.members)] if master.members.secured else [],
     )
     try:
         metrics = maybe_start(
@@ -73,5 +75,6 @@ def serve(settings: MasterSettings, *, clock: Clock | None = None) -> MasterServ
         grpc_server.stop(0)
         raise
     maintenance.start()
+    master.members.warn_if_unsecured()
     log.info("master on %s:%d (layout %s)", settings.bind_host, grpc_server.port, settings.layout)
     return MasterServer(master, grpc_server, maintenance, settings.bind_host, metrics)

@@ -26,8 +26,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpool import errors
+from kvpool.membership import JOIN_TOKEN_METADATA
 from kvpool.rpc.loop import new_event_loop
-from kvpool.rpc.security import _OPEN_METHODS, bind, security
+from kvpool.rpc.security import _OPEN_METHODS, bind, join_token, security
 from kvpool.rpc.server import _CHANNEL_OPTIONS, _SERVER_OPTIONS
 from kvpool.rpc.status import status_for
 
@@ -180,10 +181,11 @@ def start_aio_server(
     port: int,
     max_workers: int = 16,
     max_concurrent_rpcs: int | None = None,
+    interceptors: list[grpc.aio.ServerInterceptor] | None = None,
 ) -> AioGrpcServer:
     """Start a `grpc.aio` server on `host:port` (0 = ephemeral) with `(handler, "kvpool.v1.X")` pairs
     (see `service_handler`); sync methods run on `max_workers` threads. Raises `OSError` when the
-    address cannot be bound."""
+    address cannot be bound. `interceptors` run after the bearer-token check."""
     sec = security()
     srv = AioGrpcServer()
     srv._thread.start()
@@ -192,7 +194,7 @@ def start_aio_server(
         server = grpc.aio.server(
             migration_thread_pool=futures.ThreadPoolExecutor(max_workers=max_workers),
             options=_SERVER_OPTIONS,
-            interceptors=[_Auth(sec.auth_token)] if sec.auth_token else [],
+            interceptors=([_Auth(sec.auth_token)] if sec.auth_token else []) + list(interceptors or ()),
             maximum_concurrent_rpcs=max_concurrent_rpcs,
         )
         names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -222,12 +224,18 @@ def start_aio_server(
 
 def aio_channel(address: str) -> tuple[grpc.aio.Channel, tuple[tuple[str, str], ...]]:
     """A `grpc.aio` channel with our options and TLS (when a CA is configured), and the call metadata
-    carrying the bearer token (empty without one). Create it inside the event loop that will use it."""
+    carrying the bearer token and the join token (empty without them). Create it inside the event loop that
+    will use it."""
     sec = security()
     if sec.tls_ca_file:
         creds = grpc.ssl_channel_credentials(root_certificates=Path(sec.tls_ca_file).read_bytes())
         ch = grpc.aio.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
     else:
         ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-    metadata = (("authorization", f"Bearer {sec.auth_token}"),) if sec.auth_token else ()
+    metadata: tuple[tuple[str, str], ...] = (
+        (("authorization", f"Bearer {sec.auth_token}"),) if sec.auth_token else ()
+    )
+    token = join_token()
+    if token:
+        metadata += ((JOIN_TOKEN_METADATA, token),)
     return ch, metadata

@@ -6,6 +6,11 @@ not carry `authorization: Bearer <token>` with UNAUTHENTICATED (the health check
 and every channel made by `kvpool.rpc.server.channel` sends it. With a certificate and key, servers
 listen with TLS; with a CA file, channels verify the server against it. Tokens are compared in constant
 time (`hmac.compare_digest`).
+
+Separately, a node or client of a secured cluster presents its **join token** (`KVPOOL_JOIN_TOKEN`, or
+the file named by `KVPOOL_JOIN_TOKEN_FILE`; `kvpool.membership`) in the `kvpool-join-token` metadata of
+every call; the master refuses calls without an active one. `adopt_join_token` gives the token to this
+process (a `LocalCluster` or `kvpool up` does, for the clients of the cluster it started).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import grpc
 from pydantic import Field
 
 from kvpool.config import KVPoolSettings, load_config
+from kvpool.membership import JOIN_TOKEN_METADATA
 
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)
 
@@ -31,6 +37,8 @@ class RpcSecurity(KVPoolSettings):
     tls_cert_file: str = Field(default="", description="server certificate (PEM); empty = no TLS")
     tls_key_file: str = Field(default="", description="server private key (PEM)")
     tls_ca_file: str = Field(default="", description="CA bundle clients verify servers against (PEM)")
+    join_token: str = Field(default="", description="join token presented to a secured master")
+    join_token_file: str = Field(default="", description="file holding the join token (first line)")
 
     @property
     def tls(self) -> bool:
@@ -41,6 +49,30 @@ class RpcSecurity(KVPoolSettings):
 def security() -> RpcSecurity:
     """This process's settings, read once (tests call `security.cache_clear()` after changing env)."""
     return load_config(RpcSecurity)
+
+
+_adopted_join_token = ""
+
+
+def adopt_join_token(token: str) -> None:
+    """Make `token` this process's join token where its settings name none ("" forgets it). Channels
+    opened afterwards carry it."""
+    global _adopted_join_token
+    _adopted_join_token = token
+
+
+def join_token() -> str:
+    """This process's join token: `join_token`, else the first line of `join_token_file`, else the adopted
+    one; "" when none. Raises `OSError` naming the file when it cannot be read."""
+    sec = security()
+    if sec.join_token:
+        return sec.join_token
+    if sec.join_token_file:
+        try:
+            return Path(sec.join_token_file).read_text().strip().splitlines()[0].strip()
+        except (OSError, IndexError) as exc:
+            raise OSError(f"cannot read the join token file {sec.join_token_file}: {exc}") from None
+    return _adopted_join_token
 
 
 class _AuthInterceptor(grpc.ServerInterceptor):
@@ -85,13 +117,19 @@ def bind(server: grpc.Server, address: str, sec: RpcSecurity) -> int:
     return server.add_insecure_port(address)
 
 
-class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):  # fmt: skip
-    def __init__(self, token: str) -> None:
-        self._metadata = ("authorization", f"Bearer {token}")
+class _MetadataInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds fixed metadata (the bearer token, the join token) to every call of a channel."""
+
+    def __init__(self, metadata: list[tuple[str, str]]) -> None:
+        self._metadata = metadata
 
     def _details(self, details: Any) -> Any:
-        metadata = [*(details.metadata or ()), self._metadata]
+        metadata = [*(details.metadata or ()), *self._metadata]
         return (
             details._replace(metadata=metadata)
             if hasattr(details, "_replace")
@@ -122,12 +160,17 @@ class _Details(grpc.ClientCallDetails):
 
 
 def secure_channel(address: str, options: list[tuple[str, Any]], sec: RpcSecurity) -> grpc.Channel:
-    """A channel with TLS (when a CA is configured) and the bearer token (when one is configured)."""
+    """A channel with TLS (when a CA is configured), the bearer token and the join token (when
+    configured)."""
     if sec.tls_ca_file:
         creds = grpc.ssl_channel_credentials(root_certificates=Path(sec.tls_ca_file).read_bytes())
         ch = grpc.secure_channel(address, creds, options=options)
     else:
         ch = grpc.insecure_channel(address, options=options)
-    if sec.auth_token:
-        ch = grpc.intercept_channel(ch, _TokenInterceptor(sec.auth_token))
+    metadata = [("authorization", f"Bearer {sec.auth_token}")] if sec.auth_token else []
+    token = join_token()
+    if token:
+        metadata.append((JOIN_TOKEN_METADATA, token))
+    if metadata:
+        ch = grpc.intercept_channel(ch, _MetadataInterceptor(metadata))
     return ch

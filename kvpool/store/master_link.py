@@ -16,6 +16,7 @@ from kvpool.errors import (
     PermissionDenied,
     Unauthenticated,
 )
+from kvpool.membership import store_proof
 from kvpool.rpc import PROTOCOL_VERSION
 from kvpool.rpc.server import channel
 from kvpool.rpc.status import raise_from_rpc_error
@@ -35,7 +36,7 @@ class MasterLink:
     Each heartbeat carries the deferred frees and reclaimed reservations done since the last one
     (`freed_slots`, put back when the heartbeat fails) and the used-slot count. A `known=false` answer
     re-registers. A registration the master refuses for good (layout or protocol mismatch, a node id held
-    by a live store, a missing or wrong auth token) calls `on_fatal(message)`. With `master_address` empty, `start()` does nothing
+    by a live store, a missing or wrong auth token, a failed membership proof) calls `on_fatal(message)`. With `master_address` empty, `start()` does nothing
     (standalone mode).
 
     `wait_first_answer()` blocks until the first registration attempt is over: accepted, refused (raised),
@@ -67,6 +68,7 @@ class MasterLink:
         self.refusal: KVPoolError | None = None  # why the master refused this node for good
         self.master_epoch = 0
         self.num_heartbeats = 0
+        self._session = b""  # RegisterNodeResponse.session: our heartbeats carry it
 
     def start(self) -> None:
         if not self.address:
@@ -98,7 +100,7 @@ class MasterLink:
 
     def _deregister(self) -> None:
         node = self._endpoint()
-        req = pb.DeregisterNodeRequest(node_id=node.node_id, epoch=node.epoch)
+        req = pb.DeregisterNodeRequest(node_id=node.node_id, epoch=node.epoch, session=self._session)
         try:
             with channel(self.address) as ch:
                 pb_grpc.MasterStub(ch).DeregisterNode(req, timeout=DEREGISTER_TIMEOUT_S)
@@ -145,17 +147,40 @@ class MasterLink:
                 self._stop.wait(wait_s)
 
     def _register(self, stub: pb_grpc.MasterStub) -> None:
+        node = self._endpoint()
         req = pb.RegisterNodeRequest(
-            node=self._endpoint(),
+            node=node,
             protocol_version=PROTOCOL_VERSION,
             layout_fingerprint=self._layout,
             num_slots=self._table.num_slots,
             block_nbytes=self._table.block_nbytes,
         )
+        caps = self._table.capabilities
         try:
+            if caps is not None:  # prove we hold the cluster secret (kvpool.membership)
+                answer = stub.JoinChallenge(
+                    pb.JoinChallengeRequest(node_id=node.node_id), timeout=self._timeout_s
+                )
+                if answer.challenge:
+                    req.challenge = answer.challenge
+                    req.proof = store_proof(
+                        caps,
+                        answer.challenge,
+                        node_id=node.node_id,
+                        role=node.role,
+                        epoch=node.epoch,
+                        grpc_address=node.grpc_address,
+                        data_address=node.data_address,
+                    )
             resp = stub.RegisterNode(req, timeout=self._timeout_s)
         except grpc.RpcError as exc:
             raise_from_rpc_error(exc, f"RegisterNode at {self.address}")
+        if caps is not None and not resp.secured:
+            raise FailedPrecondition(
+                f"this store holds a cluster secret but the master at {self.address} runs unsecured (no "
+                "secret): readers would carry no capabilities; give both the same KVPOOL_CLUSTER_SECRET_FILE"
+            )
+        self._session = resp.session
         if resp.layout_fingerprint and resp.layout_fingerprint != self._layout:
             raise FailedPrecondition(
                 f"master layout {resp.layout_fingerprint} != store layout {self._layout}"
@@ -174,6 +199,7 @@ class MasterLink:
             epoch=node.epoch,
             freed_slots=[pb.SlotRef(slot=s, generation=g) for s, g in freed],
             num_used_slots=self._table.num_used,
+            session=self._session,
         )
         try:
             resp = stub.Heartbeat(req, timeout=self._timeout_s)

@@ -67,42 +67,66 @@ class SlotRef(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node", "protocol_version", "layout_fingerprint", "num_slots", "block_nbytes")
+    __slots__ = ("node", "protocol_version", "layout_fingerprint", "num_slots", "block_nbytes", "challenge", "proof")
     NODE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     node: NodeEndpoint
     protocol_version: int
     layout_fingerprint: str
     num_slots: int
     block_nbytes: int
-    def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., protocol_version: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., num_slots: _Optional[int] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
+    challenge: bytes
+    proof: bytes
+    def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., protocol_version: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., num_slots: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., challenge: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "master_epoch", "layout_fingerprint")
+    __slots__ = ("heartbeat_interval_ms", "master_epoch", "layout_fingerprint", "secured", "session")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SECURED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     master_epoch: int
     layout_fingerprint: str
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., master_epoch: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+    secured: bool
+    session: bytes
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., master_epoch: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., secured: _Optional[bool] = ..., session: _Optional[bytes] = ...) -> None: ...
+
+class JoinChallengeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class JoinChallengeResponse(_message.Message):
+    __slots__ = ("challenge", "expires_in_ms")
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    challenge: bytes
+    expires_in_ms: int
+    def __init__(self, challenge: _Optional[bytes] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "epoch", "freed_slots", "num_used_slots", "load")
+    __slots__ = ("node_id", "epoch", "freed_slots", "num_used_slots", "load", "session")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FREED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     freed_slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
     num_used_slots: int
     load: NodeLoad
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., freed_slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., num_used_slots: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+    session: bytes
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., freed_slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., num_used_slots: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known", "master_epoch", "flush_epoch")
@@ -115,12 +139,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., master_epoch: _Optional[int] = ..., flush_epoch: _Optional[int] = ...) -> None: ...
 
 class DeregisterNodeRequest(_message.Message):
-    __slots__ = ("node_id", "epoch")
+    __slots__ = ("node_id", "epoch", "session")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    session: bytes
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class DeregisterNodeResponse(_message.Message):
     __slots__ = ("known",)

@@ -34,6 +34,11 @@ class MasterStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.JoinChallenge = channel.unary_unary(
+                '/kvpool.v1.Master/JoinChallenge',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.JoinChallengeRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.JoinChallengeResponse.FromString,
+                _registered_method=True)
         self.RegisterNode = channel.unary_unary(
                 '/kvpool.v1.Master/RegisterNode',
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterNodeRequest.SerializeToString,
@@ -138,6 +143,12 @@ class MasterStub:
 
 class MasterServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def JoinChallenge(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def RegisterNode(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -263,6 +274,11 @@ class MasterServicer:
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'JoinChallenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinChallenge,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.JoinChallengeRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.JoinChallengeResponse.SerializeToString,
+            ),
             'RegisterNode': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterNode,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterNodeRequest.FromString,
@@ -373,6 +389,33 @@ def add_MasterServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Master:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def JoinChallenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/JoinChallenge',
+            kvpool_dot_v1_dot_kvpool__pb2.JoinChallengeRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.JoinChallengeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def RegisterNode(request,
