@@ -23,6 +23,9 @@ class Reservation:
     aborted: bool = False
     parent_locked: bool = False  # the parent chain is pinned (lock_ref) until the reservation ends
     flushed: bool = False  # its namespace was invalidated after it was made: the commit is refused
+    writer: str = ""  # the Reserve's writer_node_id (live reservations per writer: max_leases_per_client)
+    quota_tenant: str | None = None  # the tenant whose pool quota counts its new blocks (None: none)
+    quota_blocks: int = 0  # its new blocks counted in that tenant's reserved blocks
 
 
 @dataclass(frozen=True, slots=True)

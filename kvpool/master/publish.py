@@ -56,6 +56,7 @@ class Publisher:
         self.reservations: dict[int, Reservation] = {}
         self.done: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self.next_rid = 1
+        self._by_writer: dict[str, int] = {}  # writer_node_id -> its live reservations (only > 0)
 
     # ---- reserve ----------------------------------------------------------------------------------
     def reserve(
@@ -69,9 +70,11 @@ class Publisher:
         costs: Sequence[float],
         write_lease_ms: int,
         flush_epoch: int | None = None,
+        writer: str = "",
     ) -> ReserveOutcome:
         """`flush_epoch`: the master's flush epoch when the writer's KV was computed (None: unchecked); a
-        namespace invalidated since refuses the reserve with `VersionFenced`."""
+        namespace invalidated since refuses the reserve with `VersionFenced`. `writer`: the writer's node
+        id; a writer holding `max_leases_per_client` open reservations is refused (`ResourceExhausted`)."""
         m, s = self.m, self.m.settings
         check_hash(ns, "namespace")
         if parent:
@@ -112,7 +115,7 @@ class Publisher:
                 locked = self._lock_parent(ns, parent)
                 try:
                     step = self._reserve_locked(
-                        ns, parent, hashes, costs, write_lease_ms, num_replicas, attempt
+                        ns, parent, hashes, costs, write_lease_ms, num_replicas, attempt, writer
                     )
                 except BaseException:
                     self._unlock_parent(ns, parent, locked)
@@ -165,6 +168,7 @@ class Publisher:
         write_lease_ms: int,
         num_replicas: int,
         attempt: int,
+        writer: str = "",
     ) -> Placed | ReserveOutcome | list[str]:
         """Under the lock: place the new blocks, or answer that all are present, or make room and return
         the nodes whose frees to flush before the next attempt (`ResourceExhausted` on the last one)."""
@@ -180,10 +184,17 @@ class Publisher:
             nodes = fresh
         if k == 0:
             raise ResourceExhausted("no store node can take blocks")
+        cap = m.settings.max_leases_per_client
+        if self._by_writer.get(writer, 0) >= cap:
+            raise ResourceExhausted(
+                f"writer {writer!r} holds {cap} open reservations (write leases): the master's "
+                "max_leases_per_client; commit or abort some first"
+            )
         m.quotas.make_room(m, ns, num_new, hashes)  # per-tenant pool quota: kvpool.master.quotas
         shortfall = num_new * k - sum(min(len(n.free), num_new) for n in nodes)
         if shortfall <= 0:
             r = self._place(ns, parent, hashes, present, nodes, k, costs, write_lease_ms, num_replicas)
+            self._track(r, writer)
             return Placed(r, present, k)
         if attempt == 1:
             raise ResourceExhausted(f"no room for {num_new} blocks x {k} replicas (short {shortfall})")
@@ -251,6 +262,19 @@ class Publisher:
         self.reservations[rid] = r
         return r
 
+    def _track(self, r: Reservation, writer: str) -> None:
+        """Under the lock: count a new reservation for its writer and its tenant's quota (O(1))."""
+        r.writer = writer
+        self._by_writer[writer] = self._by_writer.get(writer, 0) + 1
+        r.quota_tenant = self.m.quotas.group(self.m.namespaces.tenant_of(r.ns))
+        self._requota(r)
+
+    def _requota(self, r: Reservation) -> None:
+        """Under the lock: recount the reservation's new blocks that still hold a slot (its quota usage)."""
+        n = sum(1 for locs in r.locations if locs) if r.rid in self.reservations else 0
+        self.m.quotas.note_reserved(r.quota_tenant, n - r.quota_blocks)
+        r.quota_blocks = n
+
     def _send_reservations(self, r: Reservation, write_lease_ms: int) -> None:
         m = self.m
         by_node: dict[str, list[SlotOrder]] = {}
@@ -275,6 +299,7 @@ class Publisher:
                 for loc in [x for x in locs if x.node_id in failed]:
                     locs.remove(loc)
                     m.queue_free(loc)
+            self._requota(r)
             if any(
                 not locs for locs, h in zip(r.locations, r.hashes, strict=True) if not self._present(r, h)
             ):
@@ -404,7 +429,13 @@ class Publisher:
         return result
 
     def _drop_quiet(self, r: Reservation) -> None:
-        self.reservations.pop(r.rid, None)
+        if self.reservations.pop(r.rid, None) is not None:
+            self._requota(r)  # gives its blocks back to its tenant's quota
+            n = self._by_writer[r.writer] - 1
+            if n:
+                self._by_writer[r.writer] = n
+            else:
+                del self._by_writer[r.writer]
         self._unlock_parent(r.ns, r.parent, r.parent_locked)
         r.parent_locked = False
 
@@ -442,6 +473,11 @@ class Publisher:
         for r in self.reservations.values():
             for locs in r.locations:
                 locs[:] = [loc for loc in locs if loc.node_id != node_id]
+            self._requota(r)
+
+    def num_open(self, writer: str) -> int:
+        """Open reservations (write leases) of `writer`."""
+        return self._by_writer.get(writer, 0)
 
     @property
     def num_reserved_blocks(self) -> int:

@@ -16,6 +16,8 @@ Semantics (checked at `Reserve`, under the master's lock):
   still succeeds). Blocks of fenced (old-version) namespaces are not counted: they are unreachable and
   reclaimed in the background. A tenant found above its quota (blocks adopted from store inventories
   after a master restart) is brought back under it by its next reservation.
+Cost: O(1) per reserve under the quota (the tenant's resident blocks are an index group count, its
+reserved blocks a counter); eviction to make room costs what `RadixIndex.evict` does.
 Metrics: `kvpool_master_tenant_pool_blocks{tenant}`, `..._tenant_pool_quota_blocks{tenant}`,
 `..._tenant_quota_evictions_total`, `..._tenant_quota_refusals_total`.
 """
@@ -27,7 +29,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvpool.errors import ResourceExhausted
-from kvpool.tenants import Tenant, Tenants, tenant_salt
+from kvpool.tenants import Tenant, Tenants
 from kvpool.types import BlockHash, NamespaceId
 
 if TYPE_CHECKING:
@@ -37,14 +39,16 @@ log = logging.getLogger(__name__)
 
 
 class TenantQuotas:
-    """Not thread-safe: the master calls it under its lock."""
+    """Not thread-safe: the master calls it under its lock. State per tenant of the tenants file only
+    (bounded by it, never per namespace or salt): its quota and name, and its reserved-block count; its
+    resident blocks are counted by the index (the tenant is the index *group* of its namespaces), so
+    `usage` and the check in `make_room` are O(1)."""
 
     def __init__(self, tenants: dict[str, Tenant]) -> None:
         self.quota_blocks = {salt: t.pool_quota_blocks or 0 for salt, t in tenants.items()}
         """Tenant cache salt -> quota in blocks."""
         self.names = {salt: t.name for salt, t in tenants.items()}
-        self._namespaces: dict[str, set[bytes]] = {}  # tenant salt -> its namespace digests
-        self._tenant_of: dict[bytes, str] = {}
+        self._reserved = dict.fromkeys(self.quota_blocks, 0)  # tenant salt -> new blocks reserved
         self.num_quota_evictions = 0
         self.num_refused = 0
 
@@ -53,21 +57,18 @@ class TenantQuotas:
         """Quotas of a tenants file (None: no quotas). `InvalidArgument` on a bad file."""
         return cls(Tenants.load(path).with_pool_quota() if path else {})
 
-    def note_namespace(self, digest: bytes, cache_salt: str) -> None:
-        """A namespace was registered: remember its tenant when that tenant has a quota."""
-        salt = tenant_salt(cache_salt)
-        if salt in self.quota_blocks:
-            self._namespaces.setdefault(salt, set()).add(bytes(digest))
-            self._tenant_of[bytes(digest)] = salt
+    def group(self, tenant: str | None) -> str | None:
+        """The index group of a namespace of tenant salt `tenant`: the tenant when it has a quota."""
+        return tenant if tenant is not None and tenant in self.quota_blocks else None
 
     def usage(self, m: Master, salt: str) -> int:
-        """Resident + reserved blocks of the tenant with cache salt `salt` (blocks)."""
-        digests = self._namespaces.get(salt, set())
-        resident = sum(m.index.num_blocks_in(NamespaceId(d)) for d in digests)
-        reserved = sum(
-            1 for r in m.publisher.reservations.values() if r.ns in digests for locs in r.locations if locs
-        )
-        return resident + reserved
+        """Resident + reserved blocks of the tenant with cache salt `salt` (blocks); O(1)."""
+        return m.index.num_blocks_in_group(salt) + self._reserved.get(salt, 0)
+
+    def note_reserved(self, tenant: str | None, delta: int) -> None:
+        """A reservation of the tenant's took (delta > 0) or gave back (delta < 0) new blocks."""
+        if tenant in self._reserved and delta:
+            self._reserved[tenant] += delta
 
     def usage_by_tenant(self, m: Master) -> dict[str, tuple[int, int]]:
         """Under the lock: tenant name -> (blocks used, quota in blocks)."""
@@ -76,7 +77,7 @@ class TenantQuotas:
     def make_room(self, m: Master, ns: bytes, num_new: int, keep: Sequence[bytes]) -> None:
         """Under the lock, before placing `num_new` new blocks under `ns`: evict the tenant's own leaves
         until they fit, or raise `ResourceExhausted`. `keep`: blocks of the reservation (never evicted)."""
-        salt = self._tenant_of.get(bytes(ns))
+        salt = self.group(m.namespaces.tenant_of(ns))
         if salt is None or num_new <= 0:
             return
         quota = self.quota_blocks[salt]
@@ -90,7 +91,7 @@ class TenantQuotas:
         for h in kept:
             m.index.lock(NamespaceId(ns), [h])
         try:
-            res = m.index.evict(over, namespaces=[NamespaceId(d) for d in self._namespaces[salt]])
+            res = m.index.evict(over, group=salt)
         finally:
             for h in kept:
                 m.index.unlock(NamespaceId(ns), [h])
