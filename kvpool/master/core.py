@@ -17,6 +17,7 @@ from kvpool.client.types import NodeLoad
 from kvpool.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kvpool.index.radix import RadixIndex
 from kvpool.index.results import DroppedBlock, MatchResult
+from kvpool.master import bounds
 from kvpool.master.namespaces import NamespaceRegistry
 from kvpool.master.nodes import NodeRecord
 from kvpool.master.quotas import TenantQuotas
@@ -91,7 +92,7 @@ class Master:
         self.clock = clock or MonotonicClock()
         self.lock = threading.RLock()
         self.index = RadixIndex(clock=self.clock, policy=settings.policy)
-        self.namespaces = NamespaceRegistry(self.layout)
+        self.namespaces = NamespaceRegistry(self.layout, bounds.namespace_limits(settings))
         self.quotas = TenantQuotas.from_file(settings.tenants)
         self.st = MasterState()
         self.counters = Counters()
@@ -330,10 +331,10 @@ class Master:
                 cache_salt=cache_salt,
                 adapter_digest=adapter_digest,
                 extra=extra,
+                now_ms=self.clock.now_ms(),
             )
             if self.namespaces.is_active(record.digest):
-                self.index.register_namespace(record.digest)
-            self.quotas.note_namespace(record.digest, cache_salt)
+                self._index_register(record.digest)
             self.wake.set()  # blocks from store inventories may now be claimed
             return bytes(record.digest), self.namespaces.active_version(model_id)
 
@@ -344,7 +345,7 @@ class Master:
             for digest in off:
                 self.index.invalidate_namespace(NamespaceId(digest))
             for digest in on:
-                self.index.register_namespace(NamespaceId(digest))
+                self._index_register(digest)
             self.wake.set()
             log.info(
                 "model %s: version %r -> %r (%d namespaces off)",
@@ -365,9 +366,14 @@ class Master:
             self.namespaces.invalidate(ns)
             self.index.invalidate_namespace(NamespaceId(ns))
             if self.namespaces.is_active(ns):
-                self.index.register_namespace(NamespaceId(ns))
+                self._index_register(ns)
             self.publisher.flush(ns)
             self.wake.set()
+
+    def _index_register(self, digest: bytes) -> None:
+        """Under the lock: open `digest` in the index, grouped by its tenant when it has a pool quota."""
+        group = self.quotas.group(self.namespaces.tenant_of(digest))
+        self.index.register_namespace(NamespaceId(digest), group)
 
     # ---- matching and leases ----------------------------------------------------------------------
     def match(
@@ -395,6 +401,7 @@ class Master:
         if not 0 <= num_prompt_tokens <= MAX_PROMPT_TOKENS:  # summed into uint64 counters (Stats)
             raise InvalidArgument(f"num_prompt_tokens must be in [0, {MAX_PROMPT_TOKENS}]")
         with self.lock:
+            bounds.before_match(self, ns, lease_ttl_ms)  # max_leases; keeps the namespace from expiring
             res = self.index.match_prefix(
                 NamespaceId(ns), hashes, count_hit=count_hit, lease_ttl_ms=lease_ttl_ms
             )
