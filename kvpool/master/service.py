@@ -13,7 +13,9 @@ from kvpool.errors import InvalidArgument
 from kvpool.index.results import MatchResult
 from kvpool.master import replica_ops
 from kvpool.master.core import Master
+from kvpool.master.gate import join_token_of
 from kvpool.master.grants import match_grants, write_grants
+from kvpool.master.members import new_session
 from kvpool.master.nodes import NodeRecord
 from kvpool.master.ops import admin_evict, drain, undrain
 from kvpool.master.placement import CommitBlock
@@ -82,25 +84,54 @@ class MasterServicer(pb_grpc.MasterServicer):
         self.m = master
 
     @rpc_errors
+    def JoinChallenge(
+        self, request: pb.JoinChallengeRequest, context: grpc.ServicerContext
+    ) -> pb.JoinChallengeResponse:
+        challenge, ttl_ms = self.m.members.new_challenge(_short(request.node_id, "node_id"))
+        return pb.JoinChallengeResponse(challenge=challenge, expires_in_ms=ttl_ms)
+
+    @rpc_errors
     def RegisterNode(
         self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNodeResponse:
         n = request.node
+        node_id = _short(n.node_id, "node_id")
+        grpc_address = _short(n.grpc_address, "grpc_address")
+        data_address = _short(n.data_address, "data_address")
+        members = self.m.members
+        join_token = ""
+        if n.role == "store":
+            members.admit_store(
+                challenge=request.challenge,
+                proof=request.proof,
+                node_id=node_id,
+                role=n.role,
+                epoch=n.epoch,
+                grpc_address=grpc_address,
+                data_address=data_address,
+            )
+        else:
+            join_token = members.token_name(join_token_of(context.invocation_metadata()))
+        session = new_session() if members.secured else b""
         self.m.register_node(
-            node_id=_short(n.node_id, "node_id"),
+            node_id=node_id,
             role=n.role,
-            grpc_address=_short(n.grpc_address, "grpc_address"),
-            data_address=_short(n.data_address, "data_address"),
+            grpc_address=grpc_address,
+            data_address=data_address,
             epoch=n.epoch,
             protocol_version=request.protocol_version,
             layout_fingerprint=request.layout_fingerprint,
             num_slots=request.num_slots,
             block_nbytes=request.block_nbytes,
+            session=session,
+            join_token=join_token,
         )
         return pb.RegisterNodeResponse(
             heartbeat_interval_ms=self.m.settings.heartbeat_interval_ms,
             master_epoch=self.m.master_epoch,
             layout_fingerprint=self.m.layout.fingerprint(),
+            secured=members.secured,
+            session=session,
         )
 
     @rpc_errors
@@ -112,6 +143,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             raise InvalidArgument("load figures must be finite and >= 0")
         load = NodeLoad(ld.queue_len, *values)
         freed = [(s.slot, s.generation) for s in request.freed_slots]
+        self.m.check_session(request.node_id, request.epoch, request.session)
         known = self.m.heartbeat(request.node_id, request.epoch, freed, request.num_used_slots, load)
         return pb.HeartbeatResponse(
             known=known, master_epoch=self.m.master_epoch, flush_epoch=self.m.namespaces.flush_epoch
@@ -121,6 +153,7 @@ class MasterServicer(pb_grpc.MasterServicer):
     def DeregisterNode(
         self, request: pb.DeregisterNodeRequest, context: grpc.ServicerContext
     ) -> pb.DeregisterNodeResponse:
+        self.m.check_session(request.node_id, request.epoch, request.session)
         return pb.DeregisterNodeResponse(known=self.m.deregister_node(request.node_id, request.epoch))
 
     @rpc_errors
