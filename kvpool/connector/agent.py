@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +25,13 @@ from kvpool.errors import (
 )
 from kvpool.hashing import Namespace
 from kvpool.types import NamespaceId
+
+NAMESPACE_REFRESH_S = 60.0
+"""A namespace in use is registered again after this long (s): the master forgets idle namespaces after
+its `namespace_idle_expiry_s` (at least 60 s), and a registration both keeps and recreates one."""
+MAX_NAMESPACES = 4096
+"""Namespaces remembered for re-registration after a master restart (least recently used go first;
+a forgotten one registers again on its next use)."""
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +77,8 @@ class NodeAgent:
         self.on_fatal = on_fatal
         self.on_flush_epoch = on_flush_epoch
         self.heartbeat_interval_s = 1.0
-        self._namespaces: dict[NamespaceId, Namespace] = {}
+        self._namespaces: OrderedDict[NamespaceId, Namespace] = OrderedDict()
+        self._registered_at: dict[NamespaceId, float] = {}  # digest -> time.monotonic() of its registration
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -98,16 +108,34 @@ class NodeAgent:
             self._register_namespace(ns)
 
     def namespace(self, ns: Namespace) -> NamespaceId:
-        """Register `ns` with the master once; return its digest (checked against the master's)."""
+        """Register `ns` with the master on first use and again every `NAMESPACE_REFRESH_S` while it is
+        used (the master expires idle namespaces); return its digest (checked against the master's)."""
         digest = ns.digest()
+        now = time.monotonic()
         with self._lock:
             known = digest in self._namespaces
-        if not known:
-            remote = self._register_namespace(ns)
+            fresh = known and now - self._registered_at.get(digest, now) < NAMESPACE_REFRESH_S
+            if fresh:
+                self._namespaces.move_to_end(digest)
+        if not fresh:
+            try:
+                remote = self._register_namespace(ns)
+            except Exception as exc:
+                if not known:
+                    raise
+                log.debug("refreshing namespace %s failed (%s): retried in 5 s", digest.hex(), exc)
+                with self._lock:  # not on every use while the master is down
+                    self._registered_at[digest] = now - NAMESPACE_REFRESH_S + 5.0
+                return digest
             if remote != digest:
                 raise RuntimeError("the master computed another namespace digest: hashing versions differ")
             with self._lock:
                 self._namespaces[digest] = ns
+                self._namespaces.move_to_end(digest)
+                self._registered_at[digest] = now
+                while len(self._namespaces) > MAX_NAMESPACES:
+                    old, _ = self._namespaces.popitem(last=False)
+                    self._registered_at.pop(old, None)
         return digest
 
     def _register_namespace(self, ns: Namespace) -> bytes:
@@ -130,6 +158,7 @@ class NodeAgent:
     def forget_namespaces(self) -> None:
         with self._lock:
             self._namespaces.clear()
+            self._registered_at.clear()
 
     def start(self, *, require_master: bool = True) -> None:
         """Register, then heartbeat in a thread. Raises the master's refusal (`REFUSALS`) of the first
