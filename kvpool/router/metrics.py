@@ -1,7 +1,25 @@
 """The router's Prometheus metrics (one registry per router, so tests may run several in one process).
 
-Hit rate = `kvpool_router_cached_tokens_total / kvpool_router_prompt_tokens_total` (the denominator is
-explicit: every prompt token of every served request).
+Definitions (field case B40: every ratio a dashboard forms divides counters recorded at the same point
+of a request's life, for the same set of requests):
+
+- **Requests, not attempts.** `kvpool_router_routing_decisions_total{policy,node,outcome}` counts each
+  placed request once: `outcome="served"` under the prefill node that gave its first token, `"failed"`
+  under the last node tried when none did. A retry on another node after its node could not be reached
+  is no second decision: it is counted in `kvpool_router_retries_total{role}` (prefill attempts =
+  decisions + prefill retries).
+- **One point, one set.** At a request's first token, and only then, the router records together:
+  `kvpool_router_ttft_seconds` (measured), `kvpool_router_predicted_ttft_seconds` (the cost model's
+  prediction for the node that served it), `kvpool_router_prompt_tokens_total`,
+  `kvpool_router_cached_tokens_total` (reused by that node: OpenAI `cached_tokens`) and
+  `kvpool_router_predicted_cached_tokens_total` (what placement expected that node to reuse). So
+  predicted vs actual TTFT compares histograms of the same requests (their `_count`s are equal, and
+  equal `routing_decisions_total{outcome="served"}`), and hit rate =
+  `cached_tokens_total / prompt_tokens_total` ≤ 1 (a node's report is clamped to the prompt).
+- The master's `kvpool_master_hit_tokens_total / kvpool_master_requested_tokens_total` is another figure:
+  tokens *matched* (on offer in the pool) per counted match, not tokens reused; a serving node's
+  `kvpool_prefill_reused_tokens_total / kvpool_prefill_prompt_tokens_total` is the router's hit rate
+  seen from the nodes (the same requests, when this router is the nodes' only client).
 """
 
 from __future__ import annotations
@@ -9,40 +27,58 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_AT_FIRST = (
+    "Recorded once per request at its first token (the same requests as every kvpool_router_*tokens_total)."
+)
 
 
 class RouterMetrics:
+    """The router's counters, histograms and gauges (see the module docstring for the definitions)."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "kvpool_router_requests", "HTTP API requests by endpoint and status code.", ["endpoint", "code"],
-            registry=r,
+            "kvpool_router_requests", "HTTP API requests by endpoint and status code (once per request).",
+            ["endpoint", "code"], registry=r,
         )  # fmt: skip
         self.prompt_tokens = Counter(
-            "kvpool_router_prompt_tokens", "Prompt tokens of served requests (the hit-rate denominator).",
+            "kvpool_router_prompt_tokens",
+            "Prompt tokens of requests that got a first token: the one denominator of the router's token "
+            f"ratios (hit rate = cached_tokens_total / prompt_tokens_total). {_AT_FIRST}",
             registry=r,
-        )  # fmt: skip
+        )
         self.cached_tokens = Counter(
             "kvpool_router_cached_tokens",
-            "Prompt tokens reused from cache (node-local or pulled).",
+            "Prompt tokens the serving prefill node reused from cache (node-local or pulled; OpenAI "
+            f"cached_tokens), at most the prompt's. {_AT_FIRST}",
+            registry=r,
+        )
+        self.predicted_cached_tokens = Counter(
+            "kvpool_router_predicted_cached_tokens",
+            "Prompt tokens placement predicted the serving node would reuse (cost model), at most the "
+            f"prompt's. {_AT_FIRST}",
             registry=r,
         )
         self.completion_tokens = Counter("kvpool_router_completion_tokens", "Generated tokens.", registry=r)
         self.ttft = Histogram(
-            "kvpool_router_ttft_seconds", "Time to first token, as the router sees it.", buckets=_TTFT_BUCKETS,
-            registry=r,
+            "kvpool_router_ttft_seconds",
+            f"Time to first token as the router sees it, from arrival, retries included (s). {_AT_FIRST}",
+            buckets=_TTFT_BUCKETS, registry=r,
         )  # fmt: skip
         self.tpot = Histogram(
-            "kvpool_router_tpot_seconds", "Mean time per output token after the first, per request.",
+            "kvpool_router_tpot_seconds", "Mean time per output token after the first, per request (s).",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0), registry=r,
         )  # fmt: skip
         self.decisions = Counter(
-            "kvpool_router_routing_decisions", "Prefill placements by policy and node.", ["policy", "node"],
-            registry=r,
+            "kvpool_router_routing_decisions",
+            "Prefill placements, once per request (retries: kvpool_router_retries_total), by policy, node "
+            "and outcome: served (the node that gave the first token) or failed (the last node tried).",
+            ["policy", "node", "outcome"], registry=r,
         )  # fmt: skip
         self.predicted_ttft = Histogram(
-            "kvpool_router_predicted_ttft_seconds", "The chosen node's predicted TTFT (cost model).",
+            "kvpool_router_predicted_ttft_seconds",
+            f"The cost model's predicted TTFT of the node that served the request (s). {_AT_FIRST}",
             buckets=_TTFT_BUCKETS, registry=r,
         )  # fmt: skip
         self.inflight = Gauge("kvpool_router_inflight_requests", "Requests being served now.", registry=r)
@@ -52,9 +88,21 @@ class RouterMetrics:
             ["role", "node"], registry=r,
         )  # fmt: skip
         self.retries = Counter(
-            "kvpool_router_retries", "Requests retried on another node after their node could not be reached.",
+            "kvpool_router_retries",
+            "Attempts beyond a request's first on a role: retries on another node after a call could not "
+            "reach its node (UNAVAILABLE). Attempts = requests + retries.",
             ["role"], registry=r,
         )  # fmt: skip
         self.rejected = Counter(
             "kvpool_router_rejected", "Requests refused before routing, by reason.", ["reason"], registry=r
+        )
+        self.namespace_entries = Gauge(
+            "kvpool_router_namespace_cache_entries",
+            "Cache salts whose namespace digest the router keeps (at most namespace_cache_size).",
+            registry=r,
+        )
+        self.namespace_evictions = Counter(
+            "kvpool_router_namespace_cache_evictions",
+            "Namespace digests dropped for namespace_cache_size (recomputed on their salt's next request).",
+            registry=r,
         )

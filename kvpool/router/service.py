@@ -7,21 +7,10 @@ prefill node by the policy → Prefill stream: the first token is TTFT → wait 
 `publish_failed`) → hand off to the least-loaded decode node → stream its tokens.
 
 `generate` is a synchronous generator of `Event`s (the HTTP layer runs it in a worker thread). The
-node list comes from the master, refreshed in the background every `refresh_interval_s`.
-
-The master down is `Unavailable` (HTTP 503): `health()` asks the master each time; a request uses the
-cached node list only while the last master call succeeded and the list is at most
-`4 * refresh_interval_s` old (a failed refresh or a peek the master did not answer drops it at once).
-
-A node that died is listed alive until the master's heartbeat timeout. Failover (as production routers
-do): a call to a prefill or decode node that fails UNAVAILABLE (connection refused or reset, the node
-gone) before anything of that call was sent to the client puts the node in a local back-off of
-`node_backoff_s` (keyed by node id and epoch; it ends early when the node answers a call) and the request
-is retried on the next node the same policy chooses among the others, up to `node_retries` times. A
-prefill failure is always before the client got anything; a decode stream is retried only while it has
-sent no token (the first token, from prefill, is the same for any decode node). Nodes in back-off are
-left out of placement unless every candidate is in back-off (then all are tried: a back-off is a hint,
-not a verdict). No other node left: `Unavailable` naming the failure. Other errors are not retried.
+node list, the master down (503; `health()` asks the master each time) and failover to another node
+are `kvpool.router.nodes`. A prefill failure is always before the client got anything; a decode stream
+is retried only while it has sent no token (the first token, from prefill, is the same for any decode
+node). Metrics count requests, not attempts (`kvpool.router.metrics`, field case B40).
 """
 
 from __future__ import annotations
@@ -42,6 +31,8 @@ from kvpool.errors import DeadlineExceeded, KVPoolError, ResourceExhausted, Unav
 from kvpool.hashing import hash_blocks
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.model_info import ModelInfo
+from kvpool.router.namespaces import NamespaceCache
+from kvpool.router.nodes import NodeView
 from kvpool.router.policy import Choice, RouteRequest, RoutingPolicy
 from kvpool.router.settings import RouterSettings
 from kvpool.router.state import Inflight, node_states, serving_nodes
@@ -68,7 +59,9 @@ class Event:
     ttft_s: float = 0.0
 
 
-class RouterService:
+class RouterService(NodeView):
+    """The request path; `start` it (node list refresh) and `close` it."""
+
     def __init__(
         self,
         settings: RouterSettings,
@@ -77,10 +70,8 @@ class RouterService:
         *,
         metrics: RouterMetrics | None = None,
     ) -> None:
-        self.settings = settings
-        self.master = master
+        super().__init__(settings, master, metrics or RouterMetrics())
         self.model = model
-        self.metrics = metrics or RouterMetrics()
         self.policy = RoutingPolicy(settings.policy, seed=settings.seed)
         self._policy_lock = threading.Lock()
         self._decode_rng = random.Random(settings.seed + 1)
@@ -88,17 +79,12 @@ class RouterService:
         self.decode_inflight = Inflight()  # decode: until the last token
         self._admitted = 0
         self._admit_lock = threading.Lock()
-        self._nodes: list[NodeStatus] = []
-        self._nodes_at = 0.0
-        self._master_error = ""  # why the last master call failed ("": it answered)
-        self._nodes_lock = threading.Lock()
-        self._last_serving: dict[str, tuple[list[NodeStatus], float]] = {}
-        self._namespaces: dict[str, bytes] = {}
-        self._down: dict[tuple[str, int], float] = {}  # (node id, epoch) -> end of its back-off
-        self._down_lock = threading.Lock()
+        self.namespaces = NamespaceCache(
+            model, master, settings.namespace_cache_size, on_evict=self.metrics.namespace_evictions.inc
+        )
+        self.metrics.namespace_entries.set_function(lambda: len(self.namespaces))
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -117,101 +103,6 @@ class RouterService:
                 ch.close()
             self._channels.clear()
 
-    def _refresh_loop(self) -> None:
-        while not self._stop.wait(self.settings.refresh_interval_s):
-            try:
-                self.refresh()
-            except Unavailable as exc:  # noted by refresh(): requests ask the master again, or get 503
-                log.warning("node list refresh failed: %s", exc)
-
-    def refresh(self) -> list[NodeStatus]:
-        """The master's node list now (cached for requests); `Unavailable` when the master does not answer
-        (and the cached list is dropped until it does)."""
-        try:
-            nodes = self.master.list_nodes()
-        except Exception as exc:  # noqa: BLE001 - any failure: the master's view is unknown
-            self.master_failed(exc)
-            raise Unavailable(f"master unreachable: {exc}") from None
-        with self._nodes_lock:
-            self._nodes, self._nodes_at, self._master_error = nodes, time.monotonic(), ""
-        return nodes
-
-    def master_failed(self, exc: BaseException) -> None:
-        """A master call failed: the cached node list is not used again until a refresh succeeds."""
-        with self._nodes_lock:
-            self._master_error = str(exc) or type(exc).__name__
-
-    def nodes(self) -> list[NodeStatus]:
-        """The cached node list while fresh (the last master call succeeded, at most 4 refresh periods
-        ago), else the master's answer now; `Unavailable` when it does not answer."""
-        with self._nodes_lock:
-            nodes, age, failed = self._nodes, time.monotonic() - self._nodes_at, self._master_error
-        if failed or age > 4 * self.settings.refresh_interval_s:
-            nodes = self.refresh()
-        return nodes
-
-    def serving(self, role: str) -> list[NodeStatus]:
-        """The live nodes of `role`. When the master lists none (a restarted master knows no serving node
-        until each re-registers, which takes a heartbeat or two), the last ones seen within `node_grace_s`:
-        they keep serving meanwhile; one that is really gone fails its call and the request is answered 503."""
-        nodes = serving_nodes(self.nodes(), role)
-        now = time.monotonic()
-        with self._nodes_lock:
-            if nodes:
-                self._last_serving[role] = (nodes, now)
-                return nodes
-            last = self._last_serving.get(role)
-        if last is not None and now - last[1] <= self.settings.node_grace_s:
-            return last[0]
-        return []
-
-    # ---- node back-off (failover) -----------------------------------------------------------------
-    def node_failed(self, role: str, node: NodeStatus) -> None:
-        """A call could not reach `node`: leave it out of placement for `node_backoff_s`."""
-        now = time.monotonic()
-        with self._down_lock:
-            self._down = {k: t for k, t in self._down.items() if t > now}
-            self._down[(node.node.node_id, node.node.epoch)] = now + self.settings.node_backoff_s
-        self.metrics.node_failures.labels(role, node.node.node_id).inc()
-
-    def node_answered(self, node: NodeStatus) -> None:
-        """`node` served a call: its back-off, if any, ends."""
-        if self._down:
-            with self._down_lock:
-                self._down.pop((node.node.node_id, node.node.epoch), None)
-
-    def in_backoff(self, node: NodeStatus) -> bool:
-        with self._down_lock:
-            return self._down.get((node.node.node_id, node.node.epoch), 0.0) > time.monotonic()
-
-    def candidates(self, role: str, exclude: Collection[str] = ()) -> list[NodeStatus]:
-        """The live nodes of `role` but `exclude` (node ids), those in back-off left out unless all are."""
-        nodes = [n for n in self.serving(role) if n.node.node_id not in exclude]
-        return [n for n in nodes if not self.in_backoff(n)] or nodes
-
-    def _call_failed(self, role: str, node: NodeStatus, exc: grpc.RpcError, tried: list[str]) -> str:
-        """A call to `node` failed before anything of it was sent to the client. When it could not reach
-        the node (UNAVAILABLE) and another node is left: the node goes into back-off, the retry is counted
-        and the failure returned (for the log); otherwise raises the call's error as a `KVPoolError`."""
-        what = f"{role} on {node.node.node_id}"
-        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-        if code != grpc.StatusCode.UNAVAILABLE:
-            raise_from_rpc_error(exc, what)
-        details = (exc.details() if hasattr(exc, "details") else "") or code.name
-        self.node_failed(role, node)
-        tried.append(node.node.node_id)
-        try:
-            others = self.candidates(role, tried)
-        except KVPoolError:  # the master is gone too
-            others = []
-        if not others or len(tried) > self.settings.node_retries:
-            why = (
-                f"gave up after {len(tried)} {role} nodes" if others else f"no other {role} node to retry on"
-            )
-            raise Unavailable(f"{what}: {details}; {why} (tried {', '.join(tried)})")
-        self.metrics.retries.labels(role).inc()
-        return f"{what} unreachable ({details}): in back-off for {self.settings.node_backoff_s:g} s"
-
     def health(self) -> dict[str, Any]:
         """Live serving nodes per role, from the master now (never the cache): `Unavailable` when it does
         not answer, so a health check right after the master died fails."""
@@ -224,25 +115,8 @@ class RouterService:
 
     # ---- placement --------------------------------------------------------------------------------
     def namespace(self, cache_salt: str) -> bytes:
-        """The tenant namespace digest, registered with the master on first use."""
-        ns = self._namespaces.get(cache_salt)
-        if ns is None:
-            info = self.model.namespace(cache_salt)
-            ns = bytes(info.digest())
-            try:
-                remote, active = self.master.register_namespace(
-                    info.model_id, info.weights_version, info.layout.fingerprint(), cache_salt=cache_salt
-                )
-                if active and active != info.weights_version:
-                    log.warning("master's active version of %s is %s, ours %s", info.model_id, active,
-                                info.weights_version)  # fmt: skip
-                if bytes(remote) != ns:
-                    log.warning("master computed another namespace digest: hashing versions differ")
-            except KVPoolError as exc:
-                log.warning("register_namespace failed (%s); peeks may miss", exc)
-                return ns
-            self._namespaces[cache_salt] = ns
-        return ns
+        """The namespace digest of `cache_salt` (bounded LRU, registered with the master on first use)."""
+        return self.namespaces.get(cache_salt)
 
     def place(self, tokens: Sequence[int], cache_salt: str) -> tuple[Choice, NodeStatus]:
         """Choose the prefill node (peek + policy); `Unavailable` when no prefill node is alive."""
@@ -257,9 +131,10 @@ class RouterService:
         max_blocks = max(0, (len(tokens) - 1) // layout.block_size)
         match: Match | None = None
         if max_blocks > 0:
-            hashes = hash_blocks(self.namespace(cache_salt), tokens, layout.block_size)[:max_blocks]
+            ns = self.namespace(cache_salt)
+            hashes = hash_blocks(ns, tokens, layout.block_size)[:max_blocks]
             try:
-                match = self.master.match(self.namespace(cache_salt), hashes, count_hit=False, lease_ttl_ms=0)
+                match = self.master.match(ns, hashes, count_hit=False, lease_ttl_ms=0)
             except (Unavailable, DeadlineExceeded) as exc:  # the master is down: 503, as for the node list
                 self.master_failed(exc)
                 raise Unavailable(f"master unreachable: {exc}") from None
@@ -276,7 +151,8 @@ class RouterService:
     def choose_prefill(
         self, peeked: tuple[RouteRequest, Match | None, int], exclude: Collection[str] = ()
     ) -> tuple[Choice, NodeStatus]:
-        """The prefill node the policy chooses among `candidates` (counted in flight until its first token)."""
+        """The prefill node the policy chooses among `candidates` (counted in flight until its first token).
+        One call per attempt: metrics are recorded per request by `generate`, not here."""
         req, match, max_blocks = peeked
         prefill = self.candidates("prefill", exclude)
         if not prefill:
@@ -286,8 +162,6 @@ class RouterService:
             choice = self.policy.choose(req, states)
             node = next(n for n in prefill if n.node.node_id == choice.node_id)
             self.inflight.begin(node.node.node_id, node.node.epoch, choice.prediction.service_s)
-        self.metrics.decisions.labels(self.policy.policy, choice.node_id).inc()
-        self.metrics.predicted_ttft.observe(choice.prediction.ttft_s)
         return choice, node
 
     def pick_decode(self, exclude: Collection[str] = ()) -> NodeStatus:
@@ -359,6 +233,17 @@ class RouterService:
             end_prefill()
         return first, published, ttft_s
 
+    def record_first(self, choice: Choice, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request's first token: its decision and every per-request figure a ratio is formed of, at one
+        point for one set of requests (field case B40; definitions in `kvpool.router.metrics`)."""
+        m = self.metrics
+        m.decisions.labels(self.policy.policy, choice.node_id, "served").inc()
+        m.ttft.observe(ttft_s)
+        m.predicted_ttft.observe(choice.prediction.ttft_s)
+        m.prompt_tokens.inc(prompt_tokens)
+        m.cached_tokens.inc(cached_tokens)
+        m.predicted_cached_tokens.inc(min(choice.prediction.reused_tokens, prompt_tokens))
+
     def generate(
         self, tokens: Sequence[int], sampling: Sampling, *, cache_salt: str = "", request_id: str = ""
     ) -> Generator[Event, None, None]:
@@ -373,26 +258,31 @@ class RouterService:
         )  # fmt: skip
         tried: list[str] = []
         failure = ""
-        while True:  # nothing reaches the client before the prefill ends: an unreachable node is retried
-            choice, pnode = self.choose_prefill(peeked, tried)
-            if failure:
-                log.warning("[%s] %s; retrying on %s", rid, failure, pnode.node.node_id)
-            try:
-                first, published, ttft_s = self._prefill(pnode, choice.prediction.service_s, req, t0)
-                break
-            except grpc.RpcError as exc:
-                failure = self._call_failed("prefill", pnode, exc, tried)
-        self.node_answered(pnode)
-        if first is None:
-            raise Unavailable(f"prefill on {pnode.node.node_id} ended without a first token")
+        choice: Choice | None = None
+        try:
+            while True:  # nothing reaches the client before the prefill ends: an unreachable node is retried
+                choice, pnode = self.choose_prefill(peeked, tried)
+                if failure:
+                    log.warning("[%s] %s; retrying on %s", rid, failure, pnode.node.node_id)
+                try:
+                    first, published, ttft_s = self._prefill(pnode, choice.prediction.service_s, req, t0)
+                    break
+                except grpc.RpcError as exc:
+                    failure = self._call_failed("prefill", pnode, exc, tried)
+            self.node_answered(pnode)
+            if first is None:
+                raise Unavailable(f"prefill on {pnode.node.node_id} ended without a first token")
+        except BaseException:
+            if choice is not None:  # placed, never served: one decision, under the last node tried
+                self.metrics.decisions.labels(self.policy.policy, choice.node_id, "failed").inc()
+            raise
         stats = first.stats
-        self.metrics.ttft.observe(ttft_s)
-        self.metrics.prompt_tokens.inc(len(tokens))
-        self.metrics.cached_tokens.inc(stats.num_reused_tokens)
+        cached = min(int(stats.num_reused_tokens), len(tokens))  # a node's report never passes the prompt
+        self.record_first(choice, ttft_s, len(tokens), cached)
         log.info("[%s] prefill %s (%s, predicted %.3fs): prompt=%d cached=%d ttft=%.3fs", rid,
                  pnode.node.node_id, self.policy.policy, choice.prediction.ttft_s, len(tokens),
-                 stats.num_reused_tokens, ttft_s)  # fmt: skip
-        common: dict[str, Any] = {"prompt_tokens": len(tokens), "cached_tokens": int(stats.num_reused_tokens),
+                 cached, ttft_s)  # fmt: skip
+        common: dict[str, Any] = {"prompt_tokens": len(tokens), "cached_tokens": cached,
                   "prefill_node": pnode.node.node_id}  # fmt: skip
         yield Event("first", token_ids=[first.token_id], ttft_s=ttft_s, **common)
         stop = set(sampling.stop_token_ids)

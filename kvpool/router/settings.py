@@ -39,6 +39,13 @@ class RouterSettings(KVPoolSettings):
         ge=0,
         description="other nodes a request is retried on when its node cannot be reached (0 = none)",
     )
+    namespace_cache_size: int = Field(
+        default=4096,
+        gt=0,
+        description="cache salts whose namespace digest is kept (LRU; one more is recomputed and registered "
+        "with the master again on its next request, so a client sending a new cache_salt per request "
+        "grows no state)",
+    )
     node_grace_s: float = Field(
         default=30.0,
         ge=0,
