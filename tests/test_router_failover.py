@@ -110,6 +110,76 @@ def test_requests_fail_over_when_a_prefill_and_a_decode_node_are_killed(
             assert any("decode1" in m and "retrying on decode0" in m for m in logged), logged
 
 
+def test_metrics_count_requests_not_attempts_in_a_replay_with_failover_and_failures() -> None:
+    """Field case B40: 100 requests; 10 fail over to the second prefill node, 5 fail outright. Decision
+    counters count requests (a retry is counted in `retries_total`, not as another decision); predicted
+    and measured TTFT, and cached, predicted cached and prompt tokens, are recorded at one point (the
+    first token) for one set of requests (those served), so every ratio compares like with like and
+    cached/prompt <= 1."""
+    layout = ModelInfo.load(None, block_size=BLOCK).layout.fingerprint()
+    spec = LocalClusterSpec(
+        layout=layout, num_stores=1, num_prefill=2, num_decode=1, block_size=BLOCK, segment_size="64MiB",
+        heartbeat_timeout_ms=60_000,
+    )  # fmt: skip
+    with LocalCluster(spec) as cluster:
+        # round-robin and no back-off: after prefill1 dies, every request is placed on it first and fails over
+        settings = RouterSettings(
+            master=cluster.master_address, policy="round-robin", node_backoff_s=0.0, port=0
+        )
+        app, svc = build(settings)
+        assert isinstance(svc, RouterService)
+        with TestClient(app) as http:  # type: ignore[arg-type]
+            model = svc.model.model_id
+            served: list[dict[str, Any]] = []
+
+            def ask(i: int) -> int:
+                body = {"model": model, "prompt": DOC + f"question {i}?", "max_tokens": 2, "temperature": 0,
+                        "stream": i % 4 == 3, "stream_options": {"include_usage": True}}  # fmt: skip
+                r = http.post("/v1/completions", json=body)
+                if r.status_code == 200:
+                    events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+                    usage = json.loads(events[-2])["usage"] if body["stream"] else r.json()["usage"]
+                    served.append(usage)
+                return r.status_code
+
+            codes = [ask(i) for i in range(85)]  # an odd count: the next placement is on prefill1
+            cluster.prefill[1].kill()
+            time.sleep(0.2)
+            codes += [ask(i) for i in range(85, 95)]  # each placed on prefill1, failed over to prefill0
+            cluster.prefill[0].kill()
+            time.sleep(0.2)
+            codes += [ask(i) for i in range(95, 100)]  # both unreachable: 503 after one retry each
+            assert codes == [200] * 95 + [503] * 5, codes
+            text = http.get("/metrics").text
+
+        def decisions(outcome: str) -> float:
+            return sum(_metric(text, "kvpool_router_routing_decisions_total", node=n, outcome=outcome,
+                               policy="round-robin") for n in ("prefill0", "prefill1"))  # fmt: skip
+
+        assert decisions("served") + decisions("failed") == 100  # requests, not attempts
+        assert decisions("failed") == 5
+        assert _metric(text, "kvpool_router_routing_decisions_total", node="prefill1", outcome="served",
+                       policy="round-robin") == 42  # fmt: skip  # before the kill only: half of 85
+        assert _metric(text, "kvpool_router_retries_total", role="prefill") == 10 + 5  # attempts - requests
+        # predicted vs measured TTFT: the same 95 requests
+        assert _metric(text, "kvpool_router_ttft_seconds_count") == 95
+        assert _metric(text, "kvpool_router_predicted_ttft_seconds_count") == 95
+        # token ratios: numerator and denominator over the same 95 requests, as the clients saw them
+        prompt = _metric(text, "kvpool_router_prompt_tokens_total")
+        cached = _metric(text, "kvpool_router_cached_tokens_total")
+        predicted = _metric(text, "kvpool_router_predicted_cached_tokens_total")
+        assert len(served) == 95
+        assert prompt == sum(u["prompt_tokens"] for u in served)
+        assert cached == sum(u["prompt_tokens_details"]["cached_tokens"] for u in served)
+        assert 0 < cached <= prompt and 0 < predicted <= prompt  # the shared DOC prefix was reused
+        assert all(u["prompt_tokens_details"]["cached_tokens"] <= u["prompt_tokens"] for u in served)
+        assert _metric(text, "kvpool_router_requests_total", endpoint="completions", code="200") == 95
+        assert _metric(text, "kvpool_router_requests_total", endpoint="completions", code="503") == 5
+
+
+DOC = "The pool keeps KV blocks in CPU memory on store nodes; prefill nodes publish them. " * 2
+
+
 # ---- in-process: fake node stubs ------------------------------------------------------------------
 
 
