@@ -31,11 +31,14 @@ class ServingMetrics:
             p + "requests", "Requests served (first token sent / stream finished).", registry=r
         )
         self.prompt_tokens = Counter(
-            p + "prompt_tokens", "Prompt tokens of served requests (the hit-rate denominator).", registry=r
+            p + "prompt_tokens",
+            "Prompt tokens of served requests, recorded with reused_tokens per request: the hit-rate "
+            "denominator (hit rate = reused_tokens_total summed over sources / prompt_tokens_total).",
+            registry=r,
         )
         self.reused_tokens = Counter(
-            p + "reused_tokens", "Prompt tokens taken from cache, by source (local tier or pulled).", ["source"],
-            registry=r,
+            p + "reused_tokens", "Prompt tokens taken from cache, by source (local tier or pulled), recorded "
+            "with prompt_tokens for the same requests; at most their prompt tokens.", ["source"], registry=r,
         )  # fmt: skip
         self.decisions = Counter(p + "decisions", "Prompt KV load decisions.", ["decision"], registry=r)
         self.pulled_bytes = Counter(p + "pulled_bytes", "Bytes of blocks pulled from the pool.", registry=r)
