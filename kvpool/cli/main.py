@@ -20,6 +20,7 @@ from kvpool.cli.roles import register_role_commands
 from kvpool.cli.router_cmd import register_router_command
 from kvpool.cli.serving_cmd import register_serving_commands
 from kvpool.cli.store_cmd import register_store_command
+from kvpool.cli.token_cmd import token_app
 from kvpool.cli.up_cmd import register_up_command
 
 app = typer.Typer(
@@ -38,6 +39,7 @@ register_router_command(app)
 register_up_command(app)
 app.add_typer(admin_app, name="admin")
 app.add_typer(model_app, name="model")
+app.add_typer(token_app, name="token")
 
 
 def _print_version(value: bool) -> None:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -14,10 +15,18 @@ from dataclasses import dataclass, field
 
 from kvpool.capability import Capabilities, process_capabilities
 from kvpool.client.types import NodeLoad
-from kvpool.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from kvpool.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+)
 from kvpool.index.radix import RadixIndex
 from kvpool.index.results import DroppedBlock, MatchResult
 from kvpool.master import bounds
+from kvpool.master.members import Membership
 from kvpool.master.namespaces import NamespaceRegistry
 from kvpool.master.nodes import NodeRecord
 from kvpool.master.quotas import TenantQuotas
@@ -90,6 +99,14 @@ class Master:
         """Signs the data-plane capabilities of leases and reservations (None: off, no cluster secret)."""
         self.layout = settings.kv_layout
         self.clock = clock or MonotonicClock()
+        self.members = Membership(
+            self.capabilities,
+            tokens_file=settings.join_tokens_file,
+            clock=self.clock,
+            max_pending_challenges=settings.max_pending_challenges,
+            challenge_ttl_ms=settings.challenge_ttl_ms,
+        )
+        """Who may join (`kvpool.master.members`): secured exactly when capabilities are on."""
         self.lock = threading.RLock()
         self.index = RadixIndex(clock=self.clock, policy=settings.policy)
         self.namespaces = NamespaceRegistry(self.layout, bounds.namespace_limits(settings))
@@ -120,8 +137,12 @@ class Master:
         layout_fingerprint: str,
         num_slots: int,
         block_nbytes: int,
+        session: bytes = b"",
+        join_token: str = "",
     ) -> None:
-        """Add or refresh a node. A new epoch replaces everything the node had (B22)."""
+        """Add or refresh a node. A new epoch replaces everything the node had (B22). The caller admitted
+        it (`Membership`): `session` is what its heartbeats must carry, `join_token` the name of the token
+        it joined with ("" for a store or an unsecured cluster)."""
         if not node_id:
             raise InvalidArgument("node_id must be non-empty")
         if role not in ROLES:
@@ -148,6 +169,7 @@ class Master:
             now = self.clock.now_ms()
             if old is not None and old.epoch == epoch and old.alive and old.role == role:
                 old.grpc_address, old.data_address, old.last_seen_ms = grpc_address, data_address, now
+                old.session, old.join_token = session, join_token
                 return
             if old is not None:
                 log.info("node %s re-registers (epoch %d -> %d)", node_id, old.epoch, epoch)
@@ -155,6 +177,7 @@ class Master:
             rec = NodeRecord(node_id, role, grpc_address, data_address, epoch, num_slots, block_nbytes, now)
             rec.ready = role != "store"
             rec.registered_ms = now
+            rec.session, rec.join_token = session, join_token
             self.st.nodes[node_id] = rec
             if role == "store":
                 self.st.to_adopt.add(node_id)
@@ -204,6 +227,26 @@ class Master:
                 if slot in rec.pending_free:
                     rec.give_back(slot, gen)
             return True
+
+    def check_session(self, node_id: str, epoch: int, session: bytes) -> None:
+        """A secured master's check of a heartbeat or deregistration: it carries the session of the node's
+        registration (else `Unauthenticated`), and the join token the node joined with is still active
+        (else the node is forgotten now and `PermissionDenied` says why). An unknown node passes (the
+        caller answers "re-register")."""
+        rec = self.st.nodes.get(node_id)
+        if not self.members.secured or rec is None or rec.epoch != epoch or not rec.alive:
+            return
+        if not hmac.compare_digest(rec.session, session):
+            raise Unauthenticated(f"node {node_id!r}: missing or wrong registration session")
+        try:
+            self.members.check_still_active(rec.join_token)
+        except PermissionDenied as exc:
+            with self.lock:
+                if self.st.nodes.get(node_id) is rec and rec.alive:
+                    log.warning("node %s (%s) removed: %s", node_id, rec.role, exc)
+                    self._forget_node(rec)
+            self.wake.set()
+            raise
 
     def deregister_node(self, node_id: str, epoch: int) -> bool:
         """A node stopping on purpose: dead now rather than after its heartbeat timeout (a store's replicas

@@ -50,9 +50,13 @@ class MasterSettings(KVPoolSettings):
         "changes; a secured master admits non-store nodes and clients presenting one of them",
     )
     max_pending_challenges: int = Field(
-        default=1024, ge=1, description="unanswered store join challenges held at once (RESOURCE_EXHAUSTED past it)"
+        default=1024,
+        ge=1,
+        description="unanswered store join challenges held at once (RESOURCE_EXHAUSTED past it)",
     )
-    challenge_ttl_ms: int = Field(default=30_000, ge=100, description="a join challenge must be answered within this")
+    challenge_ttl_ms: int = Field(
+        default=30_000, ge=100, description="a join challenge must be answered within this"
+    )
     # ---- bounded state (issue 24): everything a client can create has a cap or an expiry -----------
     max_namespaces: int = Field(
         default=100_000,

@@ -1,0 +1,91 @@
+"""`kvpool token new|revoke|list`: the join tokens a secured master admits (`kvpool.membership`).
+
+They edit the master's token file (JSON of SHA-256 digests by name; `--file`, default
+`$KVPOOL_JOIN_TOKENS_FILE`), which a running master re-reads within a second: a new token works at once, a
+revoked one is refused on its next call and each node that joined with it at its next heartbeat. Stores
+never hold tokens (they prove the cluster secret), so rotating tokens never touches them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+token_app = typer.Typer(
+    help="Join tokens of a secured cluster: add, revoke, list (edits the master's token file).",
+    no_args_is_help=True,
+)
+
+_FILE_HELP = "The master's join token file (default: $KVPOOL_JOIN_TOKENS_FILE)."
+
+
+def _file(path: Path | None) -> Path:
+    if path is not None:
+        return path
+    env = os.environ.get("KVPOOL_JOIN_TOKENS_FILE", "")
+    if not env:
+        typer.echo("kvpool token: give --file or set KVPOOL_JOIN_TOKENS_FILE", err=True)
+        raise typer.Exit(2)
+    return Path(env)
+
+
+@token_app.command("new")
+def new(
+    name: str = typer.Argument(..., help="A name for the token (shown in logs, used to revoke it)."),
+    file: Path | None = typer.Option(None, "--file", help=_FILE_HELP),
+    out: Path | None = typer.Option(None, "--out", help="Write the token to this new 0600 file, not stdout."),
+) -> None:
+    """Add a token and print it once (the file keeps only its digest)."""
+    from kvpool.errors import InvalidArgument
+    from kvpool.membership import add_token
+
+    path = _file(file)
+    try:
+        token = add_token(path, name)
+    except InvalidArgument as exc:
+        typer.echo(f"kvpool token new: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if out is None:
+        typer.echo(token)
+        return
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    typer.echo(f"token {name!r} written to {out} (members: KVPOOL_JOIN_TOKEN_FILE={out})")
+
+
+@token_app.command("revoke")
+def revoke(
+    name: str = typer.Argument(..., help="The token's name."),
+    file: Path | None = typer.Option(None, "--file", help=_FILE_HELP),
+) -> None:
+    """Remove a token: its holders are refused from their next call or heartbeat."""
+    from kvpool.errors import InvalidArgument
+    from kvpool.membership import revoke_token
+
+    try:
+        removed = revoke_token(_file(file), name)
+    except InvalidArgument as exc:
+        typer.echo(f"kvpool token revoke: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if not removed:
+        typer.echo(f"kvpool token revoke: no token named {name!r}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"revoked {name!r}")
+
+
+@token_app.command("list")
+def list_tokens(file: Path | None = typer.Option(None, "--file", help=_FILE_HELP)) -> None:
+    """The names of the active tokens (one per line)."""
+    from kvpool.errors import InvalidArgument
+    from kvpool.membership import read_tokens
+
+    try:
+        tokens = read_tokens(_file(file))
+    except InvalidArgument as exc:
+        typer.echo(f"kvpool token list: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for name in sorted(tokens.values()):
+        typer.echo(name)

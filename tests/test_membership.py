@@ -1,0 +1,313 @@
+"""Only proven members join a secured cluster (issue #24): stores prove the cluster secret by
+challenge-response, every other member presents a join token the operator can revoke.
+
+Real processes: a secured `LocalCluster` master and store; stores started without the secret, with a
+wrong one, and a replayed registration are refused and hold no blocks; calls without a token are
+refused; a serving node whose token is revoked is refused at its next heartbeat and leaves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+os.environ.setdefault("UCX_TLS", "tcp")  # noqa: E402 - before UCX initialises
+
+from kvpool.capability import Capabilities, CapabilityKey  # noqa: E402
+from kvpool.errors import (  # noqa: E402
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
+from kvpool.master.members import Membership  # noqa: E402
+from kvpool.membership import (  # noqa: E402
+    JOIN_TOKEN_METADATA,
+    add_token,
+    read_tokens,
+    revoke_token,
+    store_proof,
+    token_digest,
+)
+from kvpool.types import FakeClock  # noqa: E402
+from transfer import ucx_available  # noqa: E402
+
+LAYOUT = "kv1:float32:b16:l2:h2:d16"  # 8 KiB blocks
+SECRET = b"m" * 32
+ENDPOINT = {
+    "node_id": "s1",
+    "role": "store",
+    "epoch": 7,
+    "grpc_address": "127.0.0.1:1",
+    "data_address": "127.0.0.1:2",
+}
+
+
+def _caps(secret: bytes = SECRET) -> Capabilities:
+    return Capabilities(CapabilityKey(secret))
+
+
+# ---------------------------------------------------------------- proofs, challenges and token files
+
+
+def _members(tmp_path: Any, clock: FakeClock, **kw: Any) -> Membership:
+    kw = {"max_pending_challenges": 4, "challenge_ttl_ms": 1000} | kw
+    return Membership(_caps(), tokens_file=str(tmp_path / "tokens.json"), clock=clock, **kw)
+
+
+def test_a_proof_binds_the_challenge_the_secret_and_the_whole_endpoint(tmp_path: Any) -> None:
+    clock = FakeClock(0)
+    m = _members(tmp_path, clock)
+    challenge, ttl_ms = m.new_challenge("s1")
+    assert len(challenge) == 32 and ttl_ms == 1000
+    good = store_proof(_caps(), challenge, **ENDPOINT)
+    for change in ({"epoch": 8}, {"data_address": "127.0.0.1:3"}, {"role": "prefill"}):
+        forged = store_proof(_caps(), challenge, **(ENDPOINT | change))
+        assert forged != good
+    wrong_secret = store_proof(_caps(b"x" * 32), challenge, **ENDPOINT)
+    with pytest.raises(Unauthenticated, match="does not hold this cluster's secret"):
+        m.admit_store(challenge=challenge, proof=wrong_secret, **ENDPOINT)
+    # the failed try spent the challenge: the right proof cannot reuse it either
+    with pytest.raises(Unauthenticated, match="spent"):
+        m.admit_store(challenge=challenge, proof=good, **ENDPOINT)
+    c2, _ = m.new_challenge("s1")
+    m.admit_store(challenge=c2, proof=store_proof(_caps(), c2, **ENDPOINT), **ENDPOINT)
+    with pytest.raises(Unauthenticated, match="replayed"):  # replay
+        m.admit_store(challenge=c2, proof=store_proof(_caps(), c2, **ENDPOINT), **ENDPOINT)
+    c3, _ = m.new_challenge("another-node")  # a challenge is for the node that asked
+    with pytest.raises(Unauthenticated):
+        m.admit_store(challenge=c3, proof=store_proof(_caps(), c3, **ENDPOINT), **ENDPOINT)
+    with pytest.raises(Unauthenticated, match="did not prove"):
+        m.admit_store(challenge=b"", proof=b"", **ENDPOINT)
+
+
+def test_pending_challenges_are_capped_and_expire(tmp_path: Any) -> None:
+    clock = FakeClock(0)
+    m = _members(tmp_path, clock)
+    first = [m.new_challenge("s1")[0] for _ in range(4)]
+    with pytest.raises(ResourceExhausted, match="max_pending_challenges"):
+        m.new_challenge("s1")
+    clock.advance(1001)  # expired ones are dropped, and refused
+    challenge, _ = m.new_challenge("s1")
+    assert m.num_pending_challenges() == 1
+    with pytest.raises(Unauthenticated, match="expired"):
+        m.admit_store(challenge=first[0], proof=store_proof(_caps(), first[0], **ENDPOINT), **ENDPOINT)
+    for _ in range(10_000):  # repeating leaves O(1) state
+        m.admit_store(challenge=challenge, proof=store_proof(_caps(), challenge, **ENDPOINT), **ENDPOINT)
+        challenge, _ = m.new_challenge("s1")
+    assert m.num_pending_challenges() == 1
+
+
+def test_token_file_keeps_digests_and_revocation_is_seen(tmp_path: Any) -> None:
+    path = tmp_path / "tokens.json"
+    alice = add_token(path, "alice")
+    bob = add_token(path, "bob")
+    assert alice not in path.read_text() and token_digest(alice) in path.read_text()
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert sorted(read_tokens(path).values()) == ["alice", "bob"]
+    with pytest.raises(InvalidArgument, match="exists"):
+        add_token(path, "alice")
+    with pytest.raises(InvalidArgument, match="at least"):
+        add_token(path, "carol", "short")
+    m = _members(tmp_path, FakeClock(0))
+    assert m.token_name(alice) == "alice" and m.token_name(bob) == "bob"
+    for bad in ("", "not-a-token"):
+        with pytest.raises(Unauthenticated):
+            m.token_name(bad)
+    assert revoke_token(path, "alice") and not revoke_token(path, "alice")
+    time.sleep(0.6)  # past TOKEN_RELOAD_INTERVAL_S
+    with pytest.raises(Unauthenticated, match="revoked"):
+        m.token_name(alice)
+    with pytest.raises(PermissionDenied, match="'alice' was revoked"):
+        m.check_still_active("alice")
+    m.check_still_active("bob")
+    path.write_text("{not json")
+    with pytest.raises(InvalidArgument, match="malformed"):
+        read_tokens(path)
+    time.sleep(0.6)
+    assert m.token_name(bob) == "bob"  # a broken file keeps the previous tokens (and says so)
+
+
+def test_an_unsecured_membership_admits_anyone(tmp_path: Any) -> None:
+    m = Membership(None, tokens_file="", clock=FakeClock(0), max_pending_challenges=1, challenge_ttl_ms=1)
+    assert not m.secured and m.new_challenge("x") == (b"", 0)
+    m.admit_store(challenge=b"", proof=b"", **ENDPOINT)
+    assert m.token_name("") == ""
+
+
+# ---------------------------------------------------------------- a secured cluster of real processes
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    reason = ucx_available()
+    if reason is not None:
+        pytest.skip(f"UCX cannot initialise here: {reason}")
+    from kvpool.cluster.local import LocalCluster, LocalClusterSpec
+
+    spec = LocalClusterSpec(
+        layout=LAYOUT,
+        num_stores=1,
+        num_prefill=0,
+        num_decode=0,
+        segment_size="8MiB",
+        heartbeat_timeout_ms=30_000,
+    )
+    with LocalCluster(spec) as c:
+        yield c
+
+
+def _store(cluster: Any, node_id: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_CLUSTER_SECRET")}
+    return subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "store", "--master", cluster.master_address, "--listen",
+         "127.0.0.1", "--grpc-port", "0", "--data-port", "0", "--segment-size", "8MiB", "--layout", LAYOUT,
+         "--node-id", node_id],
+        capture_output=True, text=True, timeout=90, env=base | env,
+    )  # fmt: skip
+
+
+def _nodes(cluster: Any) -> dict[str, Any]:
+    from kvpool.client import MasterClient
+
+    with MasterClient(cluster.master_address) as mc:
+        return {n.node.node_id: n for n in mc.list_nodes()}
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "did not prove it holds the cluster secret"),
+        ({"KVPOOL_CLUSTER_SECRET": "w" * 64}, "failed the membership proof"),
+    ],
+    ids=["no-secret", "wrong-secret"],
+)
+def test_a_store_without_the_secret_is_refused_and_holds_no_blocks(
+    cluster: Any, env: dict[str, str], expected: str
+) -> None:
+    out = _store(cluster, "rogue", env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if " INFO " not in line and " WARNING " not in line]
+    assert len(errors) == 1 and "Unauthenticated" in errors[0] and expected in errors[0], errors
+    assert "KVPOOL_READY" not in out.stdout
+    nodes = _nodes(cluster)
+    assert "rogue" not in nodes and nodes["store0"].alive
+    _publish_lands_on_proven_stores_only(cluster)
+
+
+def _publish_lands_on_proven_stores_only(cluster: Any) -> None:
+    from kvpool.client import MasterClient, PoolClient
+    from kvpool.types import KVLayout
+    from transfer import UcxTransport
+
+    nb = KVLayout.from_fingerprint(LAYOUT).block_nbytes
+    rng = np.random.default_rng()
+    hashes = [rng.bytes(16) for _ in range(8)]
+    with MasterClient(cluster.master_address) as mc:
+        ns, _ = mc.register_namespace("m", "v1", LAYOUT)
+        t = UcxTransport(probe_bytes=1 << 20)
+        try:
+            with PoolClient(cluster.master_address, t, block_nbytes=nb) as pool:
+                put = pool.put_blocks(
+                    ns, None, hashes, [rng.integers(0, 256, nb, dtype=np.uint8) for _ in hashes]
+                )
+        finally:
+            t.close()
+        assert put.num_committed == 8, put
+        match = mc.match(ns, hashes)
+    assert {loc.node_id for reps in match.replicas for loc in reps} == {"store0"}
+
+
+def _register_request(cluster: Any, stub: Any, node_id: str) -> Any:
+    from kvpool.rpc import PROTOCOL_VERSION
+    from kvpool.types import KVLayout
+    from kvpool.v1 import kvpool_pb2 as pb
+
+    secret = cluster._secret_env["KVPOOL_CLUSTER_SECRET"].encode()  # noqa: SLF001 - the test holds it
+    endpoint = ENDPOINT | {"node_id": node_id}
+    challenge = stub.JoinChallenge(pb.JoinChallengeRequest(node_id=node_id), timeout=5).challenge
+    return pb.RegisterNodeRequest(
+        node=pb.NodeEndpoint(**endpoint),
+        protocol_version=PROTOCOL_VERSION,
+        layout_fingerprint=LAYOUT,
+        num_slots=4,
+        block_nbytes=KVLayout.from_fingerprint(LAYOUT).block_nbytes,
+        challenge=challenge,
+        proof=store_proof(_caps(secret), challenge, **endpoint),
+    )
+
+
+def test_a_replayed_registration_is_refused(cluster: Any) -> None:
+    from kvpool.v1 import kvpool_pb2 as pb
+    from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+    if "KVPOOL_CLUSTER_SECRET" not in cluster._secret_env:  # noqa: SLF001
+        pytest.skip("the environment configures the cluster secret")
+    with grpc.insecure_channel(cluster.master_address) as ch:  # no join token: stores need none
+        stub = pb_grpc.MasterStub(ch)
+        req = _register_request(cluster, stub, "replayed")
+        resp = stub.RegisterNode(req, timeout=5)
+        assert resp.secured and len(resp.session) == 32
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RegisterNode(req, timeout=5)  # the same bytes again
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "replayed" in err.value.details()
+        moved = _register_request(cluster, stub, "replayed2")
+        moved.node.node_id = "someone-else"  # a proof made for another endpoint
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RegisterNode(moved, timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        beat = pb.HeartbeatRequest(node_id="replayed", epoch=ENDPOINT["epoch"], session=b"x" * 32)
+        with pytest.raises(grpc.RpcError) as err:  # a heartbeat needs the registration's session
+            stub.Heartbeat(beat, timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        bye = pb.DeregisterNodeRequest(node_id="replayed", epoch=ENDPOINT["epoch"], session=resp.session)
+        assert stub.DeregisterNode(bye, timeout=5).known
+    nodes = _nodes(cluster)
+    assert "someone-else" not in nodes and not nodes["replayed"].alive
+
+
+def test_calls_without_an_active_join_token_are_refused(cluster: Any) -> None:
+    from kvpool.rpc import PROTOCOL_VERSION
+    from kvpool.v1 import kvpool_pb2 as pb
+    from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+    calls = [
+        ("Stats", pb.StatsRequest()),
+        ("ListNodes", pb.ListNodesRequest()),
+        ("MatchPrefix", pb.MatchPrefixRequest(namespace=b"n" * 16, block_hashes=[b"h" * 16], lease_ttl_ms=1000)),
+        ("Evict", pb.EvictRequest(fraction=0.5)),
+        ("RegisterNode", pb.RegisterNodeRequest(
+            node=pb.NodeEndpoint(node_id="p", role="prefill", grpc_address="127.0.0.1:1", epoch=1),
+            protocol_version=PROTOCOL_VERSION, layout_fingerprint=LAYOUT)),
+    ]  # fmt: skip
+    with grpc.insecure_channel(cluster.master_address) as ch:
+        stub = pb_grpc.MasterStub(ch)
+        for metadata in ((), ((JOIN_TOKEN_METADATA, "w" * 43),)):
+            for name, req in calls:
+                with pytest.raises(grpc.RpcError) as err:
+                    getattr(stub, name)(req, timeout=5, metadata=metadata)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+                assert "join token" in err.value.details(), err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.MatchPrefixStream(iter([calls[2][1]]), timeout=5))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        ok = stub.Stats(pb.StatsRequest(), timeout=5, metadata=((JOIN_TOKEN_METADATA, cluster.join_token),))
+        assert ok.uptime_s > 0
+    assert "p" not in _nodes(cluster)
+
+
+def test_the_admin_cli_needs_the_token_and_says_how(cluster: Any) -> None:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_JOIN_TOKEN")}
+    cmd = [sys.executable, "-m", "kvpool.cli.main", "admin", "--master", cluster.master_address, "nodes"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=base)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "KVPOOL_JOIN_TOKEN" in out.stderr, out.stderr
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=base | cluster.member_env)
+    assert out.returncode == 0 and "store0" in out.stdout, out.stderr
