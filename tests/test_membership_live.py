@@ -17,7 +17,6 @@ import pytest
 
 from kvpool.cluster.process import wait_for
 from kvpool.membership import add_token, revoke_token
-from kvpool.rpc.security import adopt_join_token
 from kvpool.types import DEFAULT_LAYOUT
 from transfer import ucx_available
 
@@ -36,7 +35,14 @@ def _alive(master: str) -> dict[str, bool]:
 
 
 @pytest.mark.slow
-def test_a_serving_node_with_a_revoked_token_is_refused_at_its_next_heartbeat() -> None:
+def _without_operator_token() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "KVPOOL_JOIN_TOKEN"}
+
+
+@pytest.mark.slow
+def test_a_serving_node_with_a_revoked_token_is_refused_at_its_next_heartbeat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     _require_ucx()
     from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 
@@ -45,25 +51,22 @@ def test_a_serving_node_with_a_revoked_token_is_refused_at_its_next_heartbeat() 
     )
     with LocalCluster(spec) as cluster:
         tokens = cluster.log_dir / "join_tokens.json"
-        adopt_join_token(add_token(tokens, "operator"))  # this test keeps a token of its own
-        try:
-            time.sleep(0.6)  # the master re-reads the file within TOKEN_RELOAD_INTERVAL_S
-            assert _alive(cluster.master_address) == {"store0": True, "prefill0": True}
-            assert revoke_token(tokens, "cluster")  # the token the prefill node joined with
-            prefill = cluster.prefill[0]
-            assert wait_for(lambda: not prefill.alive, timeout_s=30), prefill.log_tail()
-            log = prefill.log_path.read_text()
-            assert "join token 'cluster' was revoked" in log, log[-3000:]
-            assert _alive(cluster.master_address) == {"store0": True, "prefill0": False}
-            restarted = subprocess.run(
-                [sys.executable, "-m", "kvpool.cli.main", "prefill", "--master", cluster.master_address,
-                 "--listen", "127.0.0.1", "--port", "0", "--node-id", "prefill9"],
-                capture_output=True, text=True, timeout=120, env=os.environ | cluster.member_env,
-            )  # fmt: skip
-            assert restarted.returncode == 2, restarted.stderr[-2000:]
-            assert "unknown or revoked join token" in restarted.stderr and "Traceback" not in restarted.stderr
-        finally:
-            adopt_join_token("")
+        monkeypatch.setenv("KVPOOL_JOIN_TOKEN", add_token(tokens, "operator"))  # a token of its own
+        time.sleep(0.6)  # the master re-reads the file within TOKEN_RELOAD_INTERVAL_S
+        assert _alive(cluster.master_address) == {"store0": True, "prefill0": True}
+        assert revoke_token(tokens, "cluster")  # the token the prefill node joined with
+        prefill = cluster.prefill[0]
+        assert wait_for(lambda: not prefill.alive, timeout_s=30), prefill.log_tail()
+        log = prefill.log_path.read_text()
+        assert "join token 'cluster' was revoked" in log, log[-3000:]
+        assert _alive(cluster.master_address) == {"store0": True, "prefill0": False}
+        restarted = subprocess.run(
+            [sys.executable, "-m", "kvpool.cli.main", "prefill", "--master", cluster.master_address,
+             "--listen", "127.0.0.1", "--port", "0", "--node-id", "prefill9"],
+            capture_output=True, text=True, timeout=120, env=_without_operator_token() | cluster.member_env,
+        )  # fmt: skip
+        assert restarted.returncode == 2, restarted.stderr[-2000:]
+        assert "unknown or revoked join token" in restarted.stderr and "Traceback" not in restarted.stderr
 
 
 def _up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[str], str, list[str]]:

@@ -7,6 +7,7 @@ Ctrl-C and on SIGTERM (and dies with its parent on Linux): no orphans, ports fre
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -16,7 +17,6 @@ from types import TracebackType
 from kvpool.capability import SECRET_ROLES, new_secret_env
 from kvpool.cluster.process import RoleProcess
 from kvpool.membership import new_cluster_tokens
-from kvpool.rpc.security import adopt_join_token, join_token
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,9 @@ class LocalCluster:
         self._secret_env = new_secret_env() if spec.capabilities else {}
         self._master_env: dict[str, str] = {}
         self._member_env: dict[str, str] = {}  # roles without the secret: the join token file
+        self._saved_env: dict[str, str | None] = {}
         self.join_token = ""
-        """Secured cluster: its join token (this process adopts it while the cluster runs)."""
+        """Secured cluster: its join token (`KVPOOL_JOIN_TOKEN_FILE` of this process while it runs)."""
         if spec.capabilities:
             self.join_token, self._master_env, self._member_env = new_cluster_tokens(self.log_dir)
         self.processes: list[RoleProcess] = []
@@ -71,8 +72,6 @@ class LocalCluster:
         return self
 
     def _spawn(self, name: str, args: list[str]) -> RoleProcess:
-        import os
-
         role_env = self._secret_env if args[0] in SECRET_ROLES else self._member_env
         if args[0] == "master":
             role_env = role_env | self._master_env
@@ -83,8 +82,9 @@ class LocalCluster:
 
     def _start(self, timeout_s: float) -> None:
         s = self.spec
-        if self.join_token:
-            adopt_join_token(self.join_token)  # this process's clients of the cluster (tests, benchmarks)
+        if self._member_env:  # this process and its children are members too (tests, benchmarks)
+            self._saved_env = {k: os.environ.get(k) for k in self._member_env}
+            os.environ.update(self._member_env)
         self.master = self._start_master(0)
         self.master_address = self.master.wait_ready(timeout_s)["grpc_address"]
         for i in range(s.num_stores):
@@ -140,8 +140,12 @@ class LocalCluster:
         return dict(self._member_env)
 
     def stop(self) -> None:
-        if self.join_token and join_token() == self.join_token:
-            adopt_join_token("")
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env = {}
         for proc in reversed(self.processes):
             try:
                 proc.stop()

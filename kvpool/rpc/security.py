@@ -9,8 +9,7 @@ time (`hmac.compare_digest`).
 
 Separately, a node or client of a secured cluster presents its **join token** (`KVPOOL_JOIN_TOKEN`, or
 the file named by `KVPOOL_JOIN_TOKEN_FILE`; `kvpool.membership`) in the `kvpool-join-token` metadata of
-every call; the master refuses calls without an active one. `adopt_join_token` gives the token to this
-process (a `LocalCluster` or `kvpool up` does, for the clients of the cluster it started).
+every call; the master refuses calls without an active one.
 """
 
 from __future__ import annotations
@@ -51,20 +50,11 @@ def security() -> RpcSecurity:
     return load_config(RpcSecurity)
 
 
-_adopted_join_token = ""
-
-
-def adopt_join_token(token: str) -> None:
-    """Make `token` this process's join token where its settings name none ("" forgets it). Channels
-    opened afterwards carry it."""
-    global _adopted_join_token
-    _adopted_join_token = token
-
-
 def join_token() -> str:
-    """This process's join token: `join_token`, else the first line of `join_token_file`, else the adopted
-    one; "" when none. Raises `OSError` naming the file when it cannot be read."""
-    sec = security()
+    """This process's join token: `join_token`, else the first line of `join_token_file`; "" when none.
+    Read afresh at each call (a `LocalCluster` sets `KVPOOL_JOIN_TOKEN_FILE` while it runs). Raises
+    `OSError` naming the file when it cannot be read."""
+    sec = load_config(RpcSecurity)
     if sec.join_token:
         return sec.join_token
     if sec.join_token_file:
@@ -72,7 +62,7 @@ def join_token() -> str:
             return Path(sec.join_token_file).read_text().strip().splitlines()[0].strip()
         except (OSError, IndexError) as exc:
             raise OSError(f"cannot read the join token file {sec.join_token_file}: {exc}") from None
-    return _adopted_join_token
+    return ""
 
 
 class _AuthInterceptor(grpc.ServerInterceptor):
