@@ -14,12 +14,17 @@ A cluster is *secured* when its master holds the cluster secret (`kvpool.capabil
   operator rotates or revokes tokens without touching the stores (which never see them) or restarting
   the master.
 
+The master's control calls to a store (reserve, commit, free, inventory, copy) carry a short-lived
+credential keyed by the same secret (`master_call_credential`), so a process that reaches a store's gRPC
+port cannot free, overwrite or list its slots.
+
 This module is shared by the master, the store and the CLI; it holds no state.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -28,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 from kvpool.capability import Capabilities
-from kvpool.errors import InvalidArgument
+from kvpool.errors import InvalidArgument, Unauthenticated
 
 JOIN_TOKEN_METADATA = "kvpool-join-token"
 """gRPC metadata key carrying a join token (lower case, as gRPC requires)."""
@@ -171,3 +176,29 @@ def new_cluster_tokens(directory: Path, name: str = "cluster") -> tuple[str, dic
         {"KVPOOL_JOIN_TOKENS_FILE": str(tokens_file)},
         {"KVPOOL_JOIN_TOKEN_FILE": str(token_file)},
     )
+
+
+# ---- the master's calls to stores ----------------------------------------------------------------
+
+MASTER_CALL_METADATA = "kvpool-master-call"
+"""gRPC metadata key of the credential on the master's control calls to a store of a secured cluster."""
+MASTER_CALL_SKEW_MS = 60_000
+"""How far apart master and store wall clocks (and a credential's age) may be."""
+_CALL_TAG = b"\x0fkvpool-master-call-v1\x00"
+
+
+def master_call_credential(key: Capabilities, method: str, now_ms: int) -> str:
+    """`"<ms>.<hex HMAC-SHA256(secret, tag, method, ms)>"`: proves a store control call (reserve, commit,
+    free, inventory, copy) comes from a holder of the cluster secret, for this method, now."""
+    return f"{now_ms}.{key.proof(_CALL_TAG + _lp(method.encode()) + _U64.pack(now_ms)).hex()}"
+
+
+def check_master_call(key: Capabilities, method: str, value: str, now_ms: int) -> None:
+    """Raise `Unauthenticated` unless `value` is `master_call_credential(key, method, t)` with `t` within
+    `MASTER_CALL_SKEW_MS` of `now_ms`."""
+    stamp, _, mac = value.partition(".")
+    if not stamp.isdigit() or abs(int(stamp) - now_ms) > MASTER_CALL_SKEW_MS:
+        raise Unauthenticated(f"{method}: only the master may call this (missing or stale credential)")
+    expected = master_call_credential(key, method, int(stamp))
+    if not hmac.compare_digest(expected.encode(), value.encode()):
+        raise Unauthenticated(f"{method}: only the master may call this (bad credential)")

@@ -311,3 +311,45 @@ def test_the_admin_cli_needs_the_token_and_says_how(cluster: Any) -> None:
     assert "KVPOOL_JOIN_TOKEN" in out.stderr, out.stderr
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=base | cluster.member_env)
     assert out.returncode == 0 and "store0" in out.stdout, out.stderr
+
+
+def test_only_the_master_may_call_a_secured_store(cluster: Any) -> None:
+    """A process that reaches a store's gRPC port cannot free, reserve, list or copy its slots."""
+    from kvpool.membership import MASTER_CALL_METADATA, master_call_credential
+    from kvpool.v1 import kvpool_pb2 as pb
+    from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+    store = cluster.stores[0].info["grpc_address"]
+    before = _nodes(cluster)["store0"].num_used_slots
+    now_ms = int(time.time() * 1000)
+    forged = master_call_credential(_caps(b"x" * 32), "/kvpool.v1.Store/FreeSlots", now_ms)
+    with grpc.insecure_channel(store) as ch:
+        stub = pb_grpc.StoreStub(ch)
+        assert stub.GetInfo(pb.GetInfoRequest(), timeout=5).node.node_id == "store0"  # identity stays open
+        for metadata in ((), ((MASTER_CALL_METADATA, forged),), ((MASTER_CALL_METADATA, "1.00"),)):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.FreeSlots(pb.FreeSlotsRequest(slots=[pb.SlotRef(slot=0, generation=1)]), timeout=5,
+                               metadata=metadata)  # fmt: skip
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+            assert "only the master" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Inventory(pb.InventoryRequest(), timeout=5))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReserveSlots(pb.ReserveSlotsRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    if "KVPOOL_CLUSTER_SECRET" in cluster._secret_env:  # noqa: SLF001 - a credential made with the secret
+        secret = cluster._secret_env["KVPOOL_CLUSTER_SECRET"].encode()  # noqa: SLF001
+        stale = master_call_credential(_caps(secret), "/kvpool.v1.Store/Inventory", now_ms - 120_000)
+        good = master_call_credential(_caps(secret), "/kvpool.v1.Store/Inventory", now_ms)
+        with grpc.insecure_channel(store) as ch:
+            stub = pb_grpc.StoreStub(ch)
+            with pytest.raises(grpc.RpcError) as err:
+                list(
+                    stub.Inventory(
+                        pb.InventoryRequest(), timeout=5, metadata=((MASTER_CALL_METADATA, stale),)
+                    )
+                )
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            list(stub.Inventory(pb.InventoryRequest(), timeout=5, metadata=((MASTER_CALL_METADATA, good),)))
+    assert _nodes(cluster)["store0"].num_used_slots == before

@@ -113,7 +113,7 @@ class Master:
         self.quotas = TenantQuotas.from_file(settings.tenants)
         self.st = MasterState()
         self.counters = Counters()
-        self.stores = stores or StoreCalls(settings.store_timeout_s)
+        self.stores = stores or StoreCalls(settings.store_timeout_s, self.capabilities)
         self.master_epoch = time.time_ns()
         self.fresh_generation = self.master_epoch // 1000
         """Generation given to free slots of an adopted store: above any generation an earlier master

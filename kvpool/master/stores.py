@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvpool.capability import Capabilities, WallClock
+from kvpool.membership import MASTER_CALL_METADATA, master_call_credential
+from kvpool.rpc.guards import SigningInterceptor
 from kvpool.rpc.server import channel
 from kvpool.rpc.status import raise_from_rpc_error
 from kvpool.types import InventoryItem, Location
@@ -30,10 +33,13 @@ class SlotOrder:
 
 
 class StoreCalls:
-    """One channel per store gRPC address, reused; thread-safe."""
+    """One channel per store gRPC address, reused; thread-safe. With `capabilities` (a secured cluster),
+    every call carries the master's credential (`kvpool.membership.master_call_credential`)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, capabilities: Capabilities | None = None) -> None:
         self.timeout_s = timeout_s
+        self._caps = capabilities
+        self._clock = WallClock()
         self._lock = threading.Lock()
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.StoreStub]] = {}
 
@@ -42,6 +48,14 @@ class StoreCalls:
             entry = self._stubs.get(address)
             if entry is None:
                 ch = channel(address)
+                caps = self._caps
+                if caps is not None:
+                    clock = self._clock
+
+                    def sign(method: str) -> str:
+                        return master_call_credential(caps, method, clock.now_ms())
+
+                    ch = grpc.intercept_channel(ch, SigningInterceptor(MASTER_CALL_METADATA, sign))
                 entry = (ch, pb_grpc.StoreStub(ch))
                 self._stubs[address] = entry
             return entry[1]

@@ -67,17 +67,10 @@ def join_token() -> str:
 
 class _AuthInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str) -> None:
+        from kvpool.rpc.guards import deny_handlers
+
         self._expected = f"Bearer {token}".encode()
-
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-        self._deny = {
-            (False, False): grpc.unary_unary_rpc_method_handler(deny),
-            (False, True): grpc.unary_stream_rpc_method_handler(deny),
-            (True, False): grpc.stream_unary_rpc_method_handler(deny),
-            (True, True): grpc.stream_stream_rpc_method_handler(deny),
-        }
+        self._deny = deny_handlers("missing or invalid bearer token")
 
     def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
         method = handler_call_details.method or ""

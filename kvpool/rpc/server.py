@@ -85,19 +85,21 @@ def start_server(
     port: int,
     max_workers: int = 16,
     max_concurrent_rpcs: int | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> GrpcServer:
     """Start a server on `host:port` (port 0 = ephemeral) with the given servicers.
 
     `registrations`: `(add_XServicer_to_server, servicer, "kvpool.v1.X")` triples. Health checking and
     reflection are always registered. `max_concurrent_rpcs` bounds the calls in flight (running or
     queued for a worker, streams included): more are refused at once with RESOURCE_EXHAUSTED instead of
-    waiting in an unbounded queue (None: no bound). Raises `OSError` when the address cannot be bound.
+    waiting in an unbounded queue (None: no bound). `interceptors` run after the bearer-token check.
+    Raises `OSError` when the address cannot be bound.
     """
     sec = security()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         options=_SERVER_OPTIONS,
-        interceptors=[*server_interceptors(sec), DecodeErrors()],
+        interceptors=[*server_interceptors(sec), *interceptors, DecodeErrors()],
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
     names = [health.SERVICE_NAME, reflection.SERVICE_NAME]

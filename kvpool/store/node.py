@@ -11,9 +11,11 @@ import socket
 import threading
 from typing import Any
 
-from kvpool.capability import process_capabilities
-from kvpool.errors import KVPoolError
+from kvpool.capability import Capabilities, WallClock, process_capabilities
+from kvpool.errors import KVPoolError, Unauthenticated
+from kvpool.membership import MASTER_CALL_METADATA, check_master_call
 from kvpool.metrics import MetricsServer, address_of, maybe_start
+from kvpool.rpc.guards import MetadataGuard
 from kvpool.rpc.server import GrpcServer, start_server
 from kvpool.store.master_link import MasterLink
 from kvpool.store.metrics import MeteredHandler, StoreMetrics
@@ -104,6 +106,7 @@ class StoreNode:
             port=self.settings.grpc_port,
             max_workers=self.settings.max_workers,
             max_concurrent_rpcs=self.settings.max_concurrent_rpcs,
+            interceptors=master_calls_only(self.table.capabilities),
         )
         s = self.settings
         self._metrics_server = maybe_start(
@@ -213,3 +216,22 @@ class StoreNode:
             if not res.ok:
                 errors[i] = res.error or "transfer failed"
         return [(b[2], b[3], e) for b, e in zip(blocks, errors, strict=True)]
+
+
+def master_calls_only(caps: Capabilities | None) -> list[MetadataGuard]:
+    """A secured store serves its control calls (reserve, commit, free, inventory, copy) to the master
+    only: each must carry the master's credential (`kvpool.membership.check_master_call`). `GetInfo`
+    stays open (duplicate-id probes, health of a node's identity)."""
+    if caps is None:
+        return []
+    clock = WallClock()
+
+    def check(method: str, metadata: Any) -> str | None:
+        value = next((v for k, v in metadata if k == MASTER_CALL_METADATA), "")
+        try:
+            check_master_call(caps, method, value if isinstance(value, str) else "", clock.now_ms())
+        except Unauthenticated as exc:
+            return str(exc)
+        return None
+
+    return [MetadataGuard(check, frozenset({"/kvpool.v1.Store/GetInfo"}))]
