@@ -235,6 +235,30 @@ def master_cmd(
     )
 
 
+@bench_app.command("master-churn")
+def master_churn_cmd(
+    cycles: int = typer.Option(
+        1000, min=0, help="Flush/re-register cycles (InvalidateNamespace + RegisterNamespace)."
+    ),
+    salts: int = typer.Option(
+        10_000, min=0, help="RegisterNamespace calls, each with a distinct cache salt."
+    ),
+    matches: int = typer.Option(2000, min=100, help="Matches per measuring round."),
+    reps: int = typer.Option(3, min=1, help="Measuring rounds before and after the churn."),
+    blocks: int = typer.Option(64, min=1, help="Blocks per prompt."),
+    prompts: int = typer.Option(32, min=1, help="Prompts published (and matched round-robin)."),
+    churn_blocks: int = typer.Option(1, min=0, help="Blocks published into the flushed namespace per cycle."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
+) -> None:
+    """Match p50/p99, master RSS and namespace count before vs after flush cycles and distinct salts."""
+    from kvpool.bench.master_churn import run_master_churn
+
+    run_master_churn(
+        cycles=cycles, salts=salts, matches=matches, reps=reps, blocks=blocks, prompts=prompts,
+        churn_blocks=churn_blocks, json_out=json_out,
+    )  # fmt: skip
+
+
 @bench_app.command("transfer")
 def transfer_cmd(
     json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
