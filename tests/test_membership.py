@@ -230,7 +230,7 @@ def _register_request(cluster: Any, stub: Any, node_id: str) -> Any:
     from kvpool.types import KVLayout
     from kvpool.v1 import kvpool_pb2 as pb
 
-    secret = cluster._secret_env["KVPOOL_CLUSTER_SECRET"].encode()  # noqa: SLF001 - the test holds it
+    caps = cluster.capabilities()  # the test holds the secret
     endpoint = ENDPOINT | {"node_id": node_id}
     challenge = stub.JoinChallenge(pb.JoinChallengeRequest(node_id=node_id), timeout=5).challenge
     return pb.RegisterNodeRequest(
@@ -240,7 +240,7 @@ def _register_request(cluster: Any, stub: Any, node_id: str) -> Any:
         num_slots=4,
         block_nbytes=KVLayout.from_fingerprint(LAYOUT).block_nbytes,
         challenge=challenge,
-        proof=store_proof(_caps(secret), challenge, **endpoint),
+        proof=store_proof(caps, challenge, **endpoint),
     )
 
 
@@ -248,7 +248,7 @@ def test_a_replayed_registration_is_refused(cluster: Any) -> None:
     from kvpool.v1 import kvpool_pb2 as pb
     from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
-    if "KVPOOL_CLUSTER_SECRET" not in cluster._secret_env:  # noqa: SLF001
+    if cluster.capabilities() is None:
         pytest.skip("the environment configures the cluster secret")
     with grpc.insecure_channel(cluster.master_address) as ch:  # no join token: stores need none
         stub = pb_grpc.MasterStub(ch)
@@ -338,10 +338,10 @@ def test_only_the_master_may_call_a_secured_store(cluster: Any) -> None:
         with pytest.raises(grpc.RpcError) as err:
             stub.ReserveSlots(pb.ReserveSlotsRequest(), timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    if "KVPOOL_CLUSTER_SECRET" in cluster._secret_env:  # noqa: SLF001 - a credential made with the secret
-        secret = cluster._secret_env["KVPOOL_CLUSTER_SECRET"].encode()  # noqa: SLF001
-        stale = master_call_credential(_caps(secret), "/kvpool.v1.Store/Inventory", now_ms - 120_000)
-        good = master_call_credential(_caps(secret), "/kvpool.v1.Store/Inventory", now_ms)
+    caps = cluster.capabilities()  # a credential made with the secret
+    if caps is not None:
+        stale = master_call_credential(caps, "/kvpool.v1.Store/Inventory", now_ms - 120_000)
+        good = master_call_credential(caps, "/kvpool.v1.Store/Inventory", now_ms)
         with grpc.insecure_channel(store) as ch:
             stub = pb_grpc.StoreStub(ch)
             with pytest.raises(grpc.RpcError) as err:

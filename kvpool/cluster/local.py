@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from kvpool.capability import SECRET_ROLES, new_secret_env
+from kvpool.capability import SECRET_ROLES, Capabilities, CapabilityKey, new_secret_env
 from kvpool.cluster.process import RoleProcess
 from kvpool.membership import new_cluster_tokens
 
@@ -133,6 +133,11 @@ class LocalCluster:
         if wait:
             proc.wait_ready(timeout_s)
         return proc
+
+    def capabilities(self) -> Capabilities | None:
+        """The cluster secret's key when this cluster generated it inline (tests sign with it), else None."""
+        secret = self._secret_env.get("KVPOOL_CLUSTER_SECRET", "")
+        return Capabilities(CapabilityKey(secret.encode())) if secret else None
 
     @property
     def member_env(self) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -9,6 +10,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvpool.cluster.local import LocalCluster
+from kvpool.membership import MASTER_CALL_METADATA, master_call_credential
+from kvpool.rpc.guards import SigningInterceptor
 from kvpool.rpc.server import channel
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
@@ -61,7 +64,16 @@ def connect(cluster: LocalCluster) -> Servers:
         "prefill": cluster.prefill_addresses[0],
         "decode": cluster.decode_addresses[0],
     }
-    s = Servers({role: channel(a) for role, a in addresses.items()}, {}, 0, [])
+    channels = {role: channel(a) for role, a in addresses.items()}
+    caps = cluster.capabilities()
+    if caps is not None:  # a secured store serves the master only: the fuzzer signs as the master does
+        channels["store"] = grpc.intercept_channel(
+            channels["store"],
+            SigningInterceptor(
+                MASTER_CALL_METADATA, lambda m: master_call_credential(caps, m, time.time_ns() // 1_000_000)
+            ),
+        )
+    s = Servers(channels, {}, 0, [])
     try:
         info = pb_grpc.StoreStub(s.channels["store"]).GetInfo(pb.GetInfoRequest(), timeout=10)
         s.hints = hints(info.layout_fingerprint, info.num_slots, info.node.data_address)

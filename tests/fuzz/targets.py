@@ -31,7 +31,7 @@ PEER_UNAVAILABLE = frozenset({SC.UNAVAILABLE})
 """Also proper where the server itself calls a peer the request names (a fuzzed store address)."""
 
 EXPECTED = {
-    "Master": {"RegisterNode", "Heartbeat", "DeregisterNode", "RegisterNamespace", "SetModelVersion",
+    "Master": {"JoinChallenge", "RegisterNode", "Heartbeat", "DeregisterNode", "RegisterNamespace", "SetModelVersion",
                "MatchPrefix", "MatchPrefixStream", "RenewLease", "ReleaseLease", "Reserve", "Commit", "Abort",
                "RemoveBlocks", "ReportBadReplica", "ReportLocal", "Stats", "ListNodes", "Drain", "Evict",
                "InvalidateNamespace"},
