@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpool.master.core import ROLES, Master
+from kvpool.master.core import Master
+from kvpool.master.registry import ROLES
 
 P = "kvpool_master_"
 
