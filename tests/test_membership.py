@@ -353,3 +353,16 @@ def test_only_the_master_may_call_a_secured_store(cluster: Any) -> None:
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             list(stub.Inventory(pb.InventoryRequest(), timeout=5, metadata=((MASTER_CALL_METADATA, good),)))
     assert _nodes(cluster)["store0"].num_used_slots == before
+
+
+def test_a_router_without_a_join_token_exits_2_with_one_line(cluster: Any) -> None:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_JOIN_TOKEN")}
+    for extra in ([], ["--block-size", "16"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "kvpool.cli.main", "router", "--master", cluster.master_address, "--port", "0",
+             *extra],
+            capture_output=True, text=True, timeout=90, env=base,
+        )  # fmt: skip
+        assert out.returncode == 2, out.stderr[-2000:]
+        errors = [line for line in out.stderr.splitlines() if line.startswith("kvpool router:")]
+        assert len(errors) == 1 and "join token" in errors[0] and "Traceback" not in out.stderr, out.stderr

@@ -34,8 +34,9 @@ def build(settings: RouterSettings) -> tuple[object, object]:
 
 def _check_layout(master: Any, model: Any) -> None:
     """Refuse to start when the master refuses this router's KV layout (a `--block-size` or model other
-    than the pool's): every peek would miss. A master that is down is no refusal (503 until it is back)."""
-    from kvpool.errors import InvalidArgument, KVPoolError
+    than the pool's): every peek would miss; and when the master refuses it as a member (no or a revoked
+    join token). A master that is down is no refusal (503 until it is back)."""
+    from kvpool.errors import InvalidArgument, KVPoolError, PermissionDenied, Unauthenticated
 
     info = model.namespace("")
     try:
@@ -45,6 +46,8 @@ def _check_layout(master: Any, model: Any) -> None:
             f"the master refuses this router's KV layout: {exc} (give the pool's --block-size and --model, "
             "or no --block-size to take the pool's)"
         ) from None
+    except (Unauthenticated, PermissionDenied):
+        raise
     except KVPoolError as exc:
         log.warning("could not check the KV layout with the master (%s): checked on first use", exc)
 
