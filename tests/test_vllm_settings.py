@@ -35,6 +35,8 @@ def test_every_key_is_accepted() -> None:
         "save_decode_blocks": False,
         "flops_per_s": 1e12,
         "master_timeout_s": 1.0,
+        "role": "decode",
+        "url": "http://127.0.0.1:8100",
     }
     s = ConnectorSettings.from_extra(extra)
     assert s.model_dump() == extra
@@ -69,6 +71,10 @@ def test_a_bad_master_is_refused_by_name(master: str) -> None:
         ("publish_max_bytes", 0),
         ("cost_margin", -0.5),
         ("num_replicas", "two"),
+        ("role", "both-ways"),
+        ("url", "127.0.0.1:8100"),
+        ("url", "http://127.0.0.1:8100/v1"),
+        ("url", "http://127.0.0.1"),
     ],
 )
 def test_a_bad_value_is_refused_by_name(key: str, value: Any) -> None:
@@ -82,3 +88,11 @@ def test_every_bad_key_is_named_once() -> None:
     message = str(info.value)
     parts = message.removeprefix("kv_connector_extra_config: ").split("; ")
     assert sorted(p.split(":")[0] for p in parts) == ["lease_ttl_ms", "master", "typo"], message
+
+
+@pytest.mark.parametrize(
+    ("role", "master_role"), [("both", "vllm"), ("prefill", "vllm-prefill"), ("decode", "vllm-decode")]
+)
+def test_the_role_maps_to_the_masters_role(role: str, master_role: str) -> None:
+    s = ConnectorSettings.from_extra({"master": "127.0.0.1:5", "role": role, "url": "https://h:8000/"})
+    assert s.master_role == master_role and s.url == "https://h:8000"

@@ -57,8 +57,8 @@ def status(as_json: bool = JSON) -> None:
 
 @admin_app.command()
 def nodes(as_json: bool = JSON) -> None:
-    """Registered nodes with liveness, fill and blocks."""
-    cols = ["node", "role", "alive", "draining", "grpc", "data", "used/slots", "blocks", "queue"]
+    """Registered nodes with liveness, fill and blocks (a vLLM engine: its OpenAI URL and KV cache usage)."""
+    cols = ["node", "role", "alive", "draining", "grpc / url", "data", "used/slots", "blocks", "queue", "kv"]
 
     def render(ns: Any) -> None:
         rows = [
@@ -67,11 +67,12 @@ def nodes(as_json: bool = JSON) -> None:
                 n.node.role,
                 n.alive,
                 n.draining,
-                n.node.grpc_address,
+                n.node.grpc_address or n.node.url,
                 n.node.data_address,
                 f"{n.num_used_slots}/{n.num_slots}",
                 n.num_blocks,
                 n.load.queue_len,
+                f"{n.load.kv_usage:.0%}" if n.node.role.startswith("vllm") else "",
             ]
             for n in ns
         ]

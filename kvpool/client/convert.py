@@ -31,7 +31,7 @@ def location_pb(loc: Location) -> pb.BlockLocation:
 
 
 def node_info(n: Any) -> NodeInfo:
-    return NodeInfo(n.node_id, n.role, n.grpc_address, n.data_address, n.epoch)
+    return NodeInfo(n.node_id, n.role, n.grpc_address, n.data_address, n.epoch, n.url)
 
 
 def endpoint_pb(n: NodeInfo) -> pb.NodeEndpoint:
@@ -41,6 +41,7 @@ def endpoint_pb(n: NodeInfo) -> pb.NodeEndpoint:
         grpc_address=n.grpc_address,
         data_address=n.data_address,
         epoch=n.epoch,
+        url=n.url,
     )
 
 
@@ -52,6 +53,7 @@ def load_pb(ld: NodeLoad) -> pb.NodeLoad:
         recompute_overhead_s=ld.recompute_overhead_s,
         link_alpha_s=ld.link_alpha_s,
         link_beta_bytes_per_s=ld.link_beta_bytes_per_s,
+        kv_usage=ld.kv_usage,
     )
 
 
@@ -146,6 +148,7 @@ def node_status(n: Any) -> NodeStatus:
             ld.recompute_overhead_s,
             ld.link_alpha_s,
             ld.link_beta_bytes_per_s,
+            ld.kv_usage,
         ),
     )
 

@@ -14,6 +14,7 @@ class NodeInfo:
     grpc_address: str
     data_address: str
     epoch: int
+    url: str = ""  # a vLLM engine's OpenAI base URL
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,7 @@ class NodeLoad:
     recompute_overhead_s: float = 0.0
     link_alpha_s: float = 0.0
     link_beta_bytes_per_s: float = 0.0
+    kv_usage: float = 0.0  # fraction of the node's KV cache in use (vLLM engines)
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,8 +65,10 @@ class NodeAgent:
         on_heartbeat: Callable[[int], None] | None = None,
         on_fatal: Callable[[str], None] | None = None,
         on_flush_epoch: Callable[[int], None] | None = None,
+        url: str = "",
     ) -> None:
         self.master = master
+        self.url = url  # a vLLM engine's OpenAI base URL (the router sends it requests)
         self.node_id = node_id
         self.role = role
         self.grpc_address = grpc_address
@@ -93,7 +95,7 @@ class NodeAgent:
         from kvpool.client import NodeInfo
         from kvpool.rpc import PROTOCOL_VERSION
 
-        node = NodeInfo(self.node_id, self.role, self.grpc_address, "", self.epoch)
+        node = NodeInfo(self.node_id, self.role, self.grpc_address, "", self.epoch, self.url)
         resp = self.master.register_node(
             node, protocol_version=PROTOCOL_VERSION, layout_fingerprint=self.layout_fingerprint
         )

@@ -39,6 +39,7 @@ class NodeRecord:
     free_set: set[int] = field(default_factory=set)  # the slots in `free` (no slot handed out twice)
     session: bytes = b""  # secured cluster: what its heartbeats carry (RegisterNodeResponse.session)
     join_token: str = ""  # secured cluster, non-store: the name of the join token it joined with
+    url: str = ""  # a vLLM engine's OpenAI base URL
 
     @property
     def is_store(self) -> bool:

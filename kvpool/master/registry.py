@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpool.master.core")
 
-ROLES = ("store", "prefill", "decode", "router", "vllm")
+ROLES = ("store", "prefill", "decode", "router", "vllm", "vllm-prefill", "vllm-decode")
+"""`vllm*`: a vLLM engine through kvpool's connector (prefill and decode, or one of them)."""
 DUPLICATE_PROBE_TIMEOUT_S = 1.0
 """How long a registration waits for the node that already holds its node id to answer."""
 PROBED_ROLES = ("store", "prefill", "decode")
@@ -68,6 +69,7 @@ class NodeRegistry:
         block_nbytes: int,
         session: bytes = b"",
         join_token: str = "",
+        url: str = "",
     ) -> None:
         """Add or refresh a node. A new epoch replaces everything the node had (B22). The caller admitted
         it (`Membership`): `session` is what its heartbeats must carry, `join_token` the name of the token
@@ -98,7 +100,7 @@ class NodeRegistry:
             now = self.clock.now_ms()
             if old is not None and old.epoch == epoch and old.alive and old.role == role:
                 old.grpc_address, old.data_address, old.last_seen_ms = grpc_address, data_address, now
-                old.session, old.join_token = session, join_token
+                old.session, old.join_token, old.url = session, join_token, url
                 return
             if old is not None:
                 log.info("node %s re-registers (epoch %d -> %d)", node_id, old.epoch, epoch)
@@ -106,7 +108,7 @@ class NodeRegistry:
             rec = NodeRecord(node_id, role, grpc_address, data_address, epoch, num_slots, block_nbytes, now)
             rec.ready = role != "store"
             rec.registered_ms = now
-            rec.session, rec.join_token = session, join_token
+            rec.session, rec.join_token, rec.url = session, join_token, url
             self.st.nodes[node_id] = rec
             if role == "store":
                 self.st.to_adopt.add(node_id)

@@ -6,77 +6,28 @@ import math
 from collections.abc import Iterator, Sequence
 
 import grpc
-import numpy as np
 
 from kvpool.client.types import NodeLoad
 from kvpool.errors import InvalidArgument
-from kvpool.index.results import MatchResult
 from kvpool.master import replica_ops
 from kvpool.master.core import Master
 from kvpool.master.gate import join_token_of
 from kvpool.master.grants import match_grants, write_grants
 from kvpool.master.members import new_session
-from kvpool.master.nodes import NodeRecord
 from kvpool.master.ops import admin_evict, drain, undrain
 from kvpool.master.placement import CommitBlock
+from kvpool.master.wire import (
+    endpoint,
+    engine_url,
+    location,
+    location_pb,
+    match_response,
+    node_stats,
+    short,
+)
 from kvpool.rpc.status import rpc_errors
-from kvpool.types import Location
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
-
-MAX_ID_LEN = 256
-
-
-def endpoint(rec: NodeRecord) -> pb.NodeEndpoint:
-    return pb.NodeEndpoint(
-        node_id=rec.node_id,
-        role=rec.role,
-        grpc_address=rec.grpc_address,
-        data_address=rec.data_address,
-        epoch=rec.epoch,
-    )
-
-
-def _loc(loc: pb.BlockLocation) -> Location:
-    return Location(loc.node_id, loc.slot, loc.generation, loc.local)
-
-
-def _pb_loc(loc: Location) -> pb.BlockLocation:
-    return pb.BlockLocation(
-        node_id=loc.node_id,
-        slot=loc.slot,
-        generation=loc.generation,
-        local=loc.local,
-        capability=loc.capability,
-        capability_expiry_ms=loc.capability_expiry_ms,
-    )
-
-
-def _short(value: str, what: str) -> str:
-    if len(value) > MAX_ID_LEN:
-        raise InvalidArgument(f"{what} is longer than {MAX_ID_LEN} characters")
-    return value
-
-
-def node_stats(m: Master, rec: NodeRecord) -> pb.NodeStats:
-    ld = rec.load
-    return pb.NodeStats(
-        node=endpoint(rec),
-        alive=rec.alive,
-        draining=rec.draining,
-        num_slots=rec.num_slots,
-        num_used_slots=rec.num_allocated if rec.is_store else 0,
-        num_blocks=m.index.num_blocks_on_node(rec.node_id),
-        used_bytes=m.index.bytes_on_node(rec.node_id),
-        load=pb.NodeLoad(
-            queue_len=ld.queue_len,
-            recompute_s_per_token=ld.recompute_s_per_token,
-            recompute_s_per_token_ctx=ld.recompute_s_per_token_ctx,
-            recompute_overhead_s=ld.recompute_overhead_s,
-            link_alpha_s=ld.link_alpha_s,
-            link_beta_bytes_per_s=ld.link_beta_bytes_per_s,
-        ),
-    )
 
 
 class MasterServicer(pb_grpc.MasterServicer):
@@ -87,7 +38,7 @@ class MasterServicer(pb_grpc.MasterServicer):
     def JoinChallenge(
         self, request: pb.JoinChallengeRequest, context: grpc.ServicerContext
     ) -> pb.JoinChallengeResponse:
-        challenge, ttl_ms = self.m.members.new_challenge(_short(request.node_id, "node_id"))
+        challenge, ttl_ms = self.m.members.new_challenge(short(request.node_id, "node_id"))
         return pb.JoinChallengeResponse(challenge=challenge, expires_in_ms=ttl_ms)
 
     @rpc_errors
@@ -95,9 +46,10 @@ class MasterServicer(pb_grpc.MasterServicer):
         self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNodeResponse:
         n = request.node
-        node_id = _short(n.node_id, "node_id")
-        grpc_address = _short(n.grpc_address, "grpc_address")
-        data_address = _short(n.data_address, "data_address")
+        node_id = short(n.node_id, "node_id")
+        grpc_address = short(n.grpc_address, "grpc_address")
+        url = engine_url(n.role, short(n.url, "url"))
+        data_address = short(n.data_address, "data_address")
         members = self.m.members
         join_token = ""
         if n.role == "store":
@@ -125,6 +77,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             block_nbytes=request.block_nbytes,
             session=session,
             join_token=join_token,
+            url=url,
         )
         return pb.RegisterNodeResponse(
             heartbeat_interval_ms=self.m.settings.heartbeat_interval_ms,
@@ -141,7 +94,17 @@ class MasterServicer(pb_grpc.MasterServicer):
         values += [ld.link_alpha_s, ld.link_beta_bytes_per_s]
         if any(not math.isfinite(x) or x < 0 for x in values):
             raise InvalidArgument("load figures must be finite and >= 0")
-        load = NodeLoad(ld.queue_len, *values)
+        if not 0.0 <= ld.kv_usage <= 1.0:  # NaN fails too
+            raise InvalidArgument(f"load.kv_usage must be a fraction in [0, 1], got {ld.kv_usage}")
+        load = NodeLoad(
+            queue_len=ld.queue_len,
+            recompute_s_per_token=ld.recompute_s_per_token,
+            recompute_s_per_token_ctx=ld.recompute_s_per_token_ctx,
+            recompute_overhead_s=ld.recompute_overhead_s,
+            link_alpha_s=ld.link_alpha_s,
+            link_beta_bytes_per_s=ld.link_beta_bytes_per_s,
+            kv_usage=ld.kv_usage,
+        )
         freed = [(s.slot, s.generation) for s in request.freed_slots]
         self.m.check_session(request.node_id, request.epoch, request.session)
         known = self.m.heartbeat(request.node_id, request.epoch, freed, request.num_used_slots, load)
@@ -163,11 +126,11 @@ class MasterServicer(pb_grpc.MasterServicer):
         if len(request.extra) > 64:
             raise InvalidArgument("at most 64 extra namespace keys")
         digest, active = self.m.register_namespace(
-            model_id=_short(request.model_id, "model_id"),
-            weights_version=_short(request.weights_version, "weights_version"),
+            model_id=short(request.model_id, "model_id"),
+            weights_version=short(request.weights_version, "weights_version"),
             layout_fingerprint=request.layout_fingerprint,
-            cache_salt=_short(request.cache_salt, "cache_salt"),
-            adapter_digest=_short(request.adapter_digest, "adapter_digest"),
+            cache_salt=short(request.cache_salt, "cache_salt"),
+            adapter_digest=short(request.adapter_digest, "adapter_digest"),
             extra=dict(request.extra),
         )
         return pb.RegisterNamespaceResponse(namespace=digest, active_version=active)
@@ -177,7 +140,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         self, request: pb.SetModelVersionRequest, context: grpc.ServicerContext
     ) -> pb.SetModelVersionResponse:
         previous, n = self.m.set_model_version(
-            _short(request.model_id, "model_id"), _short(request.weights_version, "weights_version")
+            short(request.model_id, "model_id"), short(request.weights_version, "weights_version")
         )
         return pb.SetModelVersionResponse(previous_version=previous, num_namespaces_invalidated=n)
 
@@ -234,7 +197,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             costs=list(request.recompute_cost_s),
             write_lease_ms=request.write_lease_ms,
             flush_epoch=request.flush_epoch if request.HasField("flush_epoch") else None,
-            writer=_short(request.writer_node_id, "writer_node_id"),
+            writer=short(request.writer_node_id, "writer_node_id"),
         )
         locations = out.locations
         if self.m.capabilities is not None:
@@ -244,7 +207,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         return pb.ReserveResponse(
             reservation_id=out.rid,
             blocks=[
-                pb.ReservedBlock(block_hash=h, already_present=p, locations=[_pb_loc(x) for x in locs])
+                pb.ReservedBlock(block_hash=h, already_present=p, locations=[location_pb(x) for x in locs])
                 for h, p, locs in zip(out.hashes, out.present, locations, strict=True)
             ],
             write_lease_ms=out.write_lease_ms,
@@ -254,7 +217,9 @@ class MasterServicer(pb_grpc.MasterServicer):
 
     @rpc_errors
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
-        blocks = [CommitBlock(b.block_hash, b.checksum, [_loc(x) for x in b.written]) for b in request.blocks]
+        blocks = [
+            CommitBlock(b.block_hash, b.checksum, [location(x) for x in b.written]) for b in request.blocks
+        ]
         committed, existing = self.m.publisher.commit(request.reservation_id, blocks)
         return pb.CommitResponse(num_committed=committed, num_existing=existing)
 
@@ -275,7 +240,7 @@ class MasterServicer(pb_grpc.MasterServicer):
         self, request: pb.ReportBadReplicaRequest, context: grpc.ServicerContext
     ) -> pb.ReportBadReplicaResponse:
         replica_ops.report_bad_replica(
-            self.m, request.namespace, request.block_hash, _loc(request.location), request.reason
+            self.m, request.namespace, request.block_hash, location(request.location), request.reason
         )
         return pb.ReportBadReplicaResponse()
 
@@ -348,58 +313,3 @@ class MasterServicer(pb_grpc.MasterServicer):
     ) -> pb.InvalidateNamespaceResponse:
         self.m.invalidate_namespace(request.namespace)
         return pb.InvalidateNamespaceResponse()
-
-
-def match_response(
-    res: MatchResult,
-    nodes: Sequence[NodeRecord],
-    request_id: str,
-    lease_ttl_ms: int = 0,
-    packed: bool = False,
-    grants: tuple[Sequence[bytes], int] = ((), 0),
-) -> pb.MatchPrefixResponse:
-    """The response; `packed`: replicas as the replica_* columns (no message per replica); `grants`: a
-    read capability per replica in packed order, and their expiry (see `grants.match_grants`)."""
-    resp = pb.MatchPrefixResponse(
-        num_matched=res.num_matched,
-        lease_id=res.lease_id or 0,
-        lease_ttl_ms=lease_ttl_ms if res.lease_id else 0,
-        nodes=[endpoint(n) for n in nodes],
-        request_id=request_id,
-    )
-    if not res.num_matched:
-        return resp
-    caps, expiry = grants
-    if not packed:
-        resp.replicas.extend(pb.BlockReplicas(locations=[_pb_loc(x) for x in locs]) for locs in res.locations)
-        flat = [x for r in resp.replicas for x in r.locations]
-        for x, cap in zip(flat if caps else (), caps, strict=True):
-            x.capability, x.capability_expiry_ms = cap, expiry
-        return resp
-    if caps:
-        resp.replica_capability.extend(caps)
-        resp.capability_expiry_ms = expiry
-    if res.extra:  # some block has several replicas: flatten them in order
-        flat = [loc for locs in res.locations for loc in locs]
-        names = list(dict.fromkeys(loc.node_id for loc in flat))
-        at = {name: k for k, name in enumerate(names)}
-        resp.replica_node_ids.extend(names)
-        resp.replica_node.extend([at[loc.node_id] for loc in flat])
-        resp.replica_slot.extend([loc.slot for loc in flat])
-        resp.replica_generation.extend([loc.generation for loc in flat])
-        resp.replica_count.extend([len(locs) for locs in res.locations])
-        resp.replica_local.extend([i for i, loc in enumerate(flat) if loc.local])
-        return resp
-    ks = res.replica_node.tolist()
-    table = list(dict.fromkeys(ks))
-    resp.replica_node_ids.extend([res.node_ids[k] for k in table])
-    if len(table) == 1:
-        resp.replica_node.extend([0] * len(ks))
-    else:
-        at = {k: i for i, k in enumerate(table)}
-        resp.replica_node.extend([at[k] for k in ks])
-    resp.replica_slot.extend(res.replica_slot.tolist())
-    resp.replica_generation.extend(res.replica_generation.tolist())
-    if res.replica_local.any():
-        resp.replica_local.extend(np.flatnonzero(res.replica_local).tolist())
-    return resp

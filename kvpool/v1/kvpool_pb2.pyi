@@ -29,34 +29,38 @@ class BlockReplicas(_message.Message):
     def __init__(self, locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
 
 class NodeEndpoint(_message.Message):
-    __slots__ = ("node_id", "role", "grpc_address", "data_address", "epoch")
+    __slots__ = ("node_id", "role", "grpc_address", "data_address", "epoch", "url")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     grpc_address: str
     data_address: str
     epoch: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., data_address: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    url: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., data_address: _Optional[str] = ..., epoch: _Optional[int] = ..., url: _Optional[str] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("queue_len", "recompute_s_per_token", "recompute_s_per_token_ctx", "recompute_overhead_s", "link_alpha_s", "link_beta_bytes_per_s")
+    __slots__ = ("queue_len", "recompute_s_per_token", "recompute_s_per_token_ctx", "recompute_overhead_s", "link_alpha_s", "link_beta_bytes_per_s", "kv_usage")
     QUEUE_LEN_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_S_PER_TOKEN_CTX_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
     LINK_ALPHA_S_FIELD_NUMBER: _ClassVar[int]
     LINK_BETA_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     queue_len: int
     recompute_s_per_token: float
     recompute_s_per_token_ctx: float
     recompute_overhead_s: float
     link_alpha_s: float
     link_beta_bytes_per_s: float
-    def __init__(self, queue_len: _Optional[int] = ..., recompute_s_per_token: _Optional[float] = ..., recompute_s_per_token_ctx: _Optional[float] = ..., recompute_overhead_s: _Optional[float] = ..., link_alpha_s: _Optional[float] = ..., link_beta_bytes_per_s: _Optional[float] = ...) -> None: ...
+    kv_usage: float
+    def __init__(self, queue_len: _Optional[int] = ..., recompute_s_per_token: _Optional[float] = ..., recompute_s_per_token_ctx: _Optional[float] = ..., recompute_overhead_s: _Optional[float] = ..., link_alpha_s: _Optional[float] = ..., link_beta_bytes_per_s: _Optional[float] = ..., kv_usage: _Optional[float] = ...) -> None: ...
 
 class SlotRef(_message.Message):
     __slots__ = ("slot", "generation")

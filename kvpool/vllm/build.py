@@ -97,7 +97,8 @@ def measure_matmul_flops(hidden: int, inter: int, dtype: torch.dtype, n_tokens: 
 def build_scheduler(
     vllm_config: Any, settings: ConnectorSettings, layout: KVLayout, kernel: str, node_id: str
 ) -> SchedulerHalf:
-    """Register the engine with the master (role `vllm`; a layout the pool does not hold is refused, naming
+    """Register the engine with the master (role `vllm`, `vllm-prefill` or `vllm-decode`, with its OpenAI
+    URL; a layout the pool does not hold is refused, naming
     both) and build the decision half. An unreachable master is not fatal: the engine serves without the
     pool and registers when the master answers."""
     import vllm
@@ -127,10 +128,11 @@ def build_scheduler(
     agent = NodeAgent(
         master,
         node_id=node_id,
-        role="vllm",
+        role=settings.master_role,
         grpc_address="",
         layout_fingerprint=layout.fingerprint(),
         on_flush_epoch=connector.note_flush_epoch,
+        url=settings.url,
     )
     try:
         agent.start(require_master=False)
@@ -149,7 +151,7 @@ def build_scheduler(
         settings.master,
     )
     namespaces = Namespaces(model_id=model_id, weights_version=weights_version, layout=layout, engine=engine)
-    return SchedulerHalf(
+    half = SchedulerHalf(
         connector=connector,
         agent=agent,
         namespaces=namespaces,
@@ -157,6 +159,8 @@ def build_scheduler(
         load_async=settings.load_async,
         save_decode_blocks=settings.save_decode_blocks,
     )
+    agent.load_fn = half.load  # heartbeats carry the engine's requests in flight and KV usage
+    return half
 
 
 def build_worker(settings: ConnectorSettings, layout: KVLayout, kernel: str, node_id: str) -> WorkerHalf:

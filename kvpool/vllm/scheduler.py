@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerHalf:
-    """Owns the master link (an agent registered as role `vllm`), the decision connector and request states."""
+    """Owns the master link (an agent registered as role `vllm`, `vllm-prefill` or `vllm-decode`), the decision
+    connector and request states."""
 
     def __init__(
         self,
@@ -382,6 +383,17 @@ class SchedulerHalf:
                     self.connector.master.renew_lease(lease_id, self.connector.lease_ttl_ms)
                 except Exception as exc:  # noqa: BLE001 - an expired lease: the pull may fail and recompute
                     log.debug("renew of lease %d failed: %s", lease_id, exc)
+
+    def load(self) -> dict[str, Any]:
+        """What the engine's heartbeats report (`kvpool.client.NodeLoad` fields): `queue_len` = requests the
+        scheduler holds (waiting or running), `kv_usage` = the fraction of vLLM's KV cache in use (0 until
+        vLLM hands the connector its KV cache manager)."""
+        states = list(self._reqs.values())  # a snapshot: the engine thread adds and removes requests
+        usage = getattr(self.kv_cache_manager, "usage", 0.0) if self.kv_cache_manager is not None else 0.0
+        return {
+            "queue_len": sum(1 for st in states if st.request is not None),
+            "kv_usage": min(1.0, max(0.0, float(usage or 0.0))),
+        }
 
     def shutdown(self) -> None:
         """Stop matching and renewing, release every lease held, and deregister the engine at the master."""

@@ -9,7 +9,7 @@ Unknown keys are refused (a typo must not silently change nothing).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -53,11 +53,37 @@ class ConnectorSettings(BaseModel):
         description="prefill FLOP/s of the start-up recompute model (0: measured at start)",
     )
     master_timeout_s: float = Field(default=2.0, gt=0, description="deadline of one master call")
+    role: Literal["both", "prefill", "decode"] = Field(
+        default="both",
+        description="what the engine does in a prefill/decode split: registered as vllm, vllm-prefill or "
+        "vllm-decode (the router sends prefills and decodes accordingly)",
+    )
+    url: str = Field(
+        default="",
+        description="the engine's OpenAI base URL (http://host:port) the router reaches it at; "
+        "'' = not routed to",
+    )
 
     @field_validator("master")
     @classmethod
     def _master(cls, value: str) -> str:
         return check_host_port(value)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        value = value.rstrip("/")
+        scheme, sep, rest = value.partition("://")
+        if value and (scheme not in ("http", "https") or not sep or "/" in rest):
+            raise ValueError(f"must be http(s)://host:port, got {value!r}")
+        if value:
+            check_host_port(rest)
+        return value
+
+    @property
+    def master_role(self) -> str:
+        """The role the engine registers as (`kvpool.master.registry.ROLES`)."""
+        return {"both": "vllm", "prefill": "vllm-prefill", "decode": "vllm-decode"}[self.role]
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.client import MasterClient
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 from kvpool.model.export import export_model_dir
 from kvpool.model.tokenizer import ByteTokenizer
@@ -65,7 +66,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "kv_connector": "KVPoolConnector",
             "kv_connector_module_path": "kvpool.vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"master": cluster.master_address},
+            "kv_connector_extra_config": {
+                "master": cluster.master_address,
+                "role": "prefill",
+                "url": f"http://127.0.0.1:{port}",
+            },
         }
         cmd = [
             sys.executable,
@@ -99,11 +104,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 f"{base}/v1/chat/completions",
                 {"model": str(model), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
             )
-            time.sleep(1.0)  # the publish runs after the response
+            time.sleep(1.0)  # the publish runs after the response (and a heartbeat or two)
+            with MasterClient(cluster.master_address) as mc:
+                engines = [n for n in mc.list_nodes() if n.node.role.startswith("vllm")]
             serving_log = log.read_text()  # vLLM's own SIGTERM shutdown kills its engine at once: noise
         finally:
             proc.terminate()
             proc.wait(timeout=60)
+        time.sleep(0.5)
+        with MasterClient(cluster.master_address) as mc:
+            after = {n.node.node_id: n.alive for n in mc.list_nodes()}
         ids = TOKENIZER.encode(TEXT)
         job = {
             "master": cluster.master_address,
@@ -112,7 +122,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "phases": [[{"prompt_token_ids": ids, "max_tokens": 12}]],
         }
         fresh = run_engine(job, exact_hits=True)["phases"][0][0]
-    return {"served": served, "chat": chat, "fresh": fresh, "ids": ids, "log": serving_log}
+    return {"served": served, "chat": chat, "fresh": fresh, "ids": ids, "log": serving_log, "engines": engines,
+            "after": after, "url": base}  # fmt: skip
 
 
 def test_the_server_publishes_and_a_fresh_engine_loads_the_same_text(runs: dict[str, Any]) -> None:
@@ -128,3 +139,11 @@ def test_chat_completions_work_through_the_connector(runs: dict[str, Any]) -> No
     assert runs["chat"]["choices"][0]["message"]["content"] is not None
     assert "Traceback" not in runs["log"]  # while serving
     assert "[kvpool.vllm.scheduler] [" in runs["log"]  # the connector's decisions are in the server's log
+
+
+def test_the_engine_is_a_cluster_member_with_its_role_url_and_load(runs: dict[str, Any]) -> None:
+    """`kvpool admin nodes` lists a vLLM engine while it serves, and drops it when it stops (issue #25)."""
+    [engine] = runs["engines"]
+    assert engine.alive and engine.node.role == "vllm-prefill" and engine.node.url == runs["url"]
+    assert 0.0 <= engine.load.kv_usage <= 1.0 and engine.load.queue_len == 0  # idle after its requests
+    assert runs["after"][engine.node.node_id] is False  # deregistered on shutdown

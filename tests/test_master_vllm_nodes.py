@@ -1,0 +1,88 @@
+"""vLLM engines as cluster members (issue #25): an engine registers as `vllm`, `vllm-prefill` or
+`vllm-decode` with its OpenAI URL, heartbeats its load (requests in flight, KV cache usage) and leaves on
+deregistration; `kvpool admin nodes` lists it. Against a real master on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool.client import MasterClient, NodeInfo, NodeLoad
+from kvpool.connector.agent import NodeAgent
+from kvpool.errors import InvalidArgument
+from kvpool.master.server import MasterServer, serve
+from kvpool.master.settings import MasterSettings
+from kvpool.rpc import PROTOCOL_VERSION
+from kvpool.types import DEFAULT_LAYOUT
+
+
+@pytest.fixture
+def master() -> Iterator[MasterServer]:
+    server = serve(MasterSettings(port=0, bind_host="127.0.0.1", metrics=False, heartbeat_interval_ms=100))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _nodes(address: str) -> dict[str, object]:
+    with MasterClient(address) as mc:
+        return {n.node.node_id: n for n in mc.list_nodes()}
+
+
+def test_an_engine_registers_its_role_url_and_load_and_leaves(master: MasterServer) -> None:
+    load = {"queue_len": 3, "kv_usage": 0.25}
+    with MasterClient(master.address) as mc:
+        agents = [
+            NodeAgent(mc, node_id=f"e-{role}", role=role, grpc_address="", layout_fingerprint=DEFAULT_LAYOUT,
+                      url=f"http://127.0.0.1:{8100 + i}/", load_fn=lambda: load)
+            for i, role in enumerate(("vllm-prefill", "vllm-decode", "vllm"))
+        ]  # fmt: skip
+        for a in agents:
+            a.start()
+        try:
+            import time
+
+            time.sleep(0.4)  # a few heartbeats
+            nodes = _nodes(master.address)
+            for i, role in enumerate(("vllm-prefill", "vllm-decode", "vllm")):
+                n = nodes[f"e-{role}"]
+                assert n.node.role == role and n.node.url == f"http://127.0.0.1:{8100 + i}"  # type: ignore[attr-defined]
+                assert n.load.queue_len == 3 and math.isclose(n.load.kv_usage, 0.25)  # type: ignore[attr-defined]
+                assert n.alive  # type: ignore[attr-defined]
+        finally:
+            for a in agents:
+                a.stop()
+    assert not any(n.alive for n in _nodes(master.address).values())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("role", "url", "expected"),
+    [
+        ("vllm", "ftp://127.0.0.1:1", r"http\(s\)://host:port"),
+        ("vllm-decode", "http://127.0.0.1:1/v1", r"http\(s\)://host:port"),
+        ("prefill", "http://127.0.0.1:1", "only vLLM engines"),
+        ("vllm-both", "", "role must be one of"),
+    ],
+)
+def test_a_bad_engine_registration_is_invalid_argument(
+    master: MasterServer, role: str, url: str, expected: str
+) -> None:
+    with MasterClient(master.address) as mc, pytest.raises(InvalidArgument, match=expected):
+        mc.register_node(
+            NodeInfo("e", role, "", "", 1, url),
+            protocol_version=PROTOCOL_VERSION,
+            layout_fingerprint=DEFAULT_LAYOUT,
+        )
+
+
+def test_kv_usage_outside_a_fraction_is_refused(master: MasterServer) -> None:
+    with MasterClient(master.address) as mc:
+        mc.register_node(NodeInfo("e", "vllm", "", "", 1, "http://127.0.0.1:9"), protocol_version=PROTOCOL_VERSION,
+                         layout_fingerprint=DEFAULT_LAYOUT)  # fmt: skip
+        for bad in (1.5, -0.1, float("nan")):
+            with pytest.raises(InvalidArgument, match="kv_usage"):
+                mc.heartbeat("e", 1, load=NodeLoad(kv_usage=bad))
+        assert mc.heartbeat("e", 1, load=NodeLoad(queue_len=1, kv_usage=1.0)).known
