@@ -102,6 +102,16 @@ def _membership_env(log_dir: Path, secured: bool) -> tuple[dict[str, str], dict[
     return secret_env, master_env, member_env
 
 
+def _vllm_model_dir(spec: object, log_dir: Path) -> str:
+    """The model directory vLLM engines serve: the spec's, else the embedded model exported (with a
+    tokenizer vLLM loads offline) under `log_dir`."""
+    from kvpool.cluster.spec import ClusterSpec
+    from kvpool.model.export import export_model_dir
+
+    assert isinstance(spec, ClusterSpec)
+    return spec.cluster.model or str(export_model_dir(log_dir / "model"))
+
+
 def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) -> int:
     """Start and supervise; returns the exit code (0 on a clean stop, 1 when a role failed). `secured`:
     master and stores share a fresh cluster secret, every other role a fresh join token."""
@@ -126,6 +136,8 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     master = f"{spec.master.host}:{spec.master.port}"
     endpoints: list[str] = []
     remote: list[str] = []
+    engines: list[RoleProcess] = []  # vLLM engines started and not yet waited for
+    model_dir = spec.cluster.model
     code = 0
     try:
         for launch in launches:
@@ -139,13 +151,26 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                     note = f"  (KVPOOL_JOIN_TOKEN_FILE = a 0600 copy of {log_dir / 'join_token'})"
                 else:
                     note = ""
-                remote.append(f"  on {launch.host}: {launch.command(master)}" + note)
+                remote.append(f"  on {launch.host}: {launch.command(master, model_dir)}" + note)
                 continue
-            args = [a.replace("{master}", master) for a in launch.args]
             role_env = secret_env if holds_secret else member_env
             if launch.role == "master":
                 role_env = role_env | master_env
-            env = dict(os.environ) | role_env
+            env = dict(os.environ) | role_env | launch.env
+            if launch.argv:  # a vLLM engine: started now, waited for with the others (they load in parallel)
+                if not model_dir:
+                    model_dir = _vllm_model_dir(spec, log_dir)
+                argv = launch.resolved(master, model_dir)
+                proc = RoleProcess(launch.name, [], log_path=log_dir / f"{launch.name}.log", env=env, argv=argv,
+                                   ready_url=launch.ready_url)  # fmt: skip
+                procs.append(proc)
+                logs.append(proc.log_path)
+                engines.append(proc)
+                continue
+            for engine in engines:  # every engine serves before the router starts
+                endpoints.append(f"  {engine.name:<8} {engine.wait_ready(timeout_s)['url']}/v1")
+            engines.clear()
+            args = launch.resolved(master, model_dir)
             proc = RoleProcess(launch.name, args, log_path=log_dir / f"{launch.name}.log", env=env)
             procs.append(proc)
             logs.append(proc.log_path)
@@ -165,6 +190,9 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                     f"  {launch.name:<8} {address}"
                     + (f"  (metrics: http://{metrics}/metrics)" if metrics else "")
                 )
+        for engine in engines:
+            if not stop.is_set():
+                endpoints.append(f"  {engine.name:<8} {engine.wait_ready(timeout_s)['url']}/v1")
         if not stop.is_set():
             typer.echo("kvpool cluster up:\n" + "\n".join(endpoints))
             if remote:

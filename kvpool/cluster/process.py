@@ -49,16 +49,26 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child before ex
 
 
 class RoleProcess:
-    """A running role process (`kvpool <role> …`). Its output goes to `log_path`, prefixed by name."""
+    """A running role process (`kvpool <role> …`, or any `argv`: a vLLM server). Its output goes to
+    `log_path`, prefixed by name. It is ready when it prints its READY line, or (with `ready_url`) when
+    that URL answers 200."""
 
     def __init__(
-        self, name: str, args: Sequence[str], *, log_path: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        args: Sequence[str],
+        *,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        argv: Sequence[str] = (),
+        ready_url: str = "",
     ) -> None:
         self.name = name
         self.args = list(args)
         self.log_path = log_path
+        self.ready_url = ready_url
         self.info: dict[str, Any] = {}
-        cmd = [sys.executable, "-m", "kvpool.cli.main", *self.args]
+        cmd = list(argv) or [sys.executable, "-m", "kvpool.cli.main", *self.args]
         child_env = dict(os.environ if env is None else env)
         child_env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(
@@ -89,8 +99,11 @@ class RoleProcess:
         self._ready.put(None)
 
     def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        """Block until the READY line arrives; `NodeStartFailed` (a `RuntimeError`) with the log tail if the
-        child dies or stalls."""
+        """Block until the READY line arrives (or `ready_url` answers 200: then the info is {"url": the URL's
+        scheme://host:port}); `NodeStartFailed` (a `RuntimeError`) with the log tail if the child dies or
+        stalls."""
+        if self.ready_url:
+            return self._wait_url(timeout_s)
         try:
             info = self._ready.get(timeout=timeout_s)
         except queue.Empty:
@@ -100,6 +113,24 @@ class RoleProcess:
             raise NodeStartFailed(f"{self.name} did not become ready:\n{self.log_tail()}")
         self.info = info
         return info
+
+    def _wait_url(self, timeout_s: float) -> dict[str, Any]:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while self.alive and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.ready_url, timeout=2.0) as resp:
+                    if resp.status == 200:
+                        scheme, _, rest = self.ready_url.partition("://")
+                        self.info = {"url": f"{scheme}://{rest.split('/', 1)[0]}"}
+                        return self.info
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise NodeStartFailed(f"{self.name} did not become ready ({self.ready_url}):\n{self.log_tail()}")
 
     def log_tail(self, num_lines: int = 30) -> str:
         try:

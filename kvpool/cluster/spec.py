@@ -36,12 +36,14 @@ host is this machine and prints the others' command lines for their hosts.
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 import socket
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -101,6 +103,28 @@ class RoleSection(_Section):
     )
 
 
+class ServingSection(RoleSection):
+    """A prefill or decode role: kvpool's own node, or a vLLM OpenAI server with kvpool's connector."""
+
+    engine: Literal["kvpool", "vllm"] = "kvpool"
+    python: str = Field(
+        default="",
+        description="engine = vllm: the Python that has vllm ('' = .venv-vllm/bin/python when it exists)",
+    )
+    engine_args: list[str] = Field(
+        default_factory=list, description="engine = vllm: more arguments of vLLM's api_server"
+    )
+    kv_cache_gib: float = Field(
+        default=1.0, gt=0, description="engine = vllm: its CPU KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)"
+    )
+
+    @model_validator(mode="after")
+    def _vllm_port(self) -> ServingSection:
+        if self.engine == "vllm" and self.port == 0 and any(not is_local(h) for h in self.hosts):
+            raise ValueError("a vLLM engine on another host needs a fixed port (its URL is registered)")
+        return self
+
+
 class StoreSection(RoleSection):
     count: int = Field(default=2, ge=1, le=256)
     segment_size: str = "256MiB"
@@ -132,8 +156,8 @@ class ClusterSpec(_Section):
     cluster: ClusterSection = Field(default_factory=ClusterSection)
     master: MasterSection = Field(default_factory=MasterSection)
     store: StoreSection = Field(default_factory=StoreSection)
-    prefill: RoleSection = Field(default_factory=RoleSection)
-    decode: RoleSection = Field(default_factory=RoleSection)
+    prefill: ServingSection = Field(default_factory=ServingSection)
+    decode: ServingSection = Field(default_factory=ServingSection)
     router: RouterSection = Field(default_factory=RouterSection)
 
     @model_validator(mode="after")
@@ -143,6 +167,11 @@ class ClusterSpec(_Section):
             raise ValueError("master.port must be fixed (not 0) when roles run on other hosts")
         if self.prefill.count < 1 or self.decode.count < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
+        if self.router.enabled and "vllm" in (self.prefill.engine, self.decode.engine):
+            raise ValueError(
+                "the router does not route to vLLM engines yet: set [router] enabled = false and send "
+                "requests to the engines' URLs"
+            )
         return self
 
 
@@ -216,19 +245,29 @@ def load_spec(path: str | Path) -> ClusterSpec:
 
 @dataclass(frozen=True, slots=True)
 class Launch:
-    """One role process: `kvpool <args>` on `host`. `{master}` in args is the master's address."""
+    """One role process: `kvpool <args>` on `host`, or `argv` (a vLLM engine) ready when `ready_url`
+    answers 200. `{master}` in args and argv is the master's address, `{model}` the model directory."""
 
     name: str
     role: str
     host: str
     args: list[str] = field(default_factory=list)
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    ready_url: str = ""
 
     @property
     def local(self) -> bool:
         return is_local(self.host)
 
-    def command(self, master: str) -> str:
-        return "kvpool " + " ".join(a.replace("{master}", master) for a in self.args)
+    def resolved(self, master: str, model: str) -> list[str]:
+        """The args (or argv) with `{master}` and `{model}` filled in."""
+        return [a.replace("{master}", master).replace("{model}", model) for a in (self.argv or self.args)]
+
+    def command(self, master: str, model: str = "MODEL_DIR") -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        words = " ".join(shlex.quote(a) for a in self.resolved(master, model))
+        return (f"{env} " if env else "") + ("" if self.argv else "kvpool ") + words
 
 
 def plan(spec: ClusterSpec, layout: str) -> list[Launch]:
@@ -279,6 +318,9 @@ def plan(spec: ClusterSpec, layout: str) -> list[Launch]:
     for role, section in (("prefill", spec.prefill), ("decode", spec.decode)):
         for i in range(section.count):
             host = section.hosts[i % len(section.hosts)]
+            if section.engine == "vllm":
+                out.append(vllm_launch(role, i, host, section, block_size=c.block_size, layout=layout))
+                continue
             out.append(Launch(f"{role}{i}", role, host, [
                 role, "--master", "{master}", "--listen", host, "--port", port(section, i), "--node-id",
                 f"{role}{i}", "--device", c.device, "--block-size", str(c.block_size),
@@ -292,3 +334,38 @@ def plan(spec: ClusterSpec, layout: str) -> list[Launch]:
             "--block-size", str(c.block_size), *model, *tenants,
         ]))  # fmt: skip
     return out
+
+
+def vllm_launch(
+    role: str, i: int, host: str, section: ServingSection, *, block_size: int, layout: str
+) -> Launch:
+    """vLLM's OpenAI server for role `role` (prefill or decode) instance `i`, its connector registered with
+    the master as `vllm-<role>` at its URL. The dtype is the pool layout's; a free port is picked here for
+    a local engine without a fixed one."""
+    from kvpool.types import KVLayout
+
+    if section.port:
+        port = section.port + i
+    else:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+    url = f"http://{host}:{port}"
+    name = f"vllm-{role}{i}"
+    kv = {
+        "kv_connector": "KVPoolConnector",
+        "kv_connector_module_path": "kvpool.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"master": "{master}", "role": role, "url": url, "node_id": name},
+    }
+    python = section.python or (
+        ".venv-vllm/bin/python" if Path(".venv-vllm/bin/python").exists() else "python"
+    )
+    dtype = KVLayout.from_fingerprint(layout).dtype
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}", "--host", host,
+        "--port", str(port), "--dtype", dtype, "--block-size", str(block_size),
+        "--kv-transfer-config", json.dumps(kv), *section.engine_args,
+    ]  # fmt: skip
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{section.kv_cache_gib:g}"}
+    return Launch(name, f"vllm-{role}", host, argv=argv, env=env, ready_url=f"{url}/health")

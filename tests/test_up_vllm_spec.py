@@ -1,0 +1,73 @@
+"""A cluster spec's vLLM roles (issue #25): `engine = "vllm"` plans vLLM's OpenAI server with kvpool's
+connector (its role, URL and node id in the extra config, the pool's dtype and block size), health-checked
+on its URL; specs the launcher cannot honour are refused naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpool.cluster.spec import load_spec, plan
+from kvpool.errors import InvalidArgument
+
+LAYOUT = "kv1:bfloat16:b64:l4:h4:d32"
+VLLM = """
+[master]
+port = 0
+[prefill]
+engine = "vllm"
+python = "/opt/vllm/bin/python"
+engine_args = ["--enforce-eager"]
+kv_cache_gib = 2
+[decode]
+engine = "vllm"
+count = 2
+port = 8200
+[router]
+enabled = false
+"""
+
+
+def _load(tmp_path: Path, text: str) -> object:
+    p = tmp_path / "cluster.toml"
+    p.write_text(text)
+    return load_spec(p)
+
+
+def test_vllm_roles_plan_api_servers_with_the_connector(tmp_path: Path) -> None:
+    launches = {x.name: x for x in plan(_load(tmp_path, VLLM), LAYOUT)}  # type: ignore[arg-type]
+    assert set(launches) == {"master", "store0", "store1", "vllm-prefill0", "vllm-decode0", "vllm-decode1"}
+    p = launches["vllm-prefill0"]
+    assert p.role == "vllm-prefill" and not p.args and p.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    argv = p.resolved("10.0.0.1:50051", "/models/m")
+    assert argv[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--model") + 1] == "/models/m" and argv[-1] == "--enforce-eager"
+    assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--block-size") + 1] == "64"
+    port = int(argv[argv.index("--port") + 1])
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "KVPoolConnector" and kv["kv_connector_module_path"] == "kvpool.vllm"
+    extra = kv["kv_connector_extra_config"]
+    assert extra == {"master": "10.0.0.1:50051", "role": "prefill", "url": f"http://127.0.0.1:{port}",
+                     "node_id": "vllm-prefill0"}  # fmt: skip
+    assert p.ready_url == f"http://127.0.0.1:{port}/health"
+    decode_ports = [json.loads(launches[f"vllm-decode{i}"].argv[-1])["kv_connector_extra_config"]["url"]
+                    for i in range(2)]  # fmt: skip
+    assert decode_ports == ["http://127.0.0.1:8200", "http://127.0.0.1:8201"]
+    assert "kvpool " not in launches["vllm-decode1"].command("m:1")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (VLLM.replace("enabled = false", "enabled = true"), "router does not route to vLLM engines yet"),
+        (VLLM.replace('engine = "vllm"\npython', 'engine = "vllm"\nhosts = ["10.0.0.9"]\npython'),
+         "needs a fixed port"),
+        (VLLM.replace('engine = "vllm"\npython', 'engine = "sglang"\npython'), "prefill.engine"),
+        (VLLM.replace("kv_cache_gib = 2", "kv_cache_gib = 0"), "prefill.kv_cache_gib"),
+    ],
+)  # fmt: skip
+def test_a_spec_the_launcher_cannot_honour_is_refused(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(InvalidArgument, match=expected):
+        _load(tmp_path, text)
