@@ -21,6 +21,7 @@ engine = "vllm"
 python = "/opt/vllm/bin/python"
 engine_args = ["--enforce-eager"]
 kv_cache_gib = 2
+connector = { match_wait_s = 5.0 }
 [decode]
 engine = "vllm"
 count = 2
@@ -50,7 +51,7 @@ def test_vllm_roles_plan_api_servers_with_the_connector(tmp_path: Path) -> None:
     assert kv["kv_connector"] == "KVPoolConnector" and kv["kv_connector_module_path"] == "kvpool.vllm"
     extra = kv["kv_connector_extra_config"]
     assert extra == {"master": "10.0.0.1:50051", "role": "prefill", "url": f"http://127.0.0.1:{port}",
-                     "node_id": "vllm-prefill0"}  # fmt: skip
+                     "node_id": "vllm-prefill0", "match_wait_s": 5.0}  # fmt: skip
     assert p.ready_url == f"http://127.0.0.1:{port}/health"
     decode_ports = [json.loads(launches[f"vllm-decode{i}"].argv[-1])["kv_connector_extra_config"]["url"]
                     for i in range(2)]  # fmt: skip
@@ -66,6 +67,8 @@ def test_vllm_roles_plan_api_servers_with_the_connector(tmp_path: Path) -> None:
          "needs a fixed port"),
         (VLLM.replace('engine = "vllm"\npython', 'engine = "sglang"\npython'), "prefill.engine"),
         (VLLM.replace("kv_cache_gib = 2", "kv_cache_gib = 0"), "prefill.kv_cache_gib"),
+        (VLLM.replace("match_wait_s = 5.0", "url = 'x'"), "url: set by kvpool up"),
+        (VLLM.replace("match_wait_s = 5.0", "match_wait = 5"), "unknown connector keys: match_wait"),
     ],
 )  # fmt: skip
 def test_a_spec_the_launcher_cannot_honour_is_refused(tmp_path: Path, text: str, expected: str) -> None:

@@ -117,6 +117,23 @@ class ServingSection(RoleSection):
     kv_cache_gib: float = Field(
         default=1.0, gt=0, description="engine = vllm: its CPU KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)"
     )
+    connector: dict[str, Any] = Field(
+        default_factory=dict,
+        description="engine = vllm: more kv_connector_extra_config keys (docs/vllm.md), e.g. match_wait_s",
+    )
+
+    @field_validator("connector")
+    @classmethod
+    def _connector(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from kvpool.vllm.settings import ConnectorSettings
+
+        set_here = {"master", "role", "url", "node_id"} & set(v)
+        if set_here:
+            raise ValueError(f"{', '.join(sorted(set_here))}: set by kvpool up")
+        unknown = set(v) - set(ConnectorSettings.model_fields)
+        if unknown:
+            raise ValueError(f"unknown connector keys: {', '.join(sorted(unknown))}")
+        return v
 
     @model_validator(mode="after")
     def _vllm_port(self) -> ServingSection:
@@ -356,7 +373,13 @@ def vllm_launch(
         "kv_connector": "KVPoolConnector",
         "kv_connector_module_path": "kvpool.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"master": "{master}", "role": role, "url": url, "node_id": name},
+        "kv_connector_extra_config": {
+            **section.connector,
+            "master": "{master}",
+            "role": role,
+            "url": url,
+            "node_id": name,
+        },
     }
     python = section.python or (
         ".venv-vllm/bin/python" if Path(".venv-vllm/bin/python").exists() else "python"

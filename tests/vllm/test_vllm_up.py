@@ -33,11 +33,13 @@ engine = "vllm"
 python = "{python}"
 kv_cache_gib = 1
 engine_args = ["--max-model-len", "2048", "--enforce-eager", "--enable-prompt-tokens-details"]
+connector = {{ match_wait_s = 30.0 }}
 [decode]
 engine = "vllm"
 python = "{python}"
 kv_cache_gib = 1
 engine_args = ["--max-model-len", "2048", "--enforce-eager", "--enable-prompt-tokens-details"]
+connector = {{ match_wait_s = 30.0 }}
 [router]
 enabled = false
 """
@@ -55,6 +57,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Any:
     spec = tmp_path_factory.mktemp("up") / "cluster.toml"
     spec.write_text(SPEC.format(python=sys.executable))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env["KVPOOL_FORCE_DECISION"] = "pull"  # exact hits: the test checks the pool's path, not the cost model
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvpool.cli.main", "up", "-c", str(spec), "--quiet", "--timeout-s", "400"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
