@@ -132,7 +132,6 @@ def commit_block_pb(b: CommitBlock) -> pb.CommittedBlock:
 
 
 def node_status(n: Any) -> NodeStatus:
-    ld = n.load
     return NodeStatus(
         node=node_info(n.node),
         alive=n.alive,
@@ -141,15 +140,20 @@ def node_status(n: Any) -> NodeStatus:
         num_used_slots=n.num_used_slots,
         num_blocks=n.num_blocks,
         used_bytes=n.used_bytes,
-        load=NodeLoad(
-            ld.queue_len,
-            ld.recompute_s_per_token,
-            ld.recompute_s_per_token_ctx,
-            ld.recompute_overhead_s,
-            ld.link_alpha_s,
-            ld.link_beta_bytes_per_s,
-            ld.kv_usage,
-        ),
+        load=load_from_pb(n.load),
+    )
+
+
+def load_from_pb(ld: Any) -> NodeLoad:
+    """A `pb.NodeLoad` as the domain value (no validation: the master's servicer validates)."""
+    return NodeLoad(
+        queue_len=ld.queue_len,
+        recompute_s_per_token=ld.recompute_s_per_token,
+        recompute_s_per_token_ctx=ld.recompute_s_per_token_ctx,
+        recompute_overhead_s=ld.recompute_overhead_s,
+        link_alpha_s=ld.link_alpha_s,
+        link_beta_bytes_per_s=ld.link_beta_bytes_per_s,
+        kv_usage=ld.kv_usage,
     )
 
 

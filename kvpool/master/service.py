@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from kvpool.client.types import NodeLoad
+from kvpool.client.convert import load_from_pb
 from kvpool.errors import InvalidArgument
 from kvpool.master import replica_ops
 from kvpool.master.core import Master
@@ -96,15 +96,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             raise InvalidArgument("load figures must be finite and >= 0")
         if not 0.0 <= ld.kv_usage <= 1.0:  # NaN fails too
             raise InvalidArgument(f"load.kv_usage must be a fraction in [0, 1], got {ld.kv_usage}")
-        load = NodeLoad(
-            queue_len=ld.queue_len,
-            recompute_s_per_token=ld.recompute_s_per_token,
-            recompute_s_per_token_ctx=ld.recompute_s_per_token_ctx,
-            recompute_overhead_s=ld.recompute_overhead_s,
-            link_alpha_s=ld.link_alpha_s,
-            link_beta_bytes_per_s=ld.link_beta_bytes_per_s,
-            kv_usage=ld.kv_usage,
-        )
+        load = load_from_pb(ld)
         freed = [(s.slot, s.generation) for s in request.freed_slots]
         self.m.check_session(request.node_id, request.epoch, request.session)
         known = self.m.heartbeat(request.node_id, request.epoch, freed, request.num_used_slots, load)

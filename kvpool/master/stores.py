@@ -13,7 +13,7 @@ import grpc
 
 from kvpool.capability import Capabilities, WallClock
 from kvpool.membership import MASTER_CALL_METADATA, master_call_credential
-from kvpool.rpc.guards import SigningInterceptor
+from kvpool.rpc.security import CallMetadata
 from kvpool.rpc.server import channel
 from kvpool.rpc.status import raise_from_rpc_error
 from kvpool.types import InventoryItem, Location
@@ -52,10 +52,10 @@ class StoreCalls:
                 if caps is not None:
                     clock = self._clock
 
-                    def sign(method: str) -> str:
-                        return master_call_credential(caps, method, clock.now_ms())
+                    def sign(method: str) -> list[tuple[str, str]]:
+                        return [(MASTER_CALL_METADATA, master_call_credential(caps, method, clock.now_ms()))]
 
-                    ch = grpc.intercept_channel(ch, SigningInterceptor(MASTER_CALL_METADATA, sign))
+                    ch = grpc.intercept_channel(ch, CallMetadata(sign))
                 entry = (ch, pb_grpc.StoreStub(ch))
                 self._stubs[address] = entry
             return entry[1]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpool.client.convert import load_pb
 from kvpool.errors import InvalidArgument
 from kvpool.index.results import MatchResult
 from kvpool.master.core import Master
@@ -62,7 +63,6 @@ def short(value: str, what: str) -> str:
 
 
 def node_stats(m: Master, rec: NodeRecord) -> pb.NodeStats:
-    ld = rec.load
     return pb.NodeStats(
         node=endpoint(rec),
         alive=rec.alive,
@@ -71,15 +71,7 @@ def node_stats(m: Master, rec: NodeRecord) -> pb.NodeStats:
         num_used_slots=rec.num_allocated if rec.is_store else 0,
         num_blocks=m.index.num_blocks_on_node(rec.node_id),
         used_bytes=m.index.bytes_on_node(rec.node_id),
-        load=pb.NodeLoad(
-            queue_len=ld.queue_len,
-            recompute_s_per_token=ld.recompute_s_per_token,
-            recompute_s_per_token_ctx=ld.recompute_s_per_token_ctx,
-            recompute_overhead_s=ld.recompute_overhead_s,
-            link_alpha_s=ld.link_alpha_s,
-            link_beta_bytes_per_s=ld.link_beta_bytes_per_s,
-            kv_usage=ld.kv_usage,
-        ),
+        load=load_pb(rec.load),
     )
 
 

@@ -1,6 +1,6 @@
-"""Call guards for the sync gRPC server and channels: refuse a call whose metadata fails a check, and add
-per-call metadata computed from the method (used for the master's signed control calls to stores,
-`kvpool.membership.master_call_credential`)."""
+"""Call guards for the sync gRPC server: refuse a call whose metadata fails a check (a secured store's
+check of the master's signed control calls, `kvpool.membership.check_master_call`). The channel side is
+`kvpool.rpc.security.CallMetadata`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-
-from kvpool.rpc.security import _Details
 
 
 def deny_handlers(message: str) -> dict[tuple[bool, bool], grpc.RpcMethodHandler]:
@@ -48,36 +46,3 @@ class MetadataGuard(grpc.ServerInterceptor):
         if handler is None:
             return None
         return deny_handlers(refusal)[(handler.request_streaming, handler.response_streaming)]
-
-
-class SigningInterceptor(
-    grpc.UnaryUnaryClientInterceptor,
-    grpc.UnaryStreamClientInterceptor,
-    grpc.StreamUnaryClientInterceptor,
-    grpc.StreamStreamClientInterceptor,
-):
-    """Adds `(key, sign(method))` to the metadata of every call of a channel."""
-
-    def __init__(self, key: str, sign: Callable[[str], str]) -> None:
-        self._key = key
-        self._sign = sign
-
-    def _details(self, details: Any) -> Any:
-        metadata = [*(details.metadata or ()), (self._key, self._sign(details.method))]
-        return (
-            details._replace(metadata=metadata)
-            if hasattr(details, "_replace")
-            else _Details(details, metadata)
-        )
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._details(details), requests)
-
-    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._details(details), requests)

@@ -100,19 +100,20 @@ def bind(server: grpc.Server, address: str, sec: RpcSecurity) -> int:
     return server.add_insecure_port(address)
 
 
-class _MetadataInterceptor(
+class CallMetadata(
     grpc.UnaryUnaryClientInterceptor,
     grpc.UnaryStreamClientInterceptor,
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Adds fixed metadata (the bearer token, the join token) to every call of a channel."""
+    """Adds `metadata(method)` to every call of a channel: fixed pairs (the bearer token, the join token),
+    or pairs made per call (the master's signed calls to stores)."""
 
-    def __init__(self, metadata: list[tuple[str, str]]) -> None:
+    def __init__(self, metadata: Callable[[str], list[tuple[str, str]]]) -> None:
         self._metadata = metadata
 
     def _details(self, details: Any) -> Any:
-        metadata = [*(details.metadata or ()), *self._metadata]
+        metadata = [*(details.metadata or ()), *self._metadata(details.method)]
         return (
             details._replace(metadata=metadata)
             if hasattr(details, "_replace")
@@ -155,5 +156,5 @@ def secure_channel(address: str, options: list[tuple[str, Any]], sec: RpcSecurit
     if token:
         metadata.append((JOIN_TOKEN_METADATA, token))
     if metadata:
-        ch = grpc.intercept_channel(ch, _MetadataInterceptor(metadata))
+        ch = grpc.intercept_channel(ch, CallMetadata(lambda _method: metadata))
     return ch

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvpool.cluster.local import LocalCluster
 from kvpool.membership import MASTER_CALL_METADATA, master_call_credential
-from kvpool.rpc.guards import SigningInterceptor
+from kvpool.rpc.security import CallMetadata
 from kvpool.rpc.server import channel
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
@@ -69,8 +69,10 @@ def connect(cluster: LocalCluster) -> Servers:
     if caps is not None:  # a secured store serves the master only: the fuzzer signs as the master does
         channels["store"] = grpc.intercept_channel(
             channels["store"],
-            SigningInterceptor(
-                MASTER_CALL_METADATA, lambda m: master_call_credential(caps, m, time.time_ns() // 1_000_000)
+            CallMetadata(
+                lambda m: [
+                    (MASTER_CALL_METADATA, master_call_credential(caps, m, time.time_ns() // 1_000_000))
+                ]
             ),
         )
     s = Servers(channels, {}, 0, [])
