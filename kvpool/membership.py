@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import struct
 import tempfile
@@ -102,6 +103,8 @@ def read_tokens(path: Path) -> dict[str, str]:
         raw = path.read_text()
     except FileNotFoundError:
         return {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"cannot read the join token file {path}: {exc}") from None
     try:
         doc = json.loads(raw)
         entries = doc["tokens"]
@@ -137,8 +140,8 @@ def add_token(path: Path, name: str, token: str | None = None) -> str:
     """Add a token named `name` to the master's token file (created if missing) and return the token (the
     file keeps only its digest: show it once). Raises `InvalidArgument` for an empty or taken name or a
     token shorter than `MIN_TOKEN_CHARS`."""
-    if not name or len(name) > 128 or not name.isprintable():
-        raise InvalidArgument(f"a join token needs a printable name of 1-128 characters, got {name!r}")
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", name):
+        raise InvalidArgument(f"a join token's name is 1-128 of A-Z a-z 0-9 . _ -, got {name!r}")
     token = token if token is not None else new_join_token()
     if len(token) < MIN_TOKEN_CHARS:
         raise InvalidArgument(f"a join token needs at least {MIN_TOKEN_CHARS} characters")

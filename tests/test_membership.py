@@ -366,3 +366,62 @@ def test_a_router_without_a_join_token_exits_2_with_one_line(cluster: Any) -> No
         assert out.returncode == 2, out.stderr[-2000:]
         errors = [line for line in out.stderr.splitlines() if line.startswith("kvpool router:")]
         assert len(errors) == 1 and "join token" in errors[0] and "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_token_cli_never_leaves_a_token_nobody_holds(tmp_path: Any) -> None:
+    from typer.testing import CliRunner
+
+    from kvpool.cli.main import app
+
+    tokens, out = tmp_path / "tokens.json", tmp_path / "token"
+    out.write_text("taken\n")
+    r = CliRunner().invoke(app, ["token", "new", "ops", "--file", str(tokens), "--out", str(out)])
+    assert r.exit_code == 2 and "--out" in r.output and not tokens.exists()  # checked before adding
+    out.unlink()
+    r = CliRunner().invoke(app, ["token", "new", "ops", "--file", str(tokens), "--out", str(out)])
+    assert (
+        r.exit_code == 0
+        and str(out.resolve()) in r.output
+        and read_tokens(tokens) == {token_digest(out.read_text().strip()): "ops"}
+    )
+    for bad in ("bad name", "a/b", "é"):
+        r = CliRunner().invoke(app, ["token", "new", bad, "--file", str(tokens)])
+        assert r.exit_code == 2 and "name" in r.output, bad
+    for cmd in (["list"], ["revoke", "ops"]):
+        r = CliRunner().invoke(app, ["token", *cmd, "--file", str(tmp_path / "missing.json")])
+        assert r.exit_code == 1 and "no token file" in r.output
+    r = CliRunner().invoke(app, ["token", "list", "--file", str(tmp_path)])  # a directory
+    assert r.exit_code == 2 and "cannot read" in r.output
+
+
+def test_an_unreadable_join_token_file_is_one_line(cluster: Any, tmp_path: Any) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_JOIN_TOKEN")}
+    env["KVPOOL_JOIN_TOKEN_FILE"] = str(tmp_path / "nope")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", "admin", "--master", cluster.master_address, "stats"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert "KVPOOL_JOIN_TOKEN_FILE" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_store_with_a_secret_refuses_an_unsecured_master_before_joining() -> None:
+    from kvpool.client import MasterClient
+    from kvpool.master.server import serve
+    from kvpool.master.settings import MasterSettings
+
+    if ucx_available() is not None:
+        pytest.skip("UCX cannot initialise here")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    master = serve(MasterSettings(port=0, bind_host="127.0.0.1", metrics=False, layout=LAYOUT))
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "kvpool.cli.main", "store", "--master", master.address, "--grpc-port", "0",
+             "--data-port", "0", "--segment-size", "8MiB", "--layout", LAYOUT, "--node-id", "s-secret"],
+            capture_output=True, text=True, timeout=90, env=env | {"KVPOOL_CLUSTER_SECRET": "q" * 32},
+        )  # fmt: skip
+        assert out.returncode == 2 and "runs unsecured" in out.stderr, out.stderr[-2000:]
+        with MasterClient(master.address) as mc:
+            assert mc.list_nodes() == []  # never listed, never adopted
+    finally:
+        master.stop()

@@ -45,6 +45,7 @@ def test_vllm_roles_plan_api_servers_with_the_connector(tmp_path: Path) -> None:
     argv = p.resolved("10.0.0.1:50051", "/models/m")
     assert argv[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--model") + 1] == "/models/m" and argv[-1] == "--enforce-eager"
+    assert "--enable-prompt-tokens-details" in argv  # responses show the cached tokens
     assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--block-size") + 1] == "64"
     port = int(argv[argv.index("--port") + 1])
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
@@ -53,8 +54,9 @@ def test_vllm_roles_plan_api_servers_with_the_connector(tmp_path: Path) -> None:
     assert extra == {"master": "10.0.0.1:50051", "role": "prefill", "url": f"http://127.0.0.1:{port}",
                      "node_id": "vllm-prefill0", "match_wait_s": 5.0}  # fmt: skip
     assert p.ready_url == f"http://127.0.0.1:{port}/health"
-    decode_ports = [json.loads(launches[f"vllm-decode{i}"].argv[-1])["kv_connector_extra_config"]["url"]
-                    for i in range(2)]  # fmt: skip
+    decode_argv = [launches[f"vllm-decode{i}"].argv for i in range(2)]
+    decode_ports = [json.loads(a[a.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["url"]
+                    for a in decode_argv]  # fmt: skip
     assert decode_ports == ["http://127.0.0.1:8200", "http://127.0.0.1:8201"]
     assert "kvpool " not in launches["vllm-decode1"].command("m:1")
 

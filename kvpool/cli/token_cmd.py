@@ -42,18 +42,27 @@ def new(
     from kvpool.membership import add_token
 
     path = _file(file)
+    fd = None
+    if out is not None:  # claimed before the token exists: never an active token nobody holds
+        try:
+            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            typer.echo(f"kvpool token new: --out {out}: {exc.strerror}", err=True)
+            raise typer.Exit(2) from None
     try:
         token = add_token(path, name)
     except InvalidArgument as exc:
+        if fd is not None:
+            os.close(fd)
+            out.unlink(missing_ok=True)  # type: ignore[union-attr]
         typer.echo(f"kvpool token new: {exc}", err=True)
         raise typer.Exit(2) from None
-    if out is None:
+    if out is None or fd is None:
         typer.echo(token)
         return
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
-    typer.echo(f"token {name!r} written to {out} (members: KVPOOL_JOIN_TOKEN_FILE={out})")
+    typer.echo(f"token {name!r} written to {out} (members: KVPOOL_JOIN_TOKEN_FILE={out.resolve()})")
 
 
 @token_app.command("revoke")
@@ -65,8 +74,12 @@ def revoke(
     from kvpool.errors import InvalidArgument
     from kvpool.membership import revoke_token
 
+    path = _file(file)
+    if not path.exists():
+        typer.echo(f"kvpool token revoke: no token file at {path}", err=True)
+        raise typer.Exit(1)
     try:
-        removed = revoke_token(_file(file), name)
+        removed = revoke_token(path, name)
     except InvalidArgument as exc:
         typer.echo(f"kvpool token revoke: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -82,8 +95,12 @@ def list_tokens(file: Path | None = typer.Option(None, "--file", help=_FILE_HELP
     from kvpool.errors import InvalidArgument
     from kvpool.membership import read_tokens
 
+    path = _file(file)
+    if not path.exists():
+        typer.echo(f"kvpool token list: no token file at {path}", err=True)
+        raise typer.Exit(1)
     try:
-        tokens = read_tokens(_file(file))
+        tokens = read_tokens(path)
     except InvalidArgument as exc:
         typer.echo(f"kvpool token list: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -202,6 +202,10 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                     "secured: stores prove the cluster secret, other members present the join token; "
                     f"for the admin CLI: export KVPOOL_JOIN_TOKEN_FILE={log_dir / 'join_token'}"
                 )
+            else:
+                typer.echo(
+                    "UNSECURED (--insecure): any process that reaches the master may join, read and write"
+                )
             typer.echo(f"logs in {log_dir}; Ctrl-C stops everything")
         reported: set[str] = set()
         while not stop.is_set():
@@ -227,5 +231,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
         stop.set()
         for proc in reversed(procs):
             proc.stop()
+        for name in ("cluster_secret", "join_token", "join_tokens.json"):  # logs stay; credentials do not
+            (log_dir / name).unlink(missing_ok=True)
         typer.echo("kvpool cluster stopped")
     return code

@@ -381,14 +381,24 @@ def vllm_launch(
             "node_id": name,
         },
     }
-    python = section.python or (
-        ".venv-vllm/bin/python" if Path(".venv-vllm/bin/python").exists() else "python"
-    )
+    python = section.python or _vllm_python()
     dtype = KVLayout.from_fingerprint(layout).dtype
+    args = section.engine_args
+    details = [] if "--enable-prompt-tokens-details" in args else ["--enable-prompt-tokens-details"]
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}", "--host", host,
         "--port", str(port), "--dtype", dtype, "--block-size", str(block_size),
-        "--kv-transfer-config", json.dumps(kv), *section.engine_args,
+        "--kv-transfer-config", json.dumps(kv), *details, *args,
     ]  # fmt: skip
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{section.kv_cache_gib:g}"}
     return Launch(name, f"vllm-{role}", host, argv=argv, env=env, ready_url=f"{url}/health")
+
+
+def _vllm_python() -> str:
+    """`.venv-vllm/bin/python` (what `make test-vllm` builds) in this directory or kvpool's checkout, else
+    `python`; set `[prefill|decode] python` for another environment."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        candidate = root / ".venv-vllm" / "bin" / "python"
+        if candidate.exists():
+            return str(candidate)
+    return "python"

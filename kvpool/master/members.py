@@ -69,6 +69,11 @@ class Membership:
     def warn_if_unsecured(self) -> None:
         if not self.secured:
             log.warning(UNSECURED_WARNING)
+            if self._tokens_path:
+                log.warning(
+                    "join_tokens_file %s is ignored: without a cluster secret anyone may join",
+                    self._tokens_path,
+                )
         elif not self._tokens_path:
             log.warning(
                 "secured cluster without a join token file (join_tokens_file): only stores can join; "

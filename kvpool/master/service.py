@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator, Sequence
 
 import grpc
 
 from kvpool.client.convert import load_from_pb
-from kvpool.errors import InvalidArgument
+from kvpool.errors import InvalidArgument, Unauthenticated
 from kvpool.master import replica_ops
 from kvpool.master.core import Master
 from kvpool.master.gate import join_token_of
@@ -28,6 +29,8 @@ from kvpool.master.wire import (
 from kvpool.rpc.status import rpc_errors
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 
 class MasterServicer(pb_grpc.MasterServicer):
@@ -52,18 +55,22 @@ class MasterServicer(pb_grpc.MasterServicer):
         data_address = short(n.data_address, "data_address")
         members = self.m.members
         join_token = ""
-        if n.role == "store":
-            members.admit_store(
-                challenge=request.challenge,
-                proof=request.proof,
-                node_id=node_id,
-                role=n.role,
-                epoch=n.epoch,
-                grpc_address=grpc_address,
-                data_address=data_address,
-            )
-        else:
-            join_token = members.token_name(join_token_of(context.invocation_metadata()))
+        try:
+            if n.role == "store":
+                members.admit_store(
+                    challenge=request.challenge,
+                    proof=request.proof,
+                    node_id=node_id,
+                    role=n.role,
+                    epoch=n.epoch,
+                    grpc_address=grpc_address,
+                    data_address=data_address,
+                )
+            else:
+                join_token = members.token_name(join_token_of(context.invocation_metadata()))
+        except Unauthenticated as exc:
+            log.warning("refused %s %r from %s: %s", n.role, node_id, context.peer(), exc)
+            raise
         session = new_session() if members.secured else b""
         self.m.register_node(
             node_id=node_id,

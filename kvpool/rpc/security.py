@@ -53,15 +53,20 @@ def security() -> RpcSecurity:
 def join_token() -> str:
     """This process's join token: `join_token`, else the first line of `join_token_file`; "" when none.
     Read afresh at each call (a `LocalCluster` sets `KVPOOL_JOIN_TOKEN_FILE` while it runs). Raises
-    `OSError` naming the file when it cannot be read."""
+    `InvalidArgument` naming the file when it cannot be read or is empty."""
     sec = load_config(RpcSecurity)
     if sec.join_token:
         return sec.join_token
     if sec.join_token_file:
         try:
             return Path(sec.join_token_file).read_text().strip().splitlines()[0].strip()
-        except (OSError, IndexError) as exc:
-            raise OSError(f"cannot read the join token file {sec.join_token_file}: {exc}") from None
+        except (OSError, IndexError, UnicodeDecodeError) as exc:
+            from kvpool.errors import InvalidArgument
+
+            why = "it is empty" if isinstance(exc, IndexError) else exc
+            raise InvalidArgument(
+                f"cannot read the join token file {sec.join_token_file} (KVPOOL_JOIN_TOKEN_FILE): {why}"
+            ) from None
     return ""
 
 

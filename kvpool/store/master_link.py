@@ -161,25 +161,25 @@ class MasterLink:
                 answer = stub.JoinChallenge(
                     pb.JoinChallengeRequest(node_id=node.node_id), timeout=self._timeout_s
                 )
-                if answer.challenge:
-                    req.challenge = answer.challenge
-                    req.proof = store_proof(
-                        caps,
-                        answer.challenge,
-                        node_id=node.node_id,
-                        role=node.role,
-                        epoch=node.epoch,
-                        grpc_address=node.grpc_address,
-                        data_address=node.data_address,
+                if not answer.challenge:  # refuse before registering: the master never lists this store
+                    raise FailedPrecondition(
+                        f"this store holds a cluster secret but the master at {self.address} runs "
+                        "unsecured (no secret): readers would carry no capabilities; give both the same "
+                        "KVPOOL_CLUSTER_SECRET_FILE"
                     )
+                req.challenge = answer.challenge
+                req.proof = store_proof(
+                    caps,
+                    answer.challenge,
+                    node_id=node.node_id,
+                    role=node.role,
+                    epoch=node.epoch,
+                    grpc_address=node.grpc_address,
+                    data_address=node.data_address,
+                )
             resp = stub.RegisterNode(req, timeout=self._timeout_s)
         except grpc.RpcError as exc:
             raise_from_rpc_error(exc, f"RegisterNode at {self.address}")
-        if caps is not None and not resp.secured:
-            raise FailedPrecondition(
-                f"this store holds a cluster secret but the master at {self.address} runs unsecured (no "
-                "secret): readers would carry no capabilities; give both the same KVPOOL_CLUSTER_SECRET_FILE"
-            )
         self._session = resp.session
         if resp.layout_fingerprint and resp.layout_fingerprint != self._layout:
             raise FailedPrecondition(
