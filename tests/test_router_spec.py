@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -124,21 +125,25 @@ port = 0
         [sys.executable, "-m", "kvpool.cli.main", "up", "-c", str(spec)], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )  # fmt: skip
-    url = None
-    lines = []
+    # every line `up` prints, read on a thread: waiting never blocks the test, the pipe never fills
+    lines: list[str] = []
+    assert proc.stdout is not None
+    out_pipe = proc.stdout
+    reader = threading.Thread(target=lambda: lines.extend(iter(out_pipe.readline, "")), daemon=True)
+    reader.start()
+
+    def tail() -> str:
+        return "".join(lines[-60:])
+
     try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 240
-        for line in proc.stdout:
-            lines.append(line)
-            if line.strip().startswith("router") and "http://" in line:
-                url = line.split()[1]
-            if "Ctrl-C stops everything" in line or time.monotonic() > deadline:
-                break
-        assert url, "".join(lines[-40:])
+        deadline = time.monotonic() + 200
+        while not any("Ctrl-C stops everything" in x for x in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "kvpool up did not start:\n" + tail()
+            time.sleep(0.2)
+        url = next(x.split()[1] for x in lines if x.strip().startswith("router") and "http://" in x)
         assert any(line.startswith("[prefill0] ") for line in lines)  # prefixed role logs
         metrics = [line.split("(metrics: ")[1].rstrip(")\n") for line in lines if "(metrics: http://" in line]
-        assert len(metrics) == 5, "".join(lines[-40:])  # master, store0, prefill0, decode0, router
+        assert len(metrics) == 5, tail()  # master, store0, prefill0, decode0, router
         assert "kvpool_master_nodes_alive" in httpx.get(metrics[0], timeout=10).text
         r = httpx.post(f"{url}/completions", json={"model": "kvpool-tiny-llama-l4-h256-a8-kv4-i688",
                                                    "prompt": "hello", "max_tokens": 3}, timeout=60)  # fmt: skip
@@ -157,7 +162,13 @@ port = 0
         assert r.status_code == 200, r.text
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=90)
+        try:
+            proc.wait(timeout=60)  # every role is stopped within 10 s of SIGTERM, even one still starting
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError("kvpool up did not stop on SIGTERM:\n" + tail()) from None
+        reader.join(10)
+    out = "".join(lines)
     assert proc.returncode == 0, out[-2000:]
     assert "store0 exited (-9); the rest keep running" in out, out[-2000:]
     assert "kvpool cluster stopped" in out

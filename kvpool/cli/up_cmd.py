@@ -53,7 +53,7 @@ def register_up_command(app: typer.Typer) -> None:
         raise typer.Exit(run_up(spec, timeout_s=timeout_s, echo=not quiet, secured=not insecure))
 
 
-def _wait_http(url: str, timeout_s: float) -> None:
+def _wait_http(url: str, timeout_s: float, cancel: threading.Event) -> None:
     import httpx
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per health poll
@@ -66,7 +66,20 @@ def _wait_http(url: str, timeout_s: float) -> None:
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f}s")
-        time.sleep(0.2)
+        if cancel.wait(0.2):
+            raise TimeoutError(f"{url}: start cancelled")
+
+
+def _ready(proc: object, timeout_s: float, stop: threading.Event) -> dict[str, object]:
+    """Wait for one role (stopping at once on Ctrl-C/SIGTERM) and say how long it took to start, so a
+    slow or stuck start shows which role it is."""
+    from kvpool.cluster.process import RoleProcess
+
+    assert isinstance(proc, RoleProcess)
+    t0 = time.monotonic()
+    info = proc.wait_ready(timeout_s, cancel=stop)
+    typer.echo(f"kvpool up: {proc.name} ready in {time.monotonic() - t0:.1f} s", err=True)
+    return info
 
 
 def _echo_logs(paths: list[Path], stop: threading.Event) -> None:
@@ -168,15 +181,15 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                 engines.append(proc)
                 continue
             for engine in engines:  # every engine serves before the router starts
-                endpoints.append(f"  {engine.name:<8} {engine.wait_ready(timeout_s)['url']}/v1")
+                endpoints.append(f"  {engine.name:<8} {_ready(engine, timeout_s, stop)['url']}/v1")
             engines.clear()
             args = launch.resolved(master, model_dir)
             proc = RoleProcess(launch.name, args, log_path=log_dir / f"{launch.name}.log", env=env)
             procs.append(proc)
             logs.append(proc.log_path)
-            info = proc.wait_ready(timeout_s)
+            info = _ready(proc, timeout_s, stop)
             if launch.role == "router":
-                _wait_http(f"http://{info['http_address']}/health", timeout_s)
+                _wait_http(f"http://{info['http_address']}/health", timeout_s, stop)
                 http = f"http://{info['http_address']}"
                 endpoints.append(f"  router   {http}/v1  (metrics: {http}/metrics)")
             else:
@@ -192,7 +205,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                 )
         for engine in engines:
             if not stop.is_set():
-                endpoints.append(f"  {engine.name:<8} {engine.wait_ready(timeout_s)['url']}/v1")
+                endpoints.append(f"  {engine.name:<8} {_ready(engine, timeout_s, stop)['url']}/v1")
         if not stop.is_set():
             typer.echo("kvpool cluster up:\n" + "\n".join(endpoints))
             if remote:

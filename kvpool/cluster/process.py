@@ -98,28 +98,36 @@ class RoleProcess:
                 out.flush()
         self._ready.put(None)
 
-    def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
+    def wait_ready(self, timeout_s: float = 60.0, cancel: threading.Event | None = None) -> dict[str, Any]:
         """Block until the READY line arrives (or `ready_url` answers 200: then the info is {"url": the URL's
         scheme://host:port}); `NodeStartFailed` (a `RuntimeError`) with the log tail if the child dies or
-        stalls."""
+        stalls, or at once when `cancel` is set (a launcher told to stop while its roles start)."""
         if self.ready_url:
-            return self._wait_url(timeout_s)
-        try:
-            info = self._ready.get(timeout=timeout_s)
-        except queue.Empty:
-            info = None
+            return self._wait_url(timeout_s, cancel)
+        deadline = time.monotonic() + timeout_s
+        info: dict[str, Any] | None = None
+        while (left := deadline - time.monotonic()) > 0 and not (cancel and cancel.is_set()):
+            try:
+                info = self._ready.get(timeout=min(left, 0.25))
+                break
+            except queue.Empty:
+                continue
         if info is None:
             self.stop()
-            raise NodeStartFailed(f"{self.name} did not become ready:\n{self.log_tail()}")
+            raise NodeStartFailed(f"{self.name} did not become ready{self._why(cancel)}:\n{self.log_tail()}")
         self.info = info
         return info
 
-    def _wait_url(self, timeout_s: float) -> dict[str, Any]:
+    @staticmethod
+    def _why(cancel: threading.Event | None) -> str:
+        return " (start cancelled)" if cancel and cancel.is_set() else ""
+
+    def _wait_url(self, timeout_s: float, cancel: threading.Event | None) -> dict[str, Any]:
         import urllib.error
         import urllib.request
 
         deadline = time.monotonic() + timeout_s
-        while self.alive and time.monotonic() < deadline:
+        while self.alive and time.monotonic() < deadline and not (cancel and cancel.is_set()):
             try:
                 with urllib.request.urlopen(self.ready_url, timeout=2.0) as resp:
                     if resp.status == 200:
@@ -130,7 +138,9 @@ class RoleProcess:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise NodeStartFailed(f"{self.name} did not become ready ({self.ready_url}):\n{self.log_tail()}")
+        raise NodeStartFailed(
+            f"{self.name} did not become ready ({self.ready_url}){self._why(cancel)}:\n{self.log_tail()}"
+        )
 
     def log_tail(self, num_lines: int = 30) -> str:
         try:
