@@ -86,3 +86,52 @@ def test_kv_usage_outside_a_fraction_is_refused(master: MasterServer) -> None:
             with pytest.raises(InvalidArgument, match="kv_usage"):
                 mc.heartbeat("e", 1, load=NodeLoad(kv_usage=bad))
         assert mc.heartbeat("e", 1, load=NodeLoad(queue_len=1, kv_usage=1.0)).known
+
+
+def test_an_engine_namespace_travels_and_rebuilds_the_connectors_keys(master: MasterServer) -> None:
+    """The router rebuilds a request's namespace from the engine's registration with the same function the
+    engine's connector uses (B30/B31: one key function), so a router's peek sees the engine's blocks."""
+    from kvpool.client import EngineNamespace
+    from kvpool.hashing import hash_blocks
+    from kvpool.types import KVLayout
+    from kvpool.vllm.identity import Namespaces
+
+    layout = KVLayout.from_fingerprint(DEFAULT_LAYOUT)
+    engine = Namespaces(model_id="m", weights_version="w1", layout=layout, engine="vllm-0.32.0-cpu-vec")
+    with MasterClient(master.address) as mc:
+        mc.register_node(NodeInfo("e", "vllm-prefill", "", "", 1, "http://127.0.0.1:9", engine.base),
+                         protocol_version=PROTOCOL_VERSION, layout_fingerprint=DEFAULT_LAYOUT)  # fmt: skip
+        got = {n.node.node_id: n.node.engine_namespace for n in mc.list_nodes()}["e"]
+    assert got == engine.base
+    assert isinstance(got, EngineNamespace)
+    tokens = list(range(4 * layout.block_size))
+    for salt in ("", "tenant-a"):
+        mine = engine.namespace(cache_salt=salt, lora_path=None)
+        assert got.namespace(salt).digest() == mine.digest()
+        ours = got.namespace(salt).digest()
+        assert hash_blocks(ours, tokens, layout.block_size) == hash_blocks(
+            mine.digest(), tokens, layout.block_size
+        )
+    assert got.namespace("a").digest() != got.namespace("b").digest()
+
+
+@pytest.mark.parametrize(
+    ("role", "engine_ns", "expected"),
+    [
+        ("prefill", ("m", "w", DEFAULT_LAYOUT, "e"), "only vLLM engines register an engine_namespace"),
+        ("vllm", ("", "w", DEFAULT_LAYOUT, "e"), "engine_namespace.model_id must be non-empty"),
+        ("vllm", ("m", "w", "kv1:float16:b16:l2:h2:d8", "e"), "differs from the registration's layout"),
+        ("vllm", ("m" * 300, "w", DEFAULT_LAYOUT, "e"), "engine_namespace.model_id"),
+    ],
+)
+def test_a_bad_engine_namespace_is_invalid_argument(
+    master: MasterServer, role: str, engine_ns: tuple[str, str, str, str], expected: str
+) -> None:
+    from kvpool.client import EngineNamespace
+
+    with MasterClient(master.address) as mc, pytest.raises(InvalidArgument, match=expected):
+        mc.register_node(
+            NodeInfo("e", role, "", "", 1, "", EngineNamespace(*engine_ns)),
+            protocol_version=PROTOCOL_VERSION,
+            layout_fingerprint=DEFAULT_LAYOUT,
+        )

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvpool.client.types import (
     CommitBlock,
+    EngineNamespace,
     Match,
     NamespaceStatus,
     NodeInfo,
@@ -31,7 +32,24 @@ def location_pb(loc: Location) -> pb.BlockLocation:
 
 
 def node_info(n: Any) -> NodeInfo:
-    return NodeInfo(n.node_id, n.role, n.grpc_address, n.data_address, n.epoch, n.url)
+    e = n.engine_namespace
+    engine_ns = (
+        EngineNamespace(e.model_id, e.weights_version, e.layout_fingerprint, e.engine)
+        if n.HasField("engine_namespace")
+        else None
+    )
+    return NodeInfo(n.node_id, n.role, n.grpc_address, n.data_address, n.epoch, n.url, engine_ns)
+
+
+def engine_namespace_pb(e: EngineNamespace | None) -> pb.EngineNamespace | None:
+    if e is None:
+        return None
+    return pb.EngineNamespace(
+        model_id=e.model_id,
+        weights_version=e.weights_version,
+        layout_fingerprint=e.layout_fingerprint,
+        engine=e.engine,
+    )
 
 
 def endpoint_pb(n: NodeInfo) -> pb.NodeEndpoint:
@@ -42,6 +60,7 @@ def endpoint_pb(n: NodeInfo) -> pb.NodeEndpoint:
         data_address=n.data_address,
         epoch=n.epoch,
         url=n.url,
+        engine_namespace=engine_namespace_pb(n.engine_namespace),
     )
 
 

@@ -4,7 +4,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpool.types import Location
+from kvpool.hashing import Namespace
+from kvpool.types import KVLayout, Location
+
+
+@dataclass(frozen=True, slots=True)
+class EngineNamespace:
+    """What a vLLM engine's namespaces are built from besides a request's cache salt and adapter
+    (`kvpool.vllm.identity`): a router rebuilds the request's namespace with `namespace(cache_salt)`, so
+    its keys are the engine's by construction (field cases B30/B31: one key function)."""
+
+    model_id: str
+    weights_version: str
+    layout_fingerprint: str
+    engine: str  # vllm-<version>-<device>-<kernel>
+
+    def namespace(self, cache_salt: str = "", adapter_digest: str = "") -> Namespace:
+        """The namespace of a request with `cache_salt` and adapter (`""`: the base model); the engine's
+        connector builds its namespaces with this same function. `ValueError` on a bad layout."""
+        return Namespace(
+            model_id=self.model_id,
+            weights_version=self.weights_version,
+            layout=KVLayout.from_fingerprint(self.layout_fingerprint),
+            cache_salt=cache_salt,
+            adapter_digest=adapter_digest,
+            extra=(("engine", self.engine),),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +40,7 @@ class NodeInfo:
     data_address: str
     epoch: int
     url: str = ""  # a vLLM engine's OpenAI base URL
+    engine_namespace: EngineNamespace | None = None  # a vLLM engine's namespace base
 
 
 @dataclass(frozen=True, slots=True)

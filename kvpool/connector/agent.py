@@ -66,9 +66,11 @@ class NodeAgent:
         on_fatal: Callable[[str], None] | None = None,
         on_flush_epoch: Callable[[int], None] | None = None,
         url: str = "",
+        engine_namespace: Any = None,
     ) -> None:
         self.master = master
         self.url = url  # a vLLM engine's OpenAI base URL (the router sends it requests)
+        self.engine_namespace = engine_namespace  # a vLLM engine's kvpool.client.EngineNamespace
         self.node_id = node_id
         self.role = role
         self.grpc_address = grpc_address
@@ -95,7 +97,9 @@ class NodeAgent:
         from kvpool.client import NodeInfo
         from kvpool.rpc import PROTOCOL_VERSION
 
-        node = NodeInfo(self.node_id, self.role, self.grpc_address, "", self.epoch, self.url)
+        node = NodeInfo(
+            self.node_id, self.role, self.grpc_address, "", self.epoch, self.url, self.engine_namespace
+        )
         resp = self.master.register_node(
             node, protocol_version=PROTOCOL_VERSION, layout_fingerprint=self.layout_fingerprint
         )

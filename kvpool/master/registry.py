@@ -70,6 +70,7 @@ class NodeRegistry:
         session: bytes = b"",
         join_token: str = "",
         url: str = "",
+        engine_namespace: tuple[str, str, str, str] = (),
     ) -> None:
         """Add or refresh a node. A new epoch replaces everything the node had (B22). The caller admitted
         it (`Membership`): `session` is what its heartbeats must carry, `join_token` the name of the token
@@ -101,6 +102,7 @@ class NodeRegistry:
             if old is not None and old.epoch == epoch and old.alive and old.role == role:
                 old.grpc_address, old.data_address, old.last_seen_ms = grpc_address, data_address, now
                 old.session, old.join_token, old.url = session, join_token, url
+                old.engine_namespace = engine_namespace
                 return
             if old is not None:
                 log.info("node %s re-registers (epoch %d -> %d)", node_id, old.epoch, epoch)
@@ -109,6 +111,7 @@ class NodeRegistry:
             rec.ready = role != "store"
             rec.registered_ms = now
             rec.session, rec.join_token, rec.url = session, join_token, url
+            rec.engine_namespace = engine_namespace
             self.st.nodes[node_id] = rec
             if role == "store":
                 self.st.to_adopt.add(node_id)

@@ -19,6 +19,7 @@ from kvpool.master.ops import admin_evict, drain, undrain
 from kvpool.master.placement import CommitBlock
 from kvpool.master.wire import (
     endpoint,
+    engine_namespace,
     engine_url,
     location,
     location_pb,
@@ -52,6 +53,11 @@ class MasterServicer(pb_grpc.MasterServicer):
         node_id = short(n.node_id, "node_id")
         grpc_address = short(n.grpc_address, "grpc_address")
         url = engine_url(n.role, short(n.url, "url"))
+        engine_ns = engine_namespace(n.role, n)
+        if engine_ns and engine_ns[2] != request.layout_fingerprint:
+            raise InvalidArgument(
+                "engine_namespace.layout_fingerprint differs from the registration's layout"
+            )
         data_address = short(n.data_address, "data_address")
         members = self.m.members
         join_token = ""
@@ -85,6 +91,7 @@ class MasterServicer(pb_grpc.MasterServicer):
             session=session,
             join_token=join_token,
             url=url,
+            engine_namespace=engine_ns,
         )
         return pb.RegisterNodeResponse(
             heartbeat_interval_ms=self.m.settings.heartbeat_interval_ms,

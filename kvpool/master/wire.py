@@ -27,6 +27,16 @@ def endpoint(rec: NodeRecord) -> pb.NodeEndpoint:
         data_address=rec.data_address,
         epoch=rec.epoch,
         url=rec.url,
+        engine_namespace=(
+            pb.EngineNamespace(
+                model_id=rec.engine_namespace[0],
+                weights_version=rec.engine_namespace[1],
+                layout_fingerprint=rec.engine_namespace[2],
+                engine=rec.engine_namespace[3],
+            )
+            if rec.engine_namespace
+            else None
+        ),
     )
 
 
@@ -54,6 +64,23 @@ def engine_url(role: str, url: str) -> str:
     if url and not re.fullmatch(r"https?://[^/\s]+:\d{1,5}", url.rstrip("/")):
         raise InvalidArgument(f"url must be http(s)://host:port, got {url!r}")
     return url.rstrip("/")
+
+
+def engine_namespace(role: str, n: pb.NodeEndpoint) -> tuple[str, str, str, str]:
+    """A vLLM engine's namespace base (model, weights version, layout, engine), each field bounded; ()
+    when none was sent. Other roles send none (`InvalidArgument`)."""
+    if not n.HasField("engine_namespace"):
+        return ()
+    if not role.startswith("vllm"):
+        raise InvalidArgument(f"only vLLM engines register an engine_namespace, not role {role!r}")
+    e = n.engine_namespace
+    fields = (e.model_id, e.weights_version, e.layout_fingerprint, e.engine)
+    names = ("model_id", "weights_version", "layout_fingerprint", "engine")
+    for value, name in zip(fields, names, strict=True):
+        if not value:
+            raise InvalidArgument(f"engine_namespace.{name} must be non-empty")
+        short(value, f"engine_namespace.{name}")
+    return fields
 
 
 def short(value: str, what: str) -> str:

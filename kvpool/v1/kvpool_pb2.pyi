@@ -29,20 +29,34 @@ class BlockReplicas(_message.Message):
     def __init__(self, locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
 
 class NodeEndpoint(_message.Message):
-    __slots__ = ("node_id", "role", "grpc_address", "data_address", "epoch", "url")
+    __slots__ = ("node_id", "role", "grpc_address", "data_address", "epoch", "url", "engine_namespace")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     grpc_address: str
     data_address: str
     epoch: int
     url: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., data_address: _Optional[str] = ..., epoch: _Optional[int] = ..., url: _Optional[str] = ...) -> None: ...
+    engine_namespace: EngineNamespace
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., data_address: _Optional[str] = ..., epoch: _Optional[int] = ..., url: _Optional[str] = ..., engine_namespace: _Optional[_Union[EngineNamespace, _Mapping]] = ...) -> None: ...
+
+class EngineNamespace(_message.Message):
+    __slots__ = ("model_id", "weights_version", "layout_fingerprint", "engine")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    weights_version: str
+    layout_fingerprint: str
+    engine: str
+    def __init__(self, model_id: _Optional[str] = ..., weights_version: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., engine: _Optional[str] = ...) -> None: ...
 
 class NodeLoad(_message.Message):
     __slots__ = ("queue_len", "recompute_s_per_token", "recompute_s_per_token_ctx", "recompute_overhead_s", "link_alpha_s", "link_beta_bytes_per_s", "kv_usage")

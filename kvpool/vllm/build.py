@@ -125,6 +125,7 @@ def build_scheduler(
         pull_timeout_s=settings.pull_timeout_s,
         margin=settings.cost_margin,
     )
+    namespaces = Namespaces(model_id=model_id, weights_version=weights_version, layout=layout, engine=engine)
     agent = NodeAgent(
         master,
         node_id=node_id,
@@ -133,6 +134,7 @@ def build_scheduler(
         layout_fingerprint=layout.fingerprint(),
         on_flush_epoch=connector.note_flush_epoch,
         url=settings.url,
+        engine_namespace=namespaces.base,  # a router rebuilds this engine's namespaces from it
     )
     try:
         agent.start(require_master=False)
@@ -150,7 +152,6 @@ def build_scheduler(
         layout.fingerprint(),
         settings.master,
     )
-    namespaces = Namespaces(model_id=model_id, weights_version=weights_version, layout=layout, engine=engine)
     half = SchedulerHalf(
         connector=connector,
         agent=agent,

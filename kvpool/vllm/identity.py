@@ -17,6 +17,7 @@ import hashlib
 import threading
 from pathlib import Path
 
+from kvpool.client.types import EngineNamespace
 from kvpool.errors import FailedPrecondition, NotFound
 from kvpool.hashing import Namespace
 from kvpool.model.digest import weights_digest
@@ -104,14 +105,12 @@ class Namespaces:
 
     def namespace(self, *, cache_salt: str | None, lora_path: str | None) -> Namespace:
         """The namespace of a request. Raises `NotFound` for an adapter directory that is gone."""
-        return Namespace(
-            model_id=self.model_id,
-            weights_version=self.weights_version,
-            layout=self.layout,
-            cache_salt=cache_salt or "",
-            adapter_digest=self.adapter_digest(lora_path) if lora_path else "",
-            extra=(("engine", self.engine),),
-        )
+        return self.base.namespace(cache_salt or "", self.adapter_digest(lora_path) if lora_path else "")
+
+    @property
+    def base(self) -> EngineNamespace:
+        """What the engine registers with the master, so a router rebuilds the same namespaces."""
+        return EngineNamespace(self.model_id, self.weights_version, self.layout.fingerprint(), self.engine)
 
 
 def check_layout(mine: KVLayout, masters: str) -> None:
