@@ -22,7 +22,8 @@ from kvpool.errors import InvalidArgument
 
 TRACE_BLOCK_TOKENS = 512
 BUCKET_MS = 3000  # the conversation trace's timestamps are quantised into ~3 s buckets
-DEFAULT_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+SHARED_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+BUNDLED_TRACE = Path(__file__).resolve().parent.parent / "data" / "traces" / "conversation_small.jsonl"
 _WARMUP_KEY = 1 << 40  # a block key no trace hash id takes
 
 
@@ -38,6 +39,11 @@ class ReplayRequest:
     hash_ids: tuple[int, ...]  # the trace's hash ids, cut to the capped prompt's blocks
     num_prompt_tokens: int  # min(input_length, max_prompt_tokens)
     trace_input_length: int
+
+
+def default_trace() -> Path:
+    """The whole conversation trace when this machine has it, else the bundled excerpt."""
+    return SHARED_TRACE if SHARED_TRACE.exists() else BUNDLED_TRACE
 
 
 def load_trace(path: Path) -> list[dict[str, Any]]:

@@ -322,3 +322,35 @@ def routing_cmd(
         )  # fmt: skip
     except (InvalidArgument, OSError) as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
+@bench_app.command("vllm-replay")
+def vllm_replay_cmd(
+    trace: Path | None = typer.Option(None, "--trace", help="Mooncake-format JSONL (default: conversation)."),
+    max_requests: int = typer.Option(300, min=1, help="At most this many requests (whole sessions)."),
+    max_prompt_tokens: int = typer.Option(8192, min=1, help="Prompts are cut to this many tokens."),
+    max_tokens: int = typer.Option(16, min=1, help="Greedy tokens generated per request."),
+    speedup: float = typer.Option(20.0, min=0.001, help="Trace inter-arrival times are divided by this."),
+    seed: int = typer.Option(2026, help="Seed of the session subset and of the block tokens."),
+    kv_cache_gib: float = typer.Option(1.0, help="Each engine's KV cache and the pool's segment (GiB)."),
+    setups: str = typer.Option(
+        "two_engines_no_pool,two_engines_pool,one_engine", help="Setups to run, comma-separated."
+    ),
+    python: str = typer.Option("", help="Python of a venv with vllm (default: .venv-vllm/bin/python)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG: hit rate and TTFT per setup."),
+    log_dir: Path | None = typer.Option(None, help="Keep the engines' and the pool's logs here."),
+) -> None:
+    """Mooncake conversation trace on vLLM: 2 engines without and with kvpool vs 1 engine (hit rate, TTFT)."""
+    from kvpool.bench.vllm_replay import run_vllm_replay
+    from kvpool.errors import InvalidArgument
+
+    try:
+        run_vllm_replay(
+            trace=trace, max_requests=max_requests, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
+            speedup=speedup, seed=seed, kv_cache_gib=kv_cache_gib,
+            setups=tuple(s.strip() for s in setups.split(",") if s.strip()), python=python, json_out=json_out,
+            plot_out=plot, log_dir=log_dir,
+        )  # fmt: skip
+    except InvalidArgument as exc:
+        raise typer.BadParameter(str(exc)) from None
