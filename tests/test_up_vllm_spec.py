@@ -61,10 +61,21 @@ def test_vllm_roles_plan_api_servers_with_the_connector(tmp_path: Path) -> None:
     assert "kvpool " not in launches["vllm-decode1"].command("m:1")
 
 
+def test_a_router_over_vllm_engines_is_planned_after_them_without_a_model(tmp_path: Path) -> None:
+    launches = plan(_load(tmp_path, VLLM.replace("enabled = false", "enabled = true")), LAYOUT)  # type: ignore[arg-type]
+    assert [x.name for x in launches][-1] == "router"
+    args = launches[-1].args
+    assert args[args.index("--engines") + 1] == "vllm"
+    assert (
+        "--model" not in args and "--block-size" not in args
+    )  # the engines tokenize and name their namespace
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        (VLLM.replace("enabled = false", "enabled = true"), "router does not route to vLLM engines yet"),
+        (VLLM.replace("enabled = false", "enabled = true").replace('count = 2\n', 'count = 2\nengine = "kvpool"\n', 1)
+         .replace('[decode]\nengine = "vllm"\n', "[decode]\n"), "set prefill.engine and decode.engine alike"),
         (VLLM.replace('engine = "vllm"\npython', 'engine = "vllm"\nhosts = ["10.0.0.9"]\npython'),
          "needs a fixed port"),
         (VLLM.replace('engine = "vllm"\npython', 'engine = "sglang"\npython'), "prefill.engine"),

@@ -14,6 +14,10 @@ def register_router_command(app: typer.Typer) -> None:
         listen: str | None = typer.Option(None, help="Bind host (default 127.0.0.1)."),
         port: int | None = typer.Option(None, help="HTTP port (default 8000; 0: ephemeral)."),
         policy: str | None = typer.Option(None, help="cost (default) | affinity | least-load | round-robin."),
+        engines: str | None = typer.Option(
+            None,
+            help="kvpool (default: kvpool's prefill/decode nodes) | vllm (vLLM engines with the connector).",
+        ),
         model: str | None = typer.Option(None, help="Model directory (default: the embedded model)."),
         served_model_name: str | None = typer.Option(None, help="Model name in the API (default: model id)."),
         tenants: str | None = typer.Option(None, help="Tenants TOML: API keys -> tenant -> cache salt."),
@@ -33,7 +37,8 @@ def register_router_command(app: typer.Typer) -> None:
 
         try:
             settings = load_config(
-                RouterSettings, config, master=master, bind_host=listen, port=port, policy=policy, model=model,
+                RouterSettings, config, master=master, bind_host=listen, port=port, policy=policy, engines=engines,
+                model=model,
                 served_model_name=served_model_name, tenants=tenants, block_size=block_size, seed=seed,
                 max_inflight=max_inflight, max_prompt_tokens=max_prompt_tokens,
             )  # fmt: skip

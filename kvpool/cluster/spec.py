@@ -184,10 +184,10 @@ class ClusterSpec(_Section):
             raise ValueError("master.port must be fixed (not 0) when roles run on other hosts")
         if self.prefill.count < 1 or self.decode.count < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
-        if self.router.enabled and "vllm" in (self.prefill.engine, self.decode.engine):
+        if self.router.enabled and self.prefill.engine != self.decode.engine:
             raise ValueError(
-                "the router does not route to vLLM engines yet: set [router] enabled = false and send "
-                "requests to the engines' URLs"
+                "the router routes prefill and decode to one kind of engine: set prefill.engine and "
+                "decode.engine alike, or [router] enabled = false"
             )
         return self
 
@@ -346,10 +346,23 @@ def plan(spec: ClusterSpec, layout: str) -> list[Launch]:
     r = spec.router
     if r.enabled:
         tenants = ["--tenants", r.tenants] if r.tenants else []
-        out.append(Launch("router", "router", r.host, [
-            "router", "--master", "{master}", "--listen", r.host, "--port", str(r.port), "--policy", r.policy,
-            "--block-size", str(c.block_size), *model, *tenants,
-        ]))  # fmt: skip
+        engines = (  # vLLM engines tokenize and register their namespaces: no model or block size here
+            ["--engines", "vllm"]
+            if spec.prefill.engine == "vllm"
+            else ["--block-size", str(c.block_size), *model]
+        )
+        args = [
+            "router",
+            "--master",
+            "{master}",
+            "--listen",
+            r.host,
+            "--port",
+            str(r.port),
+            "--policy",
+            r.policy,
+        ]
+        out.append(Launch("router", "router", r.host, [*args, *engines, *tenants]))
     return out
 
 

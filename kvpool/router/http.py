@@ -40,6 +40,7 @@ from kvpool.router.schemas import (
     CommonBody,
     CompletionBody,
     first_invalid_text,
+    from_kvpool,
     text_content,
     unsupported_field,
 )
@@ -48,18 +49,6 @@ from kvpool.router.tenants import Tenants
 from kvpool.serving.common import prompt_token_limit
 
 log = logging.getLogger(__name__)
-
-
-def _from_kvpool(exc: errors.KVPoolError) -> APIError:
-    if isinstance(exc, errors.InvalidArgument):
-        return APIError(400, str(exc))
-    if isinstance(exc, errors.ResourceExhausted):
-        return APIError(429, str(exc), type_="rate_limit_exceeded", code="overloaded")
-    if isinstance(exc, errors.Unavailable | errors.TransferError):
-        return APIError(503, str(exc), type_="service_unavailable", code="unavailable")
-    if isinstance(exc, errors.DeadlineExceeded):
-        return APIError(504, str(exc), type_="timeout", code="timeout")
-    return APIError(500, str(exc), type_="server_error", code="internal_error")
 
 
 class _TextStream:
@@ -307,7 +296,7 @@ class OpenAIApp:
             yield "data: [DONE]\n\n"
             self.service.metrics.requests.labels(kind, "200").inc()
         except errors.KVPoolError as exc:
-            err = _from_kvpool(exc)
+            err = from_kvpool(exc)
             self.service.metrics.requests.labels(kind, str(err.status)).inc()
             yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type, 'code': err.code}})}\n\n"
         finally:
@@ -341,7 +330,7 @@ def build_app(service: RouterService, tenants: Tenants, *, model_name: str | Non
             except APIError as exc:
                 err = exc
             except errors.KVPoolError as exc:
-                err = _from_kvpool(exc)
+                err = from_kvpool(exc)
             except Exception:
                 log.exception("%s failed", kind)
                 err = APIError(500, "internal error", type_="server_error", code="internal_error")

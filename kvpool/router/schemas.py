@@ -7,6 +7,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
+from kvpool import errors
+
 
 class APIError(Exception):
     """An HTTP error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with `status`."""
@@ -19,6 +21,19 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status)
+
+
+def from_kvpool(exc: errors.KVPoolError) -> APIError:
+    """The HTTP answer to a kvpool error."""
+    if isinstance(exc, errors.InvalidArgument):
+        return APIError(400, str(exc))
+    if isinstance(exc, errors.ResourceExhausted):
+        return APIError(429, str(exc), type_="rate_limit_exceeded", code="overloaded")
+    if isinstance(exc, errors.Unavailable | errors.TransferError):
+        return APIError(503, str(exc), type_="service_unavailable", code="unavailable")
+    if isinstance(exc, errors.DeadlineExceeded):
+        return APIError(504, str(exc), type_="timeout", code="timeout")
+    return APIError(500, str(exc), type_="server_error", code="internal_error")
 
 
 class CommonBody(BaseModel):

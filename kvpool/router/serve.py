@@ -24,6 +24,12 @@ def build(settings: RouterSettings) -> tuple[object, object]:
 
     tenants = Tenants.load(settings.tenants) if settings.tenants else Tenants.open()
     master = MasterClient(settings.master)
+    if settings.engines == "vllm":
+        from kvpool.router.vllm_http import build_vllm_app
+        from kvpool.router.vllm_pd import VllmEngines
+
+        engines = VllmEngines(settings, master).start()
+        return build_vllm_app(engines, tenants), engines
     block_size = settings.block_size or master.stats().block_size
     model = ModelInfo.load(settings.model, block_size=block_size)
     _check_layout(master, model)
@@ -75,8 +81,16 @@ def serve(settings: RouterSettings) -> None:
         while not server.started and not server.should_exit:
             time.sleep(0.02)
         if server.started:
-            print_ready({"http_address": f"{host}:{port}", "role": "router", "policy": settings.policy,
-                         "model_id": service.model.model_id})  # type: ignore[attr-defined]  # fmt: skip
+            model = getattr(service, "model", None)
+            print_ready(
+                {
+                    "http_address": f"{host}:{port}",
+                    "role": "router",
+                    "policy": settings.policy,
+                    "engines": settings.engines,
+                    "model_id": model.model_id if model else "",
+                }
+            )
 
     threading.Thread(target=announce, name="router-ready", daemon=True).start()
     log.info("router (%s) for master %s on http://%s:%d", settings.policy, settings.master, host, port)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from kvpool.config import KVPoolSettings, check_host_port
@@ -19,6 +21,11 @@ class RouterSettings(KVPoolSettings):
 
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (0 = ephemeral)")
     policy: str = Field(default="cost", description="cost | affinity | least-load | round-robin")
+    engines: Literal["kvpool", "vllm"] = Field(
+        default="kvpool",
+        description="what serves: kvpool's prefill/decode nodes (gRPC), or vLLM engines with kvpool's connector "
+        "(OpenAI HTTP; prefill/decode through the pool, kvpool.router.vllm_pd)",
+    )
     model: str | None = Field(default=None, description="model directory; None = the embedded model")
     served_model_name: str | None = Field(default=None, description="API model name (default: model id)")
     tenants: str | None = Field(default=None, description="tenants TOML file; None = single tenant")

@@ -159,6 +159,7 @@ def build_scheduler(
         match_wait_s=settings.match_wait_s,
         load_async=settings.load_async,
         save_decode_blocks=settings.save_decode_blocks,
+        pd_wait_s=settings.pd_wait_s,
     )
     agent.load_fn = half.load  # heartbeats carry the engine's requests in flight and KV usage
     return half

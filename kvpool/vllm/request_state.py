@@ -35,6 +35,7 @@ class RequestState:
     num_preemptions: int = 0
     load_failed: bool = False
     num_intact_blocks: int = 0
+    wait_blocks: int = 0  # P/D decode: blocks its prefill engine published (waited for before matching)
 
 
 class ReportedLinks:

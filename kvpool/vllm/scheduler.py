@@ -32,6 +32,7 @@ from kvpool.errors import DeadlineExceeded, Unavailable
 from kvpool.hashing import Namespace, hash_blocks
 from kvpool.vllm.identity import Namespaces
 from kvpool.vllm.meta import KVPoolMetadata, KVPoolWorkerMetadata, LoadSpec, SaveSpec
+from kvpool.vllm.pd import prefill_blocks, wait_committed
 from kvpool.vllm.request_state import ReportedLinks, RequestState, request_report
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class SchedulerHalf:
         match_wait_s: float,
         load_async: bool = False,
         save_decode_blocks: bool = True,
+        pd_wait_s: float = 0.0,
         clock: Any = time.monotonic,
     ) -> None:
         self.connector = connector
@@ -57,6 +59,7 @@ class SchedulerHalf:
         self.namespaces = namespaces
         self.block_size = connector.block_size
         self.match_wait_s = match_wait_s
+        self.pd_wait_s = pd_wait_s  # a P/D decode request waits this much longer (kvpool.vllm.pd)
         self.load_async = load_async
         self.save_decode_blocks = save_decode_blocks
         self._clock = clock
@@ -88,7 +91,9 @@ class SchedulerHalf:
         if st.phase == "matching":
             assert st.future is not None
             if not st.future.done():
-                if self._clock() - st.asked_s < self.match_wait_s:
+                if self._clock() - st.asked_s < self.match_wait_s + (
+                    self.pd_wait_s if st.wait_blocks else 0.0
+                ):
                     return None, False
                 self.num_match_timeouts += 1
                 log.warning(
@@ -152,9 +157,17 @@ class SchedulerHalf:
         self._extend_hashes(st, tokens, max_blocks)
         st.num_preemptions = int(getattr(request, "num_preemptions", 0))
         count_hit = st.num_matches == 0  # a preempted request asks again: its hit was counted already
+        st.wait_blocks = min(prefill_blocks(request), max_blocks) if count_hit else 0
         st.num_matches += 1
         st.future = self._matcher.submit(
-            self._plan, st.ns, tokens, st.hashes[:max_blocks], num_computed_tokens, rid, count_hit
+            self._plan,
+            st.ns,
+            tokens,
+            st.hashes[:max_blocks],
+            num_computed_tokens,
+            rid,
+            count_hit,
+            st.wait_blocks,
         )
         st.asked_s = self._clock()
         st.phase = "matching"
@@ -174,8 +187,19 @@ class SchedulerHalf:
         num_local_tokens: int,
         rid: str,
         count_hit: bool,
+        wait_blocks: int = 0,
     ) -> LoadPlan:
         digest = self.agent.namespace(ns)  # registered once with the master (raises when it is down)
+        if wait_blocks:  # P/D decode: its prefill engine's last blocks may still be on their way
+            got = wait_committed(self.connector.master, digest, hashes[:wait_blocks], self.pd_wait_s)
+            if got < wait_blocks:
+                log.info(
+                    "[%s] %d of the prefill's %d blocks committed after %.1fs",
+                    rid,
+                    got,
+                    wait_blocks,
+                    self.pd_wait_s,
+                )
         return self.connector.plan_load(
             digest,
             tokens,

@@ -53,6 +53,13 @@ class ConnectorSettings(BaseModel):
         description="prefill FLOP/s of the start-up recompute model (0: measured at start)",
     )
     master_timeout_s: float = Field(default=2.0, gt=0, description="deadline of one master call")
+    pd_wait_s: float = Field(
+        default=2.0,
+        ge=0.0,
+        description="a decode request whose prefill engine published its prompt (kv_transfer_params "
+        "kvpool_prefill) waits at most this long for those blocks to be committed, then loads what is there "
+        "and computes the rest",
+    )
     role: Literal["both", "prefill", "decode"] = Field(
         default="both",
         description="what the engine does in a prefill/decode split: registered as vllm, vllm-prefill or "
