@@ -351,17 +351,7 @@ def plan(spec: ClusterSpec, layout: str) -> list[Launch]:
             if spec.prefill.engine == "vllm"
             else ["--block-size", str(c.block_size), *model]
         )
-        args = [
-            "router",
-            "--master",
-            "{master}",
-            "--listen",
-            r.host,
-            "--port",
-            str(r.port),
-            "--policy",
-            r.policy,
-        ]
+        args = f"router --master {{master}} --listen {r.host} --port {r.port} --policy {r.policy}".split()
         out.append(Launch("router", "router", r.host, [*args, *engines, *tenants]))
     return out
 
