@@ -36,10 +36,17 @@ def test_an_engine_registers_its_role_url_and_load_and_leaves(master: MasterServ
     load = {"queue_len": 3, "kv_usage": 0.25}
     with MasterClient(master.address) as mc:
         agents = [
-            NodeAgent(mc, node_id=f"e-{role}", role=role, grpc_address="", layout_fingerprint=DEFAULT_LAYOUT,
-                      url=f"http://127.0.0.1:{8100 + i}/", load_fn=lambda: load)
+            NodeAgent(
+                mc,
+                node_id=f"e-{role}",
+                role=role,
+                grpc_address="",
+                layout_fingerprint=DEFAULT_LAYOUT,
+                url=f"http://127.0.0.1:{8100 + i}/",
+                load_fn=lambda: load,
+            )
             for i, role in enumerate(("vllm-prefill", "vllm-decode", "vllm"))
-        ]  # fmt: skip
+        ]
         for a in agents:
             a.start()
         try:
@@ -80,8 +87,11 @@ def test_a_bad_engine_registration_is_invalid_argument(
 
 def test_kv_usage_outside_a_fraction_is_refused(master: MasterServer) -> None:
     with MasterClient(master.address) as mc:
-        mc.register_node(NodeInfo("e", "vllm", "", "", 1, "http://127.0.0.1:9"), protocol_version=PROTOCOL_VERSION,
-                         layout_fingerprint=DEFAULT_LAYOUT)  # fmt: skip
+        mc.register_node(
+            NodeInfo("e", "vllm", "", "", 1, "http://127.0.0.1:9"),
+            protocol_version=PROTOCOL_VERSION,
+            layout_fingerprint=DEFAULT_LAYOUT,
+        )
         for bad in (1.5, -0.1, float("nan")):
             with pytest.raises(InvalidArgument, match="kv_usage"):
                 mc.heartbeat("e", 1, load=NodeLoad(kv_usage=bad))
@@ -99,8 +109,11 @@ def test_an_engine_namespace_travels_and_rebuilds_the_connectors_keys(master: Ma
     layout = KVLayout.from_fingerprint(DEFAULT_LAYOUT)
     engine = Namespaces(model_id="m", weights_version="w1", layout=layout, engine="vllm-0.32.0-cpu-vec")
     with MasterClient(master.address) as mc:
-        mc.register_node(NodeInfo("e", "vllm-prefill", "", "", 1, "http://127.0.0.1:9", engine.base),
-                         protocol_version=PROTOCOL_VERSION, layout_fingerprint=DEFAULT_LAYOUT)  # fmt: skip
+        mc.register_node(
+            NodeInfo("e", "vllm-prefill", "", "", 1, "http://127.0.0.1:9", engine.base),
+            protocol_version=PROTOCOL_VERSION,
+            layout_fingerprint=DEFAULT_LAYOUT,
+        )
         got = {n.node.node_id: n.node.engine_namespace for n in mc.list_nodes()}["e"]
     assert got == engine.base
     assert isinstance(got, EngineNamespace)

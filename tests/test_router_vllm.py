@@ -44,10 +44,14 @@ class FakeEngine:
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.cut_stream_after: int | None = None
-        app = Starlette(routes=[Route("/tokenize", self._tokenize, methods=["POST"]),
-                                Route("/v1/completions", self._completions, methods=["POST"]),
-                                Route("/v1/chat/completions", self._completions, methods=["POST"]),
-                                Route("/v1/models", self._models)])  # fmt: skip
+        app = Starlette(
+            routes=[
+                Route("/tokenize", self._tokenize, methods=["POST"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._completions, methods=["POST"]),
+                Route("/v1/models", self._models),
+            ]
+        )
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -77,8 +81,12 @@ class FakeEngine:
         if body.get("max_tokens") == 1:
             return JSONResponse({"choices": [{"text": "p"}], "kv_transfer_params": {"kvpool": REPORT}})
         if not body.get("stream"):
-            return JSONResponse({"choices": [{"text": "decoded"}], "usage": {"prompt_tokens": 10,
-                                 "prompt_tokens_details": {"cached_tokens": 8}}})  # fmt: skip
+            return JSONResponse(
+                {
+                    "choices": [{"text": "decoded"}],
+                    "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 8}},
+                }
+            )
 
         async def chunks() -> AsyncIterator[str]:
             for i in range(5):
@@ -116,8 +124,11 @@ def cluster() -> Iterator[dict[str, Any]]:
 
 
 def _register(mc: MasterClient, node_id: str, role: str, url: str) -> None:
-    mc.register_node(NodeInfo(node_id, role, "", "", 1, url, ENGINE_NS), protocol_version=PROTOCOL_VERSION,
-                     layout_fingerprint=DEFAULT_LAYOUT)  # fmt: skip
+    mc.register_node(
+        NodeInfo(node_id, role, "", "", 1, url, ENGINE_NS),
+        protocol_version=PROTOCOL_VERSION,
+        layout_fingerprint=DEFAULT_LAYOUT,
+    )
 
 
 def _router(cluster: dict[str, Any], tenants: Tenants | None = None) -> TestClient:
@@ -131,8 +142,16 @@ def test_prefill_then_decode_with_the_prefills_report(cluster: dict[str, Any]) -
     cluster["register"]("p0", "vllm-prefill", e["p0"].url)
     cluster["register"]("d0", "vllm-decode", e["d0"].url)
     with _router(cluster) as client:
-        r = client.post("/v1/completions", json={"model": "m", "prompt": "hello " * 40, "max_tokens": 9,
-                                                 "stream": True, "cache_salt": "mine"})  # fmt: skip
+        r = client.post(
+            "/v1/completions",
+            json={
+                "model": "m",
+                "prompt": "hello " * 40,
+                "max_tokens": 9,
+                "stream": True,
+                "cache_salt": "mine",
+            },
+        )
         assert r.status_code == 200 and "data: [DONE]" in r.text
         assert client.get("/health").json() == {"status": "ok", "prefill": 1, "decode": 1}
         assert client.get("/v1/models").json()["data"][0]["id"] == "m"
@@ -153,8 +172,10 @@ def test_an_unreachable_prefill_engine_is_failed_over(cluster: dict[str, Any]) -
     cluster["register"]("d0", "vllm-decode", e["d0"].url)
     with _router(cluster) as client:
         for _ in range(3):
-            r = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 5,
-                            "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+            r = client.post(
+                "/v1/chat/completions",
+                json={"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+            )
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == "decoded"
     assert len(e["p0"].bodies) == 3 and all(b["max_completion_tokens"] == 1 for b in e["p0"].bodies)
@@ -167,14 +188,16 @@ def test_a_decode_engine_dying_mid_stream_ends_that_stream_with_one_error(cluste
     cluster["register"]("d1", "vllm-decode", e["d1"].url)
     e["d0"].cut_stream_after = 2  # d0 is chosen first (ties by id)
     with _router(cluster) as client:
-        r = client.post("/v1/completions", json={"model": "m", "prompt": "x" * 300, "max_tokens": 50,
-                                                 "stream": True})  # fmt: skip
+        r = client.post(
+            "/v1/completions", json={"model": "m", "prompt": "x" * 300, "max_tokens": 50, "stream": True}
+        )
         events = [line for line in r.text.splitlines() if line.startswith("data: ")]
         assert events[:2] == ['data: {"choices": [{"text": "0"}]}', 'data: {"choices": [{"text": "1"}]}']
         assert len(events) == 3 and "failed mid-stream" in json.loads(events[2][6:])["error"]["message"]
         for _ in range(2):  # later requests go to the other decode engine
-            ok = client.post("/v1/completions", json={"model": "m", "prompt": "y" * 300, "max_tokens": 50,
-                                                      "stream": True})  # fmt: skip
+            ok = client.post(
+                "/v1/completions", json={"model": "m", "prompt": "y" * 300, "max_tokens": 50, "stream": True}
+            )
             assert ok.text.rstrip().endswith("data: [DONE]")
     assert len(e["d0"].bodies) == 1 and len(e["d1"].bodies) == 2
 
@@ -200,8 +223,15 @@ def test_errors_are_clear_and_an_engines_refusal_passes_through(cluster: dict[st
 
 
 def test_bodies_and_reports() -> None:
-    body = {"model": "m", "prompt": "p", "max_tokens": 7, "stream": True, "stream_options": {"a": 1}, "n": 1,
-            "kv_transfer_params": {"evil": True}}  # fmt: skip
+    body = {
+        "model": "m",
+        "prompt": "p",
+        "max_tokens": 7,
+        "stream": True,
+        "stream_options": {"a": 1},
+        "n": 1,
+        "kv_transfer_params": {"evil": True},
+    }
     assert prefill_body(body, "completions") == {"model": "m", "prompt": "p", "max_tokens": 1, "n": 1}
     assert decode_body(body, None) == {k: v for k, v in body.items() if k != "kv_transfer_params"}
     assert decode_body(body, REPORT)["kv_transfer_params"] == {"kvpool_prefill": REPORT}
@@ -214,8 +244,14 @@ def test_bodies_and_reports() -> None:
             self.kv_transfer_params = params
 
     assert prefill_blocks(Req({"kvpool_prefill": {"num_saved_blocks": 4}})) == 4
-    for bad in (None, {}, {"kvpool_prefill": 3}, {"kvpool_prefill": {"num_saved_blocks": True}},
-                {"kvpool_prefill": {"num_saved_blocks": -2}}, {"kvpool_prefill": {"num_saved_blocks": "9"}}):  # fmt: skip
+    for bad in (
+        None,
+        {},
+        {"kvpool_prefill": 3},
+        {"kvpool_prefill": {"num_saved_blocks": True}},
+        {"kvpool_prefill": {"num_saved_blocks": -2}},
+        {"kvpool_prefill": {"num_saved_blocks": "9"}},
+    ):
         assert prefill_blocks(Req(bad)) == 0
 
 

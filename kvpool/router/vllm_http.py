@@ -156,8 +156,12 @@ class VllmProxy:
             body["cache_salt"] = salt
         if self._admitted >= self.engines.settings.max_inflight:
             self.engines.metrics.rejected.labels("overloaded").inc()
-            raise APIError(429, f"the router is serving {self._admitted} requests; retry later",
-                           type_="rate_limit_exceeded", code="overloaded")  # fmt: skip
+            raise APIError(
+                429,
+                f"the router is serving {self._admitted} requests; retry later",
+                type_="rate_limit_exceeded",
+                code="overloaded",
+            )
         self._admitted += 1
         self.engines.metrics.inflight.inc()
         handed_off = False
@@ -241,8 +245,11 @@ class VllmProxy:
         except httpx.TransportError as exc:
             self.engines.node_failed("decode", node)
             log.warning("decode on %s failed mid-stream: %s", node.node.node_id, exc)
-            err = {"message": f"decode engine {node.node.node_id} failed mid-stream: {exc}",
-                   "type": "service_unavailable", "code": "engine_failed"}  # fmt: skip
+            err = {
+                "message": f"decode engine {node.node.node_id} failed mid-stream: {exc}",
+                "type": "service_unavailable",
+                "code": "engine_failed",
+            }
             yield f"data: {json.dumps({'error': err})}\n\n".encode()
         finally:
             await resp.aclose()

@@ -65,8 +65,11 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Any:
     env["KVPOOL_FORCE_DECISION"] = "pull"  # exact hits: the tests check the pool's path, not the cost model
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvpool.cli.main", "up", "-c", str(spec), "--quiet", "--timeout-s", "500"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     lines: list[str] = []
     assert proc.stdout is not None
     out = proc.stdout
@@ -120,8 +123,11 @@ def test_engines_register_and_the_router_serves_them(up: dict[str, Any]) -> None
     master = re.search(r"master\s+(\S+)", up["text"]).group(1)  # type: ignore[union-attr]
     nodes = subprocess.run(
         [sys.executable, "-m", "kvpool.cli.main", "admin", "--master", master, "nodes", "--json"],
-        capture_output=True, text=True, timeout=60, env=os.environ | {"KVPOOL_JOIN_TOKEN_FILE": token_file},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ | {"KVPOOL_JOIN_TOKEN_FILE": token_file},
+    )
     assert nodes.returncode == 0, nodes.stderr
     listed = {n["node"]["node_id"]: n for n in json.loads(nodes.stdout)}
     for name, url in up["urls"].items():
@@ -160,8 +166,11 @@ def test_pd_through_the_router_equals_a_cold_engine(up: dict[str, Any]) -> None:
 def _children(up: dict[str, Any], needle: str) -> list[Any]:
     import psutil
 
-    return [c for c in psutil.Process(up["proc"].pid).children(recursive=True)
-            if any(needle in part for part in c.cmdline())]  # fmt: skip
+    return [
+        c
+        for c in psutil.Process(up["proc"].pid).children(recursive=True)
+        if any(needle in part for part in c.cmdline())
+    ]
 
 
 def test_a_failed_publish_on_prefill_makes_decode_recompute(up: dict[str, Any]) -> None:
@@ -170,8 +179,12 @@ def test_a_failed_publish_on_prefill_makes_decode_recompute(up: dict[str, Any]) 
     stores[0].kill()  # the pool's only store: the prefill's publish cannot land anywhere
     stores[0].wait(10)
     client = _client(up["router"])
-    body = {"model": _model(up["router"]), "prompt": "a prompt the pool never saw. " * 30, "max_tokens": 12,
-            "temperature": 0.0}  # fmt: skip
+    body = {
+        "model": _model(up["router"]),
+        "prompt": "a prompt the pool never saw. " * 30,
+        "max_tokens": 12,
+        "temperature": 0.0,
+    }
     cold = _cold(up, "completions", body)
     pd = client.completions.create(**body)
     assert pd.choices[0].text == cold["choices"][0]["text"]
@@ -188,8 +201,13 @@ def test_a_decode_engine_killed_mid_stream_fails_one_request_cleanly(up: dict[st
     import openai
 
     client = _client(up["router"])
-    body = {"model": _model(up["router"]), "prompt": "count with me: ", "max_tokens": 1800, "temperature": 0.0,
-            "extra_body": {"ignore_eos": True}}  # fmt: skip
+    body = {
+        "model": _model(up["router"]),
+        "prompt": "count with me: ",
+        "max_tokens": 1800,
+        "temperature": 0.0,
+        "extra_body": {"ignore_eos": True},
+    }
     stream = client.completions.create(**body, stream=True)
     chunks = iter(stream)
     next(chunks)  # the decode engine is streaming
