@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import socket
@@ -110,13 +111,17 @@ async def _complete(client: Any, url: str, body: dict[str, Any], request_id: str
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")
             raise RuntimeError(f"HTTP {resp.status_code}: {text[:300]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices"):
-                ttft = time.perf_counter() - t0
-            usage = chunk.get("usage") or usage
+        buf = b""
+        async for data in resp.aiter_bytes():  # split on b"\n" only: byte-soup text holds U+2028 & co
+            buf += data
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if ttft is None and chunk.get("choices"):
+                    ttft = time.perf_counter() - t0
+                usage = chunk.get("usage") or usage
     if ttft is None:
         raise RuntimeError("no token streamed")
     details = usage.get("prompt_tokens_details") or {}
@@ -303,6 +308,7 @@ def run_vllm_replay(
     if (os.cpu_count() or 1) < 2 and any(s != "one_engine" for s in setups):
         raise InvalidArgument("two engines need two cores (one each)")
     console = console or Console(width=None if sys.stdout.isatty() else 160)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     python = python or _vllm_python()
     trace = trace or default_trace()
     version = vllm_version(python)
