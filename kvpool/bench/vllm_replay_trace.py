@@ -142,7 +142,7 @@ class BlockTokens:
         tokens = self._cache.get(hash_id)
         if tokens is None:
             rng = np.random.default_rng([self.seed, hash_id])
-            tokens = [int(t) for t in rng.integers(0, 256, size=TRACE_BLOCK_TOKENS)]
+            tokens = rng.integers(0, 256, size=TRACE_BLOCK_TOKENS).tolist()
             self._cache[hash_id] = tokens
         return tokens
 
