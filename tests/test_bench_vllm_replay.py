@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench.vllm_replay import engine_command, parse_decisions
+from kvpool.bench.vllm_replay import engine_command, parse_decisions, split_events
 from kvpool.bench.vllm_replay_report import SETUPS, summarize
 from kvpool.bench.vllm_replay_trace import (
     TRACE_BLOCK_TOKENS,
@@ -131,3 +131,13 @@ def test_engine_command_and_decision_lines() -> None:
         12: {"decision": "pull", "reason": "cheaper (x)", "num_pool_blocks": 7, "num_local_blocks": 1,
              "num_load_blocks": 7},
     }  # fmt: skip
+
+
+def test_split_events_only_on_newlines() -> None:
+    text = "a\u2028b\x85c\rd"  # line breaks to str.splitlines, not to the event stream
+    a = b'data: {"choices": [{"text": ' + json.dumps(text, ensure_ascii=False).encode() + b"}]}\n\n"
+    b = b'data: {"choices": [], "usage": {"prompt_tokens": 3}}\n\ndata: [DONE]\n\n'
+    events, rest = split_events(a + b[:20])
+    assert events == [{"choices": [{"text": text}]}] and rest == b[:20]
+    events, rest = split_events(rest + b[20:])
+    assert events == [{"choices": [], "usage": {"prompt_tokens": 3}}] and rest == b""

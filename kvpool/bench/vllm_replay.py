@@ -101,6 +101,19 @@ def parse_decisions(log: str) -> dict[int, dict[str, Any]]:
     return out
 
 
+def split_events(buf: bytes) -> tuple[list[dict[str, Any]], bytes]:
+    """The complete `data: {json}` events of a server-sent event stream, and the unfinished rest. Splits on
+    b"\\n" only: the byte-soup text of the embedded model holds U+2028 and other line breaks that
+    `str.splitlines` (httpx's `aiter_lines`) would split on."""
+    *lines, rest = buf.split(b"\n")
+    events = [
+        json.loads(line[6:])
+        for line in lines
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]"
+    ]
+    return events, rest
+
+
 async def _complete(client: Any, url: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
     """Stream one completion: TTFT (first chunk with a token), end-to-end time, usage."""
     t0 = time.perf_counter()
@@ -112,13 +125,9 @@ async def _complete(client: Any, url: str, body: dict[str, Any], request_id: str
             text = (await resp.aread()).decode(errors="replace")
             raise RuntimeError(f"HTTP {resp.status_code}: {text[:300]}")
         buf = b""
-        async for data in resp.aiter_bytes():  # split on b"\n" only: byte-soup text holds U+2028 & co
-            buf += data
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+        async for data in resp.aiter_bytes():
+            chunks, buf = split_events(buf + data)
+            for chunk in chunks:
                 if ttft is None and chunk.get("choices"):
                     ttft = time.perf_counter() - t0
                 usage = chunk.get("usage") or usage
