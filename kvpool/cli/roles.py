@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from kvpool.cli.checks import device_option, load_trace_option
+
+ENGINES = ("kvpool", "vllm")
+
+
+def _vllm_demo(**kwargs: Any) -> dict[str, Any]:
+    """`run_vllm_demo`; a bad setting (no vLLM Python, a prompt too long) exits 2, a cluster that does not
+    start exits 1, each with one line (and `kvpool up`'s output)."""
+    from kvpool.demo.vllm_run import run_vllm_demo
+    from kvpool.errors import InvalidArgument, Unavailable
+
+    try:
+        return run_vllm_demo(**kwargs)
+    except InvalidArgument as exc:
+        typer.echo(f"kvpool demo: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except Unavailable as exc:
+        typer.echo(f"kvpool demo: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 def register_role_commands(app: typer.Typer) -> None:
@@ -22,17 +41,44 @@ def register_role_commands(app: typer.Typer) -> None:
         conversations: int = typer.Option(4, min=1, help="Chat conversations to replay."),
         questions: int = typer.Option(3, min=1, max=5, help="Questions per RAG document (1-5)."),
         max_tokens: int = typer.Option(8, min=1, help="Tokens to generate per request."),
-        device: str = typer.Option("cpu", help="torch device for the serving nodes.", callback=device_option),
+        device: str = typer.Option(
+            "cpu", help="torch device for the serving nodes (--engine kvpool).", callback=device_option
+        ),
         model: str | None = typer.Option(None, help="HF model directory (default: the embedded model)."),
+        engine: str = typer.Option(
+            "kvpool",
+            help="kvpool (kvpool's own nodes) or vllm (a vLLM prefill and decode engine, `kvpool up`).",
+        ),
+        python: str | None = typer.Option(
+            None,
+            help="--engine vllm: the Python that has vllm (default: .venv-vllm/bin/python, as kvpool up).",
+        ),
     ) -> None:
         """Start a local cluster of real processes and serve RAG + multi-turn chat through the pool."""
-        from kvpool.demo.run import run_demo
         from kvpool.demo.workload import default_chat_trace
 
+        if engine not in ENGINES:
+            raise typer.BadParameter(
+                f"must be {' or '.join(ENGINES)}, got {engine!r}", param_hint="'--engine'"
+            )
         chat_trace = load_trace_option(trace or default_chat_trace())  # before anything starts
-        summary = run_demo(
-            json_out=json_out, trace=chat_trace, trace_block_tokens=trace_block_tokens, num_conversations=conversations,
-            questions_per_doc=questions, max_tokens=max_tokens, device=device, model_dir=model,
-        )  # fmt: skip
+        if engine == "vllm":
+            summary = _vllm_demo(
+                json_out=json_out,
+                trace=chat_trace,
+                trace_block_tokens=trace_block_tokens,
+                num_conversations=conversations,
+                questions_per_doc=questions,
+                max_tokens=max_tokens,
+                python=python,
+                model_dir=model,
+            )
+        else:
+            from kvpool.demo.run import run_demo
+
+            summary = run_demo(
+                json_out=json_out, trace=chat_trace, trace_block_tokens=trace_block_tokens, num_conversations=conversations,
+                questions_per_doc=questions, max_tokens=max_tokens, device=device, model_dir=model,
+            )  # fmt: skip
         if not summary["greedy_equal"]:
             raise typer.Exit(1)
