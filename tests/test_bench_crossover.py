@@ -134,8 +134,8 @@ def test_forced_decision_env(monkeypatch: pytest.MonkeyPatch) -> None:
                        recompute=RecomputeModel(overhead_s=0.001, per_token_s=1e-4, per_pair_s=0.0),
                        local_tier=LocalTier(640))  # fmt: skip
     ns, hashes = b"n" * 16, [bytes([i]) * 16 for i in range(4)]
-    for h in hashes[:3]:
-        conn.local_tier.put(ns, h, np.full(64, h[0], dtype=np.uint8))
+    for parent, h in zip([None, *hashes[:2]], hashes[:3], strict=True):
+        conn.local_tier.put(ns, h, np.full(64, h[0], dtype=np.uint8), parent=parent)
     auto = conn.load_prefix(ns, list(range(17)), hashes, count_hit=True)
     assert auto.stats.num_reused_tokens == 12 and auto.stats.decision == "local"
     monkeypatch.setenv(FORCE_DECISION_ENV, "recompute")

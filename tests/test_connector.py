@@ -110,8 +110,8 @@ def test_local_tier_serves_leading_run_without_the_pool() -> None:
     master = DownMaster()
     conn = make(master, breaker=PoolBreaker(max_failures=1, probe_interval_s=60), tier_bytes=10 * NBYTES)
     hashes = [bytes([i]) * 16 for i in range(4)]
-    for h in hashes[:3]:
-        conn.local_tier.put(NS, h, np.full(NBYTES, h[0], dtype=np.uint8))
+    for parent, h in zip([None, *hashes[:2]], hashes[:3], strict=True):
+        conn.local_tier.put(NS, h, np.full(NBYTES, h[0], dtype=np.uint8), parent=parent)
     conn.load_prefix(NS, list(range(17)), hashes, count_hit=True)  # trips the breaker
     calls = master.calls
     out = conn.load_prefix(NS, list(range(17)), hashes, count_hit=True)
@@ -123,10 +123,10 @@ def test_local_tier_serves_leading_run_without_the_pool() -> None:
 def test_local_tier_is_namespaced_and_bounded() -> None:
     tier = LocalTier(2 * NBYTES)
     a, b = b"a" * 16, b"b" * 16
-    tier.put(NS, a, np.zeros(NBYTES, dtype=np.uint8))
+    tier.put(NS, a, np.zeros(NBYTES, dtype=np.uint8), parent=None)
     assert tier.get(b"x" * 16, a) is None  # another namespace (tenant, version) never sees it
-    tier.put(NS, b, np.zeros(NBYTES, dtype=np.uint8))
-    tier.put(NS, b"c" * 16, np.zeros(NBYTES, dtype=np.uint8))
+    tier.put(NS, b, np.zeros(NBYTES, dtype=np.uint8), parent=None)
+    tier.put(NS, b"c" * 16, np.zeros(NBYTES, dtype=np.uint8), parent=None)
     assert tier.used_bytes == 2 * NBYTES and tier.get(NS, a) is None
     block = tier.get(NS, b)
     assert block is not None and not block.flags.writeable
@@ -211,9 +211,9 @@ def test_local_copies_are_reported_only_once_the_master_holds_the_blocks() -> No
 def test_local_tier_events_keep_each_blocks_last_state() -> None:
     tier = LocalTier(2 * NBYTES)
     a, b, c = (bytes([i]) * 16 for i in range(3))
-    tier.put(NS, a, np.zeros(NBYTES, np.uint8))
-    tier.put(NS, b, np.zeros(NBYTES, np.uint8), report=False)
-    tier.put(NS, c, np.zeros(NBYTES, np.uint8))  # evicts a: stored then removed -> only removed
+    tier.put(NS, a, np.zeros(NBYTES, np.uint8), parent=None)
+    tier.put(NS, b, np.zeros(NBYTES, np.uint8), parent=None, report=False)
+    tier.put(NS, c, np.zeros(NBYTES, np.uint8), parent=None)  # evicts a: stored then removed -> only removed
     tier.report_stored(NS, [a, b])  # a is gone: not reported as held
     [(ns, stored, removed)] = tier.drain_events()
     assert ns == NS and sorted(stored) == sorted([b, c]) and removed == [a]
@@ -242,7 +242,7 @@ def test_kv_is_published_under_the_flush_epoch_its_load_began_with() -> None:
     conn.pool = Pool()
     h = [bytes([9, i]) * 8 for i in range(2)]
     conn.note_flush_epoch(3)
-    conn.local_tier.put(NS, h[0], np.zeros(NBYTES, np.uint8))
+    conn.local_tier.put(NS, h[0], np.zeros(NBYTES, np.uint8), parent=None)
     loaded = conn.load_prefix(NS, list(range(3 * BLOCK)), h, count_hit=True, use_cache=False)
     assert loaded.flush_epoch == 3
     conn.note_flush_epoch(3)

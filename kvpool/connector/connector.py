@@ -35,7 +35,15 @@ from kvpool.connector.plan import LoadedPrefix, LoadPlan, LoadStats
 from kvpool.connector.pull import pull_blocks
 from kvpool.cost import LOCAL_LINK, LinkEstimate, RecomputeModel, decide_reuse, t_transfer_s
 from kvpool.cost.online import OnlineCalibration
-from kvpool.errors import DeadlineExceeded, TransferError, Unavailable
+from kvpool.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    LeaseExpired,
+    StaleGeneration,
+    TransferError,
+    Unavailable,
+    VersionFenced,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +54,14 @@ FORCE_DECISION_ENV = "KVPOOL_FORCE_DECISION"
 """Benchmarks only: `pull` (load every hit block) | `recompute` (load none) | `auto` (default, the cost
 model). Forced loads still report the cost model's predictions: `predicted_pull_s` is then the predicted
 load of every hit block, and `reason` says what `auto` would have done."""
+
+
+def _refuses_the_kv(exc: FailedPrecondition) -> bool:
+    """A publish refused for its KV itself (a fenced namespace: not of its model's active version, or
+    one invalidated since the load), not for a lapse of the write (an expired lease, a stale slot)."""
+    if isinstance(exc, VersionFenced):
+        return True
+    return not isinstance(exc, (LeaseExpired, StaleGeneration)) and "invalidated" in str(exc)
 
 
 def forced_decision() -> str:
@@ -161,6 +177,7 @@ class KVConnector:
                 pulled = self.pull(plan, start=start, request_id=request_id)
                 out.blocks.extend(pulled)
                 out.pulled = list(zip(plan.hashes[start:], pulled, strict=False))
+                out.pulled_parent = plan.hashes[start - 1] if start > 0 else None
         finally:
             self.release(plan, request_id=request_id)
         plan.stats.num_reused_tokens = len(out.blocks) * self.block_size
@@ -330,9 +347,13 @@ class KVConnector:
 
     def keep_pulled(self, ns: bytes, loaded: LoadedPrefix) -> None:
         """Copy a load's pulled blocks into the node-local tier (called once the first token is out, so
-        the copy stays off the TTFT path); clears `loaded.pulled`."""
+        the copy stays off the TTFT path); clears `loaded.pulled`. A chain whose parent left the tier
+        meanwhile is not kept (the tier holds whole chains only)."""
+        parent = loaded.pulled_parent
         for h, block in loaded.pulled:
-            self.local_tier.put(ns, h, block)
+            if not self.local_tier.put(ns, h, block, parent=parent):
+                break
+            parent = h
         loaded.pulled = []
 
     def publish(
@@ -352,12 +373,21 @@ class KVConnector:
 
         Returns (num committed, num already present). Raises a `KVPoolError` on failure (the caller
         reports `publish_failed`); a partial failure aborts the reservation, so nothing half-visible.
+        KV the master refuses as such (a namespace fenced by a version switch, or invalidated since the
+        load) leaves the node-local tier too: the tier never serves what the pool would not.
         """
         mine = list(hashes[start_block : start_block + len(blocks)])
-        for h, block in zip(mine, blocks, strict=True):
-            self.local_tier.put(ns, h, block, report=False)  # reported once the master holds the block
+        parent = hashes[start_block - 1] if start_block > 0 else None
+        for h, block in zip(mine, blocks, strict=True):  # reported once the master holds the block
+            if not self.local_tier.put(ns, h, block, parent=parent, report=False):
+                break
+            parent = h
         try:
             result = self._put(ns, hashes, start_block, mine, blocks, recompute_cost_s, flush_epoch)
+        except FailedPrecondition as exc:
+            if _refuses_the_kv(exc):
+                self.local_tier.discard(ns, mine)
+            raise
         finally:
             self.local_tier.report_stored(ns, mine)
         if result is None:

@@ -89,6 +89,8 @@ class LoadedPrefix:
     stats: LoadStats = field(default_factory=LoadStats)
     pulled: list[tuple[bytes, np.ndarray]] = field(default_factory=list)
     """(block hash, bytes) of the pulled blocks, for `KVConnector.keep_pulled` off the TTFT path."""
+    pulled_parent: bytes | None = None
+    """The chain parent of the first pulled block (None: the namespace root)."""
     flush_epoch: int | None = None
     """The master's flush epoch as this node knew it when the load began: KV computed from this load is
     published under it (`KVConnector.publish`), so a namespace invalidated since refuses it."""
