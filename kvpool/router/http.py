@@ -3,7 +3,8 @@
 - `POST /v1/completions`, `POST /v1/chat/completions`: non-streaming JSON, or SSE (`stream: true`,
   `data: {chunk}` lines then `data: [DONE]`; with `stream_options.include_usage` a last chunk carries the
   usage). `usage.prompt_tokens_details.cached_tokens` = tokens reused from cache by the prefill node.
-- `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus).
+- `GET /v1/models`, `GET /v1/models/{model}` (by served name or model id; 404 otherwise), `GET /health`,
+  `GET /metrics` (Prometheus).
 - Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad input (an
   oversized prompt states the limit), 401 unknown API key (when a tenants file is configured), 404
   unknown model, 429 overload (too many requests in flight, or a node's queue full), 503 no live
@@ -11,7 +12,24 @@
 - The API key (`Authorization: Bearer …`) selects the tenant and so the cache salt; a `cache_salt` in
   the body only sub-partitions the caller's own tenant (field case B09).
 
-Not supported (answered 400): `n > 1`, `logprobs`, `echo`, `best_of`, `suffix`, tools.
+Input is refused, never silently reinterpreted (field case B32): the body is checked against an
+allow-list (`schemas.refuse_unsupported`), so a field not listed here, known or new, is a 400 in OpenAI's
+shape whose `param` names it ("X is not supported").
+- Implemented (both endpoints): `model`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stream`,
+  `stream_options` (`include_usage`; `include_obfuscation` accepted, no effect), `stop`, `cache_salt`,
+  `return_token_ids` (vLLM's); `prompt` (completions); `messages` (role and content: a string or text
+  parts) and `max_completion_tokens` (chat).
+- Accepted without effect on the answer: `user`, `metadata`, `service_tier`, `prompt_cache_key`,
+  `safety_identifier`.
+- Accepted only at their "off" value (`schemas.NEUTRAL`, what clients send by default), refused at any
+  other: `n` 1, `logprobs` false, `top_logprobs` 0, `presence_penalty`/`frequency_penalty` 0,
+  `repetition_penalty` 1, `logit_bias` {}, `min_p` 0, `min_tokens` 0, `ignore_eos` false, `response_format`
+  text, `store` false, `echo` false, `best_of` 1, `suffix` "", `tools`/`functions` [], `tool_choice`/
+  `function_call` "none", `parallel_tool_calls`, `modalities` ["text"], `audio`/`prediction` null (null
+  is "off" for each). In a message: `refusal`, `function_call`, `audio`, `reasoning_content` null,
+  `tool_calls`/`annotations` empty (an answer echoed back).
+- Refused, e.g.: `prompt_embeds`, `guided_*`, `structured_outputs`, `lora_request`, a message's `name` or
+  `tool_call_id`, and image, audio, file or video content parts (`param` `messages.I.content.J`).
 """
 
 from __future__ import annotations
@@ -41,8 +59,8 @@ from kvpool.router.schemas import (
     CompletionBody,
     first_invalid_text,
     from_kvpool,
+    refuse_unsupported,
     text_content,
-    unsupported_field,
 )
 from kvpool.router.service import Event, RouterService, Sampling
 from kvpool.router.tenants import Tenants
@@ -120,23 +138,20 @@ class OpenAIApp:
             raise APIError(400, "the request body must be a JSON object")
         if (where := first_invalid_text(raw)) is not None:
             raise APIError(400, f"{where}: not valid Unicode text (a lone surrogate code point)", param=where)
+        raw = refuse_unsupported(raw, cls)
         try:
             body = cls.model_validate(raw)
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(x) for x in first["loc"]) or None
             raise APIError(400, f"{param}: {first['msg']}", param=param) from None
-        if body.model != self.model_name and body.model != self.service.model.model_id:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")  # fmt: skip
-        if body.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
-        if body.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-        if (name := unsupported_field(body)) is not None:
-            raise APIError(400, f"{name} is not supported (sampling here: temperature, top_p, top_k, seed, "
-                           "stop, max_tokens)", param=name)  # fmt: skip
+        self._check_model(body.model)
         return body
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name and name != self.service.model.model_id:
+            msg = f"the model {name!r} does not exist; this server serves {self.model_name!r}"
+            raise APIError(404, msg, param="model", code="model_not_found")
 
     def _check_prompt(self, tokens: list[int], max_tokens: int) -> None:
         s, m = self.service.settings, self.service.model
@@ -167,8 +182,6 @@ class OpenAIApp:
     # ---- endpoints --------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         body: CompletionBody = await self._body(request, CompletionBody)
-        if body.echo or body.best_of not in (None, 1) or body.suffix:
-            raise APIError(400, "echo, best_of and suffix are not supported")
         salt = self._tenant_salt(request, body.cache_salt)
         prompt: Any = body.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
@@ -187,10 +200,8 @@ class OpenAIApp:
 
     async def chat(self, request: Request) -> Response:
         body: ChatBody = await self._body(request, ChatBody)
-        if body.tools:
-            raise APIError(400, "tools are not supported", param="tools")
         salt = self._tenant_salt(request, body.cache_salt)
-        messages = [{"role": m.role, "content": text_content(m, i)} for i, m in enumerate(body.messages)]
+        messages = [{"role": m.role, "content": text_content(m)} for m in body.messages]
         tokens = await run_in_threadpool(self.service.model.chat_prompt_ids, messages)
         max_tokens = body.max_completion_tokens or body.max_tokens or self._default(256)
         return await self._serve(request, "chat", body, tokens, salt, max_tokens)
@@ -303,10 +314,18 @@ class OpenAIApp:
             gen.close()
             release()
 
+    def _model_object(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvpool"}
+
     async def models(self, request: Request) -> Response:
         self._tenant_salt(request, "")
-        m = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvpool"}
-        return JSONResponse({"object": "list", "data": [m]})
+        return JSONResponse({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{model}`: the served model by its served name or its model id, else 404."""
+        self._tenant_salt(request, "")
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_object())
 
     async def health(self, request: Request) -> Response:
         try:
@@ -348,6 +367,7 @@ def build_app(service: RouterService, tenants: Tenants, *, model_name: str | Non
         Route("/v1/completions", wrap(api.completions, "completions"), methods=["POST"]),
         Route("/v1/chat/completions", wrap(api.chat, "chat"), methods=["POST"]),
         Route("/v1/models", wrap(api.models, "models"), methods=["GET"]),
+        Route("/v1/models/{model:path}", wrap(api.model, "models"), methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]

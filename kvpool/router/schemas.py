@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,7 +38,10 @@ def from_kvpool(exc: errors.KVPoolError) -> APIError:
 
 
 class CommonBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """The fields both endpoints implement. `refuse_unsupported` runs first and drops neutral fields, so
+    any other field reaching here is a bug: refused too (`extra="forbid"`), never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -48,40 +52,122 @@ class CommonBody(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1)
-    logprobs: Any = None
     cache_salt: str = ""
-    user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: each choice also carries its generated `token_ids`
-    # Sampling controls the nodes do not implement: refused when set to anything but their neutral value
-    # (`UNSUPPORTED`), never silently ignored.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
-    min_p: float = 0.0
-    min_tokens: int = 0
-    response_format: dict[str, Any] | None = None
-    ignore_eos: bool = False  # vLLM's extensions: min_p, min_tokens, ignore_eos, repetition_penalty
+    # Accepted and without effect on the answer (bookkeeping in OpenAI's API).
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
-UNSUPPORTED: dict[str, Any] = {
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None,
-    "min_p": 0.0, "min_tokens": 0, "ignore_eos": False,
-}  # fmt: skip
-"""Fields of `CommonBody` accepted only at these values (OpenAI's and vLLM's "off"); `response_format`
-is accepted only as `{"type": "text"}`."""
+HARMLESS = ("user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier")
+"""Accepted fields that change nothing in the answer (OpenAI's bookkeeping and routing hints)."""
+
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "min_p": (None, 0),
+    "min_tokens": (None, 0),
+    "ignore_eos": (None, False),
+    "response_format": (None, {"type": "text"}),
+    "store": (None, False),
+    # completions only
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    # chat only
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+}
+"""Fields the nodes do not implement, accepted only at these values (OpenAI's and vLLM's "off", which
+clients send by default) and then dropped; any other value is a 400 naming the field."""
+
+NEUTRAL_IN_MESSAGE: dict[str, tuple[Any, ...]] = {
+    "refusal": (None,),
+    "tool_calls": (None, []),
+    "function_call": (None,),
+    "audio": (None,),
+    "annotations": (None, []),
+    "reasoning_content": (None,),
+}
+"""Keys of a chat message accepted only at these values (what a client echoes back from an answer)."""
 
 
-def unsupported_field(body: CommonBody) -> str | None:
-    """The first sampling control `body` sets that the nodes do not implement, or None."""
-    for name, neutral in UNSUPPORTED.items():
-        value = getattr(body, name)
-        if value != neutral and not (name == "logit_bias" and value == {}):
-            return name
-    if body.response_format not in (None, {"type": "text"}):
-        return "response_format"
-    return None
+def _neutral(value: Any, neutrals: tuple[Any, ...]) -> bool:
+    """`value` equals one of `neutrals`, a bool only a bool (`0` is not `false`, `1` is not `true`)."""
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutrals)
+
+
+def _refused(where: str, shown: str, cls: type[CommonBody]) -> APIError:
+    known = ", ".join(k for k in cls.model_fields if k not in HARMLESS)
+    return APIError(400, f"{shown} is not supported (this router implements {known})", param=where)
+
+
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
+"""Keys of `stream_options` accepted (`include_obfuscation` changes nothing here: no obfuscation)."""
+
+
+def refuse_unsupported(raw: dict[str, Any], cls: type[CommonBody]) -> dict[str, Any]:
+    """`raw` without its neutral fields, or an `APIError` (400, `param` = the field) for the first field
+    the router does not implement: an allow-list (the fields of `cls`, then `NEUTRAL`), so a field nobody
+    listed (`prompt_embeds`, `guided_json`, `lora_request`, …) is refused, never served as if absent.
+    Chat messages: `role`, `content` (a string or text parts) and `NEUTRAL_IN_MESSAGE`; an image, audio,
+    file or video part is refused naming its place and type (field case B32)."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in cls.model_fields:
+            out[key] = value
+        elif key not in NEUTRAL or not _neutral(value, NEUTRAL[key]):
+            raise _refused(key, key if key not in NEUTRAL else f"{key}={json.dumps(value)[:40]}", cls)
+    options = out.get("stream_options")
+    if isinstance(options, dict) and (bad := next((k for k in options if k not in STREAM_OPTIONS), None)):
+        raise _refused(f"stream_options.{bad}", f"stream_options.{bad}", cls)
+    messages = out.get("messages")
+    if isinstance(messages, list):
+        out["messages"] = [_message(m, i) for i, m in enumerate(messages)]
+    return out
+
+
+def _message(msg: Any, i: int) -> Any:
+    if not isinstance(msg, dict):
+        return msg  # pydantic names the error
+    out = {}
+    for key, value in msg.items():
+        if key in ("role", "content"):
+            out[key] = value
+        elif key not in NEUTRAL_IN_MESSAGE or not _neutral(value, NEUTRAL_IN_MESSAGE[key]):
+            where = f"messages.{i}.{key}"
+            raise APIError(
+                400, f"{where} is not supported (a message here is its role and content)", param=where
+            )
+    content = out.get("content")
+    for j, part in enumerate(content if isinstance(content, list) else []):
+        if not isinstance(part, dict):
+            continue  # pydantic names the error
+        where = f"messages.{i}.content.{j}"
+        if part.get("type") != "text":
+            text = f"{where}: content parts of type {json.dumps(part.get('type'))[:40]} are not supported (only text)"
+            raise APIError(400, text, param=where)
+        if extra := next((k for k in part if k not in ("type", "text")), None):
+            raise APIError(
+                400,
+                f"{where}.{extra} is not supported (a text part is type and text)",
+                param=f"{where}.{extra}",
+            )
+    return out
 
 
 def first_invalid_text(value: Any, path: str = "") -> str | None:
@@ -107,13 +193,10 @@ def first_invalid_text(value: Any, path: str = "") -> str | None:
 
 class CompletionBody(CommonBody):
     prompt: str | list[str] | list[int]
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -122,18 +205,12 @@ class ChatMessage(BaseModel):
 class ChatBody(CommonBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[Any] | None = None
 
 
-def text_content(msg: ChatMessage, i: int) -> str:
+def text_content(msg: ChatMessage) -> str:
+    """The message's text (`refuse_unsupported` has refused every part that is not text)."""
     if msg.content is None:
         return ""
     if isinstance(msg.content, str):
         return msg.content
-    parts = []
-    for part in msg.content:
-        if part.get("type") != "text":
-            raise APIError(400, f"messages[{i}]: only text content parts are supported",
-                           param=f"messages[{i}].content")  # fmt: skip
-        parts.append(str(part.get("text", "")))
-    return "".join(parts)
+    return "".join(str(part.get("text", "")) for part in msg.content)
