@@ -285,6 +285,8 @@ class IndexMachine(RuleBasedStateMachine):
                 info = self.index.lookup(ns, h)
                 assert info is not None and info.parent == b.parent and set(info.locations) == b.locations
                 assert info.hit_count == b.hits and info.lock_ref == b.lock
+                # chains whole (issue #26): a resident block's parent is resident, whatever the ties
+                assert b.parent is None or self.index.lookup(ns, b.parent) is not None
 
 
 IndexMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

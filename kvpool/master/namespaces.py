@@ -3,7 +3,8 @@
 A namespace is *active* when its weights version is its model's active version. Matches under an
 inactive namespace find nothing; reserves and commits under one are refused with `VersionFenced`.
 Invalidating a namespace flushes it (its blocks become unreachable at once); an active one starts again
-empty, and `flush_epoch` counts the flushes so serving nodes drop their local tiers too.
+empty, and `flush_epoch` counts the flushes (and the version switches that fence namespaces) so serving
+nodes drop their local tiers too.
 
 Bounded (issue 24; settings in `MasterSettings`): at most `max_namespaces` records, `max_namespaces_per_tenant`
 per tenant (the cache salt's part before the first "/", `kvpool.tenants.tenant_salt`) and `max_models`
@@ -150,7 +151,8 @@ class NamespaceRegistry:
         return None if record is None else record.tenant
 
     def set_version(self, model_id: str, weights_version: str) -> tuple[str, list[bytes], list[bytes]]:
-        """Activate `weights_version` of `model_id`.
+        """Activate `weights_version` of `model_id`; when that makes namespaces inactive it counts a
+        flush (`flush_epoch`), as `invalidate` does.
 
         Returns (previous version, digests made inactive, digests made active).
         """
@@ -164,7 +166,10 @@ class NamespaceRegistry:
         self._explicit.add(model_id)
         self._idle_models.pop(model_id, None)
         now_active = {d for d in mine if self.is_active(d)}
-        return previous, sorted(was_active - now_active), sorted(now_active - was_active)
+        off = sorted(was_active - now_active)
+        if off:  # unreachable now: serving nodes drop their local tiers too (issue 26)
+            self.flush_epoch += 1
+        return previous, off, sorted(now_active - was_active)
 
     def invalidate(self, digest: bytes) -> None:
         """Count a flush of one namespace (the caller drops its blocks); `NotFound` if unknown."""
