@@ -120,7 +120,7 @@ def _cold(up: dict[str, Any], path: str, body: dict[str, Any]) -> dict[str, Any]
 def test_engines_register_and_the_router_serves_them(up: dict[str, Any]) -> None:
     assert set(up["urls"]) == {"vllm-prefill0", "vllm-decode0", "vllm-decode1"}, up["text"]
     token_file = re.search(r"KVPOOL_JOIN_TOKEN_FILE=(\S+)", up["text"]).group(1)  # type: ignore[union-attr]
-    master = re.search(r"master\s+(\S+)", up["text"]).group(1)  # type: ignore[union-attr]
+    master = re.search(r"^\s+master\s+(\S+)", up["text"], re.M).group(1)  # type: ignore[union-attr]
     nodes = subprocess.run(
         [sys.executable, "-m", "kvpool.cli.main", "admin", "--master", master, "nodes", "--json"],
         capture_output=True,
