@@ -152,8 +152,7 @@ def test_discard_drops_the_blocks_below() -> None:
     tier, ns = LocalTier(16 * NBYTES), NAMESPACES[0]
     for path in ((0, 0, 0), (0, 1)):
         hashes = chain(ns, path)
-        for h, p in zip(hashes, [None, *hashes[:-1]], strict=True):
-            assert tier.put(ns, h, payload(h), parent=p)
+        assert tier.put_chain(ns, None, hashes, [payload(h) for h in hashes]) == len(hashes)
     assert tier.discard(ns, [block_hash(ns, (0, 0))]) == 2
     assert len(tier) == 2 and tier.leading_run(ns, chain(ns, (0, 1))) == 2
 

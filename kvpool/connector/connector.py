@@ -35,15 +35,7 @@ from kvpool.connector.plan import LoadedPrefix, LoadPlan, LoadStats
 from kvpool.connector.pull import pull_blocks
 from kvpool.cost import LOCAL_LINK, LinkEstimate, RecomputeModel, decide_reuse, t_transfer_s
 from kvpool.cost.online import OnlineCalibration
-from kvpool.errors import (
-    DeadlineExceeded,
-    FailedPrecondition,
-    LeaseExpired,
-    StaleGeneration,
-    TransferError,
-    Unavailable,
-    VersionFenced,
-)
+from kvpool.errors import DeadlineExceeded, FailedPrecondition, TransferError, Unavailable, VersionFenced
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +51,7 @@ load of every hit block, and `reason` says what `auto` would have done."""
 def _refuses_the_kv(exc: FailedPrecondition) -> bool:
     """A publish refused for its KV itself (a fenced namespace: not of its model's active version, or
     one invalidated since the load), not for a lapse of the write (an expired lease, a stale slot)."""
-    if isinstance(exc, VersionFenced):
-        return True
-    return not isinstance(exc, (LeaseExpired, StaleGeneration)) and "invalidated" in str(exc)
+    return isinstance(exc, VersionFenced) or "invalidated" in str(exc)
 
 
 def forced_decision() -> str:
@@ -349,11 +339,8 @@ class KVConnector:
         """Copy a load's pulled blocks into the node-local tier (called once the first token is out, so
         the copy stays off the TTFT path); clears `loaded.pulled`. A chain whose parent left the tier
         meanwhile is not kept (the tier holds whole chains only)."""
-        parent = loaded.pulled_parent
-        for h, block in loaded.pulled:
-            if not self.local_tier.put(ns, h, block, parent=parent):
-                break
-            parent = h
+        hashes, blocks = [h for h, _ in loaded.pulled], [b for _, b in loaded.pulled]
+        self.local_tier.put_chain(ns, loaded.pulled_parent, hashes, blocks)
         loaded.pulled = []
 
     def publish(
@@ -378,10 +365,7 @@ class KVConnector:
         """
         mine = list(hashes[start_block : start_block + len(blocks)])
         parent = hashes[start_block - 1] if start_block > 0 else None
-        for h, block in zip(mine, blocks, strict=True):  # reported once the master holds the block
-            if not self.local_tier.put(ns, h, block, parent=parent, report=False):
-                break
-            parent = h
+        self.local_tier.put_chain(ns, parent, mine, blocks, report=False)  # reported once committed
         try:
             result = self._put(ns, hashes, start_block, mine, blocks, recompute_cost_s, flush_epoch)
         except FailedPrecondition as exc:

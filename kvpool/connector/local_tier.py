@@ -134,6 +134,24 @@ class LocalTier:
                 self._events.setdefault(ns, {})[key[1]] = True
             return True
 
+    def put_chain(
+        self,
+        ns: bytes,
+        parent: bytes | None,
+        block_hashes: Sequence[bytes],
+        blocks: Sequence[np.ndarray],
+        *,
+        report: bool = True,
+    ) -> int:
+        """`put` each block below the one before (the first below `parent`), stopping at the first one
+        refused. Returns how many leading blocks are resident now."""
+        n = 0
+        for h, data in zip(block_hashes, blocks, strict=True):
+            if not self.put(ns, h, data, parent=parent, report=report):
+                break
+            n, parent = n + 1, h
+        return n
+
     def report_stored(self, ns: bytes, block_hashes: Sequence[bytes]) -> None:
         """Queue stored events for those of `block_hashes` still resident (see `put(report=False)`)."""
         with self._lock:
