@@ -126,16 +126,26 @@ def test_check_accepts_only_the_signed_fields_until_expiry() -> None:
     assert refused("PermissionDenied: capability expired for read of slot 3 (1 ms ago)")
 
 
-def test_verify_costs_a_few_microseconds() -> None:
+def test_verify_costs_about_one_hmac() -> None:
+    """A check is one HMAC-SHA256 over a short message plus field packing: compared with raw HMACs timed in
+    the same loop (so a loaded machine slows both alike), never an order of magnitude more."""
+    import hashlib
+
     caps = _caps()
     cap = caps.sign(READ, NS, _h(1), NODE, 3, 7, NOW + 10**6)
-    n = 20_000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        caps.check(READ, NS, _h(1), NODE, 3, 7, NOW + 10**6, cap)
-    per_us = (time.perf_counter() - t0) / n * 1e6
-    print(f"capability check: {per_us:.2f} us")
-    assert per_us < 50  # ~2 us on an idle core; generous for loaded CI machines
+    key, msg = os.urandom(32), os.urandom(96)
+    best_check = best_hmac = float("inf")
+    for _ in range(5):  # best of 5 rounds of each, interleaved
+        t0 = time.perf_counter()
+        for _ in range(2_000):
+            caps.check(READ, NS, _h(1), NODE, 3, 7, NOW + 10**6, cap)
+        t1 = time.perf_counter()
+        for _ in range(2_000):
+            hmac.new(key, msg, hashlib.sha256).digest()
+        t2 = time.perf_counter()
+        best_check, best_hmac = min(best_check, t1 - t0), min(best_hmac, t2 - t1)
+    print(f"capability check {best_check / 2e-3:.2f} us, raw HMAC {best_hmac / 2e-3:.2f} us")
+    assert best_check < 10 * best_hmac
 
 
 # ---------------------------------------------------------------- a store over real UCX
