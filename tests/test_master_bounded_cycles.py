@@ -49,7 +49,7 @@ def test_idle_namespace_expires_and_registering_recreates_it() -> None:
     idle = register(m, "idle")
     used = register(m, "used")
     full = register(m, "full")
-    m.set_model_version("m", "v2")  # explicit activation: v1 namespaces are fenced now
+    m.set_model_version("m", "v2", force=True)  # explicit activation: v1 namespaces are fenced now
     assert not m.namespaces.is_active(idle)
     m.set_model_version("m", "v1")  # and back: they start again empty
     put(m, full, chain(full, 0, 2))
@@ -81,7 +81,7 @@ def test_1000_flush_and_version_cycles_leave_o1_state() -> None:
         if i % 2:
             m.invalidate_namespace(ns)  # a flush: the namespace starts again empty
         else:
-            m.set_model_version("m", "v2")  # a version switch and back
+            m.set_model_version("m", "v2", force=True)  # a version switch and back
             m.set_model_version("m", "v1")
         clock.advance(10)
         maint.tick()  # reclaims the flushed blocks

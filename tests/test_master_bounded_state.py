@@ -88,7 +88,7 @@ def test_model_ids_are_capped_but_an_idle_implicit_one_makes_room(clock: FakeClo
         m = server.master
         with MasterClient(server.address) as c:
             c.register_namespace("a", "v1", FP)
-            c.set_model_version("b", "v9")  # explicit: never dropped
+            c.set_model_version("b", "v9", force=True)  # explicit: never dropped
             with pytest.raises(ResourceExhausted, match="max_models"):
                 c.register_namespace("c", "v1", FP)
             clock.advance(EXPIRY_MS + 1)

@@ -115,7 +115,7 @@ def test_version_switch_fences_old_namespace(cluster, transport) -> None:
         assert pc.put_blocks(v1, None, hashes, blocks_for(2, 3)).num_committed == 2
         late = hash_blocks(v1, list(range(500, 564)), LAY.block_size)
         res = c.reserve(v1, None, late)  # a v1 writer starts a publish before the switch
-        assert c.set_model_version("llm", "v2") == ("v1", 1)
+        assert c.set_model_version("llm", "v2", force=True) == ("v1", 1, 2)  # 2 blocks unreachable
         v2, active = c.register_namespace("llm", "v2", LAYOUT)
         assert active == "v2" and v2 != v1
         assert c.match(v1, hashes).num_matched == 0
@@ -156,7 +156,7 @@ def test_unreleased_leases_expire(cluster) -> None:
         ["nodes"],
         ["stats"],
         ["match", "1,2,3", "--model", "adm", "--version", "v1", "--layout", LAYOUT],
-        ["set-version", "--model", "adm2", "--version", "v9"],
+        ["set-version", "--model", "adm2", "--version", "v9", "--force"],
         ["evict", "--fraction", "0.01"],
         ["economics", "--model-params", "1e9", "--window", "0.1"],
     ],
@@ -173,14 +173,17 @@ def test_admin_commands(cluster, args: list[str]) -> None:
 
 def test_admin_set_version_warns_when_no_node_serves_that_version(cluster) -> None:
     """Found by a new-user pass: `set-version` with a typo'd version answered rc 0 and silently fenced the
-    live version (every publish then failed). It still sets it (activating a version ahead of its rollout
-    is how a weight change fences the old KV, B28) but says that nothing of the model is served at it."""
+    live version (every publish then failed). Now it is refused (issue #26); `--force` still sets it
+    (activating a version ahead of its rollout is how a weight change fences the old KV, B28) and says
+    that nothing of the model is served at it."""
     master, _ = cluster
     with MasterClient(master.grpc_address) as c:
         c.register_namespace("warnme", "v1", LAYOUT)
     runner = CliRunner()
     base = ["admin", "--master", master.grpc_address, "set-version", "--model", "warnme"]
-    typo = runner.invoke(app, [*base, "--version", "v1-typo"])
+    refused = runner.invoke(app, [*base, "--version", "v1-typo"])
+    assert refused.exit_code == 1 and "in use: v1" in refused.output, refused.output
+    typo = runner.invoke(app, [*base, "--version", "v1-typo", "--force"])
     assert typo.exit_code == 0, typo.output
     assert "warning: no node has registered 'warnme' at version 'v1-typo' (registered: v1)" in typo.output
     back = runner.invoke(app, [*base, "--version", "v1", "--json"])

@@ -104,19 +104,29 @@ def match(
 def set_version(
     model: str = typer.Option(..., "--model", help="Model id.", callback=_non_empty),
     version: str = typer.Option(..., "--version", help="Weights version to activate.", callback=_non_empty),
+    force: bool = typer.Option(
+        False, "--force", help="Set it even though no node or namespace uses it (ahead of a rollout)."
+    ),
     as_json: bool = JSON,
 ) -> None:
-    """Activate a weights version: every other version of the model becomes unreachable."""
+    """Activate a weights version: every other version of the model becomes unreachable. A version no
+    registered namespace or live node uses (a typo) is refused, exit 1, unless --force."""
 
     def fn(c: Any) -> dict[str, Any]:
-        previous, n = c.set_model_version(model, version)
+        previous, n, blocks = c.set_model_version(model, version, force=force)
         served = sorted({x.weights_version for x in c.stats().namespaces if x.model_id == model})
-        return {"model": model, "previous_version": previous, "version": version, "namespaces_invalidated": n,
-                "registered_versions": served}  # fmt: skip
+        return {
+            "model": model,
+            "previous_version": previous,
+            "version": version,
+            "namespaces_invalidated": n,
+            "blocks_unreachable": blocks,
+            "registered_versions": served,
+        }
 
     def render(r: dict[str, Any]) -> None:
         _kv("set-version", r)
-        if version not in r["registered_versions"]:  # a typo fences the live version: say so
+        if version not in r["registered_versions"]:  # forced ahead of a rollout: say what that means
             typer.echo(
                 f"kvpool admin: warning: no node has registered {model!r} at version {version!r} (registered: "
                 f"{', '.join(r['registered_versions']) or 'none'}); until one does, nothing of {model!r} is "
@@ -140,7 +150,9 @@ def invalidate(
     from kvpool.hashing import parse_hash
 
     def fn(c: Any) -> dict[str, Any]:
-        c.invalidate(parse_hash(namespace, "namespace"))
-        return {"namespace": namespace.lower(), "invalidated": True}
+        ns = parse_hash(namespace, "namespace")
+        blocks = sum(x.num_blocks for x in c.stats().namespaces if x.namespace == ns)  # just before
+        c.invalidate(ns)
+        return {"namespace": namespace.lower(), "invalidated": True, "blocks_unreachable": blocks}
 
     _run(fn, as_json, lambda r: _kv("invalidate", r))

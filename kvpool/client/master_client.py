@@ -175,11 +175,15 @@ class MasterClient:
         resp = self._call("RegisterNamespace", req, retry=True)
         return bytes(resp.namespace), resp.active_version
 
-    def set_model_version(self, model_id: str, weights_version: str) -> tuple[str, int]:
-        """Returns (previous version, namespaces invalidated)."""
-        req = pb.SetModelVersionRequest(model_id=model_id, weights_version=weights_version)
+    def set_model_version(
+        self, model_id: str, weights_version: str, *, force: bool = False
+    ) -> tuple[str, int, int]:
+        """Returns (previous version, namespaces invalidated, blocks made unreachable). `FailedPrecondition`
+        when no registered namespace or live engine of the model uses `weights_version` (a typo), unless
+        `force` (activating a version ahead of its rollout)."""
+        req = pb.SetModelVersionRequest(model_id=model_id, weights_version=weights_version, force=force)
         resp = self._call("SetModelVersion", req, retry=True)
-        return resp.previous_version, int(resp.num_namespaces_invalidated)
+        return resp.previous_version, int(resp.num_namespaces_invalidated), int(resp.num_blocks_unreachable)
 
     def invalidate(self, namespace: bytes) -> None:
         self._call("InvalidateNamespace", pb.InvalidateNamespaceRequest(namespace=namespace), retry=True)

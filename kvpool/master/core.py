@@ -13,9 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpool.capability import Capabilities, process_capabilities
-from kvpool.errors import (
-    InvalidArgument,
-)
+from kvpool.errors import FailedPrecondition, InvalidArgument
 from kvpool.index.radix import RadixIndex
 from kvpool.index.results import DroppedBlock, MatchResult
 from kvpool.master import bounds
@@ -211,23 +209,54 @@ class Master(NodeRegistry):
             self.wake.set()  # blocks from store inventories may now be claimed
             return bytes(record.digest), self.namespaces.active_version(model_id)
 
-    def set_model_version(self, model_id: str, weights_version: str) -> tuple[str, int]:
-        """Activate a version: the others' namespaces become unreachable at once (B28)."""
+    def set_model_version(
+        self, model_id: str, weights_version: str, *, force: bool = False
+    ) -> tuple[str, int, int]:
+        """Activate a version: the others' namespaces become unreachable at once (B28). Returns (previous
+        version, namespaces made inactive, their blocks now unreachable).
+
+        Refused with `FailedPrecondition` (naming the model, the version and the versions in use) when
+        no registered namespace and no live engine of the model uses `weights_version` and it is not
+        already active, since a typo would fence the live version; `force` sets it anyway (ahead of a
+        rollout, to fence the old KV before the new weights serve)."""
+        if not model_id or not weights_version:
+            raise InvalidArgument("model_id and weights_version must be non-empty")
         with self.lock:
+            if not force and weights_version != self.namespaces.active_version(model_id):
+                in_use = self._versions_in_use(model_id)
+                if weights_version not in in_use:
+                    raise FailedPrecondition(
+                        f"no registered namespace or live node of model {model_id!r} uses version "
+                        f"{weights_version!r} (in use: {', '.join(sorted(in_use)) or 'none'}); setting it would leave "
+                        "nothing of the model served (a typo?): give force (kvpool admin set-version --force) "
+                        "to set it anyway"
+                    )
             previous, off, on = self.namespaces.set_version(model_id, weights_version)
+            blocks = sum(self.index.num_blocks_in(NamespaceId(d)) for d in off)
             for digest in off:
                 self.index.invalidate_namespace(NamespaceId(digest))
             for digest in on:
                 self._index_register(digest)
             self.wake.set()
             log.info(
-                "model %s: version %r -> %r (%d namespaces off)",
+                "model %s: version %r -> %r (%d namespaces, %d blocks off%s)",
                 model_id,
                 previous,
                 weights_version,
                 len(off),
+                blocks,
+                ", forced" if force else "",
             )
-            return previous, len(off)
+            return previous, len(off), blocks
+
+    def _versions_in_use(self, model_id: str) -> set[str]:
+        """Under the lock: the weights versions of `model_id` that a registered namespace or a live
+        engine (its registered `engine_namespace`) names. O(namespaces + nodes): an admin call."""
+        versions = {r.weights_version for r in self.namespaces.records() if r.model_id == model_id}
+        for rec in self.st.nodes.values():
+            if rec.alive and rec.engine_namespace and rec.engine_namespace[0] == model_id:
+                versions.add(rec.engine_namespace[1])
+        return versions
 
     def invalidate_namespace(self, ns: bytes) -> None:
         """Flush a namespace: its blocks are unreachable at once (reclaimed in the background), publishes

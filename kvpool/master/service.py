@@ -145,10 +145,14 @@ class MasterServicer(pb_grpc.MasterServicer):
     def SetModelVersion(
         self, request: pb.SetModelVersionRequest, context: grpc.ServicerContext
     ) -> pb.SetModelVersionResponse:
-        previous, n = self.m.set_model_version(
-            short(request.model_id, "model_id"), short(request.weights_version, "weights_version")
+        previous, n, blocks = self.m.set_model_version(
+            short(request.model_id, "model_id"),
+            short(request.weights_version, "weights_version"),
+            force=request.force,
         )
-        return pb.SetModelVersionResponse(previous_version=previous, num_namespaces_invalidated=n)
+        return pb.SetModelVersionResponse(
+            previous_version=previous, num_namespaces_invalidated=n, num_blocks_unreachable=blocks
+        )
 
     def _match(self, request: pb.MatchPrefixRequest) -> pb.MatchPrefixResponse:
         res, nodes = self.m.match(

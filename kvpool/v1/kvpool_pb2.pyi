@@ -204,20 +204,24 @@ class RegisterNamespaceResponse(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., active_version: _Optional[str] = ...) -> None: ...
 
 class SetModelVersionRequest(_message.Message):
-    __slots__ = ("model_id", "weights_version")
+    __slots__ = ("model_id", "weights_version", "force")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weights_version: str
-    def __init__(self, model_id: _Optional[str] = ..., weights_version: _Optional[str] = ...) -> None: ...
+    force: bool
+    def __init__(self, model_id: _Optional[str] = ..., weights_version: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class SetModelVersionResponse(_message.Message):
-    __slots__ = ("previous_version", "num_namespaces_invalidated")
+    __slots__ = ("previous_version", "num_namespaces_invalidated", "num_blocks_unreachable")
     PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_NAMESPACES_INVALIDATED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     previous_version: str
     num_namespaces_invalidated: int
-    def __init__(self, previous_version: _Optional[str] = ..., num_namespaces_invalidated: _Optional[int] = ...) -> None: ...
+    num_blocks_unreachable: int
+    def __init__(self, previous_version: _Optional[str] = ..., num_namespaces_invalidated: _Optional[int] = ..., num_blocks_unreachable: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
     __slots__ = ("namespace", "block_hashes", "count_hit", "lease_ttl_ms", "request_id", "num_prompt_tokens", "packed_replicas")

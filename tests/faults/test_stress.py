@@ -115,7 +115,7 @@ class World:
             old, old_chains = self.ns, self.chains
             self.version += 1
             self.switch_started[old] = time.monotonic()
-            self.master.set_model_version(MODEL, f"v{self.version}")
+            self.master.set_model_version(MODEL, f"v{self.version}", force=True)  # ahead of its namespaces
             self.switched_at[old] = time.monotonic()
             self.old_chains[old] = old_chains
             self.ns, self.chains = self._register()
