@@ -30,10 +30,11 @@ import numpy as np
 
 from kvpool.client.types import PutResult
 from kvpool.connector.breaker import PoolBreaker
+from kvpool.connector.convoy import TTL_FACTOR, busiest, peer_bytes
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.plan import LoadedPrefix, LoadPlan, LoadStats
 from kvpool.connector.pull import pull_blocks
-from kvpool.cost import LOCAL_LINK, LinkEstimate, RecomputeModel, decide_reuse, t_transfer_s
+from kvpool.cost import LOCAL_LINK, LinkEstimate, PullLedger, RecomputeModel, decide_reuse, t_transfer_s
 from kvpool.cost.online import OnlineCalibration
 from kvpool.errors import DeadlineExceeded, FailedPrecondition, TransferError, Unavailable, VersionFenced
 
@@ -104,6 +105,7 @@ class KVConnector:
         self.pull_timeout_s = pull_timeout_s
         self.margin = margin
         self.breaker = breaker or PoolBreaker()
+        self.pulls = PullLedger()  # pulls decided and not yet ended, per store: their queue (B39)
         self.flush_epoch: int | None = None  # the master's, from the last heartbeat (None: not heard yet)
 
     @property
@@ -256,29 +258,36 @@ class KVConnector:
         ]
         link = self.link_to_pool(addresses) if num_pool > num_local else None
         cal = self.calibration
+        eff_link = cal.link(link) if link is not None else LOCAL_LINK
+        queue = busiest(
+            self.pulls,
+            peer_bytes(plan, self.block_nbytes, min(num_local, num_pool), num_pool),
+            eff_link.beta_bytes_per_s,
+        )
         decision = decide_reuse(
             num_hit,
             self.block_size,
             stats.num_prompt_tokens,
             self.block_nbytes,
-            cal.link(link) if link is not None else LOCAL_LINK,
+            eff_link,
             cal.recompute,
             num_local_blocks=num_local,
             margin=self.margin,
+            queued_bytes=queue.queued_bytes if link is not None else 0,
         )
         stats.predicted_pull_s = decision.predicted_load_s
         stats.predicted_recompute_s = decision.predicted_recompute_all_s
         n_rest = max(1, stats.num_prompt_tokens - num_hit * self.block_size)  # every hit block loaded
         stats.predicted_compute_s = cal.recompute.t_recompute_s(n_rest, stats.num_prompt_tokens - n_rest)
         stats.reason = decision.reason
+        stats.num_pulls_in_flight, stats.queued_bytes = queue.num_pulls, decision.queued_bytes
         k = decision.num_load_blocks
         force = forced_decision()
         if force != "auto":
             k = num_hit if force == "pull" else 0
             n_local = min(k, num_local)
-            stats.predicted_pull_s = t_transfer_s(
-                (k - n_local) * self.block_nbytes, cal.link(link) if link is not None else LOCAL_LINK
-            )
+            own = (k - n_local) * self.block_nbytes
+            stats.predicted_pull_s = t_transfer_s(own + decision.queued_bytes if own else 0, eff_link)
             stats.reason = f"forced_{force} (auto: {decision.reason})"
         plan.num_load_blocks = k
         plan.link = link
@@ -286,6 +295,12 @@ class KVConnector:
             self.pull_timeout_s if force == "pull" else self.pull_deadline_s(decision.load_deadline_s)
         )
         stats.decision = "recompute" if k == 0 else ("pull" if plan.pull_end > plan.pull_start else "local")
+        if plan.pull_end > plan.pull_start:  # last: released by `release`, which every caller runs
+            plan.pull_ticket = self.pulls.register(
+                peer_bytes(plan, self.block_nbytes, plan.pull_start, plan.pull_end),
+                ttl_s=TTL_FACTOR * plan.pull_timeout_s,
+                beta_bytes_per_s=eff_link.beta_bytes_per_s,
+            ).id
 
     def pull(self, plan: LoadPlan, *, start: int | None = None, request_id: str = "") -> list[np.ndarray]:
         """The transfer half of a load: read blocks `[start, plan.pull_end)` from the pool (default start:
@@ -325,8 +340,10 @@ class KVConnector:
         return pulled
 
     def release(self, plan: LoadPlan, *, request_id: str = "") -> None:
-        """Drop the plan's read lease, if it holds one (idempotent; B13). Never raises: an unreleased lease
-        expires on its own."""
+        """Drop the plan's read lease, if it holds one (idempotent; B13), and end its pull in the ledger
+        (once: B39). Never raises: an unreleased lease expires on its own."""
+        ticket, plan.pull_ticket = plan.pull_ticket, None
+        self.pulls.release(ticket)
         lease_id, plan.lease_id = plan.lease_id, None
         if not lease_id:
             return

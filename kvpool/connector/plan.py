@@ -35,6 +35,8 @@ class LoadStats:
     predicted_recompute_s: float = 0.0
     predicted_compute_s: float = 0.0
     reason: str = ""
+    num_pulls_in_flight: int = 0
+    queued_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,6 +57,8 @@ class LoadPlan:
       the prediction used (None when nothing is pulled), so an observed pull can correct the model.
     - `flush_epoch`: the master's flush epoch when the load began: KV computed from this load is published
       under it, so a namespace invalidated since refuses it.
+    - `pull_ticket`: the id of this plan's pull in the connector's `PullLedger` (None: not pulling, or
+      released); `KVConnector.release` ends it, once.
     """
 
     ns: bytes
@@ -69,6 +73,7 @@ class LoadPlan:
     pull_timeout_s: float = 0.0
     link: LinkEstimate | None = None
     flush_epoch: int | None = None
+    pull_ticket: str | None = None
 
     @property
     def pull_start(self) -> int:

@@ -13,13 +13,17 @@ transfer beats recompute; Kaplan et al. 2020 (arXiv 2001.08361) for forward FLOP
 """
 
 from kvpool.cost.decision import ReuseDecision, decide_reuse, load_deadline_s
+from kvpool.cost.inflight import InFlight, PullLedger, PullTicket
 from kvpool.cost.link import LOCAL_LINK, LinkEstimate, LinkLike, t_transfer_s
 from kvpool.cost.recompute import RecomputeModel, RecomputeSample, attention_pairs
 
 __all__ = [
+    "InFlight",
     "LOCAL_LINK",
     "LinkEstimate",
     "LinkLike",
+    "PullLedger",
+    "PullTicket",
     "RecomputeModel",
     "RecomputeSample",
     "ReuseDecision",

@@ -3,7 +3,7 @@
 For a prompt of `prompt_len` tokens whose first `h` full blocks are cached (the first `num_local_blocks`
 of them in this node's own memory), loading `k <= h` blocks costs
 
-    load(k)    = t_transfer(min(k, L)·B, local_link) + t_transfer(max(0, k − L)·B, link)   (B = block_nbytes)
+    load(k)    = t_transfer(min(k, L)·B, local_link) + t_transfer(Q + max(0, k − L)·B, link)  (B = block_nbytes)
     compute(k) = t_recompute(n_new, n_ctx)  with  n_new = max(1, prompt_len − k·block_size),
                                                  n_ctx = prompt_len − n_new
 
@@ -12,6 +12,11 @@ the cache truncated to `prompt_len − 1`. Remote blocks travel in one batched r
 compute are not overlapped (a conservative sum; Mooncake overlaps them layer-wise). We pick
 `k* = argmin (1 + margin)·load(k) + compute(k)` (ties: fewer loads). Sources: SGLang (arXiv 2312.07104),
 Mooncake (FAST'25, arXiv 2407.00079).
+
+`Q` (`queued_bytes`) is what pulls already in flight on the same link still have to move
+(`kvpool.cost.inflight.PullLedger`). A remote load waits behind it, so a burst of requests on one prefix
+stops pulling once the queue makes that slower than recomputing (field case B39). Q counts only when
+k > L: a local-only load crosses no link.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class ReuseDecision:
       `predicted_recompute_all_s` (no reuse at all), `predicted_saving_s` (= recompute_all − total).
     - `load_deadline_s`: abandon the pull after this long and recompute the rest (see `load_deadline_s`).
     - `reason`: "no_hit" | "load_all" | "load_partial" | "recompute_cheaper".
+    - `queued_bytes`: bytes of pulls in flight on the link the prediction waited behind.
     """
 
     num_hit_blocks: int
@@ -53,14 +59,19 @@ class ReuseDecision:
     load_deadline_s: float
     margin: float
     reason: str
+    queued_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _load_s(k: int, local: int, block_nbytes: int, link: LinkLike, local_link: LinkLike) -> float:
+def _load_s(
+    k: int, local: int, block_nbytes: int, link: LinkLike, local_link: LinkLike, queued: int = 0
+) -> float:
     n_local = min(k, local)
-    return t_transfer_s(n_local * block_nbytes, local_link) + t_transfer_s((k - n_local) * block_nbytes, link)
+    remote = (k - n_local) * block_nbytes
+    wire = queued + remote if remote else 0  # nothing remote: no round trip and no queue to wait behind
+    return t_transfer_s(n_local * block_nbytes, local_link) + t_transfer_s(wire, link)
 
 
 def load_deadline_s(
@@ -92,6 +103,7 @@ def decide_reuse(
     num_local_blocks: int = 0,
     local_link: LinkLike = LOCAL_LINK,
     margin: float = DEFAULT_MARGIN,
+    queued_bytes: int = 0,
 ) -> ReuseDecision:
     """Choose how many leading hit blocks to load (see the module docstring for the cost terms).
 
@@ -103,8 +115,10 @@ def decide_reuse(
         num_local_blocks: how many of the leading hit blocks are in this node's memory (<= h).
         local_link: cost of a node-local block (default free).
         margin: relative safety margin on load time (>= 0).
+        queued_bytes: bytes pulls in flight on `link` still have to move (>= 0; see the module docstring).
     Raises:
-        InvalidArgument: negative counts, `h·block_size > prompt_len`, `num_local_blocks > h`, bad margin.
+        InvalidArgument: negative counts or bytes, `h·block_size > prompt_len`, `num_local_blocks > h`,
+            bad margin.
     """
     h, bs = num_hit_blocks, block_size
     if prompt_len < 1 or bs < 1 or block_nbytes < 1:
@@ -115,6 +129,9 @@ def decide_reuse(
         raise InvalidArgument(f"num_local_blocks must be in [0, {h}], got {num_local_blocks}")
     if not margin >= 0.0:
         raise InvalidArgument(f"margin must be >= 0, got {margin!r}")
+    if queued_bytes < 0:
+        raise InvalidArgument(f"queued_bytes must be >= 0, got {queued_bytes}")
+    q = queued_bytes
 
     def compute_s(k: int) -> tuple[int, float]:
         n_new = max(1, prompt_len - k * bs)
@@ -123,12 +140,11 @@ def decide_reuse(
     recompute_all = recompute.t_recompute_s(prompt_len, 0)
     best_k, best_score = 0, recompute_all
     for k in range(1, h + 1):
-        score = (1.0 + margin) * _load_s(k, num_local_blocks, block_nbytes, link, local_link) + compute_s(k)[
-            1
-        ]
+        load_k = _load_s(k, num_local_blocks, block_nbytes, link, local_link, q)
+        score = (1.0 + margin) * load_k + compute_s(k)[1]
         if score < best_score:
             best_k, best_score = k, score
-    load = _load_s(best_k, num_local_blocks, block_nbytes, link, local_link)
+    load = _load_s(best_k, num_local_blocks, block_nbytes, link, local_link, q)
     n_new, compute = compute_s(best_k)
     if h == 0:
         reason = "no_hit"
@@ -151,4 +167,5 @@ def decide_reuse(
         load_deadline_s=load_deadline_s(load, compute, recompute_all),
         margin=margin,
         reason=reason,
+        queued_bytes=q,
     )

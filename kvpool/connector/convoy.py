@@ -1,0 +1,34 @@
+"""The connector's side of pull convoys (field case B39): which store links a plan would load over, and
+the bytes already queued on them (`kvpool.cost.inflight.PullLedger`).
+
+A pull reads each block from its first usable replica (`kvpool.connector.pull`), one batch per store,
+the batches in parallel; so a load waits behind the busiest of its stores' queues. Registration and
+release live in `KVConnector` (`_decide` registers the chosen pull; `release` ends it, once).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from kvpool.connector.plan import LoadPlan
+from kvpool.cost.inflight import InFlight, PullLedger
+
+TTL_FACTOR = 2.0
+"""A registration outlives its pull's deadline by this factor: a pull may start later than decided (a vLLM
+worker loads after the scheduler's step), and one never released stops counting then."""
+
+
+def peer_bytes(plan: LoadPlan, block_nbytes: int, start: int, end: int) -> dict[str, int]:
+    """Bytes the pull of pool blocks `[start, end)` reads from each store (data address)."""
+    out: dict[str, int] = defaultdict(int)
+    for reps in plan.replicas[start:end]:
+        loc = next((r for r in reps if not r.local and r.node_id in plan.addresses), None)
+        if loc is not None:
+            out[plan.addresses[loc.node_id]] += block_nbytes
+    return dict(out)
+
+
+def busiest(ledger: PullLedger, peers: dict[str, int], beta_bytes_per_s: float) -> InFlight:
+    """The most loaded of `peers`' queues (by bytes still to move): what a load over them waits behind."""
+    queues = [ledger.in_flight(peer, beta_bytes_per_s) for peer in peers]
+    return max(queues, key=lambda q: (q.queued_bytes, q.num_pulls), default=InFlight())

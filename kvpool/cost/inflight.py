@@ -1,0 +1,159 @@
+"""Pulls in flight per link: the queue a new pull waits behind (field case B39, pull convoys).
+
+A link's calibrated bandwidth is a single-stream figure. When many requests decide at once to pull from
+one store, each pull shares the link with the others already decided, so a new pull of `n` bytes
+finishes after about `alpha + (queued + n) / beta`, not `alpha + n / beta`. `PullLedger` keeps, per peer
+(a store's data address), the bytes of pulls registered and not yet released; the decision adds them to
+its own bytes (`decide_reuse(queued_bytes=...)`), so the 50th request of a burst sees the 49 before it
+and recomputes (or loads less) once that is cheaper.
+
+The queue estimate is `min(live bytes, fluid backlog)`: live bytes are those of unreleased pulls (an
+upper bound); the fluid backlog drains at the link's bandwidth since the last registration (a pull
+released late, as a vLLM scheduler learns of its worker's load only when the request ends, stops
+counting once the link would have moved it). A registration expires after `ttl_s` even if never
+released: no path can leak the queue for good. Thread-safe; `clock` returns seconds (monotonic).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from kvpool.errors import InvalidArgument
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InFlight:
+    """What a peer's link is committed to now: `num_pulls` registered pulls of `nbytes` in all, of which
+    about `queued_bytes` (<= `nbytes`) have not crossed the link yet."""
+
+    num_pulls: int = 0
+    nbytes: int = 0
+    queued_bytes: int = 0
+
+
+@dataclass(slots=True)
+class _Peer:
+    num_pulls: int = 0
+    nbytes: int = 0
+    backlog: float = 0.0
+    rate: float = math.inf  # bytes/s the backlog drains at (the bandwidth last given for this peer)
+    t_last: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    peers: tuple[tuple[str, int], ...]
+    expires_at: float
+
+
+class PullTicket:
+    """One registered pull. `release()` (idempotent) or `with ticket:` ends it; `id` is a picklable handle
+    (`PullLedger.release(id)` from elsewhere in the process)."""
+
+    __slots__ = ("_ledger", "id")
+
+    def __init__(self, ledger: PullLedger, ticket_id: str) -> None:
+        self._ledger, self.id = ledger, ticket_id
+
+    def release(self) -> bool:
+        """End the pull; True the first time (its bytes left the queue), False after."""
+        return self._ledger.release(self.id)
+
+    def __enter__(self) -> PullTicket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class PullLedger:
+    """Bytes committed to pulls in flight, per peer (see the module docstring)."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._entries: dict[str, _Entry] = {}
+        self._prefix = uuid.uuid4().hex[:12]  # ids unique across processes: another ledger ignores them
+        self._seq = itertools.count(1)
+        self.num_registered = 0
+        self.num_released = 0
+        self.num_expired = 0
+
+    def in_flight(self, peer: str, beta_bytes_per_s: float = math.inf) -> InFlight:
+        """The pulls in flight to `peer`; `beta_bytes_per_s` (the link's bandwidth) drains the backlog."""
+        with self._lock:
+            self._expire(self._clock())
+            p = self._peers.get(peer)
+            if p is None:
+                return InFlight()
+            self._drain(p, beta_bytes_per_s)
+            return InFlight(
+                num_pulls=p.num_pulls, nbytes=p.nbytes, queued_bytes=math.ceil(min(p.backlog, p.nbytes))
+            )
+
+    def register(
+        self, peer_bytes: Mapping[str, int], *, ttl_s: float, beta_bytes_per_s: float = math.inf
+    ) -> PullTicket:
+        """Register a pull of `peer_bytes[peer]` bytes from each peer; it counts until released or `ttl_s`
+        (its deadline: a pull is abandoned by then) has passed. The caller releases it exactly once,
+        in a `finally` or a `with` (a second release is a no-op). Raises `InvalidArgument` on negative
+        bytes or a non-positive ttl."""
+        if not ttl_s > 0.0:
+            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s!r}")
+        if any(n < 0 for n in peer_bytes.values()):
+            raise InvalidArgument("pull bytes must be >= 0")
+        items = tuple((peer, int(n)) for peer, n in peer_bytes.items() if n > 0)
+        ticket_id = f"{self._prefix}-{next(self._seq)}"
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            for peer, n in items:
+                p = self._peers.setdefault(peer, _Peer(t_last=now))
+                self._drain(p, beta_bytes_per_s)
+                p.num_pulls += 1
+                p.nbytes += n
+                p.backlog += n
+            self._entries[ticket_id] = _Entry(items, now + ttl_s)
+            self.num_registered += 1
+        return PullTicket(self, ticket_id)
+
+    def release(self, ticket_id: str | None) -> bool:
+        """End a pull by id (None or unknown: nothing, False). Exactly once: True the first time."""
+        if ticket_id is None:
+            return False
+        with self._lock:
+            entry = self._entries.pop(ticket_id, None)
+            if entry is None:
+                return False
+            self._remove(entry)
+            self.num_released += 1
+        return True
+
+    def _expire(self, now: float) -> None:
+        for ticket_id in [t for t, e in self._entries.items() if e.expires_at <= now]:
+            self._remove(self._entries.pop(ticket_id))
+            self.num_expired += 1
+
+    def _remove(self, entry: _Entry) -> None:
+        for peer, n in entry.peers:
+            p = self._peers[peer]
+            p.num_pulls -= 1
+            p.nbytes -= n
+            p.backlog = min(p.backlog, float(p.nbytes))
+            if p.num_pulls == 0:
+                del self._peers[peer]
+
+    def _drain(self, p: _Peer, beta_bytes_per_s: float) -> None:
+        now = self._clock()
+        if beta_bytes_per_s > 0 and math.isfinite(beta_bytes_per_s):
+            p.rate = beta_bytes_per_s
+        if math.isfinite(p.rate):
+            p.backlog = max(0.0, p.backlog - p.rate * max(0.0, now - p.t_last))
+        p.t_last = now
