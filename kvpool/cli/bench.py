@@ -73,6 +73,29 @@ def _prompt_fits(prompt_tokens: int, model: str | None, param_hint: str) -> None
         raise typer.BadParameter(str(exc), param_hint=param_hint) from None
 
 
+@bench_app.command("burst")
+def burst_cmd(
+    burst: int = typer.Option(50, min=1, help="requests fired at once on one prefix (each arm)"),
+    prefix_tokens: int = typer.Option(256, min=1, help="shared prefix length (tokens)"),
+    question_tokens: int = typer.Option(16, min=1, help="tokens after the prefix, distinct per request"),
+    block_size: int = typer.Option(64, min=1, help="tokens per block"),
+    model: str = typer.Option(None, help="HF model directory (default: embedded)"),
+    json_out: Path = typer.Option(None, "--json", help="write the report JSON here"),
+) -> None:
+    """Pull convoys (B39): a burst on one cached prefix pulled (cost model sees the queue) vs recomputed."""
+    from kvpool.bench.burst import run_burst
+
+    _prompt_fits(prefix_tokens + question_tokens, model, "'--prefix-tokens' + '--question-tokens'")
+    run_burst(
+        burst=burst,
+        prefix_tokens=prefix_tokens,
+        question_tokens=question_tokens,
+        block_size=block_size,
+        model_dir=model,
+        json_out=json_out,
+    )
+
+
 @bench_app.command("vllm")
 def vllm_cmd(
     num_prefixes: int = typer.Option(5, min=1, help="distinct RAG prefixes (the medians are over them)"),

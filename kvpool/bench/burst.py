@@ -1,0 +1,225 @@
+"""`kvpool bench burst`: a burst of requests on one cached prefix (field case B39, pull convoys).
+
+A real pool (master and one store node, processes of a `LocalCluster`; UCX over tcp with the store's
+segment not shared, the cross-host path) and one serving node in this process: the model runner, its
+calibration and a `KVConnector`, as a prefill node builds them (`NodeRuntime`), with its local tier off.
+One request warms the prefix into the pool; then `burst` requests on that prefix (each with its own
+question) arrive at once:
+
+- **pull burst**: the cache on, the cost model deciding (`auto`). Each request decides and pulls in its own
+  thread, so the pulls overlap each other and the forwards (as vLLM's asynchronous loads do), and each
+  decision sees the pulls already in flight on the store's link (`kvpool.cost.inflight.PullLedger`);
+- **recompute burst** (the baseline, same run): the same requests with the cache off.
+
+Forwards run one at a time (one model, `model_lock`). TTFT of a request = burst start -> its first token
+(load + wait for the model + forward). Summary keys: `pull_ttft_p50_s`, `recompute_ttft_p50_s`,
+`pull_over_recompute` (target <= 1), p90s, the decisions and the most pulls a decision saw in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kvpool.bench.report import write_report
+from kvpool.hashing import hash_blocks
+
+ARMS = ("recompute", "pull")
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return float(np.quantile(np.asarray(values), q)) if values else 0.0
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    """Set environment entries in this process (the in-process node reads them), restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _burst(
+    rt: Any, ns: bytes, prompts: list[list[int]], *, use_cache: bool, arm: str
+) -> list[dict[str, Any]]:
+    """Fire one request per prompt at once; returns one record per request."""
+    block_size = rt.runner.layout.block_size
+    hashed = [hash_blocks(ns, p, block_size) for p in prompts]
+    start = threading.Barrier(len(prompts) + 1)
+    records: list[dict[str, Any]] = [{} for _ in prompts]
+    t0 = 0.0
+
+    def one(i: int) -> None:
+        start.wait()
+        rid = f"{arm}{i}"
+        try:
+            loaded = rt.connector.load_prefix(
+                ns, prompts[i], hashed[i], count_hit=True, request_id=rid, use_cache=use_cache
+            )
+            t_loaded = time.perf_counter()
+            with rt.model_lock:
+                t_model = time.perf_counter()
+                rt.compute_prompt(prompts[i], loaded)
+            t_end = time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - a failed request is a record, not a crashed burst
+            records[i] = {"arm": arm, "request": i, "error": str(exc)}
+            return
+        s = loaded.stats
+        records[i] = {
+            "arm": arm,
+            "request": i,
+            "ttft_s": t_end - t0,
+            "load_s": t_loaded - t0,
+            "model_wait_s": t_model - t_loaded,
+            "compute_s": t_end - t_model,
+            "decision": s.decision,
+            "reason": s.reason,
+            "reused_tokens": s.num_reused_tokens,
+            "pulled_bytes": s.pulled_bytes,
+            "pull_s": s.pull_s,
+            "pulls_in_flight_seen": s.num_pulls_in_flight,
+            "queued_bytes_seen": s.queued_bytes,
+            "predicted_pull_s": s.predicted_pull_s,
+            "predicted_recompute_s": s.predicted_recompute_s,
+        }
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    start.wait()
+    for t in threads:
+        t.join()
+    return records
+
+
+def _arm_summary(records: list[dict[str, Any]], arm: str) -> dict[str, Any]:
+    ok = [r for r in records if r["arm"] == arm and "ttft_s" in r]
+    ttft = [r["ttft_s"] for r in ok]
+    return {
+        f"{arm}_ttft_p50_s": statistics.median(ttft) if ttft else 0.0,
+        f"{arm}_ttft_p90_s": _quantile(ttft, 0.9),
+        f"{arm}_ttft_max_s": max(ttft, default=0.0),
+        f"{arm}_num_errors": sum(1 for r in records if r["arm"] == arm and "error" in r),
+        f"{arm}_decisions": dict(Counter(r["decision"] for r in ok)),
+    }
+
+
+def run_burst(
+    *,
+    burst: int = 50,
+    prefix_tokens: int = 256,
+    question_tokens: int = 16,
+    block_size: int = 64,
+    model_dir: str | None = None,
+    json_out: Path | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark (see the module docstring); returns the summary."""
+    from kvpool.bench.ttft import check_prompt_fits
+    from kvpool.cluster.local import LocalCluster, LocalClusterSpec
+    from kvpool.model import ModelRunner
+    from kvpool.serving.common import ServingSettings
+    from kvpool.serving.runtime import NodeRuntime
+
+    check_prompt_fits(prefix_tokens + question_tokens, model_dir)
+    console = Console()
+    layout = ModelRunner.load(model_dir, device="cpu", block_size=block_size).layout
+    rng = np.random.default_rng(2026)
+    vocab = 256
+    prefix = [int(t) for t in rng.integers(3, vocab, size=prefix_tokens)]
+
+    def prompts() -> list[list[int]]:
+        return [prefix + [int(t) for t in rng.integers(3, vocab, size=question_tokens)] for _ in range(burst)]
+
+    tcp = {"UCX_TLS": "tcp", "KVPOOL_SHARE_SEGMENT": "false"}  # as across hosts
+    seg = max(256 * 2**20, 4 * (prefix_tokens + question_tokens) * layout.token_nbytes)
+    spec = LocalClusterSpec(
+        layout=layout.fingerprint(),
+        num_stores=1,
+        num_prefill=0,
+        num_decode=0,
+        block_size=block_size,
+        model_dir=model_dir,
+        segment_size=f"{seg // 2**20}MiB",
+        extra_env=tcp,
+    )
+    records: list[dict[str, Any]] = []
+    with LocalCluster(spec) as cluster, _env(tcp | {"KVPOOL_FORCE_DECISION": "auto"}):
+        settings = ServingSettings(
+            master=cluster.master_address,
+            node_id="burst0",
+            model=model_dir,
+            block_size=block_size,
+            local_tier_bytes=0,
+            metrics=False,
+        )
+        rt = NodeRuntime.start(settings, role="prefill")
+        try:
+            rt.attach_agent("127.0.0.1:1", None)  # never called back: this node serves no RPCs
+            ns = rt.namespace("")
+            warm = prompts()[0]
+            hashes = hash_blocks(ns, warm, block_size)
+            loaded = rt.connector.load_prefix(ns, warm, hashes, count_hit=False, use_cache=False)
+            _logits, full = rt.compute_prompt(warm, loaded)
+            n_full = len(hashes)
+            rt.connector.publish(ns, hashes, rt.runner.blocks_from_prefix(full, 0, n_full), start_block=0)
+            for arm in ARMS:  # the baseline first: the pull arm then runs on a model warmed as much
+                console.print(f"[bold]{arm} burst[/]: {burst} requests at once")
+                records += _burst(rt, ns, prompts(), use_cache=arm == "pull", arm=arm)
+        finally:
+            rt.close()
+    summary: dict[str, Any] = {
+        "burst": burst,
+        "prefix_tokens": prefix_tokens,
+        "question_tokens": question_tokens,
+        "block_nbytes": layout.block_nbytes,
+    }
+    for arm in ARMS:
+        summary |= _arm_summary(records, arm)
+    rec = summary["recompute_ttft_p50_s"]
+    summary["pull_over_recompute"] = summary["pull_ttft_p50_s"] / rec if rec else 0.0
+    pulls = [r for r in records if r["arm"] == "pull" and "ttft_s" in r]
+    summary["max_pulls_in_flight_seen"] = max((r["pulls_in_flight_seen"] for r in pulls), default=0)
+    summary["pulled_bytes_total"] = sum(r["pulled_bytes"] for r in pulls)
+    _print(console, summary)
+    write_report(json_out, "burst", records, summary)
+    return summary
+
+
+def _print(console: Console, s: dict[str, Any]) -> None:
+    table = Table(title=f"Burst of {s['burst']} requests on one {s['prefix_tokens']}-token prefix (UCX tcp)")
+    for col in ("burst", "TTFT p50 s", "TTFT p90 s", "TTFT max s", "decisions", "errors"):
+        table.add_column(col, justify="left" if col in ("burst", "decisions") else "right")
+    for arm in ARMS:
+        decisions = ", ".join(f"{k} {v}" for k, v in sorted(s[f"{arm}_decisions"].items()))
+        table.add_row(
+            arm,
+            f"{s[f'{arm}_ttft_p50_s']:.3f}",
+            f"{s[f'{arm}_ttft_p90_s']:.3f}",
+            f"{s[f'{arm}_ttft_max_s']:.3f}",
+            decisions,
+            str(s[f"{arm}_num_errors"]),
+        )
+    console.print(table)
+    console.print(
+        f"pull/recompute p50 = {s['pull_over_recompute']:.3f} (target <= 1); most pulls a decision saw in "
+        f"flight: {s['max_pulls_in_flight_seen']}; pulled {s['pulled_bytes_total'] / 2**20:.1f} MiB"
+    )
