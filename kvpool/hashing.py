@@ -32,6 +32,27 @@ HASH_VERSION = 1
 
 MAX_TOKEN_ID = 2**32 - 1
 _MIN_MEDIA_DIGEST_NBYTES = 16
+ADAPTER_DIGEST_HEX_CHARS = 32
+"""An adapter digest is BLAKE2b-128 of the adapter's files as lowercase hex (`kvpool.vllm.identity.directory_digest`)."""
+
+
+def check_adapter_digest(value: str, what: str = "adapter_digest", *, allow_empty: bool = True) -> str:
+    """`value` if it is an adapter's content digest (32 lowercase hex characters; "" for the base model
+    where `allow_empty`); `ValueError` naming `what` otherwise: a display name ("my-lora") is refused,
+    since two adapters loaded under one name must never share KV (B01)."""
+    if value == "" and allow_empty:
+        return value
+    if (
+        not isinstance(value, str)
+        or len(value) != ADAPTER_DIGEST_HEX_CHARS
+        or value.strip("0123456789abcdef")
+    ):
+        raise ValueError(
+            f"{what} must be the adapter's content digest, {ADAPTER_DIGEST_HEX_CHARS} lowercase hex characters "
+            f"(BLAKE2b-128 of its files, as kvpool.vllm.identity.directory_digest makes it), never a name; "
+            f"got {value!r:.80}"
+        )
+    return value
 
 
 def _field(tag: bytes, payload: bytes) -> bytes:
@@ -64,7 +85,8 @@ class Namespace:
     - `weights_version`: content digest of the weights (a new version = a new namespace, B28).
     - `layout`: the KV layout (dtype, block_size, layers, kv heads, head dim) (B23).
     - `cache_salt`: per-tenant salt, assigned server-side from the authenticated tenant (B09).
-    - `adapter_digest`: LoRA/adapter identity, "" for the base model (B01).
+    - `adapter_digest`: LoRA/adapter identity, the content digest of its files (32 lowercase hex chars,
+      `check_adapter_digest`), "" for the base model (B01); a name is refused.
     - `extra`: further (key, value) strings, sorted into the digest; `None` values are refused.
     """
 
@@ -83,6 +105,7 @@ class Namespace:
         for name in ("cache_salt", "adapter_digest"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"Namespace.{name} must be a string (use '' for none)")
+        check_adapter_digest(self.adapter_digest, "Namespace.adapter_digest")
         for item in self.extra:
             if (
                 not isinstance(item, tuple)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvpool.hashing import MediaSpan, Namespace, hash_blocks
+from kvpool.hashing import MediaSpan, Namespace, check_adapter_digest, hash_blocks
 from kvpool.types import KVLayout
 
 LAYOUT = KVLayout(dtype="float32", block_size=4, num_layers=4, num_kv_heads=2, head_dim=64)
@@ -82,8 +82,8 @@ def test_high_bits_of_token_ids_matter() -> None:
 
 def test_adapters_and_salts_give_disjoint_chains() -> None:
     chains = [
-        hash_blocks(ns(adapter_digest="A"), P, 4),
-        hash_blocks(ns(adapter_digest="B"), P, 4),
+        hash_blocks(ns(adapter_digest="a" * 32), P, 4),
+        hash_blocks(ns(adapter_digest="b" * 32), P, 4),
         hash_blocks(ns(), P, 4),
         hash_blocks(ns(cache_salt="tenant-1"), P, 4),
         hash_blocks(ns(cache_salt="tenant-2"), P, 4),
@@ -91,6 +91,15 @@ def test_adapters_and_salts_give_disjoint_chains() -> None:
     ]
     flat = [h for chain in chains for h in chain]
     assert len(set(flat)) == len(flat)
+
+
+@pytest.mark.parametrize("bad", ["A", "my-lora", "a" * 31, "a" * 33, "A" * 32, "g" * 32, " " + "a" * 31])
+def test_an_adapter_is_named_by_its_content_digest_never_a_name(bad: str) -> None:
+    with pytest.raises(ValueError, match="adapter_digest must be the adapter's content digest"):
+        ns(adapter_digest=bad)
+    assert check_adapter_digest("0123456789abcdef" * 2) == "0123456789abcdef" * 2
+    with pytest.raises(ValueError, match="^digest must be"):
+        check_adapter_digest("", "digest", allow_empty=False)
 
 
 def test_layout_is_part_of_the_namespace() -> None:

@@ -131,6 +131,16 @@ CALLS = st.one_of(
     st.tuples(st.just("Drain"), st.builds(pb.DrainRequest, node_id=ids)),
     st.tuples(st.just("Evict"), st.builds(pb.EvictRequest, fraction=fl, node_id=ids)),
     st.tuples(st.just("InvalidateNamespace"), st.builds(pb.InvalidateNamespaceRequest, namespace=raw)),
+    st.tuples(
+        st.just("RegisterAdapter"),
+        st.builds(pb.RegisterAdapterRequest, model_id=ids, name=ids, digest=ids | st.just("a" * 32)),
+    ),
+    st.tuples(
+        st.just("ReloadAdapter"),
+        st.builds(pb.ReloadAdapterRequest, model_id=ids, name=ids, digest=ids | st.just("b" * 32)),
+    ),
+    st.tuples(st.just("UnloadAdapter"), st.builds(pb.UnloadAdapterRequest, model_id=ids, name=ids)),
+    st.tuples(st.just("ListAdapters"), st.builds(pb.ListAdaptersRequest, model_id=ids)),
 )
 
 

@@ -194,4 +194,5 @@ def economics(
     _run(fn, as_json, lambda r: _kv("economics", {k: "-" if v is None else v for k, v in r.items()}))
 
 
-from kvpool.cli import admin_ns  # noqa: E402, F401 - registers namespaces, match, set-version, invalidate
+# register the namespace commands (namespaces, match, set-version, invalidate) and `adapter ...`
+from kvpool.cli import admin_adapter, admin_ns  # noqa: E402, F401

@@ -15,6 +15,7 @@ import grpc
 
 from kvpool.client import convert as cv
 from kvpool.client.types import (
+    AdapterStatus,
     CommitBlock,
     CommitResult,
     HeartbeatAnswer,
@@ -187,6 +188,34 @@ class MasterClient:
 
     def invalidate(self, namespace: bytes) -> None:
         self._call("InvalidateNamespace", pb.InvalidateNamespaceRequest(namespace=namespace), retry=True)
+
+    # ---- adapters (kvpool.master.adapters) ---------------------------------------------------------
+    def register_adapter(self, model_id: str, name: str, digest: str) -> bool:
+        """Name an adapter of a model by its content digest (32 lowercase hex chars); True when new.
+        `AlreadyExists` when the name has another digest (reload it), `ResourceExhausted` past the cap."""
+        req = pb.RegisterAdapterRequest(model_id=model_id, name=name, digest=digest)
+        return bool(self._call("RegisterAdapter", req, retry=True).created)
+
+    def reload_adapter(self, model_id: str, name: str, digest: str) -> tuple[str, int, int]:
+        """New weights for a named adapter: the previous digest's KV is unreachable at once. Returns
+        (previous digest, namespaces invalidated, blocks invalidated)."""
+        req = pb.ReloadAdapterRequest(model_id=model_id, name=name, digest=digest)
+        r = self._call("ReloadAdapter", req)  # not retried: a repeat would answer (new digest, 0, 0)
+        return r.previous_digest, int(r.num_namespaces_invalidated), int(r.num_blocks_invalidated)
+
+    def unload_adapter(self, model_id: str, name: str) -> tuple[str, int, int]:
+        """Forget a named adapter (its digest's KV unreachable unless another name uses it). Returns
+        (its digest, namespaces invalidated, blocks invalidated)."""
+        r = self._call("UnloadAdapter", pb.UnloadAdapterRequest(model_id=model_id, name=name))
+        return r.previous_digest, int(r.num_namespaces_invalidated), int(r.num_blocks_invalidated)
+
+    def list_adapters(self, model_id: str = "") -> list[AdapterStatus]:
+        """Registered adapters (of `model_id`, or all), sorted by model and name."""
+        r = self._call("ListAdapters", pb.ListAdaptersRequest(model_id=model_id), retry=True)
+        return [
+            AdapterStatus(a.model_id, a.name, a.digest, int(a.num_namespaces), int(a.num_blocks))
+            for a in r.adapters
+        ]
 
     # ---- match and leases -------------------------------------------------------------------------
     def match(

@@ -33,6 +33,18 @@ class EngineNamespace:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterStatus:
+    """A registered adapter (`MasterClient.list_adapters`): its content digest and what the pool holds
+    under it (the model's namespaces built with that digest and their blocks)."""
+
+    model_id: str
+    name: str
+    digest: str
+    num_namespaces: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class NodeInfo:
     node_id: str
     role: str

@@ -10,6 +10,8 @@ What a client can create on the master, and what bounds it (settings of `MasterS
   client); each ends by `max_lease_ttl_ms` and is reaped by the index's expiry heap;
 - write leases (`Reserve`): `max_leases_per_client` open reservations per `writer_node_id`
   (`kvpool.master.publish`); each also holds store slots, so the pool's capacity bounds them all;
+- adapters (`RegisterAdapter`): `max_adapters` names, all models, and as many fenced (reloaded or
+  unloaded) digests remembered, the oldest forgotten first (`kvpool.master.adapters`);
 - tenant quota bookkeeping: per tenant of the tenants file only, O(1) per reserve (`kvpool.master.quotas`).
 Past a cap the answer is `ResourceExhausted` (gRPC RESOURCE_EXHAUSTED) naming the setting.
 """
@@ -39,6 +41,7 @@ def namespace_limits(s: MasterSettings) -> NamespaceLimits:
         max_namespaces_per_tenant=s.max_namespaces_per_tenant,
         max_models=s.max_models,
         idle_expiry_ms=round(s.namespace_idle_expiry_s * 1000),
+        max_adapters=s.max_adapters,
     )
 
 

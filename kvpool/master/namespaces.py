@@ -21,11 +21,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvpool.hashing import Namespace
+from kvpool.master.adapters import AdapterRegistry
 from kvpool.tenants import tenant_salt
 from kvpool.types import KVLayout, NamespaceId
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,8 @@ class NamespaceRecord:
     weights_version: str
     tenant: str = ""
     """The tenant's salt (`tenant_salt(cache_salt)`)."""
+    adapter_digest: str = ""
+    """The adapter's content digest ("" for the base model)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +51,7 @@ class NamespaceLimits:
     max_namespaces_per_tenant: int = 25_000
     max_models: int = 10_000
     idle_expiry_ms: int = 600_000
+    max_adapters: int = 10_000
 
 
 class NamespaceRegistry:
@@ -63,6 +70,9 @@ class NamespaceRegistry:
         self.flush_epoch = 0  # invalidations so far (heartbeat answers carry it)
         self.num_expired = 0
         """Namespaces forgotten for idleness so far (a metric)."""
+        self.adapters = AdapterRegistry(self.limits.max_adapters)
+        """Adapter names and fenced adapter digests (`kvpool.master.adapters`): a namespace whose adapter
+        digest is fenced for its model is inactive, as one of another weights version is."""
 
     def __len__(self) -> int:
         return len(self._records)
@@ -118,7 +128,7 @@ class NamespaceRegistry:
                 "max_namespaces_per_tenant (idle ones expire after namespace_idle_expiry_s)"
             )
         self._admit_model(model_id)
-        record = NamespaceRecord(digest, model_id, weights_version, tenant)
+        record = NamespaceRecord(digest, model_id, weights_version, tenant, adapter_digest)
         self._records[digest] = record
         self._last_used[digest] = now_ms
         self._by_model.setdefault(model_id, set()).add(digest)
@@ -141,7 +151,9 @@ class NamespaceRegistry:
         record = self._records.get(digest)
         if record is None:
             return False
-        return self._active.get(record.model_id) == record.weights_version
+        if self._active.get(record.model_id) != record.weights_version:
+            return False
+        return not self.adapters.is_fenced(record.model_id, record.adapter_digest)
 
     def is_known(self, digest: bytes) -> bool:
         return digest in self._records
@@ -170,6 +182,25 @@ class NamespaceRegistry:
         if off:  # unreachable now: serving nodes drop their local tiers too (issue 26)
             self.flush_epoch += 1
         return previous, off, sorted(now_active - was_active)
+
+    def refresh_models(
+        self, model_ids: set[str], change: Callable[[], T]
+    ) -> tuple[T, list[bytes], list[bytes]]:
+        """Run `change()` (e.g. an adapter fenced) and return (its result, digests of `model_ids` it made
+        inactive, digests it made active); inactive ones count a flush (`flush_epoch`), as `set_version`.
+        O(those models' namespaces)."""
+        mine = [d for m in model_ids for d in self._by_model.get(m, ())]
+        was_active = {d for d in mine if self.is_active(d)}
+        result = change()
+        now_active = {d for d in mine if self.is_active(d)}
+        off = sorted(was_active - now_active)
+        if off:  # unreachable now: serving nodes drop their local tiers too (issue 26)
+            self.flush_epoch += 1
+        return result, off, sorted(now_active - was_active)
+
+    def of_model(self, model_id: str) -> list[NamespaceRecord]:
+        """The model's namespace records: O(its namespaces)."""
+        return [self._records[d] for d in self._by_model.get(model_id, ())]
 
     def invalidate(self, digest: bytes) -> None:
         """Count a flush of one namespace (the caller drops its blocks); `NotFound` if unknown."""

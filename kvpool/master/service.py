@@ -11,6 +11,7 @@ import grpc
 from kvpool.client.convert import load_from_pb
 from kvpool.errors import InvalidArgument, Unauthenticated
 from kvpool.master import replica_ops
+from kvpool.master.adapter_service import AdapterRpcs
 from kvpool.master.core import Master
 from kvpool.master.gate import join_token_of
 from kvpool.master.grants import match_grants, write_grants
@@ -34,7 +35,7 @@ from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
-class MasterServicer(pb_grpc.MasterServicer):
+class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
     def __init__(self, master: Master) -> None:
         self.m = master
 

@@ -81,6 +81,12 @@ class MasterSettings(KVPoolSettings):
         description="model ids with an active-version record; past it a new model id is refused unless a "
         "model with no namespaces left, never set by SetModelVersion, can be forgotten",
     )
+    max_adapters: int = Field(
+        default=10_000,
+        ge=1,
+        description="adapter names registered at once (RegisterAdapter), all models, and as many fenced "
+        "adapter digests remembered (reloaded or unloaded; the oldest is forgotten first)",
+    )
     max_leases: int = Field(
         default=200_000,
         ge=1,

@@ -559,6 +559,76 @@ class InvalidateNamespaceResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RegisterAdapterRequest(_message.Message):
+    __slots__ = ("model_id", "name", "digest")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    name: str
+    digest: str
+    def __init__(self, model_id: _Optional[str] = ..., name: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class RegisterAdapterResponse(_message.Message):
+    __slots__ = ("created",)
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    def __init__(self, created: _Optional[bool] = ...) -> None: ...
+
+class ReloadAdapterRequest(_message.Message):
+    __slots__ = ("model_id", "name", "digest")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    name: str
+    digest: str
+    def __init__(self, model_id: _Optional[str] = ..., name: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("model_id", "name")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    name: str
+    def __init__(self, model_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class AdapterChangeResponse(_message.Message):
+    __slots__ = ("previous_digest", "num_namespaces_invalidated", "num_blocks_invalidated")
+    PREVIOUS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_NAMESPACES_INVALIDATED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_INVALIDATED_FIELD_NUMBER: _ClassVar[int]
+    previous_digest: str
+    num_namespaces_invalidated: int
+    num_blocks_invalidated: int
+    def __init__(self, previous_digest: _Optional[str] = ..., num_namespaces_invalidated: _Optional[int] = ..., num_blocks_invalidated: _Optional[int] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("model_id", "name", "digest", "num_namespaces", "num_blocks")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    name: str
+    digest: str
+    num_namespaces: int
+    num_blocks: int
+    def __init__(self, model_id: _Optional[str] = ..., name: _Optional[str] = ..., digest: _Optional[str] = ..., num_namespaces: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -139,6 +139,26 @@ class MasterStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.InvalidateNamespaceRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.InvalidateNamespaceResponse.FromString,
                 _registered_method=True)
+        self.RegisterAdapter = channel.unary_unary(
+                '/kvpool.v1.Master/RegisterAdapter',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterAdapterRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterAdapterResponse.FromString,
+                _registered_method=True)
+        self.ReloadAdapter = channel.unary_unary(
+                '/kvpool.v1.Master/ReloadAdapter',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ReloadAdapterRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.AdapterChangeResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/kvpool.v1.Master/UnloadAdapter',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.AdapterChangeResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/kvpool.v1.Master/ListAdapters',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -271,6 +291,30 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -378,6 +422,26 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.InvalidateNamespace,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.InvalidateNamespaceRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.InvalidateNamespaceResponse.SerializeToString,
+            ),
+            'RegisterAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterAdapter,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterAdapterRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterAdapterResponse.SerializeToString,
+            ),
+            'ReloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReloadAdapter,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ReloadAdapterRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.AdapterChangeResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.AdapterChangeResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -947,6 +1011,114 @@ class Master:
             '/kvpool.v1.Master/InvalidateNamespace',
             kvpool_dot_v1_dot_kvpool__pb2.InvalidateNamespaceRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.InvalidateNamespaceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/RegisterAdapter',
+            kvpool_dot_v1_dot_kvpool__pb2.RegisterAdapterRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.RegisterAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/ReloadAdapter',
+            kvpool_dot_v1_dot_kvpool__pb2.ReloadAdapterRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.AdapterChangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/UnloadAdapter',
+            kvpool_dot_v1_dot_kvpool__pb2.UnloadAdapterRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.AdapterChangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/ListAdapters',
+            kvpool_dot_v1_dot_kvpool__pb2.ListAdaptersRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,7 +34,7 @@ EXPECTED = {
     "Master": {"JoinChallenge", "RegisterNode", "Heartbeat", "DeregisterNode", "RegisterNamespace", "SetModelVersion",
                "MatchPrefix", "MatchPrefixStream", "RenewLease", "ReleaseLease", "Reserve", "Commit", "Abort",
                "RemoveBlocks", "ReportBadReplica", "ReportLocal", "Stats", "ListNodes", "Drain", "Evict",
-               "InvalidateNamespace"},
+               "InvalidateNamespace", "RegisterAdapter", "ReloadAdapter", "UnloadAdapter", "ListAdapters"},
     "Store": {"GetInfo", "ReserveSlots", "CommitSlots", "FreeSlots", "Inventory", "CopyBlocks"},
     "Prefill": {"Prefill", "GetInfo"},
     "Decode": {"Decode", "GetInfo"},
