@@ -13,7 +13,11 @@ registered or matched for `namespace_idle_expiry_s` and holding no blocks is for
 (maintenance); registering its digest again simply recreates it. The active version of a model outlives
 its namespaces: a model's record is dropped only to admit a new model id at the `max_models` cap, and only
 when it has no namespaces left and its version was never set by `SetModelVersion`. Every operation is
-O(1) but `set_version` (O(the model's namespaces)) and `expire` (O(records it looks at)).
+O(1) but `set_version` and `refresh_models` (O(the models' namespaces)) and `expire` (O(records it looks at)).
+
+Adapters (`kvpool.master.adapters`, issue 26): a namespace whose adapter digest is fenced for its model (the
+digest a reload or unload replaced) is inactive too; `refresh_models` turns such a change into the digests
+made inactive and active, counting a flush as `set_version` does.
 """
 
 from __future__ import annotations
