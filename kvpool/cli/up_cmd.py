@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -70,7 +71,7 @@ def _wait_http(url: str, timeout_s: float, cancel: threading.Event) -> None:
             raise TimeoutError(f"{url}: start cancelled")
 
 
-def _ready(proc: object, timeout_s: float, stop: threading.Event) -> dict[str, object]:
+def _ready(proc: object, timeout_s: float, stop: threading.Event) -> dict[str, Any]:
     """Wait for one role (stopping at once on Ctrl-C/SIGTERM) and say how long it took to start, so a
     slow or stuck start shows which role it is."""
     from kvpool.cluster.process import RoleProcess

@@ -40,7 +40,7 @@ class NodeRecord:
     session: bytes = b""  # secured cluster: what its heartbeats carry (RegisterNodeResponse.session)
     join_token: str = ""  # secured cluster, non-store: the name of the join token it joined with
     url: str = ""  # a vLLM engine's OpenAI base URL
-    engine_namespace: tuple[str, str, str, str] = ()  # a vLLM engine's (model, weights, layout, engine)
+    engine_namespace: tuple[str, ...] = ()  # a vLLM engine's (model, weights, layout, engine)
 
     @property
     def is_store(self) -> bool:

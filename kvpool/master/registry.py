@@ -70,7 +70,7 @@ class NodeRegistry:
         session: bytes = b"",
         join_token: str = "",
         url: str = "",
-        engine_namespace: tuple[str, str, str, str] = (),
+        engine_namespace: tuple[str, ...] = (),
     ) -> None:
         """Add or refresh a node. A new epoch replaces everything the node had (B22). The caller admitted
         it (`Membership`): `session` is what its heartbeats must carry, `join_token` the name of the token

@@ -66,7 +66,7 @@ def engine_url(role: str, url: str) -> str:
     return url.rstrip("/")
 
 
-def engine_namespace(role: str, n: pb.NodeEndpoint) -> tuple[str, str, str, str]:
+def engine_namespace(role: str, n: pb.NodeEndpoint) -> tuple[str, ...]:
     """A vLLM engine's namespace base (model, weights version, layout, engine), each field bounded; ()
     when none was sent. Other roles send none (`InvalidArgument`)."""
     if not n.HasField("engine_namespace"):
