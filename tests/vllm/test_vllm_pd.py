@@ -5,7 +5,7 @@ a secured master, one store, one vLLM prefill and two vLLM decode api_servers wi
 - the engines register under their roles and URLs; the router is healthy;
 - P/D through the router with the openai client: completions and chat (the engine renders the chat
   template, B30) give greedy tokens equal to a single cold engine's, the decode loading the prompt from the
-  pool (cached tokens > 0);
+  pool (cached tokens > 0); so do the demo's chat turns (`kvpool demo --engine vllm`'s request path);
 - a prefill whose publish fails (the only store killed -9) makes the decode recompute: same tokens;
 - a decode engine killed mid-stream gives the client one clean error, and later requests succeed on the
   other decode engine;
@@ -161,6 +161,18 @@ def test_pd_through_the_router_equals_a_cold_engine(up: dict[str, Any]) -> None:
     assert pd_chat.choices[0].message.content == cold_chat["choices"][0]["message"]["content"]
     assert pd_chat.usage.prompt_tokens == cold_chat["usage"]["prompt_tokens"]
     assert pd_chat.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_the_demo_workload_through_pd_equals_a_cold_engine(up: dict[str, Any]) -> None:
+    """`kvpool demo --engine vllm`'s request path (kvpool.demo.vllm_run) on this cluster: multi-turn chat
+    turns from the trace, each turn's earlier turns loaded from the pool."""
+    from kvpool.demo.vllm_run import serve_vllm_workload
+    from kvpool.demo.workload import chat_requests, default_chat_trace
+
+    turns = chat_requests(default_chat_trace(), vocab_size=256, num_conversations=1, max_prompt_tokens=1500)
+    records = serve_vllm_workload(up["router"], up["urls"]["vllm-decode0"], turns[:3], 4)
+    assert len(records) == 3 and all(r["greedy_equal"] for r in records), records
+    assert records[-1]["cached_tokens"] > 0, records
 
 
 def _children(up: dict[str, Any], needle: str) -> list[Any]:
