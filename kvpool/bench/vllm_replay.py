@@ -306,7 +306,7 @@ def run_vllm_replay(
     `kv_cache_gib`: each engine's KV cache and the pool's segment (GiB)."""
     from kvpool.bench.vllm_bench import vllm_version
     from kvpool.cluster.local import LocalCluster, LocalClusterSpec
-    from kvpool.cluster.spec import _vllm_python
+    from kvpool.cluster.vllm_roles import vllm_python
     from kvpool.model.export import export_model_dir
 
     unknown = [s for s in setups if s not in SETUPS]
@@ -318,7 +318,7 @@ def run_vllm_replay(
         raise InvalidArgument("two engines need two cores (one each)")
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
-    python = python or _vllm_python()
+    python = python or vllm_python()
     trace = trace or default_trace()
     version = vllm_version(python)
     requests = select_subset(load_trace(trace), max_requests=max_requests, max_prompt_tokens=max_prompt_tokens,

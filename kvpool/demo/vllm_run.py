@@ -289,10 +289,10 @@ def run_vllm_demo(
     """Start the cluster of `demo_spec`, serve the RAG and chat requests, stop it, print and return the
     summary (`greedy_equal` False when any warm answer differs from its cold one). `python`: the
     interpreter that has vllm (default: what `kvpool up` finds, `.venv-vllm/bin/python`)."""
-    from kvpool.cluster.spec import _vllm_python
+    from kvpool.cluster.vllm_roles import vllm_python
     from kvpool.router.model_info import ModelInfo
 
-    python = python or _vllm_python()
+    python = python or vllm_python()
     if shutil.which(python) is None:
         raise InvalidArgument(
             f"no Python with vLLM at {python!r} (make test-vllm builds .venv-vllm; or --python)"
