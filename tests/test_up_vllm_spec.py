@@ -87,3 +87,9 @@ def test_a_router_over_vllm_engines_is_planned_after_them_without_a_model(tmp_pa
 def test_a_spec_the_launcher_cannot_honour_is_refused(tmp_path: Path, text: str, expected: str) -> None:
     with pytest.raises(InvalidArgument, match=expected):
         _load(tmp_path, text)
+
+
+def test_the_vllm_example_spec_plans_pd_through_the_pool() -> None:
+    spec = load_spec(Path(__file__).resolve().parents[1] / "examples" / "cluster-vllm.toml")
+    names = [x.name for x in plan(spec, "kv1:float32:b64:l4:h4:d32")]
+    assert names == ["master", "store0", "vllm-prefill0", "vllm-decode0", "vllm-decode1", "router"]
