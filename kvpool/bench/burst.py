@@ -90,7 +90,7 @@ def _burst(
             "load_s": t_loaded - t0,
             "model_wait_s": t_model - t_loaded,
             "compute_s": t_end - t_model,
-            "decision": s.decision,
+            "decision": s.decision if use_cache else "recompute",
             "reason": s.reason,
             "reused_tokens": s.num_reused_tokens,
             "pulled_bytes": s.pulled_bytes,

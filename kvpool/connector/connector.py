@@ -259,11 +259,7 @@ class KVConnector:
         link = self.link_to_pool(addresses) if num_pool > num_local else None
         cal = self.calibration
         eff_link = cal.link(link) if link is not None else LOCAL_LINK
-        queue = busiest(
-            self.pulls,
-            peer_bytes(plan, self.block_nbytes, min(num_local, num_pool), num_pool),
-            eff_link.beta_bytes_per_s,
-        )
+        queue = busiest(self.pulls, peer_bytes(plan, self.block_nbytes, min(num_local, num_pool), num_pool))
         decision = decide_reuse(
             num_hit,
             self.block_size,
@@ -273,7 +269,7 @@ class KVConnector:
             cal.recompute,
             num_local_blocks=num_local,
             margin=self.margin,
-            queued_bytes=queue.queued_bytes if link is not None else 0,
+            queued_bytes=queue.nbytes if link is not None else 0,
         )
         stats.predicted_pull_s = decision.predicted_load_s
         stats.predicted_recompute_s = decision.predicted_recompute_all_s
@@ -299,7 +295,6 @@ class KVConnector:
             plan.pull_ticket = self.pulls.register(
                 peer_bytes(plan, self.block_nbytes, plan.pull_start, plan.pull_end),
                 ttl_s=TTL_FACTOR * plan.pull_timeout_s,
-                beta_bytes_per_s=eff_link.beta_bytes_per_s,
             ).id
 
     def pull(self, plan: LoadPlan, *, start: int | None = None, request_id: str = "") -> list[np.ndarray]:

@@ -28,7 +28,7 @@ def peer_bytes(plan: LoadPlan, block_nbytes: int, start: int, end: int) -> dict[
     return dict(out)
 
 
-def busiest(ledger: PullLedger, peers: dict[str, int], beta_bytes_per_s: float) -> InFlight:
-    """The most loaded of `peers`' queues (by bytes still to move): what a load over them waits behind."""
-    queues = [ledger.in_flight(peer, beta_bytes_per_s) for peer in peers]
-    return max(queues, key=lambda q: (q.queued_bytes, q.num_pulls), default=InFlight())
+def busiest(ledger: PullLedger, peers: dict[str, int]) -> InFlight:
+    """The most loaded of `peers`' queues (by bytes in flight): what a load over them waits behind."""
+    queues = [ledger.in_flight(peer) for peer in peers]
+    return max(queues, key=lambda q: (q.nbytes, q.num_pulls), default=InFlight())

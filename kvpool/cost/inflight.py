@@ -7,17 +7,17 @@ finishes after about `alpha + (queued + n) / beta`, not `alpha + n / beta`. `Pul
 its own bytes (`decide_reuse(queued_bytes=...)`), so the 50th request of a burst sees the 49 before it
 and recomputes (or loads less) once that is cheaper.
 
-The queue estimate is `min(live bytes, fluid backlog)`: live bytes are those of unreleased pulls (an
-upper bound); the fluid backlog drains at the link's bandwidth since the last registration (a pull
-released late, as a vLLM scheduler learns of its worker's load only when the request ends, stops
-counting once the link would have moved it). A registration expires after `ttl_s` even if never
-released: no path can leak the queue for good. Thread-safe; `clock` returns seconds (monotonic).
+The queue is the bytes of every registered pull not yet released, counted whole until it ends: on a
+shared host the link's calibrated bandwidth overstates what 50 concurrent pulls get (they contend for
+CPU too), so draining the queue at that bandwidth would undercount it (`kvpool bench burst` measured a
+predicted 10 MiB behind 46 MiB really in flight). A registration expires after `ttl_s` even if never
+released (a vLLM scheduler learns of its worker's load only when the request ends): no path can leak
+the queue for longer. Thread-safe; `clock` returns seconds (monotonic).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 import uuid
@@ -29,21 +29,16 @@ from kvpool.errors import InvalidArgument
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InFlight:
-    """What a peer's link is committed to now: `num_pulls` registered pulls of `nbytes` in all, of which
-    about `queued_bytes` (<= `nbytes`) have not crossed the link yet."""
+    """What a peer's link is committed to now: `num_pulls` registered pulls of `nbytes` in all."""
 
     num_pulls: int = 0
     nbytes: int = 0
-    queued_bytes: int = 0
 
 
 @dataclass(slots=True)
 class _Peer:
     num_pulls: int = 0
     nbytes: int = 0
-    backlog: float = 0.0
-    rate: float = math.inf  # bytes/s the backlog drains at (the bandwidth last given for this peer)
-    t_last: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,21 +81,14 @@ class PullLedger:
         self.num_released = 0
         self.num_expired = 0
 
-    def in_flight(self, peer: str, beta_bytes_per_s: float = math.inf) -> InFlight:
-        """The pulls in flight to `peer`; `beta_bytes_per_s` (the link's bandwidth) drains the backlog."""
+    def in_flight(self, peer: str) -> InFlight:
+        """The pulls in flight to `peer` (a store's data address)."""
         with self._lock:
             self._expire(self._clock())
             p = self._peers.get(peer)
-            if p is None:
-                return InFlight()
-            self._drain(p, beta_bytes_per_s)
-            return InFlight(
-                num_pulls=p.num_pulls, nbytes=p.nbytes, queued_bytes=math.ceil(min(p.backlog, p.nbytes))
-            )
+            return InFlight() if p is None else InFlight(num_pulls=p.num_pulls, nbytes=p.nbytes)
 
-    def register(
-        self, peer_bytes: Mapping[str, int], *, ttl_s: float, beta_bytes_per_s: float = math.inf
-    ) -> PullTicket:
+    def register(self, peer_bytes: Mapping[str, int], *, ttl_s: float) -> PullTicket:
         """Register a pull of `peer_bytes[peer]` bytes from each peer; it counts until released or `ttl_s`
         (its deadline: a pull is abandoned by then) has passed. The caller releases it exactly once,
         in a `finally` or a `with` (a second release is a no-op). Raises `InvalidArgument` on negative
@@ -115,11 +103,9 @@ class PullLedger:
             now = self._clock()
             self._expire(now)
             for peer, n in items:
-                p = self._peers.setdefault(peer, _Peer(t_last=now))
-                self._drain(p, beta_bytes_per_s)
+                p = self._peers.setdefault(peer, _Peer())
                 p.num_pulls += 1
                 p.nbytes += n
-                p.backlog += n
             self._entries[ticket_id] = _Entry(items, now + ttl_s)
             self.num_registered += 1
         return PullTicket(self, ticket_id)
@@ -146,14 +132,5 @@ class PullLedger:
             p = self._peers[peer]
             p.num_pulls -= 1
             p.nbytes -= n
-            p.backlog = min(p.backlog, float(p.nbytes))
             if p.num_pulls == 0:
                 del self._peers[peer]
-
-    def _drain(self, p: _Peer, beta_bytes_per_s: float) -> None:
-        now = self._clock()
-        if beta_bytes_per_s > 0 and math.isfinite(beta_bytes_per_s):
-            p.rate = beta_bytes_per_s
-        if math.isfinite(p.rate):
-            p.backlog = max(0.0, p.backlog - p.rate * max(0.0, now - p.t_last))
-        p.t_last = now
