@@ -115,6 +115,16 @@ CALLS = st.one_of(
         st.builds(pb.ReportBadReplicaRequest, namespace=raw, block_hash=raw, location=loc, reason=ids),
     ),
     st.tuples(
+        st.just("ReportDataPlaneFailure"),
+        st.builds(
+            pb.ReportDataPlaneFailureRequest,
+            node_id=ids,
+            epoch=u64,
+            kind=st.sampled_from(["write", "read", "checksum", "", "x"]) | ids,
+            detail=ids,
+        ),
+    ),
+    st.tuples(
         st.just("ReportLocal"),
         st.builds(
             pb.ReportLocalRequest,

@@ -57,8 +57,10 @@ def status(as_json: bool = JSON) -> None:
 
 @admin_app.command()
 def nodes(as_json: bool = JSON) -> None:
-    """Registered nodes with liveness, fill and blocks (a vLLM engine: its OpenAI URL and KV cache usage)."""
-    cols = ["node", "role", "alive", "draining", "grpc / url", "data", "used/slots", "blocks", "queue", "kv"]
+    """Registered nodes with liveness, fill and blocks (a vLLM engine: its OpenAI URL and KV cache usage; a
+    store: its data plane, ok, suspect, failed or trial, and the failures reported since it registered)."""
+    cols = ["node", "role", "alive", "draining", "grpc / url", "data", "used/slots", "blocks", "queue"]
+    cols += ["kv", "data plane"]
 
     def render(ns: Any) -> None:
         rows = [
@@ -73,6 +75,7 @@ def nodes(as_json: bool = JSON) -> None:
                 n.num_blocks,
                 n.load.queue_len,
                 f"{n.load.kv_usage:.0%}" if n.node.role.startswith("vllm") else "",
+                f"{n.dataplane_state} ({n.num_dataplane_failures})" if n.dataplane_state else "",
             ]
             for n in ns
         ]

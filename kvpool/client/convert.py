@@ -160,6 +160,8 @@ def node_status(n: Any) -> NodeStatus:
         num_blocks=n.num_blocks,
         used_bytes=n.used_bytes,
         load=load_from_pb(n.load),
+        dataplane_state=n.dataplane_state,
+        num_dataplane_failures=n.num_dataplane_failures,
     )
 
 

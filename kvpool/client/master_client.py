@@ -296,6 +296,12 @@ class MasterClient:
         )
         self._call("ReportBadReplica", req, retry=True)
 
+    def report_dataplane_failure(self, node_id: str, epoch: int, kind: str, detail: str) -> None:
+        """A data-plane operation with store `node_id` failed (`kind`: write, read or checksum; `epoch` 0:
+        its current process). The caller reports off its request path (`kvpool.client.faults`)."""
+        req = pb.ReportDataPlaneFailureRequest(node_id=node_id, epoch=epoch, kind=kind, detail=detail)
+        self._call("ReportDataPlaneFailure", req)
+
     def report_local(
         self,
         node_id: str,

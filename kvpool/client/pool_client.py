@@ -3,7 +3,9 @@
 `get_blocks`: match under a read lease, read each block from one of its replicas (checksums verified by
 the transport, generations by the store), fall back to another replica, report replicas that failed
 (so the next lookup does not offer them: B18), release the lease. A read that outlives its lease counts
-as failed (B17). `put_blocks`: reserve, write each replica, commit what landed; abort on failure.
+as failed (B17). `put_blocks`: reserve, write each replica, commit what landed; abort on failure. A write
+the store refused or lost is reported to the master off the request path (`kvpool.client.reports`), which
+stops placing on a store whose data plane fails (`kvpool.master.dataplane`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvpool import capability
-from kvpool.client.faults import is_replica_fault
+from kvpool.client.faults import is_replica_fault, write_fault_kind
 from kvpool.client.master_client import MasterClient
+from kvpool.client.reports import DataPlaneReporter
 from kvpool.client.types import BlockGet, CommitBlock, GetResult, Match, PutResult
 from kvpool.errors import InvalidArgument, KVPoolError
 from kvpool.types import Location
@@ -47,6 +50,7 @@ class PoolClient:
         self.block_nbytes = block_nbytes
         self.transfer_timeout_s = transfer_timeout_s
         self.lease_ttl_ms = lease_ttl_ms
+        self.reports = DataPlaneReporter(self.master.report_dataplane_failure)
 
     def close(self) -> None:
         self.master.close()
@@ -211,6 +215,9 @@ class PoolClient:
                         written[i].append(loc)
                     else:
                         log.warning("write of block %d to %s failed: %s", i, loc.node_id, r.error)
+                        if kind := write_fault_kind(r.error):  # the store's data plane, not this writer
+                            node = res.nodes[loc.node_id]
+                            self.reports.report(loc.node_id, node.epoch, kind, r.error)
             to_commit = [
                 CommitBlock(b.block_hash, sums[i], tuple(written[i]))
                 for i, b in enumerate(res.blocks)

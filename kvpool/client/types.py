@@ -157,6 +157,8 @@ class NodeStatus:
     num_blocks: int
     used_bytes: int
     load: NodeLoad
+    dataplane_state: str = ""  # a store's data plane: ok | suspect | failed | trial (kvpool.master.dataplane)
+    num_dataplane_failures: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from kvpool.capability import Capabilities, process_capabilities
 from kvpool.errors import FailedPrecondition, InvalidArgument
 from kvpool.index.radix import RadixIndex
 from kvpool.index.results import DroppedBlock, MatchResult
-from kvpool.master import bounds
+from kvpool.master import bounds, dataplane
 from kvpool.master.members import Membership
 from kvpool.master.namespaces import NamespaceRegistry
 from kvpool.master.nodes import NodeRecord
@@ -99,6 +99,7 @@ class Master(NodeRegistry):
         self.quotas = TenantQuotas.from_file(settings.tenants)
         self.st = MasterState()
         self.counters = Counters()
+        self.dataplane_policy = dataplane.DataPlanePolicy()
         self.stores = stores or StoreCalls(settings.store_timeout_s, self.capabilities)
         self.master_epoch = time.time_ns()
         self.fresh_generation = self.master_epoch // 1000
@@ -307,6 +308,11 @@ class Master(NodeRegistry):
             res = self.index.match_prefix(
                 NamespaceId(ns), hashes, count_hit=count_hit, lease_ttl_ms=lease_ttl_ms
             )
+            known = self.st.nodes
+            nodes = [known[n] for n in res.node_names() if n in known]
+            kept = dataplane.offered(self, res, nodes)  # not from a store whose data plane failed
+            if kept is not res:
+                res, nodes = kept, [known[n] for n in kept.node_names() if n in known]
             if count_hit:
                 c, bs = self.counters, self.layout.block_size
                 prompt = num_prompt_tokens or len(hashes) * bs
@@ -315,8 +321,6 @@ class Master(NodeRegistry):
                 c.hit_tokens += min(res.num_matched * bs, prompt)
                 c.requested_blocks += len(hashes)
                 c.hit_blocks += res.num_matched
-            known = self.st.nodes
-            nodes = [known[n] for n in res.node_names() if n in known]
         return res, nodes
 
     def renew_lease(self, lease_id: int, ttl_ms: int) -> int:

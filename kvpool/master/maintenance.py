@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpool.errors import KVPoolError
-from kvpool.master import bounds
+from kvpool.master import bounds, dataplane
 from kvpool.master.core import BlockKey, BlockMeta
 from kvpool.master.grants import read_grant
 from kvpool.master.stores import InventoryItem, SlotOrder
@@ -244,7 +244,7 @@ class Maintenance:
         dsts = [  # a copy never takes a store past its high watermark: its eviction would undo the copy
             n
             for n in nodes.values()
-            if n.placeable and m.reachable(n) and n.node_id not in have and n.free
+            if n.placeable and m.reachable(n) and dataplane.usable(m, n) and n.node_id not in have and n.free
             and n.num_allocated + 1 <= high * n.num_slots
         ]  # fmt: skip
         if not dsts:

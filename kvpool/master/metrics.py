@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvpool.master import dataplane
 from kvpool.master.core import Master
 from kvpool.master.registry import ROLES
 
@@ -54,6 +55,16 @@ class MasterCollector(Collector):
             P + "store_capacity_bytes", "Segment bytes per store node.", labels=["node"]
         )
         alive = GaugeMetricFamily(P + "nodes_alive", "Registered live nodes by role.", labels=["role"])
+        dp_failed = GaugeMetricFamily(
+            P + "store_dataplane_failed",
+            "1 while a store's data plane is failed (not placed on, its replicas not offered).",
+            labels=["node"],
+        )
+        dp_failures = CounterMetricFamily(
+            P + "store_dataplane_failures",
+            "Data-plane failures reported per store since it registered.",
+            labels=["node"],
+        )
         with m.lock:
             num_blocks = m.index.num_blocks
             num_leases = m.index.num_live_leases
@@ -73,9 +84,11 @@ class MasterCollector(Collector):
                 cap_slots.add_metric([rec.node_id], rec.num_slots)
                 used_bytes.add_metric([rec.node_id], node_bytes)
                 cap_bytes.add_metric([rec.node_id], rec.num_slots * rec.block_nbytes)
+                dp_failed.add_metric([rec.node_id], 0.0 if dataplane.usable(m, rec) else 1.0)
+                dp_failures.add_metric([rec.node_id], rec.dataplane.num_failures)
         for role, n in sorted(by_role.items()):
             alive.add_metric([role], n)
-        yield from (used_slots, cap_slots, used_bytes, cap_bytes, alive)
+        yield from (used_slots, cap_slots, used_bytes, cap_bytes, alive, dp_failed, dp_failures)
         yield GaugeMetricFamily(P + "index_blocks", "Blocks in the index (resident).", value=num_blocks)
         yield GaugeMetricFamily(
             P + "index_bytes", "Bytes of block replicas on live store nodes.", value=total_bytes

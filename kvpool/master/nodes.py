@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvpool.client.types import NodeLoad
+from kvpool.master.dataplane import DataPlaneHealth
 from kvpool.types import Location
 
 
@@ -32,6 +33,7 @@ class NodeRecord:
     registered_ms: int = 0
     adopt_failures: int = 0  # store: failed inventory reads since it registered
     unreachable_until_ms: int = 0  # a control call to it failed: no placements or free orders till then
+    dataplane: DataPlaneHealth = field(default_factory=DataPlaneHealth)  # store: kvpool.master.dataplane
     num_used_slots_reported: int = 0
     load: NodeLoad = field(default_factory=NodeLoad)
     free: deque[tuple[int, int]] = field(default_factory=deque)  # (slot, generation), acknowledged

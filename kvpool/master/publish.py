@@ -26,6 +26,7 @@ from kvpool.errors import (
     Unavailable,
     VersionFenced,
 )
+from kvpool.master import dataplane
 from kvpool.master.core import BlockMeta, check_hash
 from kvpool.master.nodes import NodeRecord
 from kvpool.master.placement import (
@@ -177,7 +178,7 @@ class Publisher:
         num_new = len(hashes) - sum(present)
         if num_new == 0:
             return ReserveOutcome(0, list(hashes), present, [[] for _ in hashes], write_lease_ms, [], 0)
-        nodes = [n for n in m.st.nodes.values() if n.placeable]
+        nodes = [n for n in m.st.nodes.values() if n.placeable and dataplane.usable(m, n)]
         k = min(num_replicas, len(nodes))
         fresh = [n for n in nodes if m.reachable(n)]
         if len(fresh) >= max(k, 1):  # a node cut off (silent, or its last call failed) only as a last resort

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.errors import FailedPrecondition, NotFound
 from kvpool.index.results import DroppedBlock
+from kvpool.master import dataplane
 from kvpool.master.core import check_hash
 from kvpool.types import BlockHash, Location, NamespaceId
 
@@ -47,10 +48,14 @@ def remove_blocks(m: Master, ns: bytes, block_hashes: Sequence[bytes], force: bo
 
 
 def report_bad_replica(m: Master, ns: bytes, block_hash: bytes, loc: Location, reason: str) -> None:
-    """Drop one replica a reader could not read, so the next lookup does not offer it (B18)."""
+    """Drop one replica a reader could not read, so the next lookup does not offer it (B18). Bytes that
+    failed their checksum also fail the store's data plane (`kvpool.master.dataplane`)."""
     check_hash(ns, "namespace")
     check_hash(block_hash, "block_hash")
     with m.lock:
+        rec = m.st.nodes.get(loc.node_id)
+        if rec is not None and rec.is_store and not loc.local and "checksum" in reason.lower():
+            dataplane.report_failure(m, loc.node_id, rec.epoch, "checksum", reason)
         try:
             dropped = m.index.remove_location(NamespaceId(ns), BlockHash(block_hash), loc)
         except NotFound:

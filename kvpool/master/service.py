@@ -10,7 +10,7 @@ import grpc
 
 from kvpool.client.convert import load_from_pb
 from kvpool.errors import InvalidArgument, Unauthenticated
-from kvpool.master import replica_ops
+from kvpool.master import dataplane, replica_ops
 from kvpool.master.adapter_service import AdapterRpcs
 from kvpool.master.core import Master
 from kvpool.master.gate import join_token_of
@@ -254,6 +254,13 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
             self.m, request.namespace, request.block_hash, location(request.location), request.reason
         )
         return pb.ReportBadReplicaResponse()
+
+    @rpc_errors
+    def ReportDataPlaneFailure(
+        self, request: pb.ReportDataPlaneFailureRequest, context: grpc.ServicerContext
+    ) -> pb.ReportDataPlaneFailureResponse:
+        dataplane.report_failure(self.m, request.node_id, request.epoch, request.kind, request.detail)
+        return pb.ReportDataPlaneFailureResponse()
 
     @rpc_errors
     def ReportLocal(

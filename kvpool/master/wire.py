@@ -90,6 +90,8 @@ def short(value: str, what: str) -> str:
 
 
 def node_stats(m: Master, rec: NodeRecord) -> pb.NodeStats:
+    """Under the master's lock."""
+    dp = rec.dataplane
     return pb.NodeStats(
         node=endpoint(rec),
         alive=rec.alive,
@@ -99,6 +101,8 @@ def node_stats(m: Master, rec: NodeRecord) -> pb.NodeStats:
         num_blocks=m.index.num_blocks_on_node(rec.node_id),
         used_bytes=m.index.bytes_on_node(rec.node_id),
         load=load_pb(rec.load),
+        dataplane_state=dp.refresh(m.clock.now_ms(), m.dataplane_policy) if rec.is_store else "",
+        num_dataplane_failures=dp.num_failures,
     )
 
 

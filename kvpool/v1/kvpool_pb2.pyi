@@ -413,6 +413,22 @@ class ReportBadReplicaResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ReportDataPlaneFailureRequest(_message.Message):
+    __slots__ = ("node_id", "epoch", "kind", "detail")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    kind: str
+    detail: str
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ReportDataPlaneFailureResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ReportLocalRequest(_message.Message):
     __slots__ = ("node_id", "epoch", "namespace", "stored", "removed", "cleared")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -438,7 +454,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("node", "alive", "draining", "num_slots", "num_used_slots", "num_blocks", "used_bytes", "load")
+    __slots__ = ("node", "alive", "draining", "num_slots", "num_used_slots", "num_blocks", "used_bytes", "load", "dataplane_state", "num_dataplane_failures")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -447,6 +463,8 @@ class NodeStats(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    DATAPLANE_STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DATAPLANE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     node: NodeEndpoint
     alive: bool
     draining: bool
@@ -455,7 +473,9 @@ class NodeStats(_message.Message):
     num_blocks: int
     used_bytes: int
     load: NodeLoad
-    def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., alive: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_slots: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+    dataplane_state: str
+    num_dataplane_failures: int
+    def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., alive: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_slots: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., dataplane_state: _Optional[str] = ..., num_dataplane_failures: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("num_blocks", "used_bytes", "capacity_bytes", "num_live_leases", "num_evictions", "num_match_requests", "requested_tokens", "hit_tokens", "requested_blocks", "hit_blocks", "uptime_s", "nodes", "num_namespaces", "num_reserved_blocks", "num_rereplications", "block_size", "namespaces")

@@ -109,6 +109,11 @@ class MasterStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ReportBadReplicaRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ReportBadReplicaResponse.FromString,
                 _registered_method=True)
+        self.ReportDataPlaneFailure = channel.unary_unary(
+                '/kvpool.v1.Master/ReportDataPlaneFailure',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ReportDataPlaneFailureRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ReportDataPlaneFailureResponse.FromString,
+                _registered_method=True)
         self.ReportLocal = channel.unary_unary(
                 '/kvpool.v1.Master/ReportLocal',
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ReportLocalRequest.SerializeToString,
@@ -255,6 +260,12 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportDataPlaneFailure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportLocal(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -392,6 +403,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ReportBadReplica,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ReportBadReplicaRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.ReportBadReplicaResponse.SerializeToString,
+            ),
+            'ReportDataPlaneFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportDataPlaneFailure,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ReportDataPlaneFailureRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.ReportDataPlaneFailureResponse.SerializeToString,
             ),
             'ReportLocal': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportLocal,
@@ -849,6 +865,33 @@ class Master:
             '/kvpool.v1.Master/ReportBadReplica',
             kvpool_dot_v1_dot_kvpool__pb2.ReportBadReplicaRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.ReportBadReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportDataPlaneFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/ReportDataPlaneFailure',
+            kvpool_dot_v1_dot_kvpool__pb2.ReportDataPlaneFailureRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.ReportDataPlaneFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,

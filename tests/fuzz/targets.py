@@ -33,7 +33,7 @@ PEER_UNAVAILABLE = frozenset({SC.UNAVAILABLE})
 EXPECTED = {
     "Master": {"JoinChallenge", "RegisterNode", "Heartbeat", "DeregisterNode", "RegisterNamespace", "SetModelVersion",
                "MatchPrefix", "MatchPrefixStream", "RenewLease", "ReleaseLease", "Reserve", "Commit", "Abort",
-               "RemoveBlocks", "ReportBadReplica", "ReportLocal", "Stats", "ListNodes", "Drain", "Evict",
+               "RemoveBlocks", "ReportBadReplica", "ReportDataPlaneFailure", "ReportLocal", "Stats", "ListNodes", "Drain", "Evict",
                "InvalidateNamespace", "RegisterAdapter", "ReloadAdapter", "UnloadAdapter", "ListAdapters"},
     "Store": {"GetInfo", "ReserveSlots", "CommitSlots", "FreeSlots", "Inventory", "CopyBlocks"},
     "Prefill": {"Prefill", "GetInfo"},
@@ -90,6 +90,9 @@ def hints(layout: str, num_slots: int, data_address: str) -> Hints:
         # only the fuzz's own fake stores leave: the cluster's real nodes keep serving
         m + "DeregisterNodeRequest.node_id": st.sampled_from(["fz0", "fz1", "fz2"]),
         m + "DeregisterNodeRequest.epoch": st.integers(0, 3),
+        # only the fuzz's own fake stores are reported: the cluster's real stores keep their data plane
+        m + "ReportDataPlaneFailureRequest.node_id": st.sampled_from(["fz0", "fz1", "fz2", ""]),
+        m + "ReportDataPlaneFailureRequest.kind": st.sampled_from(["write", "read", "checksum", "", "x"]),
         m + "RegisterNamespaceRequest.layout_fingerprint": st.just(layout),
         m + "MatchPrefixRequest.namespace": ns16,
         m + "ReserveRequest.block_nbytes": st.just(65536),

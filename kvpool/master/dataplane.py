@@ -1,0 +1,152 @@
+"""Data-plane health of each store node, fed by the readers and writers that move its bytes.
+
+A store can answer heartbeats (control plane) while its data plane fails: writes refused, transfers
+erroring, bytes that fail their checksum. Members report such failures (`ReportDataPlaneFailure`; a
+reader's checksum report, `ReportBadReplica`, counts too) and the master keeps one `DataPlaneHealth` per
+store record (a new epoch starts healthy):
+
+- `ok` → `suspect` on a failure; `suspect` → `failed` after `fail_after` failures within `window_ms`,
+  or at once on one checksum failure (a read of bad bytes costs correctness, a miss only recompute).
+- `failed`: no new blocks are placed on it and matches do not offer its replicas (a block whose only
+  replicas are there ends the match: the rest is recomputed), for a back-off (`backoff_ms`, doubling on
+  each failure on trial, up to `max_backoff_ms`).
+- After the back-off it is on `trial`: placed on and offered again, so the next real transfers probe it.
+  A failure reported during `trial_ms` fails it again (longer back-off); a clean `trial_ms` makes it `ok`.
+
+Mutated only under the master's lock; time comes from the master's clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpool.errors import InvalidArgument, NotFound
+from kvpool.index.results import MatchResult
+from kvpool.types import Location
+
+if TYPE_CHECKING:
+    from kvpool.master.core import Master
+    from kvpool.master.nodes import NodeRecord
+
+log = logging.getLogger(__name__)
+
+KINDS = ("write", "read", "checksum")
+"""What failed: a write refused or lost, a read that erred in transit, bytes that failed their checksum."""
+MAX_DETAIL_CHARS = 256
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataPlanePolicy:
+    fail_after: int = 3
+    window_ms: int = 10_000
+    backoff_ms: int = 5_000
+    max_backoff_ms: int = 60_000
+    trial_ms: int = 10_000
+
+
+@dataclass(slots=True)
+class DataPlaneHealth:
+    """One store's data-plane state (see the module docstring)."""
+
+    state: str = "ok"  # ok | suspect | failed | trial
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=64))  # failure times (ms), bounded
+    until_ms: int = 0  # failed: not used before this; trial: ok after this without a failure
+    backoff_ms: int = 0  # the last back-off (0: none yet)
+    num_failures: int = 0  # reported since the store registered (this epoch)
+    last_error: str = ""
+
+    def record(self, kind: str, detail: str, now_ms: int, policy: DataPlanePolicy) -> bool:
+        """One reported failure; True when it made the store `failed` (it was not already)."""
+        self.refresh(now_ms, policy)
+        self.num_failures += 1
+        self.last_error = f"{kind}: {detail[:MAX_DETAIL_CHARS]}"
+        if self.state == "failed":
+            return False
+        self.recent.append(now_ms)
+        while self.recent and self.recent[0] < now_ms - policy.window_ms:
+            self.recent.popleft()
+        if kind == "checksum" or self.state == "trial" or len(self.recent) >= policy.fail_after:
+            grown = self.backoff_ms * 2 if self.state == "trial" else policy.backoff_ms
+            self.backoff_ms = min(max(grown, policy.backoff_ms), policy.max_backoff_ms)
+            self.state, self.until_ms = "failed", now_ms + self.backoff_ms
+            self.recent.clear()
+            return True
+        self.state = "suspect"
+        return False
+
+    def refresh(self, now_ms: int, policy: DataPlanePolicy) -> str:
+        """Advance by time: a back-off over → `trial`; a clean trial, or a suspect with no failure in the
+        window → `ok`. Returns the state."""
+        if self.state == "failed" and now_ms >= self.until_ms:
+            self.state, self.until_ms = "trial", now_ms + policy.trial_ms
+        elif self.state == "trial" and now_ms >= self.until_ms:
+            self.state, self.backoff_ms = "ok", 0
+        elif self.state == "suspect" and (not self.recent or self.recent[-1] < now_ms - policy.window_ms):
+            self.state = "ok"
+            self.recent.clear()
+        return self.state
+
+    def usable(self, now_ms: int, policy: DataPlanePolicy) -> bool:
+        """Worth placing on and reading from now."""
+        return self.refresh(now_ms, policy) != "failed"
+
+
+def report_failure(m: Master, node_id: str, epoch: int, kind: str, detail: str) -> None:
+    """A member saw the data plane of store `node_id` fail (`epoch` 0: whichever process holds the id now;
+    another epoch than the registered one: about an earlier process, ignored)."""
+    if kind not in KINDS:
+        raise InvalidArgument(f"kind must be one of {KINDS}, got {kind[:32]!r}")
+    if not node_id:
+        raise InvalidArgument("node_id must be non-empty")
+    with m.lock:
+        rec = m.st.nodes.get(node_id)
+        if rec is None or not rec.is_store:
+            raise NotFound(f"no store node {node_id[:64]!r}")
+        if epoch and epoch != rec.epoch:
+            return
+        failed = rec.dataplane.record(kind, detail, m.clock.now_ms(), m.dataplane_policy)
+        backoff_ms = rec.dataplane.backoff_ms
+    if failed:
+        log.warning(
+            "store %s data plane failed (%s: %s): not placed on or read from for %d ms",
+            *(node_id, kind, detail[:MAX_DETAIL_CHARS], backoff_ms),
+        )
+
+
+def usable(m: Master, rec: NodeRecord) -> bool:
+    """Under the lock: `rec`'s data plane may take new blocks and serve reads now."""
+    return rec.dataplane.usable(m.clock.now_ms(), m.dataplane_policy)
+
+
+def offered(m: Master, res: MatchResult, nodes: list[NodeRecord]) -> MatchResult:
+    """Under the lock: `res` without the replicas on stores whose data plane failed (`nodes`: the records
+    its replicas name); the match ends at the first block left without a replica."""
+    bad = {n.node_id for n in nodes if n.is_store and not usable(m, n)}
+    if not bad:
+        return res
+    kept: list[tuple[Location, ...]] = []
+    for locs in res.locations:
+        keep = tuple(x for x in locs if x.node_id not in bad)
+        if not keep:
+            break
+        kept.append(keep)
+    names = list(dict.fromkeys(x.node_id for locs in kept for x in locs))
+    at = {n: i for i, n in enumerate(names)}
+    rec = np.zeros(
+        len(kept),
+        dtype=[
+            ("rep_node", np.int32),
+            ("rep_slot", np.int64),
+            ("rep_gen", np.int64),
+            ("rep_local", np.bool_),
+        ],
+    )
+    for i, locs in enumerate(kept):
+        rec[i] = (at[locs[0].node_id], locs[0].slot, locs[0].generation, locs[0].local)
+    extra = {i: locs[1:] for i, locs in enumerate(kept) if len(locs) > 1}
+    return MatchResult(len(kept), res.lease_id, res.lease_expiry_ms, node_ids=names, records=rec, extra=extra)

@@ -1,0 +1,118 @@
+"""A store whose data plane fails while it keeps heartbeating (issue 26 item 1), with real processes.
+
+A real master and two real store processes on 127.0.0.1; the client reads and writes over UCX. One
+store's committed bytes are overwritten in its own memory (its segment's memfd, opened through
+/proc/<pid>/fd as a RAM fault would change them; root or the store's uid), so the reader's checksum
+fails: the master then places new blocks only on the other store and stops offering the failed store's
+other replicas, while the store stays alive; after the back-off it is tried again and serves reads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvpool.client import MasterClient, PoolClient
+from kvpool.hashing import hash_blocks
+from kvpool.master.dataplane import DataPlanePolicy
+from kvpool.master.procs import LAYOUT, Proc, start_master, start_store
+from tests.test_master_cluster import LAY, blocks_for, wait_stores
+
+transfer = pytest.importorskip("transfer")
+pytestmark = pytest.mark.skipif(transfer.ucx_available() is not None, reason="UCX unavailable")
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[Proc, list[Proc]]]:
+    master = start_master("--heartbeat-timeout-ms", "60000")
+    stores: list[Proc] = []
+    try:
+        stores = [start_store(master.grpc_address, f"s{i}") for i in range(2)]
+        wait_stores(master.grpc_address, 2)
+        yield master, stores
+    finally:
+        for s in stores:
+            s.kill()
+        master.kill()
+
+
+@pytest.fixture
+def transport() -> Iterator[object]:
+    t = transfer.UcxTransport()
+    yield t
+    t.close()
+
+
+def corrupt_slot(store: Proc, slot: int, nbytes: int = 64) -> None:
+    """Overwrite the first bytes of `slot` in the store's segment (its memfd, opened read-write)."""
+    fds = f"/proc/{store.popen.pid}/fd"
+    for fd in os.listdir(fds):
+        with_target = os.readlink(f"{fds}/{fd}")
+        if with_target.startswith("/memfd:") and "segment" in with_target:
+            try:
+                with open(f"{fds}/{fd}", "r+b", buffering=0) as f:
+                    f.seek(slot * LAY.block_nbytes)
+                    f.write(bytes(255 - b for b in f.read(nbytes)))
+                    return
+            except PermissionError:
+                pytest.skip("no write access to the store's segment (needs root or the store's uid)")
+    pytest.skip("the store's segment is not a memfd here")
+
+
+def eventually(cond: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.2)
+
+
+def test_a_store_whose_bytes_fail_their_checksum_gets_no_blocks_and_serves_no_reads_until_tried(
+    cluster, transport
+) -> None:
+    master, stores = cluster
+    with (
+        MasterClient(master.grpc_address) as mc,
+        PoolClient(master.grpc_address, transport, block_nbytes=LAY.block_nbytes) as pool,
+    ):
+        ns, _ = mc.register_namespace("dataplane", "v1", LAYOUT)
+
+        def publish(seed: int) -> tuple[bytes, str, int]:
+            """One single-block prompt: (hash, the node and slot its replica landed on)."""
+            h = hash_blocks(ns, [seed] * LAY.block_size, LAY.block_size)
+            assert pool.put_blocks(ns, None, h, blocks_for(1, seed), num_replicas=1).num_committed == 1
+            loc = mc.match(ns, h).replicas[0][0]
+            return h[0], loc.node_id, loc.slot
+
+        on: dict[str, list[tuple[bytes, int, int]]] = {"s0": [], "s1": []}
+        for seed in range(60):  # spread over both (s1 may be adopted a tick later)
+            h, node, slot = publish(seed)
+            on[node].append((h, slot, seed))
+            if len(on["s0"]) >= 2 and len(on["s1"]) >= 2:
+                break
+            time.sleep(0.05)
+        assert len(on["s1"]) >= 2, on
+        (bad, bad_slot, _), (intact, _, intact_seed) = on["s1"][:2]
+
+        corrupt_slot(stores[1], bad_slot)
+        got = pool.get_blocks(ns, [bad])
+        assert got.num_ok == 0 and "checksum" in got.blocks[0].error
+        t_failed = time.monotonic()
+        nodes = {n.node.node_id: n for n in mc.list_nodes()}
+        assert nodes["s1"].dataplane_state == "failed" and nodes["s1"].alive  # it still heartbeats
+        assert nodes["s0"].dataplane_state == "ok"
+
+        assert mc.match(ns, [intact]).num_matched == 0  # its intact replica is not offered either
+        placed = [publish(1000 + seed)[1] for seed in range(8)]
+        assert placed == ["s0"] * 8, placed  # no new block on the failed store
+        assert time.monotonic() - t_failed < DataPlanePolicy().backoff_ms / 1000, "too slow to check"
+
+        # after its back-off it is on trial: offered and placed on again; its intact bytes read back right
+        eventually(lambda: mc.match(ns, [intact]).num_matched == 1, timeout_s=20)
+        again = pool.get_blocks(ns, [intact])
+        assert again.num_ok == 1 and again.blocks[0].data == blocks_for(1, intact_seed)[0].tobytes()
+        assert {n.node.node_id: n.dataplane_state for n in mc.list_nodes()}["s1"] in ("trial", "ok")
+        assert "s1" in {publish(2000 + seed)[1] for seed in range(8)}
