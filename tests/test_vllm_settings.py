@@ -28,6 +28,7 @@ def test_every_key_is_accepted() -> None:
         "lease_ttl_ms": 5000,
         "pull_timeout_s": 3.5,
         "match_wait_s": 0.25,
+        "pd_wait_s": 0.5,
         "num_replicas": 2,
         "cost_margin": 0.0,
         "publish_max_bytes": 1 << 20,
