@@ -2,8 +2,8 @@
 
 A real master and two real store processes on 127.0.0.1; the client reads and writes over UCX. One
 store's committed bytes are overwritten in its own memory (through /proc/<pid>/mem, as a RAM fault would
-change them; the test process is the store's parent), so the reader's checksum fails: the master then
-places new blocks only on the other store and stops offering the failed store's other replicas, while
+change them; the test process is the store's parent), so the reader's checksum fails: one bad slot costs
+that block only; after `fail_after` of them the master places new blocks only on the other store and stops offering the failed store's other replicas, while
 the store stays alive; after the back-off it is tried again and serves reads.
 """
 
@@ -90,18 +90,25 @@ def test_a_store_whose_bytes_fail_their_checksum_gets_no_blocks_and_serves_no_re
             return h[0], loc.node_id, loc.slot
 
         on: dict[str, list[tuple[bytes, int, int]]] = {"s0": [], "s1": []}
-        for seed in range(60):  # spread over both (s1 may be adopted a tick later)
+        n_bad = (
+            DataPlanePolicy().fail_after
+        )  # one corrupted slot costs one block; a store that keeps failing fails
+        for seed in range(200):  # spread over both (s1 may be adopted a tick later)
             h, node, slot = publish(seed)
             on[node].append((h, slot, seed))
-            if len(on["s0"]) >= 2 and len(on["s1"]) >= 2:
+            if len(on["s0"]) >= 2 and len(on["s1"]) >= n_bad + 1:
                 break
             time.sleep(0.05)
-        assert len(on["s1"]) >= 2, on
-        (bad, bad_slot, _), (intact, _, intact_seed) = on["s1"][:2]
+        assert len(on["s1"]) >= n_bad + 1, on
+        *bads, (intact, _, intact_seed) = on["s1"][: n_bad + 1]
 
-        corrupt_slot(stores[1], bad_slot)
-        got = pool.get_blocks(ns, [bad])
-        assert got.num_ok == 0 and "checksum" in got.blocks[0].error
+        for i, (bad, bad_slot, _) in enumerate(bads):
+            corrupt_slot(stores[1], bad_slot)
+            got = pool.get_blocks(ns, [bad])
+            assert got.num_ok == 0 and "checksum" in got.blocks[0].error
+            if i == 0:  # one bad slot: that block is dropped, the store keeps serving the others
+                assert {n.node.node_id: n.dataplane_state for n in mc.list_nodes()}["s1"] == "suspect"
+                assert mc.match(ns, [intact]).num_matched == 1
         t_failed = time.monotonic()
         nodes = {n.node.node_id: n for n in mc.list_nodes()}
         assert nodes["s1"].dataplane_state == "failed" and nodes["s1"].alive  # it still heartbeats

@@ -56,9 +56,11 @@ def test_failures_within_the_window_fail_a_store_and_a_quiet_window_clears_a_sus
     assert h.until_ms == t + 2 + POLICY.backoff_ms
 
 
-def test_one_checksum_failure_fails_a_store_and_a_failure_on_trial_doubles_the_backoff() -> None:
+def test_checksum_failures_count_like_others_and_a_failure_on_trial_doubles_the_backoff() -> None:
     h = DataPlaneHealth()
-    assert h.record("checksum", "mismatch", 0, POLICY)
+    assert not h.record("checksum", "mismatch", 0, POLICY) and h.state == "suspect"  # one bad slot: one block
+    assert not h.record("checksum", "mismatch", 0, POLICY)
+    assert h.record("checksum", "mismatch", 0, POLICY)  # a store that keeps returning bad bytes fails
     assert not h.usable(POLICY.backoff_ms - 1, POLICY)
     t = POLICY.backoff_ms
     assert h.usable(t, POLICY) and h.state == "trial"  # back on trial: real transfers probe it
@@ -68,10 +70,12 @@ def test_one_checksum_failure_fails_a_store_and_a_failure_on_trial_doubles_the_b
     assert h.refresh(t, POLICY) == "trial"
     assert h.refresh(t + POLICY.trial_ms, POLICY) == "ok" and h.backoff_ms == 0  # a clean trial
     t = 10**9
-    for _ in range(20):  # failing on every trial: the back-off doubles up to its cap
+    for _ in range(POLICY.fail_after):
         h.record("checksum", "x", t, POLICY)
+    for _ in range(20):  # failing on every trial: the back-off doubles up to its cap
         t += h.backoff_ms
         assert h.refresh(t, POLICY) == "trial"
+        assert h.record("checksum", "x", t, POLICY)
     assert h.backoff_ms == POLICY.max_backoff_ms
 
 
@@ -195,15 +199,18 @@ def test_a_failed_data_plane_is_not_placed_on_nor_offered_until_a_trial(
         assert {n.node.node_id: n.dataplane_state for n in c.list_nodes()}["s2"] == "ok"
 
 
-def test_a_checksum_failure_reported_by_a_reader_fails_the_store_at_once(
-    server: MasterServer, clock: FakeClock
-) -> None:
+def test_checksum_failures_reported_by_readers_fail_the_store(server: MasterServer, clock: FakeClock) -> None:
     m = server.master
     with MasterClient(server.address) as c:
         ns, _ = c.register_namespace("m", "v1", FP)
         a, b = hash_blocks(ns, list(range(2 * LAY.block_size)), LAY.block_size)
         _index(m, ns, [a, b], [["s1", "s2"], ["s2", "s1"]])
         c.report_bad_replica(ns, a, Location("s2", 10, 1), "checksum mismatch")
+        assert {n.node.node_id: n.dataplane_state for n in c.list_nodes()}["s2"] == "suspect"  # one bad slot
+        got = c.match(ns, [a, b])  # its other blocks are still offered
+        assert sorted(x.node_id for x in got.replicas[1]) == ["s1", "s2"], got
+        for slot in (11, 12):  # a store that keeps returning bad bytes
+            c.report_bad_replica(ns, a, Location("s2", slot, 1), "checksum mismatch")
         assert {n.node.node_id: n.dataplane_state for n in c.list_nodes()}["s2"] == "failed"
         got = c.match(ns, [a, b])  # b's replica on s2 was not reported, yet it is not offered
         assert got.num_matched == 2 and all([x.node_id for x in r] == ["s1"] for r in got.replicas)

@@ -5,8 +5,11 @@ erroring, bytes that fail their checksum. Members report such failures (`ReportD
 reader's checksum report, `ReportBadReplica`, counts too) and the master keeps one `DataPlaneHealth` per
 store record (a new epoch starts healthy):
 
-- `ok` → `suspect` on a failure; `suspect` → `failed` after `fail_after` failures within `window_ms`,
-  or at once on one checksum failure (a read of bad bytes costs correctness, a miss only recompute).
+- `ok` → `suspect` on a failure; `suspect` → `failed` after `fail_after` failures of any kind within
+  `window_ms`. A checksum failure is one failure like the others: the bad replica itself is dropped at
+  once (`ReportBadReplica`) and a read never returns bad bytes (readers verify), so one corrupted block
+  (a RAM fault in one slot) costs that block, not every block of the store; a store that keeps returning
+  bad bytes fails.
 - `failed`: no new blocks are placed on it and matches do not offer its replicas (a block whose only
   replicas are there ends the match: the rest is recomputed), for a back-off (`backoff_ms`, doubling on
   each failure on trial, up to `max_backoff_ms`).
@@ -70,7 +73,7 @@ class DataPlaneHealth:
         self.recent.append(now_ms)
         while self.recent and self.recent[0] < now_ms - policy.window_ms:
             self.recent.popleft()
-        if kind == "checksum" or self.state == "trial" or len(self.recent) >= policy.fail_after:
+        if self.state == "trial" or len(self.recent) >= policy.fail_after:
             grown = self.backoff_ms * 2 if self.state == "trial" else policy.backoff_ms
             self.backoff_ms = min(max(grown, policy.backoff_ms), policy.max_backoff_ms)
             self.state, self.until_ms = "failed", now_ms + self.backoff_ms
