@@ -130,26 +130,46 @@ def run_demo(
     return summary
 
 
-def _print_report(console: Console, summaries: dict[str, dict[str, Any]], overall: dict[str, Any]) -> None:
-    """One column per scenario, one row per figure (fits an 80-column terminal)."""
-    table = Table(title="kvpool demo: cached (warm) vs cold recompute, same processes")
+COMMON_ROWS: list[tuple[str, Any]] = [
+    ("requests (with hits)", lambda s: f"{s['requests']} ({s['requests_with_hits']})"),
+    ("TTFT cold p50 / p90 s", lambda s: f"{s['ttft_cold_p50_s']:.3f} / {s['ttft_cold_p90_s']:.3f}"),
+    ("TTFT warm p50 / p90 s", lambda s: f"{s['ttft_warm_p50_s']:.3f} / {s['ttft_warm_p90_s']:.3f}"),
+    ("TTFT speedup (p50)", lambda s: f"{s['speedup']:.1f}x"),
+]
+"""The demo tables' first rows: (label, format of one summary)."""
+EQUAL_ROW: tuple[str, Any] = (
+    "greedy equal to cold",
+    lambda s: "yes" if s["greedy_equal"] else f"NO ({s['num_unequal']} differ)",
+)
+
+
+def scenario_table(
+    title: str, summaries: dict[str, dict[str, Any]], overall: dict[str, Any], rows: list[tuple[str, Any]]
+) -> Table:
+    """One column per scenario and one for all, one row per (label, format) (fits an 80-column terminal)."""
+    table = Table(title=title)
     columns = [*summaries.items(), ("all", overall)]
     table.add_column("")
     for name, _ in columns:
         table.add_column(name, justify="right")
+    for label, fmt in rows:
+        table.add_row(label, *(fmt(s) for _, s in columns))
+    return table
+
+
+def _print_report(console: Console, summaries: dict[str, dict[str, Any]], overall: dict[str, Any]) -> None:
     rows: list[tuple[str, Any]] = [
-        ("requests (with hits)", lambda s: f"{s['requests']} ({s['requests_with_hits']})"),
-        ("TTFT cold p50 / p90 s", lambda s: f"{s['ttft_cold_p50_s']:.3f} / {s['ttft_cold_p90_s']:.3f}"),
-        ("TTFT warm p50 / p90 s", lambda s: f"{s['ttft_warm_p50_s']:.3f} / {s['ttft_warm_p90_s']:.3f}"),
-        ("TTFT speedup (p50)", lambda s: f"{s['speedup']:.1f}x"),
+        *COMMON_ROWS,
         ("token hit rate", lambda s: f"{s['token_hit_rate']:.1%}"),
         ("pulled by prefill MiB", lambda s: f"{s['prefill_pulled_bytes'] / 2**20:.1f}"),
         ("pulled by decode MiB", lambda s: f"{s['decode_pulled_bytes'] / 2**20:.1f}"),
-        ("greedy equal to cold", lambda s: "yes" if s["greedy_equal"] else f"NO ({s['num_unequal']} differ)"),
+        EQUAL_ROW,
     ]
-    for label, fmt in rows:
-        table.add_row(label, *(fmt(s) for _, s in columns))
     for key in sorted(overall["decisions"]):
-        table.add_row(f"decisions {key}", *(str(s["decisions"].get(key, 0)) for _, s in columns))
-    console.print(table)
+        rows.append((f"decisions {key}", lambda s, key=key: str(s["decisions"].get(key, 0))))
+    console.print(
+        scenario_table(
+            "kvpool demo: cached (warm) vs cold recompute, same processes", summaries, overall, rows
+        )
+    )
     console.print(f"wall time {overall['wall_s']:.1f} s")

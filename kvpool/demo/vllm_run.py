@@ -29,11 +29,10 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
 from kvpool.bench.report import write_report
 from kvpool.bench.trace import Trace
-from kvpool.demo.run import _pct
+from kvpool.demo.run import COMMON_ROWS, EQUAL_ROW, _pct, scenario_table
 from kvpool.demo.workload import DemoRequest, chat_requests, default_chat_trace, rag_requests
 from kvpool.errors import FailedPrecondition, InvalidArgument, Unavailable
 
@@ -254,23 +253,14 @@ def summarize_by_scenario(
 
 def print_report(console: Console, summaries: dict[str, dict[str, Any]], overall: dict[str, Any]) -> None:
     """One column per scenario, one row per figure (the layout of `kvpool demo`'s table)."""
-    table = Table(title="kvpool demo (vLLM P/D): through the pool (warm) vs a cold engine")
-    columns = [*summaries.items(), ("all", overall)]
-    table.add_column("")
-    for name, _ in columns:
-        table.add_column(name, justify="right")
     rows: list[tuple[str, Any]] = [
-        ("requests (with hits)", lambda s: f"{s['requests']} ({s['requests_with_hits']})"),
-        ("TTFT cold p50 / p90 s", lambda s: f"{s['ttft_cold_p50_s']:.3f} / {s['ttft_cold_p90_s']:.3f}"),
-        ("TTFT warm p50 / p90 s", lambda s: f"{s['ttft_warm_p50_s']:.3f} / {s['ttft_warm_p90_s']:.3f}"),
-        ("TTFT speedup (p50)", lambda s: f"{s['speedup']:.1f}x"),
+        *COMMON_ROWS,
         ("cached / prompt tokens", lambda s: f"{s['cached_tokens']} / {s['prompt_tokens']}"),
         ("token hit rate", lambda s: f"{s['token_hit_rate']:.1%}"),
-        ("greedy equal to cold", lambda s: "yes" if s["greedy_equal"] else f"NO ({s['num_unequal']} differ)"),
+        EQUAL_ROW,
     ]
-    for label, fmt in rows:
-        table.add_row(label, *(fmt(s) for _, s in columns))
-    console.print(table)
+    title = "kvpool demo (vLLM P/D): through the pool (warm) vs a cold engine"
+    console.print(scenario_table(title, summaries, overall, rows))
     if "wall_s" in overall:
         console.print(f"wall time {overall['wall_s']:.1f} s")
 

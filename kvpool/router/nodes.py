@@ -50,6 +50,17 @@ class NodeView:
         self._down: dict[tuple[str, int], float] = {}  # (node id, epoch) -> end of its back-off
         self._down_lock = threading.Lock()
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start_refresh(self) -> None:
+        """Refresh the node list every `refresh_interval_s` on a daemon thread until `stop_refresh`."""
+        self._thread = threading.Thread(target=self._refresh_loop, name="router-refresh", daemon=True)
+        self._thread.start()
+
+    def stop_refresh(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.settings.refresh_interval_s):

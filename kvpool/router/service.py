@@ -85,19 +85,15 @@ class RouterService(NodeView):
         self.metrics.namespace_entries.set_function(lambda: len(self.namespaces))
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> RouterService:
         self.refresh()
-        self._thread = threading.Thread(target=self._refresh_loop, name="router-refresh", daemon=True)
-        self._thread.start()
+        self.start_refresh()
         return self
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
+        self.stop_refresh()
         with self._channels_lock:
             for ch in self._channels.values():
                 ch.close()

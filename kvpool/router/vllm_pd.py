@@ -38,9 +38,9 @@ from kvpool.errors import KVPoolError, Unavailable
 from kvpool.hashing import hash_blocks
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.nodes import NodeView
-from kvpool.router.policy import Choice, NodeState, RouteRequest, RoutingPolicy
+from kvpool.router.policy import Choice, RouteRequest, RoutingPolicy
 from kvpool.router.settings import RouterSettings
-from kvpool.router.state import Inflight, serving_nodes
+from kvpool.router.state import Inflight, node_states, serving_nodes
 from kvpool.types import KVLayout
 
 log = logging.getLogger(__name__)
@@ -79,22 +79,17 @@ class VllmEngines(NodeView):
         self._policy_lock = threading.Lock()
         self.inflight = Inflight()  # prefill: until its response
         self.decode_inflight = Inflight()  # decode: until the last byte
-        self._registered: set[bytes] = set()
-        self._thread: threading.Thread | None = None
 
     def start(self) -> VllmEngines:
         try:
             self.refresh()
         except Unavailable as exc:
             log.warning("no node list yet: %s", exc)
-        self._thread = threading.Thread(target=self._refresh_loop, name="router-refresh", daemon=True)
-        self._thread.start()
+        self.start_refresh()
         return self
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
+        self.stop_refresh()
 
     def engines(self, roles: Sequence[str], exclude: Collection[str] = ()) -> list[NodeStatus]:
         """Live engines of `roles` with a URL but `exclude`; those in back-off left out unless all are."""
@@ -149,18 +144,7 @@ class VllmEngines(NodeView):
             pool_blocks=pool,
         )
         with self._policy_lock:
-            states = []
-            for n in prefill:
-                count, seconds = self.inflight.get(n.node.node_id, n.node.epoch)
-                states.append(
-                    NodeState(
-                        node_id=n.node.node_id,
-                        epoch=n.node.epoch,
-                        load=n.load,
-                        inflight=count,
-                        inflight_s=seconds,
-                    )
-                )
+            states = node_states(prefill, None, self.inflight, 0)  # engines' own caches unseen
             choice = self.policy.choose(req, states)
             node = next(n for n in prefill if n.node.node_id == choice.node_id)
             self.inflight.begin(node.node.node_id, node.node.epoch, choice.prediction.service_s)
