@@ -103,6 +103,8 @@ def test_a_store_whose_bytes_fail_their_checksum_gets_no_blocks_and_serves_no_re
         *bads, (intact, _, intact_seed) = on["s1"][: n_bad + 1]
 
         for i, (bad, bad_slot, _) in enumerate(bads):
+            if i:
+                time.sleep(DataPlanePolicy().coalesce_ms / 1000 + 0.1)  # separate events, not one burst
             corrupt_slot(stores[1], bad_slot)
             got = pool.get_blocks(ns, [bad])
             assert got.num_ok == 0 and "checksum" in got.blocks[0].error

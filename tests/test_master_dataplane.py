@@ -47,22 +47,24 @@ def test_failures_within_the_window_fail_a_store_and_a_quiet_window_clears_a_sus
     assert not h.record("write", "refused", 0, POLICY) and h.state == "suspect"
     assert h.usable(1, POLICY)
     assert h.refresh(POLICY.window_ms + 1, POLICY) == "ok"  # the one failure aged out
-    t = 100_000
+    t, c = 100_000, POLICY.coalesce_ms
     assert not h.record("read", "x", t, POLICY)
-    assert not h.record("read", "x", t + 1, POLICY)
-    assert h.record("write", "x", t + 2, POLICY) and h.state == "failed"
-    assert not h.usable(t + 3, POLICY) and h.num_failures == 4
-    assert not h.record("write", "again", t + 4, POLICY)  # already failed: counted, no new back-off
-    assert h.until_ms == t + 2 + POLICY.backoff_ms
+    assert not h.record("read", "x", t + c, POLICY)
+    assert h.record("write", "x", t + 2 * c, POLICY) and h.state == "failed"
+    assert not h.usable(t + 2 * c + 1, POLICY) and h.num_failures == 4
+    assert not h.record("write", "again", t + 2 * c + 2, POLICY)  # already failed: counted, no new back-off
+    assert h.until_ms == t + 2 * c + POLICY.backoff_ms
 
 
 def test_checksum_failures_count_like_others_and_a_failure_on_trial_doubles_the_backoff() -> None:
     h = DataPlaneHealth()
     assert not h.record("checksum", "mismatch", 0, POLICY) and h.state == "suspect"  # one bad slot: one block
-    assert not h.record("checksum", "mismatch", 0, POLICY)
-    assert h.record("checksum", "mismatch", 0, POLICY)  # a store that keeps returning bad bytes fails
-    assert not h.usable(POLICY.backoff_ms - 1, POLICY)
-    t = POLICY.backoff_ms
+    assert not h.record("checksum", "mismatch", 10, POLICY)  # the same pull's next bad block: one event
+    assert not h.record("checksum", "mismatch", POLICY.coalesce_ms, POLICY)
+    assert h.record("checksum", "mismatch", 2 * POLICY.coalesce_ms, POLICY)  # it keeps returning bad bytes
+    t0 = 2 * POLICY.coalesce_ms
+    assert not h.usable(t0 + POLICY.backoff_ms - 1, POLICY)
+    t = t0 + POLICY.backoff_ms
     assert h.usable(t, POLICY) and h.state == "trial"  # back on trial: real transfers probe it
     assert h.record("write", "refused", t + 1, POLICY)  # one failure on trial fails it again
     assert h.backoff_ms == 2 * POLICY.backoff_ms and not h.usable(t + 1 + 2 * POLICY.backoff_ms - 1, POLICY)
@@ -70,8 +72,9 @@ def test_checksum_failures_count_like_others_and_a_failure_on_trial_doubles_the_
     assert h.refresh(t, POLICY) == "trial"
     assert h.refresh(t + POLICY.trial_ms, POLICY) == "ok" and h.backoff_ms == 0  # a clean trial
     t = 10**9
-    for _ in range(POLICY.fail_after):
-        h.record("checksum", "x", t, POLICY)
+    for i in range(POLICY.fail_after):
+        h.record("checksum", "x", t + i * POLICY.coalesce_ms, POLICY)
+    t += (POLICY.fail_after - 1) * POLICY.coalesce_ms
     for _ in range(20):  # failing on every trial: the back-off doubles up to its cap
         t += h.backoff_ms
         assert h.refresh(t, POLICY) == "trial"
@@ -172,6 +175,7 @@ def test_a_failed_data_plane_is_not_placed_on_nor_offered_until_a_trial(
         assert c.match(ns, [both, only_s2, after]).num_matched == 3
 
         for i in range(3):  # writes refused by s2: three reports in the window fail it
+            clock.advance(m.dataplane_policy.coalesce_ms)  # three events, not one burst
             c.report_dataplane_failure("s2", 7, "write", f"write refused {i}")
         state = {n.node.node_id: n.dataplane_state for n in c.list_nodes()}
         assert state == {"s1": "ok", "s2": "failed"}
@@ -209,7 +213,10 @@ def test_checksum_failures_reported_by_readers_fail_the_store(server: MasterServ
         assert {n.node.node_id: n.dataplane_state for n in c.list_nodes()}["s2"] == "suspect"  # one bad slot
         got = c.match(ns, [a, b])  # its other blocks are still offered
         assert sorted(x.node_id for x in got.replicas[1]) == ["s1", "s2"], got
+        c.report_bad_replica(ns, a, Location("s2", 13, 1), "checksum mismatch")  # the same burst: one event
+        assert {n.node.node_id: n.dataplane_state for n in c.list_nodes()}["s2"] == "suspect"
         for slot in (11, 12):  # a store that keeps returning bad bytes
+            clock.advance(m.dataplane_policy.coalesce_ms)
             c.report_bad_replica(ns, a, Location("s2", slot, 1), "checksum mismatch")
         assert {n.node.node_id: n.dataplane_state for n in c.list_nodes()}["s2"] == "failed"
         got = c.match(ns, [a, b])  # b's replica on s2 was not reported, yet it is not offered
@@ -253,7 +260,13 @@ class RefusingTransport:
         return [BlockResult(True, w.checksum) for w in writes]
 
 
-def test_a_writer_reports_refused_writes_and_the_master_stops_placing_there(server: MasterServer) -> None:
+def _failures(master: MasterClient, node_id: str) -> int:
+    return {n.node.node_id: n.num_dataplane_failures for n in master.list_nodes()}[node_id]
+
+
+def test_a_writer_reports_refused_writes_and_the_master_stops_placing_there(
+    server: MasterServer, clock: FakeClock
+) -> None:
     tr = RefusingTransport(refuse="127.0.0.1:2")  # s2's data address
     with PoolClient(server.address, tr, block_nbytes=LAY.block_nbytes) as pool:  # type: ignore[arg-type]
         pool.reports = DataPlaneReporter(pool.master.report_dataplane_failure, min_interval_s=0)
@@ -262,6 +275,11 @@ def test_a_writer_reports_refused_writes_and_the_master_stops_placing_there(serv
             h = hash_blocks(ns, [seed] * LAY.block_size, LAY.block_size)
             put = pool.put_blocks(ns, None, h, [np.zeros(LAY.block_nbytes, np.uint8)], num_replicas=2)
             assert put.num_committed == 1  # the replica on s1 landed
+            deadline = time.monotonic() + 10
+            while _failures(pool.master, "s2") < seed + 1:  # its report arrived (off-path)
+                assert time.monotonic() < deadline, "the refused write was not reported"
+                time.sleep(0.02)
+            clock.advance(server.master.dataplane_policy.coalesce_ms)  # the next one is another event
         deadline = time.monotonic() + 10
         while {n.node.node_id: n.dataplane_state for n in pool.master.list_nodes()}["s2"] != "failed":
             assert time.monotonic() < deadline, "s2 never failed"

@@ -6,7 +6,8 @@ reader's checksum report, `ReportBadReplica`, counts too) and the master keeps o
 store record (a new epoch starts healthy):
 
 - `ok` → `suspect` on a failure; `suspect` → `failed` after `fail_after` failures of any kind within
-  `window_ms`. A checksum failure is one failure like the others: the bad replica itself is dropped at
+  `window_ms`, failures closer than `coalesce_ms` counting once (one pull that read a corrupted document
+  reports each bad block: that is one event, not a failing store). A checksum failure is one failure like the others: the bad replica itself is dropped at
   once (`ReportBadReplica`) and a read never returns bad bytes (readers verify), so one corrupted block
   (a RAM fault in one slot) costs that block, not every block of the store; a store that keeps returning
   bad bytes fails.
@@ -47,6 +48,7 @@ MAX_DETAIL_CHARS = 256
 class DataPlanePolicy:
     fail_after: int = 3
     window_ms: int = 10_000
+    coalesce_ms: int = 1_000  # failures of one store closer than this are one event (one pull, one burst)
     backoff_ms: int = 5_000
     max_backoff_ms: int = 60_000
     trial_ms: int = 10_000
@@ -70,6 +72,8 @@ class DataPlaneHealth:
         self.last_error = f"{kind}: {detail[:MAX_DETAIL_CHARS]}"
         if self.state == "failed":
             return False
+        if self.state != "trial" and self.recent and now_ms - self.recent[-1] < policy.coalesce_ms:
+            return False  # the same event: one pull that read several bad blocks, one burst of refusals
         self.recent.append(now_ms)
         while self.recent and self.recent[0] < now_ms - policy.window_ms:
             self.recent.popleft()
