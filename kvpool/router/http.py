@@ -59,7 +59,9 @@ from kvpool.router.schemas import (
     CompletionBody,
     first_invalid_text,
     from_kvpool,
+    health_response,
     refuse_unsupported,
+    request_salt,
     text_content,
 )
 from kvpool.router.service import Event, RouterService, Sampling
@@ -122,12 +124,7 @@ class OpenAIApp:
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _tenant_salt(self, request: Request, client_salt: str) -> str:
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        tenant = self.tenants.authenticate(key)
-        if tenant is None:
-            raise APIError(401, "invalid API key", type_="invalid_request_error", code="invalid_api_key")
-        return self.tenants.cache_salt(tenant, client_salt)
+        return request_salt(self.tenants, request.headers.get("authorization", ""), client_salt)
 
     async def _body(self, request: Request, cls: type[CommonBody]) -> Any:
         try:
@@ -329,11 +326,9 @@ class OpenAIApp:
 
     async def health(self, request: Request) -> Response:
         try:
-            h = await run_in_threadpool(self.service.health)
+            return health_response(await run_in_threadpool(self.service.health))
         except errors.KVPoolError as exc:
-            return JSONResponse({"status": "unavailable", "error": str(exc)}, status_code=503)
-        ok = h["prefill"] > 0 and h["decode"] > 0
-        return JSONResponse({"status": "ok" if ok else "unavailable", **h}, status_code=200 if ok else 503)
+            return health_response(exc)
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.service.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -37,6 +37,25 @@ def from_kvpool(exc: errors.KVPoolError) -> APIError:
     return APIError(500, str(exc), type_="server_error", code="internal_error")
 
 
+def request_salt(tenants: Any, authorization: str, client_salt: str) -> str:
+    """The cache salt of a request: its API key (`Authorization: Bearer ...`) selects the tenant, a client's
+    `cache_salt` only sub-partitions that tenant (B09). 401 `APIError` for an unknown key."""
+    key = authorization[7:].strip() if authorization.lower().startswith("bearer ") else ""
+    tenant = tenants.authenticate(key)
+    if tenant is None:
+        raise APIError(401, "invalid API key", type_="invalid_request_error", code="invalid_api_key")
+    return str(tenants.cache_salt(tenant, client_salt))
+
+
+def health_response(live: dict[str, Any] | errors.KVPoolError) -> JSONResponse:
+    """`GET /health`: 200 when a prefill and a decode node (or engine) are live, else 503 with the counts
+    or the master's error."""
+    if isinstance(live, errors.KVPoolError):
+        return JSONResponse({"status": "unavailable", "error": str(live)}, status_code=503)
+    ok = live["prefill"] > 0 and live["decode"] > 0
+    return JSONResponse({"status": "ok" if ok else "unavailable", **live}, status_code=200 if ok else 503)
+
+
 class CommonBody(BaseModel):
     """The fields both endpoints implement. `refuse_unsupported` runs first and drops neutral fields, so
     any other field reaching here is a bug: refused too (`extra="forbid"`), never ignored."""

@@ -25,14 +25,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpool import errors
 from kvpool.client.types import NodeStatus
-from kvpool.router.schemas import APIError, from_kvpool
+from kvpool.router.schemas import APIError, from_kvpool, health_response, request_salt
 from kvpool.router.tenants import Tenants
 from kvpool.router.vllm_pd import (
+    DECODE_ROLES,
     PREFILL_ROLES,
     Placement,
     VllmEngines,
@@ -60,21 +61,16 @@ class VllmProxy:
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _salt(self, request: Request, client_salt: Any) -> str:
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        tenant = self.tenants.authenticate(key)
-        if tenant is None:
-            raise APIError(401, "invalid API key", type_="invalid_request_error", code="invalid_api_key")
         if client_salt is not None and not isinstance(client_salt, str):
             raise APIError(400, "cache_salt must be a string", param="cache_salt")
-        return self.tenants.cache_salt(tenant, client_salt or "")
+        return request_salt(self.tenants, request.headers.get("authorization", ""), client_salt or "")
 
     def _failed(self, role: str, node: NodeStatus, exc: BaseException, tried: list[str]) -> None:
         """`node` could not be reached: back-off, count the retry, or 503 when no other is left."""
         self.engines.node_failed(role, node)
         tried.append(node.node.node_id)
         s = self.engines.settings
-        others = self.engines.engines(PREFILL_ROLES if role == "prefill" else ("vllm-decode", "vllm"), tried)
+        others = self.engines.engines(PREFILL_ROLES if role == "prefill" else DECODE_ROLES, tried)
         if not others or len(tried) > s.node_retries:
             raise errors.Unavailable(
                 f"{role} on {node.node.node_id} unreachable ({type(exc).__name__}: {exc}); "
@@ -259,7 +255,7 @@ class VllmProxy:
     # ---- other endpoints ----------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         self._salt(request, "")
-        engines = self.engines.engines(PREFILL_ROLES) or self.engines.engines(("vllm-decode", "vllm"))
+        engines = self.engines.engines(PREFILL_ROLES) or self.engines.engines(DECODE_ROLES)
         if not engines:
             raise errors.Unavailable("no live vLLM engine")
         try:
@@ -270,11 +266,9 @@ class VllmProxy:
 
     async def health(self, request: Request) -> Response:
         try:
-            h = await run_in_threadpool(self.engines.health)
+            return health_response(await run_in_threadpool(self.engines.health))
         except errors.KVPoolError as exc:
-            return JSONResponse({"status": "unavailable", "error": str(exc)}, status_code=503)
-        ok = h["prefill"] > 0 and h["decode"] > 0
-        return JSONResponse({"status": "ok" if ok else "unavailable", **h}, status_code=200 if ok else 503)
+            return health_response(exc)
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.engines.metrics.registry), media_type=CONTENT_TYPE_LATEST)
