@@ -32,3 +32,17 @@ def test_cancel_stops_the_wait_and_the_role_at_once(tmp_path: Path, ready_url: s
         proc.wait_ready(120, cancel=cancel)
     assert time.monotonic() - t0 < 15  # not the 120 s start timeout
     assert not proc.alive
+
+
+def test_a_start_timeout_says_it_is_one(tmp_path: Path) -> None:
+    """Found by a new-user pass: `kvpool up --timeout-s 1` said only "did not become ready", with a log
+    tail that could end in the role's READY line (it came just after the deadline)."""
+    proc = RoleProcess("slow2", [], log_path=tmp_path / "slow2.log", argv=_SILENT)
+    with pytest.raises(NodeStartFailed, match=r"slow2: no answer within 1.5 s \(the start timeout"):
+        proc.wait_ready(1.5)
+    quits = [sys.executable, "-c", "raise SystemExit(3)"]
+    gone = RoleProcess(
+        "gone0", [], log_path=tmp_path / "gone0.log", argv=quits, ready_url="http://127.0.0.1:9/"
+    )
+    with pytest.raises(NodeStartFailed, match="gone0 exited with code 3"):
+        gone.wait_ready(30)

@@ -113,14 +113,23 @@ class RoleProcess:
             except queue.Empty:
                 continue
         if info is None:
+            why, after = self._why(timeout_s, cancel)
             self.stop()
-            raise NodeStartFailed(f"{self.name} did not become ready{self._why(cancel)}:\n{self.log_tail()}")
+            raise NodeStartFailed(f"{self.name} did not become ready{why}:\n{self.log_tail()}{after}")
         self.info = info
         return info
 
-    @staticmethod
-    def _why(cancel: threading.Event | None) -> str:
-        return " (start cancelled)" if cancel and cancel.is_set() else ""
+    def _why(self, timeout_s: float, cancel: threading.Event | None) -> tuple[str, str]:
+        """Why the wait ended, as (a note before the log tail, a line after it): cancelled, the start
+        timeout passed while the process runs, or it exited."""
+        if cancel and cancel.is_set():
+            return " (start cancelled)", ""
+        if self.alive:
+            return (
+                "",
+                f"\n{self.name}: no answer within {timeout_s:g} s (the start timeout: kvpool up --timeout-s)",
+            )
+        return "", f"\n{self.name} exited with code {self.proc.returncode}"
 
     def _wait_url(self, timeout_s: float, cancel: threading.Event | None) -> dict[str, Any]:
         import urllib.error
@@ -137,9 +146,10 @@ class RoleProcess:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
+        why, after = self._why(timeout_s, cancel)
         self.stop()
         raise NodeStartFailed(
-            f"{self.name} did not become ready ({self.ready_url}){self._why(cancel)}:\n{self.log_tail()}"
+            f"{self.name} did not become ready ({self.ready_url}){why}:\n{self.log_tail()}{after}"
         )
 
     def log_tail(self, num_lines: int = 30) -> str:
