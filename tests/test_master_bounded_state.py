@@ -135,6 +135,9 @@ class StubStores:
     def commit(self, address: str, slots: object) -> dict[tuple[int, int], str]:
         return {}
 
+    def copy(self, address: str, src_data_address: str, blocks: object) -> dict[tuple[int, int], str]:
+        return {}
+
     def free(self, address: str, slots: Sequence[tuple[int, int]]) -> list[tuple[int, int, bool]]:
         return [(s, g + 1, False) for s, g in slots]
 

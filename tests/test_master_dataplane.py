@@ -24,7 +24,7 @@ from kvpool.client.reports import DataPlaneReporter
 from kvpool.client.types import NodeLoad
 from kvpool.errors import InvalidArgument, NotFound
 from kvpool.hashing import hash_blocks
-from kvpool.master.core import Master
+from kvpool.master.core import BlockMeta, Master
 from kvpool.master.dataplane import DataPlaneHealth, DataPlanePolicy
 from kvpool.master.metrics import master_registry
 from kvpool.master.server import MasterServer, serve
@@ -65,19 +65,31 @@ def test_checksum_failures_count_like_others_and_a_failure_on_trial_doubles_the_
     t0 = 2 * POLICY.coalesce_ms
     assert not h.usable(t0 + POLICY.backoff_ms - 1, POLICY)
     t = t0 + POLICY.backoff_ms
-    assert h.usable(t, POLICY) and h.state == "trial"  # back on trial: real transfers probe it
+    assert not h.usable(t, POLICY) and h.state == "probe"  # back-off over: due a probe, still out
+    assert not h.record("write", "late report", t, POLICY) and h.state == "probe"
+    h.probe_done(True, "copied", t, POLICY)
+    assert h.usable(t, POLICY) and h.state == "trial"  # passed: on trial, real transfers check it too
     assert h.record("write", "refused", t + 1, POLICY)  # one failure on trial fails it again
     assert h.backoff_ms == 2 * POLICY.backoff_ms and not h.usable(t + 1 + 2 * POLICY.backoff_ms - 1, POLICY)
     t = t + 1 + 2 * POLICY.backoff_ms
-    assert h.refresh(t, POLICY) == "trial"
+    assert h.refresh(t, POLICY) == "probe"
+    h.probe_done(False, "ChecksumMismatch: slot 3", t, POLICY)  # a failed probe: failed again, longer
+    assert h.state == "failed" and h.backoff_ms == 4 * POLICY.backoff_ms and h.num_probes_failed == 1
+    assert h.last_error.startswith("probe: ChecksumMismatch")
+    t += 4 * POLICY.backoff_ms
+    assert h.refresh(t, POLICY) == "probe"
+    h.probe_done(True, "copied", t, POLICY)
+    h.probe_done(False, "a late duplicate", t, POLICY)  # not in probe any more: dropped
     assert h.refresh(t + POLICY.trial_ms, POLICY) == "ok" and h.backoff_ms == 0  # a clean trial
+    assert (h.num_probes, h.num_probes_failed) == (3, 1)
     t = 10**9
     for i in range(POLICY.fail_after):
         h.record("checksum", "x", t + i * POLICY.coalesce_ms, POLICY)
     t += (POLICY.fail_after - 1) * POLICY.coalesce_ms
     for _ in range(20):  # failing on every trial: the back-off doubles up to its cap
         t += h.backoff_ms
-        assert h.refresh(t, POLICY) == "trial"
+        assert h.refresh(t, POLICY) == "probe"
+        h.probe_done(True, "copied", t, POLICY)
         assert h.record("checksum", "x", t, POLICY)
     assert h.backoff_ms == POLICY.max_backoff_ms
 
@@ -88,10 +100,24 @@ def clock() -> FakeClock:
     return FakeClock(1_000_000)
 
 
+class ProbedStores(StubStores):
+    """`StubStores` that records the copies the master orders (its data-plane probes) and fails them
+    with `copy_error` while it is set."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[str, list[tuple[Location, Location, int]]]] = []
+        self.copy_error = ""
+
+    def copy(self, address: str, src_data_address: str, blocks: object) -> dict[tuple[int, int], str]:
+        got = list(blocks)  # type: ignore[call-overload]
+        self.copies.append((src_data_address, got))
+        return {(d.slot, d.generation): self.copy_error for _, d, _ in got}
+
+
 @pytest.fixture
 def server(clock: FakeClock) -> Iterator[MasterServer]:
     s = serve(MasterSettings(port=0, bind_host="127.0.0.1", metrics=False), clock=clock)
-    s.master.stores = StubStores()  # type: ignore[assignment]
+    s.master.stores = ProbedStores()  # type: ignore[assignment]
     for node_id in ("s1", "s2"):
         s.master.register_node(
             node_id=node_id,
@@ -135,14 +161,22 @@ def _placed_on(c: MasterClient, ns: bytes, seed: int, replicas: int = 1) -> set[
 
 
 def _index(m: Master, ns: bytes, hashes: list[BlockHash], nodes: list[list[str]]) -> None:
+    """Committed blocks `hashes` (a chain) with replicas on `nodes` (slot 10 + i, generation 1)."""
+    locations = [[Location(n, 10 + i, 1) for n in ns_] for i, ns_ in enumerate(nodes)]
     with m.lock:
-        m.index.insert(
-            NamespaceId(ns),
-            hashes,
-            parent=None,
-            locations=[[Location(n, 10 + i, 1) for n in ns_] for i, ns_ in enumerate(nodes)],
-            size_bytes=LAY.block_nbytes,
-        )
+        m.index.insert(NamespaceId(ns), hashes, parent=None, locations=locations, size_bytes=LAY.block_nbytes)
+        for h, locs in zip(hashes, locations, strict=True):
+            m.note_replicas(ns, h, locs)
+            m.st.meta[(ns, h)] = BlockMeta(0xC0FFEE, 1)
+
+
+def _state_becomes(c: MasterClient, m: Master, node_id: str, want: str) -> None:
+    """Wait (≤ 5 s) for the maintenance thread to bring `node_id`'s data plane to `want`."""
+    deadline = time.monotonic() + 5
+    while (got := {n.node.node_id: n.dataplane_state for n in c.list_nodes()}[node_id]) != want:
+        assert time.monotonic() < deadline, f"{node_id}: {got}, not {want}"
+        m.wake.set()
+        time.sleep(0.02)
 
 
 def test_reports_are_validated(server: MasterServer) -> None:
@@ -193,9 +227,34 @@ def test_a_failed_data_plane_is_not_placed_on_nor_offered_until_a_trial(
         assert 'kvpool_master_store_dataplane_failed{node="s2"} 1.0' in text
         assert 'kvpool_master_store_dataplane_failures_total{node="s2"} 3.0' in text
 
-        clock.advance(m.dataplane_policy.backoff_ms)
+        stores: ProbedStores = m.stores  # type: ignore[assignment]
+        stores.copy_error = "ChecksumMismatch: slot 3: bytes hash to 0x1, writer said 0x2"
+        clock.advance(m.dataplane_policy.backoff_ms)  # back-off over: the master probes it
         _beat(m)
-        assert {n.node.node_id: n.dataplane_state for n in c.list_nodes()}["s2"] == "trial"
+        deadline = time.monotonic() + 5
+        while m.st.nodes["s2"].dataplane.num_probes_failed < 1:
+            assert time.monotonic() < deadline, "no probe"
+            m.wake.set()
+            time.sleep(0.02)
+        src_address, [(src, dst, checksum)] = stores.copies[0]
+        assert (src_address, src.node_id, dst.node_id) == ("127.0.0.1:2", "s2", "s2")  # its own replica
+        assert checksum == 0xC0FFEE and src.capability == b"" and dst.slot not in (10, 11)
+        _state_becomes(c, m, "s2", "failed")  # the probe failed: out again, for twice as long
+        assert m.st.nodes["s2"].dataplane.backoff_ms == 2 * m.dataplane_policy.backoff_ms
+        assert c.match(ns, [both, only_s2, after]).num_matched == 1
+        assert 'kvpool_master_store_dataplane_probes_total{node="s2",result="failed"} 1.0' in _metrics(m)
+        with m.lock:  # the spare slot was given back (never indexed)
+            assert (
+                dst.slot in m.st.nodes["s2"].free_set
+                or dst.slot in m.st.nodes["s2"].pending_free
+                or any(s == dst.slot for s, _ in m.st.free_q.get("s2", []))
+            )
+
+        stores.copy_error = ""
+        clock.advance(2 * m.dataplane_policy.backoff_ms)
+        _beat(m)
+        _state_becomes(c, m, "s2", "trial")  # the next probe passed
+        assert len(stores.copies) == 2
         assert c.match(ns, [both, only_s2, after]).num_matched == 3  # offered again: the next reads probe
         assert "s2" in set().union(*(_placed_on(c, ns, 300 + seed) for seed in range(8)))
         clock.advance(m.dataplane_policy.trial_ms)
@@ -225,6 +284,7 @@ def test_checksum_failures_reported_by_readers_fail_the_store(server: MasterServ
         assert {n.node.node_id: n.dataplane_state for n in c.list_nodes()}["s1"] == "ok"
         clock.advance(m.dataplane_policy.backoff_ms)
         _beat(m)
+        _state_becomes(c, m, "s2", "trial")  # its probe (copying its own replica of b) passed
         c.report_dataplane_failure("s2", 0, "read", "transfer failed")  # on trial: failed again, longer
         with m.lock:
             assert m.st.nodes["s2"].dataplane.backoff_ms == 2 * m.dataplane_policy.backoff_ms

@@ -99,7 +99,7 @@ class Master(NodeRegistry):
         self.quotas = TenantQuotas.from_file(settings.tenants)
         self.st = MasterState()
         self.counters = Counters()
-        self.dataplane_policy = dataplane.DataPlanePolicy()
+        self.dataplane_policy = dataplane.DataPlanePolicy.from_settings(settings)
         self.stores = stores or StoreCalls(settings.store_timeout_s, self.capabilities)
         self.master_epoch = time.time_ns()
         self.fresh_generation = self.master_epoch // 1000

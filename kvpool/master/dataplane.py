@@ -13,9 +13,13 @@ store record (a new epoch starts healthy):
   bad bytes fails.
 - `failed`: no new blocks are placed on it and matches do not offer its replicas (a block whose only
   replicas are there ends the match: the rest is recomputed), for a back-off (`backoff_ms`, doubling on
-  each failure on trial, up to `max_backoff_ms`).
-- After the back-off it is on `trial`: placed on and offered again, so the next real transfers probe it.
-  A failure reported during `trial_ms` fails it again (longer back-off); a clean `trial_ms` makes it `ok`.
+  each failed probe or failure on trial, up to `max_backoff_ms`).
+- After the back-off it is due a `probe` (still neither placed on nor offered): the master has the store
+  copy one of its own committed blocks through its own data plane into a spare slot
+  (`kvpool.master.dataplane_probe`: its UCX listener, memory and checksums, end to end). A failed probe
+  fails it again (longer back-off); a passed one puts it on `trial`: placed on and offered again, so real
+  transfers check it too. A failure reported during `trial_ms` fails it again (longer back-off); a clean
+  `trial_ms` makes it `ok`.
 
 Mutated only under the master's lock; time comes from the master's clock.
 """
@@ -36,6 +40,7 @@ from kvpool.types import Location
 if TYPE_CHECKING:
     from kvpool.master.core import Master
     from kvpool.master.nodes import NodeRecord
+    from kvpool.master.settings import MasterSettings
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +58,29 @@ class DataPlanePolicy:
     max_backoff_ms: int = 60_000
     trial_ms: int = 10_000
 
+    @classmethod
+    def from_settings(cls, s: MasterSettings) -> DataPlanePolicy:
+        return cls(
+            fail_after=s.dataplane_fail_after,
+            window_ms=s.dataplane_window_ms,
+            coalesce_ms=s.dataplane_coalesce_ms,
+            backoff_ms=s.dataplane_backoff_ms,
+            max_backoff_ms=s.dataplane_max_backoff_ms,
+            trial_ms=s.dataplane_trial_ms,
+        )
+
 
 @dataclass(slots=True)
 class DataPlaneHealth:
     """One store's data-plane state (see the module docstring)."""
 
-    state: str = "ok"  # ok | suspect | failed | trial
+    state: str = "ok"  # ok | suspect | failed | probe | trial
     recent: deque[int] = field(default_factory=lambda: deque(maxlen=64))  # failure times (ms), bounded
     until_ms: int = 0  # failed: not used before this; trial: ok after this without a failure
     backoff_ms: int = 0  # the last back-off (0: none yet)
     num_failures: int = 0  # reported since the store registered (this epoch)
+    num_probes: int = 0
+    num_probes_failed: int = 0
     last_error: str = ""
 
     def record(self, kind: str, detail: str, now_ms: int, policy: DataPlanePolicy) -> bool:
@@ -70,27 +88,43 @@ class DataPlaneHealth:
         self.refresh(now_ms, policy)
         self.num_failures += 1
         self.last_error = f"{kind}: {detail[:MAX_DETAIL_CHARS]}"
-        if self.state == "failed":
-            return False
+        if self.state in ("failed", "probe"):
+            return False  # late reports of transfers begun before it failed: it is out already
         if self.state != "trial" and self.recent and now_ms - self.recent[-1] < policy.coalesce_ms:
             return False  # the same event: one pull that read several bad blocks, one burst of refusals
         self.recent.append(now_ms)
         while self.recent and self.recent[0] < now_ms - policy.window_ms:
             self.recent.popleft()
         if self.state == "trial" or len(self.recent) >= policy.fail_after:
-            grown = self.backoff_ms * 2 if self.state == "trial" else policy.backoff_ms
-            self.backoff_ms = min(max(grown, policy.backoff_ms), policy.max_backoff_ms)
-            self.state, self.until_ms = "failed", now_ms + self.backoff_ms
-            self.recent.clear()
+            self._fail(now_ms, policy, again=self.state == "trial")
             return True
         self.state = "suspect"
         return False
 
+    def _fail(self, now_ms: int, policy: DataPlanePolicy, *, again: bool) -> None:
+        grown = self.backoff_ms * 2 if again else policy.backoff_ms
+        self.backoff_ms = min(max(grown, policy.backoff_ms), policy.max_backoff_ms)
+        self.state, self.until_ms = "failed", now_ms + self.backoff_ms
+        self.recent.clear()
+
+    def probe_done(self, ok: bool, detail: str, now_ms: int, policy: DataPlanePolicy) -> None:
+        """The result of the probe of a store in `probe` state: passed → `trial`, failed → `failed` with a
+        doubled back-off. A result for a store no longer in `probe` (it re-registered meanwhile) is dropped."""
+        if self.state != "probe":
+            return
+        self.num_probes += 1
+        if ok:
+            self.state, self.until_ms = "trial", now_ms + policy.trial_ms
+            return
+        self.num_probes_failed += 1
+        self.last_error = f"probe: {detail[:MAX_DETAIL_CHARS]}"
+        self._fail(now_ms, policy, again=True)
+
     def refresh(self, now_ms: int, policy: DataPlanePolicy) -> str:
-        """Advance by time: a back-off over → `trial`; a clean trial, or a suspect with no failure in the
+        """Advance by time: a back-off over → `probe`; a clean trial, or a suspect with no failure in the
         window → `ok`. Returns the state."""
         if self.state == "failed" and now_ms >= self.until_ms:
-            self.state, self.until_ms = "trial", now_ms + policy.trial_ms
+            self.state = "probe"
         elif self.state == "trial" and now_ms >= self.until_ms:
             self.state, self.backoff_ms = "ok", 0
         elif self.state == "suspect" and (not self.recent or self.recent[-1] < now_ms - policy.window_ms):
@@ -100,7 +134,7 @@ class DataPlaneHealth:
 
     def usable(self, now_ms: int, policy: DataPlanePolicy) -> bool:
         """Worth placing on and reading from now."""
-        return self.refresh(now_ms, policy) != "failed"
+        return self.refresh(now_ms, policy) not in ("failed", "probe")
 
 
 def report_failure(m: Master, node_id: str, epoch: int, kind: str, detail: str) -> None:

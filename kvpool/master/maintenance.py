@@ -3,7 +3,8 @@
 Each tick: dead-node detection (heartbeat timeout), lease and write-lease expiry, store inventories to
 adopt (master restart / store restart), orphaned inventory blocks claimed once their namespace is
 registered (parent first) or freed after the grace period, watermark eviction per store node,
-reclamation of invalidated namespaces, expiry of idle ones (`bounds`), free orders, and re-replication (also what `Drain` needs).
+reclamation of invalidated namespaces, expiry of idle ones (`bounds`), probes of stores whose data plane
+failed (`dataplane_probe`), free orders, and re-replication (also what `Drain` needs).
 Store calls happen outside the master's lock.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpool.errors import KVPoolError
-from kvpool.master import bounds, dataplane
+from kvpool.master import bounds, dataplane, dataplane_probe
 from kvpool.master.core import BlockKey, BlockMeta
 from kvpool.master.grants import read_grant
 from kvpool.master.stores import InventoryItem, SlotOrder
@@ -98,6 +99,9 @@ class Maintenance:
             self._watermarks()
             m.on_dropped(m.index.reclaim_invalidated(m.settings.reclaim_batch_blocks))
             bounds.expire_namespaces(m)  # idle namespaces: namespace_idle_expiry_s
+            probes = dataplane_probe.due(m)  # stores whose data-plane back-off is over
+        for probe in probes:
+            dataplane_probe.run(m, probe)
         m.flush_frees()
         self._rereplicate()
 

@@ -65,6 +65,11 @@ class MasterCollector(Collector):
             "Data-plane failures reported per store since it registered.",
             labels=["node"],
         )
+        dp_probes = CounterMetricFamily(
+            P + "store_dataplane_probes",
+            "Data-plane probes of a failed store (a block copied through its data plane), by result.",
+            labels=["node", "result"],
+        )
         with m.lock:
             num_blocks = m.index.num_blocks
             num_leases = m.index.num_live_leases
@@ -86,9 +91,12 @@ class MasterCollector(Collector):
                 cap_bytes.add_metric([rec.node_id], rec.num_slots * rec.block_nbytes)
                 dp_failed.add_metric([rec.node_id], 0.0 if dataplane.usable(m, rec) else 1.0)
                 dp_failures.add_metric([rec.node_id], rec.dataplane.num_failures)
+                num_failed = rec.dataplane.num_probes_failed
+                dp_probes.add_metric([rec.node_id, "passed"], rec.dataplane.num_probes - num_failed)
+                dp_probes.add_metric([rec.node_id, "failed"], num_failed)
         for role, n in sorted(by_role.items()):
             alive.add_metric([role], n)
-        yield from (used_slots, cap_slots, used_bytes, cap_bytes, alive, dp_failed, dp_failures)
+        yield from (used_slots, cap_slots, used_bytes, cap_bytes, alive, dp_failed, dp_failures, dp_probes)
         yield GaugeMetricFamily(P + "index_blocks", "Blocks in the index (resident).", value=num_blocks)
         yield GaugeMetricFamily(
             P + "index_bytes", "Bytes of block replicas on live store nodes.", value=total_bytes

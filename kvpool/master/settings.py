@@ -38,6 +38,29 @@ class MasterSettings(KVPoolSettings):
         default=600_000, ge=0
     )  # a dead (or deregistered) node stays listed, alive=false, this long after its last heartbeat; then forgotten
     unreachable_backoff_ms: int = 5000  # after a failed call to a store: no placements or calls to it
+    # ---- data-plane health of stores (kvpool.master.dataplane): reported failures, back-off, probe --
+    dataplane_fail_after: int = Field(
+        default=3,
+        ge=1,
+        description="reported data-plane failures of a store within dataplane_window_ms that fail it",
+    )
+    dataplane_window_ms: int = Field(default=10_000, ge=1, description="the window of dataplane_fail_after")
+    dataplane_coalesce_ms: int = Field(
+        default=1_000,
+        ge=0,
+        description="failures of one store closer than this count once (one pull, one burst)",
+    )
+    dataplane_backoff_ms: int = Field(
+        default=5_000,
+        ge=1,
+        description="a failed store is neither placed on nor read from this long, then probed",
+    )
+    dataplane_max_backoff_ms: int = Field(
+        default=60_000, ge=1, description="the back-off doubles on each failed probe or trial, up to this"
+    )
+    dataplane_trial_ms: int = Field(
+        default=10_000, ge=0, description="after a passed probe: one more failure within this fails it again"
+    )
     max_workers: int = 16
     max_concurrent_rpcs: int = 256  # more in flight are refused with RESOURCE_EXHAUSTED (bounded queue)
     tenants: str | None = None  # tenants TOML (kvpool.tenants): per-tenant pool quotas (master.quotas)
@@ -128,6 +151,8 @@ class MasterSettings(KVPoolSettings):
             raise ValueError("heartbeat_timeout_ms must exceed heartbeat_interval_ms")
         if self.placement_run_blocks < 1:
             raise ValueError("placement_run_blocks must be >= 1")
+        if self.dataplane_max_backoff_ms < self.dataplane_backoff_ms:
+            raise ValueError("dataplane_max_backoff_ms must be >= dataplane_backoff_ms")
         if self.stale_after_ms <= 0 or self.unreachable_backoff_ms < 0:
             raise ValueError("stale_after_ms must be > 0 and unreachable_backoff_ms >= 0")
         return self
