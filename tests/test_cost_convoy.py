@@ -125,6 +125,39 @@ def test_ledger_releases_exactly_once_and_expires() -> None:
         ledger.register({PEER: 1}, ttl_s=0.0)
 
 
+def test_a_contended_pull_teaches_its_link_the_throughput_it_really_got() -> None:
+    ledger = PullLedger(clock=Clock())
+    first = ledger.register({PEER: 10 * NBYTES}, ttl_s=5.0)
+    second = ledger.register({PEER: 10 * NBYTES, "b:1": NBYTES}, ttl_s=5.0)  # behind the first on PEER
+    ledger.release(first.id, elapsed_s=0.1)  # it waited behind nothing: a single-stream figure, not learned
+    assert ledger.in_flight(PEER).bytes_per_s == 0.0
+    ledger.release(second.id, elapsed_s=0.5)  # 20 MiB drained from PEER before it ended
+    assert ledger.in_flight(PEER).bytes_per_s == pytest.approx(20 * NBYTES / 0.5)
+    assert ledger.in_flight("b:1").bytes_per_s == 0.0  # nothing queued there before it
+    third, fourth = (ledger.register({PEER: NBYTES}, ttl_s=5.0) for _ in range(2))
+    ledger.release(third.id)  # released without a time (cancelled): teaches nothing
+    ledger.release(fourth.id, elapsed_s=1.0)  # queued 1 MiB behind: 2 MiB/s, weighted in
+    want = 40 * NBYTES + 0.3 * (2 * NBYTES - 40 * NBYTES)
+    assert ledger.in_flight(PEER).bytes_per_s == pytest.approx(want)
+
+
+def test_a_learned_contended_throughput_makes_the_next_decision_recompute() -> None:
+    """One pull in flight: with the single-stream link (1 GB/s) pulling behind it still wins; with the
+    throughput contended pulls were seen to get (42 MB/s), the same decision recomputes."""
+    naive = _connector()
+    naive.plan_load(b"n" * 16, TOKENS, HASHES, count_hit=True)  # in flight, never released
+    assert naive.plan_load(b"n" * 16, TOKENS, HASHES, count_hit=True).stats.decision == "pull"
+
+    taught = _connector()
+    a = taught.pulls.register({PEER: HIT * NBYTES}, ttl_s=10.0)
+    b = taught.pulls.register({PEER: HIT * NBYTES}, ttl_s=10.0)
+    taught.pulls.release(a.id, elapsed_s=0.25)
+    taught.pulls.release(b.id, elapsed_s=0.5)  # 20 MiB in 0.5 s
+    taught.plan_load(b"n" * 16, TOKENS, HASHES, count_hit=True)  # one in flight again
+    stats = taught.plan_load(b"n" * 16, TOKENS, HASHES, count_hit=True).stats
+    assert stats.decision == "recompute" and stats.num_pulls_in_flight == 1
+
+
 def test_ledger_is_thread_safe() -> None:
     ledger = PullLedger(clock=Clock())
 

@@ -26,7 +26,7 @@ from kvpool.cost import RecomputeModel
 from kvpool.hashing import hash_blocks
 from kvpool.types import KVLayout
 from kvpool.vllm.identity import Namespaces
-from kvpool.vllm.meta import SaveSpec
+from kvpool.vllm.meta import KVPoolWorkerMetadata, SaveSpec
 from kvpool.vllm.scheduler import ReportedLinks, SchedulerHalf
 
 transfer = pytest.importorskip("transfer")
@@ -233,6 +233,33 @@ def test_leases_b13(half, pool) -> None:
     plan = future.result(timeout=5)
     assert plan.num_pool_blocks == 5 and plan.pull_end > plan.pull_start  # it was granted a lease
     assert wait_until(lambda: live(pool) == base), "the late match's lease was never released"
+
+
+def test_a_pull_leaves_the_ledger_when_its_worker_reports_the_load_done(half, pool) -> None:
+    """B39 under vLLM: the scheduler's ledger entry of a load ends when the worker's step output says the
+    load ended (with its time, which teaches the link's contended throughput), not when the request ends."""
+    tokens = prompt(6 * BS + 10, seed=21)
+    put(half, pool, tokens, 5)
+    ledger = half.connector.pulls
+    reqs = [Req(f"q{i}", tokens) for i in range(2)]
+    for i, req in enumerate(reqs):  # the second decides behind the first's pull
+        assert answer(half, req, 0) > 0
+        half.update_state_after_alloc(req, blocks(range(10 * i, 10 * i + 7)), 5 * BS)
+    assert len(half.build_connector_meta(sched_out()).loads) == 2
+    assert ledger.num_registered - ledger.num_released == 2
+    peer = next(iter(half._reqs["q0"].plan.addresses.values()))  # type: ignore[union-attr]
+    assert ledger.in_flight(peer).num_pulls == 2 and ledger.in_flight(peer).bytes_per_s == 0.0
+    out = SimpleNamespace(
+        finished_recving=None,
+        kv_connector_worker_meta=KVPoolWorkerMetadata(loads_done={"q0": 0.2, "q1": 0.5}),
+    )
+    half.update_connector_output(out)  # both requests still run: their pulls are over
+    assert ledger.in_flight(peer).num_pulls == 0
+    nbytes = 5 * LAYOUT.block_nbytes  # q1 waited behind q0's bytes: both drained in its 0.5 s
+    assert ledger.in_flight(peer).bytes_per_s == pytest.approx(2 * nbytes / 0.5)
+    for req in reqs:
+        half.request_finished(req, [])
+    assert ledger.num_registered == ledger.num_released and not half._tickets
 
 
 def test_a_request_finished_after_its_match_answered_releases_the_lease(half, pool) -> None:

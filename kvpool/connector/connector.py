@@ -30,7 +30,7 @@ import numpy as np
 
 from kvpool.client.types import PutResult
 from kvpool.connector.breaker import PoolBreaker
-from kvpool.connector.convoy import TTL_FACTOR, busiest, peer_bytes
+from kvpool.connector.convoy import TTL_FACTOR, busiest, contended, peer_bytes
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.plan import LoadedPrefix, LoadPlan, LoadStats
 from kvpool.connector.pull import pull_blocks
@@ -260,6 +260,8 @@ class KVConnector:
         cal = self.calibration
         eff_link = cal.link(link) if link is not None else LOCAL_LINK
         queue = busiest(self.pulls, peer_bytes(plan, self.block_nbytes, min(num_local, num_pool), num_pool))
+        if link is not None:
+            eff_link = contended(eff_link, queue)
         decision = decide_reuse(
             num_hit,
             self.block_size,
@@ -338,7 +340,7 @@ class KVConnector:
         """Drop the plan's read lease, if it holds one (idempotent; B13), and end its pull in the ledger
         (once: B39). Never raises: an unreleased lease expires on its own."""
         ticket, plan.pull_ticket = plan.pull_ticket, None
-        self.pulls.release(ticket)
+        self.pulls.release(ticket, elapsed_s=plan.stats.pull_s or None)
         lease_id, plan.lease_id = plan.lease_id, None
         if not lease_id:
             return

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 from kvpool.connector.plan import LoadPlan
 from kvpool.cost.inflight import InFlight, PullLedger
+from kvpool.cost.link import LinkEstimate, LinkLike
 
 TTL_FACTOR = 2.0
 """A registration outlives its pull's deadline by this factor: a pull may start later than decided (a vLLM
@@ -32,3 +33,11 @@ def busiest(ledger: PullLedger, peers: dict[str, int]) -> InFlight:
     """The most loaded of `peers`' queues (by bytes in flight): what a load over them waits behind."""
     queues = [ledger.in_flight(peer) for peer in peers]
     return max(queues, key=lambda q: (q.nbytes, q.num_pulls), default=InFlight())
+
+
+def contended(link: LinkLike, queue: InFlight) -> LinkLike:
+    """`link` as a load waiting behind `queue` sees it: while pulls are in flight, the throughput the
+    ledger saw the link drain under contention when that is below the single-stream calibration."""
+    if queue.nbytes > 0 and 0.0 < queue.bytes_per_s < link.beta_bytes_per_s:
+        return LinkEstimate(alpha_s=link.alpha_s, beta_bytes_per_s=queue.bytes_per_s)
+    return link

@@ -11,8 +11,14 @@ The queue is the bytes of every registered pull not yet released, counted whole 
 shared host the link's calibrated bandwidth overstates what 50 concurrent pulls get (they contend for
 CPU too), so draining the queue at that bandwidth would undercount it (`kvpool bench burst` measured a
 predicted 10 MiB behind 46 MiB really in flight). A registration expires after `ttl_s` even if never
-released (a vLLM scheduler learns of its worker's load only when the request ends): no path can leak
-the queue for longer. Thread-safe; `clock` returns seconds (monotonic).
+released (a worker that died mid-load never reports): no path can leak the queue for longer.
+
+A pull released with its measured time (`release(id, elapsed_s=...)`) that ran behind others teaches the
+ledger what the link really drains under contention: `(bytes queued before it + its own) / elapsed_s`,
+an exponentially weighted mean per peer (`InFlight.bytes_per_s`; 0 until a contended pull finished). The
+decision uses it for the queue when it is below the single-stream calibration (`KVConnector._decide`), so
+the next burst on a host where concurrent pulls contend for CPU as much as for the link predicts their
+real cost. Thread-safe; `clock` returns seconds (monotonic).
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ from kvpool.errors import InvalidArgument
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InFlight:
-    """What a peer's link is committed to now: `num_pulls` registered pulls of `nbytes` in all."""
+    """What a peer's link is committed to now: `num_pulls` registered pulls of `nbytes` in all, and the
+    throughput it was seen to drain while contended (`bytes_per_s`, B/s; 0.0: not learned yet)."""
 
     num_pulls: int = 0
     nbytes: int = 0
+    bytes_per_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -44,7 +52,14 @@ class _Peer:
 @dataclass(frozen=True, slots=True)
 class _Entry:
     peers: tuple[tuple[str, int], ...]
+    queued_before: tuple[int, ...]  # per peer, the bytes in flight when this pull registered
     expires_at: float
+
+
+RATE_WEIGHT = 0.3
+"""Weight of the newest contended-throughput observation in its peer's running mean."""
+MAX_RATE_PEERS = 4096
+"""Peers whose contended throughput is remembered (the oldest learned is forgotten first)."""
 
 
 class PullTicket:
@@ -75,6 +90,7 @@ class PullLedger:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._entries: dict[str, _Entry] = {}
+        self._rates: dict[str, float] = {}  # peer -> contended throughput (B/s), insertion-ordered
         self._prefix = uuid.uuid4().hex[:12]  # ids unique across processes: another ledger ignores them
         self._seq = itertools.count(1)
         self.num_registered = 0
@@ -86,7 +102,10 @@ class PullLedger:
         with self._lock:
             self._expire(self._clock())
             p = self._peers.get(peer)
-            return InFlight() if p is None else InFlight(num_pulls=p.num_pulls, nbytes=p.nbytes)
+            rate = self._rates.get(peer, 0.0)
+            if p is None:
+                return InFlight(bytes_per_s=rate)
+            return InFlight(num_pulls=p.num_pulls, nbytes=p.nbytes, bytes_per_s=rate)
 
     def register(self, peer_bytes: Mapping[str, int], *, ttl_s: float) -> PullTicket:
         """Register a pull of `peer_bytes[peer]` bytes from each peer; it counts until released or `ttl_s`
@@ -102,16 +121,20 @@ class PullLedger:
         with self._lock:
             now = self._clock()
             self._expire(now)
+            before = []
             for peer, n in items:
                 p = self._peers.setdefault(peer, _Peer())
+                before.append(p.nbytes)
                 p.num_pulls += 1
                 p.nbytes += n
-            self._entries[ticket_id] = _Entry(items, now + ttl_s)
+            self._entries[ticket_id] = _Entry(items, tuple(before), now + ttl_s)
             self.num_registered += 1
         return PullTicket(self, ticket_id)
 
-    def release(self, ticket_id: str | None) -> bool:
-        """End a pull by id (None or unknown: nothing, False). Exactly once: True the first time."""
+    def release(self, ticket_id: str | None, *, elapsed_s: float | None = None) -> bool:
+        """End a pull by id (None or unknown: nothing, False). Exactly once: True the first time.
+        `elapsed_s`: how long the pull took (a pull cut off at its deadline: that deadline), from which a
+        pull that waited behind others teaches its peer's contended throughput."""
         if ticket_id is None:
             return False
         with self._lock:
@@ -120,7 +143,17 @@ class PullLedger:
                 return False
             self._remove(entry)
             self.num_released += 1
+            if elapsed_s is not None and elapsed_s > 0.0:
+                for (peer, n), queued in zip(entry.peers, entry.queued_before, strict=True):
+                    if queued > 0:
+                        self._learn(peer, (queued + n) / elapsed_s)
         return True
+
+    def _learn(self, peer: str, bytes_per_s: float) -> None:
+        old = self._rates.pop(peer, None)
+        self._rates[peer] = bytes_per_s if old is None else old + RATE_WEIGHT * (bytes_per_s - old)
+        if len(self._rates) > MAX_RATE_PEERS:
+            del self._rates[next(iter(self._rates))]
 
     def _expire(self, now: float) -> None:
         for ticket_id in [t for t, e in self._entries.items() if e.expires_at <= now]:

@@ -80,6 +80,9 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     pulls: list[PullSample] = field(default_factory=list)
     load_failures: dict[str, int] = field(default_factory=dict)
     """request id -> leading chain blocks intact after a load that failed part-way."""
+    loads_done: dict[str, float] = field(default_factory=dict)
+    """request id -> seconds its load took (pull and copy into vLLM's blocks), for every load that ended
+    (intact, partial or failed): the scheduler ends its pull in the ledger then (B39)."""
     links: dict[str, tuple[float, float]] = field(default_factory=dict)
     """store data address -> (alpha_s, beta_bytes_per_s) the worker's transport measured."""
 
@@ -92,6 +95,13 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         for rid, n in other.load_failures.items():
             failures[rid] = min(n, failures.get(rid, n))
         links = {**self.links, **other.links}
+        done = dict(self.loads_done)
+        for rid, seconds in other.loads_done.items():  # a load ends when its slowest worker's part did
+            done[rid] = max(seconds, done.get(rid, seconds))
         return KVPoolWorkerMetadata(
-            forward=forward, pulls=self.pulls + other.pulls, load_failures=failures, links=links
+            forward=forward,
+            pulls=self.pulls + other.pulls,
+            load_failures=failures,
+            loads_done=done,
+            links=links,
         )

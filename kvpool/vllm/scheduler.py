@@ -9,6 +9,9 @@ Rules:
   prefix cache lacks: blocks below the block-aligned local hit are never pulled.
 - **Leases** (B13): renewed while the request waits, released when its load ends, when nothing is loaded,
   on abort and in `request_finished`; a match that answers after its request gave up is released at once.
+- **Pull convoys** (B39): a load's pull stays in the connector's ledger from the decision until the
+  worker's step output reports the load ended (`KVPoolWorkerMetadata.loads_done`, with its time, which
+  teaches the ledger the link's contended throughput), not until the request ends.
 - **Saves**: every step, each scheduled request's blocks that became full (prefill, chunked-prefill
   continuations, decode) and whose tokens are known are published once, in chain order, starting after the
   pool's matched run. A finished request's last full blocks are saved in the next step, with the free of
@@ -36,6 +39,10 @@ from kvpool.vllm.pd import prefill_blocks, wait_committed
 from kvpool.vllm.request_state import ReportedLinks, RequestState, request_report
 
 log = logging.getLogger(__name__)
+
+
+MAX_TICKETS = 65_536
+"""Pull tickets awaiting their worker's report at once (a lost report's ticket expires in the ledger)."""
 
 
 class SchedulerHalf:
@@ -67,6 +74,7 @@ class SchedulerHalf:
         self._reqs: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []
         self._final_saves: list[SaveSpec] = []
+        self._tickets: dict[str, str] = {}  # request id -> its pull's ledger ticket, until its load ends
         self._matcher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpool-match")
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew_leases, name="kvpool-lease-renew", daemon=True)
@@ -277,6 +285,10 @@ class SchedulerHalf:
         plan.lease_id = None  # the worker releases it once its pull ended
         with self._lock:
             self._loads.append(spec)
+            if plan.pull_ticket is not None:  # ended when the worker reports the load done (B39)
+                self._tickets[request.request_id] = plan.pull_ticket
+                while len(self._tickets) > MAX_TICKETS:  # reports lost: the ledger expires them anyway
+                    del self._tickets[next(iter(self._tickets))]
         st.phase = "loading" if self.load_async else "done"
 
     # ---- each step ---------------------------------------------------------------------------------
@@ -360,6 +372,10 @@ class SchedulerHalf:
         if isinstance(links, ReportedLinks):
             for peer, (alpha_s, beta) in meta.links.items():
                 links.update(peer, LinkEstimate(alpha_s=alpha_s, beta_bytes_per_s=beta))
+        for rid, load_s in meta.loads_done.items():  # the pull ended: off the link's queue, timed
+            with self._lock:
+                ticket = self._tickets.pop(rid, None)
+            self.connector.pulls.release(ticket, elapsed_s=load_s)
         for rid, num_ok in meta.load_failures.items():
             st = self._reqs.get(rid)
             if st is not None:  # the pool's copy is bad or gone: the recomputed blocks are published again
@@ -378,6 +394,8 @@ class SchedulerHalf:
             st.future.add_done_callback(self._release_late)  # runs now when the future is done
         elif st.plan is not None and st.phase != "loading":
             self.connector.release(st.plan, request_id=rid)
+            with self._lock:
+                self._tickets.pop(rid, None)
         elif st.plan is not None:  # vLLM frees its blocks when the load ends; the worker owns the lease
             self._reqs[rid] = RequestState(request=None, phase="loading")
             return False, {"kvpool": self._report(st)}

@@ -129,9 +129,9 @@ class WorkerHalf:
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
         for spec in meta.loads:
             if spec.sync:  # this step's forward reads the blocks: load them now
-                failed, n_intact, sample = self._load(spec)
+                failed, n_intact, sample, load_s = self._load(spec)
                 with self._lock:
-                    self._record_load(spec.request_id, failed, n_intact, sample)
+                    self._record_load(spec.request_id, failed, n_intact, sample, load_s)
                 continue
             with self._lock:
                 if not self._loads:
@@ -139,8 +139,9 @@ class WorkerHalf:
                     sys.setswitchinterval(LOADING_SWITCH_INTERVAL_S)
                 self._loads[spec.request_id] = self._loader.submit(self._load, spec)
 
-    def _load(self, spec: LoadSpec) -> tuple[list[int], int, PullSample | None]:
-        """Pull and scatter one request's blocks; returns (failed vLLM block ids, intact chain blocks, sample)."""
+    def _load(self, spec: LoadSpec) -> tuple[list[int], int, PullSample | None, float]:
+        """Pull and scatter one request's blocks; returns (failed vLLM block ids, intact chain blocks, sample,
+        seconds the load took)."""
         plan, rid = spec.plan, spec.request_id
         n_ok = 0
         t0 = time.perf_counter()
@@ -179,7 +180,7 @@ class WorkerHalf:
         )
         for peer in set(plan.addresses.values()):
             self._note_link(peer)
-        return failed, plan.pull_start + n_ok, sample
+        return failed, plan.pull_start + n_ok, sample, load_s
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         recving: set[str] = set()
@@ -207,8 +208,11 @@ class WorkerHalf:
                 sys.setswitchinterval(self._switch_interval_s)
         return sending or None, recving or None
 
-    def _record_load(self, rid: str, failed: list[int], n_intact: int, sample: PullSample | None) -> None:
+    def _record_load(
+        self, rid: str, failed: list[int], n_intact: int, sample: PullSample | None, load_s: float
+    ) -> None:
         """Queue a finished load's failed blocks and observations (called under the lock)."""
+        self._report.loads_done[rid] = load_s
         if failed:
             self._load_errors.update(failed)
             self._report.load_failures[rid] = n_intact
