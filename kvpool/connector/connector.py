@@ -34,7 +34,15 @@ from kvpool.connector.convoy import TTL_FACTOR, busiest, contended, peer_bytes
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.plan import LoadedPrefix, LoadPlan, LoadStats
 from kvpool.connector.pull import pull_blocks
-from kvpool.cost import LOCAL_LINK, LinkEstimate, PullLedger, RecomputeModel, decide_reuse, t_transfer_s
+from kvpool.cost import (
+    LOCAL_LINK,
+    LinkEstimate,
+    LinkLike,
+    PullLedger,
+    RecomputeModel,
+    decide_reuse,
+    t_transfer_s,
+)
 from kvpool.cost.online import OnlineCalibration
 from kvpool.errors import DeadlineExceeded, FailedPrecondition, TransferError, Unavailable, VersionFenced
 
@@ -258,10 +266,8 @@ class KVConnector:
         ]
         link = self.link_to_pool(addresses) if num_pool > num_local else None
         cal = self.calibration
-        eff_link = cal.link(link) if link is not None else LOCAL_LINK
         queue = busiest(self.pulls, peer_bytes(plan, self.block_nbytes, min(num_local, num_pool), num_pool))
-        if link is not None:
-            eff_link = contended(eff_link, queue)
+        eff_link: LinkLike = contended(cal.link(link), queue) if link is not None else LOCAL_LINK
         decision = decide_reuse(
             num_hit,
             self.block_size,

@@ -65,7 +65,7 @@ class WorkerHalf:
         self.kv_caches: list[torch.Tensor] = []
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-load")
         self._lock = threading.Lock()
-        self._loads: dict[str, Future[tuple[list[int], int, PullSample | None]]] = {}
+        self._loads: dict[str, Future[tuple[list[int], int, PullSample | None, float]]] = {}
         self._load_errors: set[int] = set()
         self._finished_seen: dict[str, int] = {}  # finished request id -> the step it was seen in
         self._steps = 0
