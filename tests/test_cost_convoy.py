@@ -139,6 +139,7 @@ def test_a_contended_pull_teaches_its_link_the_throughput_it_really_got() -> Non
     ledger.release(fourth.id, elapsed_s=1.0)  # queued 1 MiB behind: 2 MiB/s, weighted in
     want = 40 * NBYTES + 0.3 * (2 * NBYTES - 40 * NBYTES)
     assert ledger.in_flight(PEER).bytes_per_s == pytest.approx(want)
+    assert ledger.contended_rates() == {PEER: pytest.approx(want)}
 
 
 def test_a_learned_contended_throughput_makes_the_next_decision_recompute() -> None:
@@ -156,6 +157,34 @@ def test_a_learned_contended_throughput_makes_the_next_decision_recompute() -> N
     taught.plan_load(b"n" * 16, TOKENS, HASHES, count_hit=True)  # one in flight again
     stats = taught.plan_load(b"n" * 16, TOKENS, HASHES, count_hit=True).stats
     assert stats.decision == "recompute" and stats.num_pulls_in_flight == 1
+
+
+def test_a_pull_that_shared_its_time_with_others_is_overlapped() -> None:
+    ledger = PullLedger(clock=Clock())
+    a = ledger.register({PEER: 1}, ttl_s=5.0)
+    assert not ledger.overlapped(a.id) and not ledger.overlapped(None) and not ledger.overlapped("x-1")
+    b = ledger.register({"b:1": 1}, ttl_s=5.0)  # another store: still the same host's CPU
+    assert ledger.overlapped(a.id) and ledger.overlapped(b.id)
+    a.release()
+    b.release()
+    c = ledger.register({PEER: 1}, ttl_s=5.0)
+    assert not ledger.overlapped(c.id)
+
+
+def test_only_a_pull_that_ran_alone_corrects_the_link_estimate() -> None:
+    conn = _connector()
+    first = conn.plan_load(b"n" * 16, TOKENS, HASHES, count_hit=True)
+    second = conn.plan_load(b"n" * 16, TOKENS, HASHES, count_hit=True)
+    assert first.stats.decision == second.stats.decision == "pull"
+    conn.pull(first)
+    conn.pull(second)
+    assert conn.calibration.num_pull_observations == 0  # a convoy: its times are the ledger's
+    conn.release(first)
+    conn.release(second)
+    alone = conn.plan_load(b"n" * 16, TOKENS, HASHES, count_hit=True)
+    conn.pull(alone)
+    conn.release(alone)
+    assert conn.calibration.num_pull_observations == 1
 
 
 def test_ledger_is_thread_safe() -> None:

@@ -67,6 +67,32 @@ class LinkEstimate:
         return self.alpha_s + nbytes / self.beta_bytes_per_s if self.beta_bytes_per_s > 0 else math.inf
 
 
+class Overlap:
+    """Transfers in flight in one transport, to tell a transfer that ran alone from one that shared the
+    link and the CPU with others (only the first measures the link: a convoy's time would teach the
+    tracker a contended bandwidth as if it were the link's). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._started = 0
+
+    def begin(self) -> tuple[bool, int]:
+        """A transfer starts: a token for `end`."""
+        with self._lock:
+            crowded = self._active > 0
+            self._active += 1
+            self._started += 1
+            return crowded, self._started
+
+    def end(self, token: tuple[bool, int]) -> bool:
+        """The transfer of `token` ended: True when no other transfer overlapped it."""
+        crowded, seq = token
+        with self._lock:
+            self._active -= 1
+            return not crowded and self._started == seq
+
+
 class LinkTracker:
     """Per-peer link estimates: set by the connect probe, EWMA-updated by real transfers. Thread-safe."""
 

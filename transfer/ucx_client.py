@@ -19,6 +19,7 @@ from transfer.base import (
     BlockWrite,
     LinkEstimate,
     LinkTracker,
+    Overlap,
     TransferError,
     validate_batch,
 )
@@ -115,6 +116,7 @@ class UcxTransport:
         self._peers: dict[str, PeerConns] = {}
         self._ids = self._rt.ids  # process-wide: a stray reply never matches another request
         self._links = LinkTracker()
+        self._overlap = Overlap()  # only transfers that ran alone measure the link
         self._closed = False
         self._map_local = map_local_segments
         self.backoff = PeerBackoff(first_s=peer_backoff_s)
@@ -161,8 +163,12 @@ class UcxTransport:
         if any(r.capability for r in reads):  # the store checks them: every read asks it (`mread`)
             return None
         t0 = time.perf_counter()
+        token = self._overlap.begin()
         results: list[tuple[bool, int, str]] = [(False, 0, "")] * len(reads)
-        left = optimistic_read(mapping, state, reads, views, results)
+        try:
+            left = optimistic_read(mapping, state, reads, views, results)
+        finally:
+            solo = self._overlap.end(token)
         if left:
             raw = self._call(
                 self._read(peer, [reads[j] for j in left], [views[j] for j in left], timeout_s),
@@ -171,7 +177,7 @@ class UcxTransport:
             )
             for j, res in zip(left, raw, strict=True):
                 results[j] = res
-        else:
+        elif solo:
             self._observe(peer, sum(r.nbytes for r in reads), time.perf_counter() - t0)
         return results
 
@@ -382,8 +388,15 @@ class UcxTransport:
         t0 = time.perf_counter()
         p = self._peers.get(peer)
         mapped = p is not None and p.mapping is not None
-        res = await self._batch(peer, len(reads), timeout_s, one, mapped=mapped)
-        self._observe(peer, sum(reads[i].nbytes for i, r in enumerate(res) if r[0]), time.perf_counter() - t0)
+        token = self._overlap.begin()
+        try:
+            res = await self._batch(peer, len(reads), timeout_s, one, mapped=mapped)
+        finally:
+            solo = self._overlap.end(token)
+        if solo:
+            self._observe(
+                peer, sum(reads[i].nbytes for i, r in enumerate(res) if r[0]), time.perf_counter() - t0
+            )
         return res
 
     async def _write(
@@ -411,8 +424,15 @@ class UcxTransport:
                 results[idxs[j]] = (bool(ok), int(cs), str(err))
 
         t0 = time.perf_counter()
-        res = await self._batch(peer, len(writes), timeout_s, one)
-        self._observe(peer, sum(views[i].nbytes for i, r in enumerate(res) if r[0]), time.perf_counter() - t0)
+        token = self._overlap.begin()
+        try:
+            res = await self._batch(peer, len(writes), timeout_s, one)
+        finally:
+            solo = self._overlap.end(token)
+        if solo:
+            self._observe(
+                peer, sum(views[i].nbytes for i, r in enumerate(res) if r[0]), time.perf_counter() - t0
+            )
         return res
 
     def _observe(self, peer: str, nbytes: int, elapsed_s: float) -> None:

@@ -11,6 +11,11 @@ question) arrive at once:
   decision sees the pulls already in flight on the store's link (`kvpool.cost.inflight.PullLedger`);
 - **recompute burst** (the baseline, same run): the same requests with the cache off.
 
+Before the measured pull burst, `warmup_bursts` unmeasured pull bursts run (default 1): a serving node
+has seen traffic before, and the pulls that finished behind others taught its ledger what the store's link
+drains under contention (`InFlight.bytes_per_s`), which the measured burst's decisions then use. With
+`--warmup-bursts 0` the burst meets a cold node that knows only the single-stream calibration.
+
 Forwards run one at a time (one model, `model_lock`). TTFT of a request = burst start -> its first token
 (load + wait for the model + forward). Summary keys: `pull_ttft_p50_s`, `recompute_ttft_p50_s`,
 `pull_over_recompute` (target <= 1), p90s, the decisions and the most pulls a decision saw in flight.
@@ -129,6 +134,7 @@ def run_burst(
     prefix_tokens: int = 256,
     question_tokens: int = 16,
     block_size: int = 64,
+    warmup_bursts: int = 1,
     model_dir: str | None = None,
     json_out: Path | None = None,
 ) -> dict[str, Any]:
@@ -162,6 +168,8 @@ def run_burst(
         extra_env=tcp,
     )
     records: list[dict[str, Any]] = []
+    learned_bytes_per_s = pull_overhead_s = 0.0
+    num_pull_observations = 0
     with LocalCluster(spec) as cluster, _env(tcp | {"KVPOOL_FORCE_DECISION": "auto"}):
         settings = ServingSettings(
             master=cluster.master_address,
@@ -182,6 +190,14 @@ def run_burst(
             n_full = len(hashes)
             rt.connector.publish(ns, hashes, rt.runner.blocks_from_prefix(full, 0, n_full), start_block=0)
             for arm in ARMS:  # the baseline first: the pull arm then runs on a model warmed as much
+                if arm == "pull":
+                    for i in range(warmup_bursts):
+                        console.print(f"warm-up pull burst {i + 1} of {warmup_bursts} (not measured)")
+                        records += _burst(rt, ns, prompts(), use_cache=True, arm=f"warmup{i}")
+                    learned = rt.connector.pulls.contended_rates()  # the one store's link
+                    learned_bytes_per_s = max(learned.values(), default=0.0)
+                    pull_overhead_s = rt.connector.calibration.pull_overhead_s
+                    num_pull_observations = rt.connector.calibration.num_pull_observations
                 console.print(f"[bold]{arm} burst[/]: {burst} requests at once")
                 records += _burst(rt, ns, prompts(), use_cache=arm == "pull", arm=arm)
         finally:
@@ -191,6 +207,10 @@ def run_burst(
         "prefix_tokens": prefix_tokens,
         "question_tokens": question_tokens,
         "block_nbytes": layout.block_nbytes,
+        "warmup_bursts": warmup_bursts,
+        "contended_bytes_per_s": learned_bytes_per_s,  # learned by the warm-up (0.0: none)
+        "pull_overhead_s": pull_overhead_s,  # the online link correction the measured burst decided with
+        "num_pull_observations": num_pull_observations,
     }
     for arm in ARMS:
         summary |= _arm_summary(records, arm)

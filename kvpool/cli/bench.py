@@ -79,6 +79,11 @@ def burst_cmd(
     prefix_tokens: int = typer.Option(256, min=1, help="shared prefix length (tokens)"),
     question_tokens: int = typer.Option(16, min=1, help="tokens after the prefix, distinct per request"),
     block_size: int = typer.Option(64, min=1, help="tokens per block"),
+    warmup_bursts: int = typer.Option(
+        1,
+        min=0,
+        help="unmeasured pull bursts first, from which the node learns its link's contended throughput",
+    ),
     model: str = typer.Option(None, help="HF model directory (default: embedded)"),
     json_out: Path = typer.Option(None, "--json", help="write the report JSON here"),
 ) -> None:
@@ -91,6 +96,7 @@ def burst_cmd(
         prefix_tokens=prefix_tokens,
         question_tokens=question_tokens,
         block_size=block_size,
+        warmup_bursts=warmup_bursts,
         model_dir=model,
         json_out=json_out,
     )

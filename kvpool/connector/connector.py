@@ -312,7 +312,7 @@ class KVConnector:
         Returns the leading run of intact blocks (uint8 arrays of `block_nbytes`, back to back in one
         buffer); fewer than asked when a block failed: the caller recomputes from there. Fills the plan's
         stats (`pull_s`, `num_failed_blocks`, `num_pulled_tokens`, `pulled_bytes`) and the breaker; an
-        intact pull corrects the online link overhead. Never raises for a pool failure.
+        intact pull that ran alone corrects the online link overhead. Never raises for a pool failure.
         """
         stats = plan.stats
         start = plan.pull_start if start is None else start
@@ -338,7 +338,8 @@ class KVConnector:
         self.breaker.record(bool(pulled) or failed == 0)
         stats.num_pulled_tokens = len(pulled) * self.block_size
         stats.pulled_bytes = sum(b.nbytes for b in pulled)
-        if plan.link is not None and failed == 0 and pulled:
+        solo = not self.pulls.overlapped(plan.pull_ticket)  # a convoy's time is the ledger's to learn
+        if plan.link is not None and failed == 0 and pulled and solo:
             self.calibration.observe_pull(stats.pulled_bytes, stats.pull_s, plan.link)
         return pulled
 

@@ -18,7 +18,8 @@ ledger what the link really drains under contention: `(bytes queued before it + 
 an exponentially weighted mean per peer (`InFlight.bytes_per_s`; 0 until a contended pull finished). The
 decision uses it for the queue when it is below the single-stream calibration (`KVConnector._decide`), so
 the next burst on a host where concurrent pulls contend for CPU as much as for the link predicts their
-real cost. Thread-safe; `clock` returns seconds (monotonic).
+real cost. Such a pull's time must not correct the single-stream link estimate (`overlapped`). Thread-safe;
+`clock` returns seconds (monotonic).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class _Entry:
     peers: tuple[tuple[str, int], ...]
     queued_before: tuple[int, ...]  # per peer, the bytes in flight when this pull registered
     expires_at: float
+    crowded: bool  # another pull (any peer) was in flight when this one registered
+    seq: int  # `num_registered` right after this one registered
 
 
 RATE_WEIGHT = 0.3
@@ -107,6 +110,11 @@ class PullLedger:
                 return InFlight(bytes_per_s=rate)
             return InFlight(num_pulls=p.num_pulls, nbytes=p.nbytes, bytes_per_s=rate)
 
+    def contended_rates(self) -> dict[str, float]:
+        """Peer -> the contended throughput learned for it (B/s); peers with none are absent."""
+        with self._lock:
+            return dict(self._rates)
+
     def register(self, peer_bytes: Mapping[str, int], *, ttl_s: float) -> PullTicket:
         """Register a pull of `peer_bytes[peer]` bytes from each peer; it counts until released or `ttl_s`
         (its deadline: a pull is abandoned by then) has passed. The caller releases it exactly once,
@@ -127,9 +135,20 @@ class PullLedger:
                 before.append(p.nbytes)
                 p.num_pulls += 1
                 p.nbytes += n
-            self._entries[ticket_id] = _Entry(items, tuple(before), now + ttl_s)
+            crowded = bool(self._entries)
             self.num_registered += 1
+            self._entries[ticket_id] = _Entry(items, tuple(before), now + ttl_s, crowded, self.num_registered)
         return PullTicket(self, ticket_id)
+
+    def overlapped(self, ticket_id: str | None) -> bool:
+        """Whether another pull (to any peer) was in flight at some time in this registered pull's life so
+        far: its time then says as much about the contention (the link, and the CPU on a shared host) as
+        about the link, so it must not correct the single-stream link estimate. False for an unknown id."""
+        if ticket_id is None:
+            return False
+        with self._lock:
+            e = self._entries.get(ticket_id)
+            return e is not None and (e.crowded or self.num_registered > e.seq)
 
     def release(self, ticket_id: str | None, *, elapsed_s: float | None = None) -> bool:
         """End a pull by id (None or unknown: nothing, False). Exactly once: True the first time.

@@ -67,6 +67,7 @@ class PullSample:
     seconds: float
     alpha_s: float
     beta_bytes_per_s: float
+    request_id: str = ""
 
 
 @dataclass(slots=True)

@@ -365,6 +365,10 @@ class SchedulerHalf:
         if meta.forward is not None:
             cal.observe_compute(*meta.forward)
         for p in meta.pulls:
+            with self._lock:
+                ticket = self._tickets.get(p.request_id)
+            if self.connector.pulls.overlapped(ticket):  # a convoy's time: the ledger learns it below
+                continue
             cal.observe_pull(
                 p.nbytes, p.seconds, LinkEstimate(alpha_s=p.alpha_s, beta_bytes_per_s=p.beta_bytes_per_s)
             )

@@ -169,6 +169,7 @@ class WorkerHalf:
                 seconds=load_s,
                 alpha_s=plan.link.alpha_s,
                 beta_bytes_per_s=plan.link.beta_bytes_per_s,
+                request_id=rid,
             )
         log.info(
             "[%s] loaded %d of %d blocks from the pool in %.3fs (predicted %.3fs)",

@@ -1,0 +1,57 @@
+"""`kvpool bench burst` (pull convoys, B39) end to end on a small burst, and the transport's rule that only a
+transfer that ran alone measures its link."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from transfer.base import Overlap
+
+
+def test_only_a_transfer_that_ran_alone_is_solo() -> None:
+    ov = Overlap()
+    alone = ov.begin()
+    assert ov.end(alone)
+    first = ov.begin()
+    second = ov.begin()  # started while the first runs: both shared the link
+    assert not ov.end(second)
+    assert not ov.end(first)
+    late = ov.begin()
+    assert ov.end(late)
+
+
+def test_overlap_counts_under_threads() -> None:
+    ov = Overlap()
+
+    def work() -> None:
+        for _ in range(1000):
+            ov.end(ov.begin())
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert ov.end(ov.begin())  # nothing left counted as in flight
+
+
+@pytest.mark.slow
+def test_a_small_burst_runs_both_arms_and_reports_the_summary_keys(tmp_path: Path) -> None:
+    if (why := pytest.importorskip("transfer").ucx_available()) is not None:
+        pytest.skip(f"UCX unavailable: {why}")
+    from kvpool.bench.burst import run_burst
+
+    out = tmp_path / "burst.json"
+    summary = run_burst(burst=6, prefix_tokens=128, question_tokens=8, warmup_bursts=1, json_out=out)
+    for key in ("pull_ttft_p50_s", "recompute_ttft_p50_s", "pull_over_recompute", "contended_bytes_per_s"):
+        assert key in summary
+    assert summary["recompute_ttft_p50_s"] > 0 and summary["pull_ttft_p50_s"] > 0
+    assert summary["pull_num_errors"] == summary["recompute_num_errors"] == 0
+    assert summary["recompute_decisions"] == {"recompute": 6} and sum(summary["pull_decisions"].values()) == 6
+    report = json.loads(out.read_text())
+    arms = {r["arm"] for r in report["records"]}
+    assert arms == {"recompute", "pull", "warmup0"} and report["summary"]["warmup_bursts"] == 1
