@@ -152,7 +152,7 @@ def run_crossover(
     from rich.console import Console
 
     from kvpool.bench.netns import netns_unavailable_reason
-    from kvpool.bench.report import write_report
+    from kvpool.report import write_report
 
     console = Console(stderr=True)
     if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds: namespaces are deleted

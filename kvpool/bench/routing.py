@@ -33,9 +33,9 @@ from kvpool.bench.routing_sim import (
     simulate,
     ttft_record,
 )
-from kvpool.bench.trace import Trace, load_trace
 from kvpool.errors import InvalidArgument
 from kvpool.router.policy import DEFAULT_LINK, POLICIES
+from kvpool.trace import Trace, load_trace
 
 SHARED_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
 BUNDLED_TRACE = Path(__file__).resolve().parent.parent / "data" / "traces" / "conversation_small.jsonl"
@@ -197,8 +197,8 @@ def run_routing(
     plot_out: Path | None = None, progress: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """Run the grid (and the real run), print the table, write the report (and plot)."""
-    from kvpool.bench.report import write_report
     from kvpool.console import console
+    from kvpool.report import write_report
 
     if profile not in PROFILES:
         raise InvalidArgument(f"unknown profile {profile!r}; expected one of {', '.join(PROFILES)}")

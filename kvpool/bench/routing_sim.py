@@ -16,7 +16,7 @@ What is real and what is modelled:
   stored/evicted blocks become/leave `local` locations in the index as the master records them.
   Heartbeats report no queue (one router: its own in-flight count is the whole load, DESIGN B21).
 
-Workload: a Mooncake-format trace (`kvpool.bench.trace.load_trace`). Each hash id is one block of
+Workload: a Mooncake-format trace (`kvpool.trace.load_trace`). Each hash id is one block of
 `block_tokens` tokens (512: the trace's own; the real-run mirror uses fewer tokens per hash id, prompt
 lengths scaled alike); only full blocks are published, as the live system does. Requests sharing a
 quantised timestamp are spread evenly up to the next distinct timestamp. Timestamps are then scaled so
@@ -36,13 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bench.trace import TRACE_BLOCK_TOKENS, Trace
 from kvpool.client.types import Match, NodeInfo, NodeLoad, NodeStatus
 from kvpool.cost import LinkEstimate, RecomputeModel, decide_reuse
 from kvpool.errors import InvalidArgument, NotFound
 from kvpool.index import DEFAULT_POLICY, RadixIndex
 from kvpool.router.policy import COST_MARGIN, RouteRequest, RoutingPolicy
 from kvpool.router.state import Inflight, node_states
+from kvpool.trace import TRACE_BLOCK_TOKENS, Trace
 from kvpool.types import BlockHash, FakeClock, Location, NamespaceId
 
 _NS = NamespaceId(b"routing-sim-ns\x00\x00")

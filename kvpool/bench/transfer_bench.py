@@ -311,8 +311,8 @@ def run_transfer_bench(
     mooncake: bool = True,
 ) -> dict[str, Any]:
     """Measure everything (see the module docstring), print the tables, write the report and the plot."""
-    from kvpool.bench.report import write_report
     from kvpool.console import console
+    from kvpool.report import write_report
 
     sizes = list(QUICK_SIZES if quick else FULL_SIZES)
     batch = batch or (8 if quick else 256)

@@ -17,8 +17,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvpool.bench.report import write_report
 from kvpool.errors import InvalidArgument
+from kvpool.report import write_report
 
 TRANSPORTS = ("tcp", "auto")
 

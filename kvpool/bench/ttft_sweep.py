@@ -79,9 +79,9 @@ def run_ttft_sweep(
     from rich.table import Table
 
     from kvpool.bench.crossover_measure import BenchCluster, PrefillCaller
-    from kvpool.bench.report import write_report
     from kvpool.cluster.local import LocalClusterSpec
     from kvpool.model import ModelRunner, embedded_model_dir
+    from kvpool.report import write_report
 
     console = Console(stderr=True)
     prefixes = tuple(prefixes or (QUICK_PREFIXES if quick else FULL_PREFIXES))

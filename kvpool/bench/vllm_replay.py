@@ -32,7 +32,6 @@ from typing import Any
 
 from rich.console import Console
 
-from kvpool.bench.report import write_report
 from kvpool.bench.vllm_replay_report import SETUPS, plot_report, print_report, summarize
 from kvpool.bench.vllm_replay_trace import (
     BlockTokens,
@@ -42,6 +41,7 @@ from kvpool.bench.vllm_replay_trace import (
     select_subset,
 )
 from kvpool.errors import InvalidArgument
+from kvpool.report import write_report
 
 LAYOUT = "kv1:float32:b64:l4:h4:d32"  # the embedded model's KV in fp32, block 64
 BLOCK_SIZE = 64

@@ -1,7 +1,11 @@
-"""`kvpool bench …`: each benchmark lives in `kvpool.bench.<name>` and is imported on use."""
+"""`kvpool bench …`: each benchmark lives in `kvpool.bench.<name>` and is imported on use.
+
+Progress bars (tqdm) and plots (matplotlib) come with the `bench` extra (`pip install 'kvpool[bench]'`); a
+command that needs a missing one says so before it starts."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -10,6 +14,26 @@ import typer
 from kvpool.cli.checks import device_option
 
 bench_app = typer.Typer(no_args_is_help=True)
+
+BENCH_EXTRA = "pip install 'kvpool[bench]'"
+
+
+def need_bench_extra(command: str, *, progress: bool = False, plot: Path | None = None) -> None:
+    """Exit 1 with one line naming the `bench` extra when `command` needs tqdm (`progress`) or matplotlib
+    (`plot` given) and it is not installed; nothing has started yet."""
+    wanted = [m for m, needed in (("tqdm", progress), ("matplotlib", plot is not None)) if needed]
+    missing = []
+    for module in wanted:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        typer.echo(
+            f"kvpool bench {command}: needs {' and '.join(missing)} from the 'bench' extra: {BENCH_EXTRA}",
+            err=True,
+        )
+        raise typer.Exit(1)
 
 
 @bench_app.command("ttft")
@@ -48,6 +72,7 @@ def ttft(
         grid_p = plist or (ttft_sweep.QUICK_PREFIXES if quick else ttft_sweep.FULL_PREFIXES)
         grid_q = qlist or (ttft_sweep.QUICK_QUESTIONS if quick else ttft_sweep.FULL_QUESTIONS)
         _prompt_fits(max(grid_p) + max(grid_q), model, "'--prefixes' + '--questions'")
+        need_bench_extra("ttft --sweep", plot=plot)
         ttft_sweep.run_ttft_sweep(
             prefixes=plist, questions=qlist, reps=requests, quick=quick, block_size=block_size, model_dir=model,
             json_out=json_out, plot_out=plot,
@@ -108,6 +133,7 @@ def vllm_cmd(
     log_dir: Path | None = typer.Option(None, help="Keep the engines' and the pool's logs here."),
 ) -> None:
     """vLLM TTFT with kvpool's connector: (a) cold, (b) vLLM's own prefix cache, (c) loaded from the pool."""
+    need_bench_extra("vllm", plot=plot)
     from kvpool.bench.vllm_bench import run_vllm_bench
     from kvpool.errors import InvalidArgument
 
@@ -145,6 +171,7 @@ def crossover_cmd(
         raise typer.BadParameter(f"--rates: {rates!r} is not 'auto' or a list of numbers") from None
     if reps < 1:
         raise typer.BadParameter("--reps must be >= 1")
+    need_bench_extra("crossover", plot=plot)
     run_crossover(
         quick=quick, reps=reps, rates_mbit=rate_list, question_tokens=question_tokens, netns=netns,
         fresh_calibration=fresh_calibration, json_out=json_out, plot_out=plot,
@@ -197,6 +224,7 @@ def trace_cmd(
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
     """Replay traces through the radix index: token prefix-hit rate per policy and capacity."""
+    need_bench_extra("trace", progress=True, plot=plot)
     from kvpool.bench.trace import parse_fractions, parse_policies, run_trace_bench
     from kvpool.errors import InvalidArgument
 
@@ -303,6 +331,7 @@ def transfer_cmd(
     mooncake: bool = typer.Option(True, help="Measure Mooncake's store when its wheel is installed."),
 ) -> None:
     """Data-plane GB/s: pool get/put vs raw UCX, ucx_perftest, memcpy and Mooncake, over tcp and shm."""
+    need_bench_extra("transfer", progress=True, plot=plot)
     from kvpool.bench.transfer_bench import run_transfer_bench
 
     run_transfer_bench(
@@ -337,6 +366,7 @@ def routing_cmd(
         node_list = [int(x) for x in nodes.split(",") if x.strip()] or ([4, 8] if quick else [4, 8, 16])
     except ValueError:
         raise typer.BadParameter(f"--nodes: {nodes!r} is not a list of integers") from None
+    need_bench_extra("routing", progress=True, plot=plot)
     try:
         run_routing(
             trace_path=trace, nodes=node_list, profile=profile, load=load, seed=seed, quick=quick,
@@ -365,6 +395,7 @@ def vllm_replay_cmd(
     log_dir: Path | None = typer.Option(None, help="Keep the engines' and the pool's logs here."),
 ) -> None:
     """Mooncake conversation trace on vLLM: 2 engines without and with kvpool vs 1 engine (hit rate, TTFT)."""
+    need_bench_extra("vllm-replay", plot=plot)
     from kvpool.bench.vllm_replay import run_vllm_replay
     from kvpool.errors import InvalidArgument
 

@@ -17,10 +17,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvpool.bench.report import write_report
-from kvpool.bench.trace import Trace
 from kvpool.demo.orchestrator import Orchestrator, RequestResult, Sampling
 from kvpool.demo.workload import DemoRequest, chat_requests, default_chat_trace, rag_requests
+from kvpool.report import write_report
+from kvpool.trace import Trace
 
 log = logging.getLogger(__name__)
 
