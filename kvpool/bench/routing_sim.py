@@ -36,14 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.client.types import Match, NodeInfo, NodeLoad, NodeStatus
 from kvpool.cost import LinkEstimate, RecomputeModel, decide_reuse
 from kvpool.errors import InvalidArgument, NotFound
 from kvpool.index import DEFAULT_POLICY, RadixIndex
 from kvpool.router.policy import COST_MARGIN, RouteRequest, RoutingPolicy
 from kvpool.router.state import Inflight, node_states
 from kvpool.trace import TRACE_BLOCK_TOKENS, Trace
-from kvpool.types import BlockHash, FakeClock, Location, NamespaceId
+from kvpool.types import BlockHash, FakeClock, Location, Match, NamespaceId, NodeInfo, NodeLoad, NodeStatus
 
 _NS = NamespaceId(b"routing-sim-ns\x00\x00")
 _POOL_LOC = Location("store0", 0, 0)
