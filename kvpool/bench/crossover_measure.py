@@ -323,7 +323,7 @@ def worker_main(job_path: str, out_path: str) -> None:
 
 def run_job_in_netns(job: Job, pair: Any, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Run `job` in a child process inside namespace A (its store node goes to namespace B)."""
-    from kvpool.cluster.process import die_with_parent
+    from kvpool.rpc.process import die_with_parent
 
     job.host = pair.addr.a
     job.netns = asdict(pair.addr)

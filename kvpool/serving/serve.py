@@ -9,9 +9,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.cluster.process import print_ready
 from kvpool.errors import KVPoolError
 from kvpool.metrics import address_of, maybe_start
+from kvpool.rpc.process import print_ready
 from kvpool.rpc.server import start_server
 from kvpool.serving.common import ServingSettings
 from kvpool.serving.runtime import NodeRuntime
