@@ -25,6 +25,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check kvpool transfer prefill_node decode_node tests scripts
 	$(BIN)/ruff format --check kvpool transfer prefill_node decode_node tests scripts
 	$(BIN)/mypy kvpool transfer prefill_node decode_node
+	$(BIN)/lint-imports --no-cache --no-logo
 
 test: lint
 	$(BIN)/python -m pytest -q -m 'not slow'
