@@ -147,21 +147,33 @@ def verdict(share_saved: float, gpus: float, gpu_name: str) -> str:
 
 
 def economics_table(
-    w: Workload, model: ModelShape, *, gpu_names: Sequence[str] = ("H100-SXM", "A100-SXM"), mfu: float = DEFAULT_MFU,
-    hit_rates: Sequence[float] = HIT_RATES, local_tokens_per_s: float | None = None,
-) -> list[dict[str, Any]]:  # fmt: skip
+    w: Workload,
+    model: ModelShape,
+    *,
+    gpu_names: Sequence[str] = ("H100-SXM", "A100-SXM"),
+    mfu: float = DEFAULT_MFU,
+    hit_rates: Sequence[float] = HIT_RATES,
+    local_tokens_per_s: float | None = None,
+) -> list[dict[str, Any]]:
     """One row per h in `hit_rates` (λ, s_c, s_prompt fixed from `w`) plus the measured one (`measured`)."""
     rows = []
     for h, measured in [(h, False) for h in hit_rates] + [(w.hit_request_share, True)]:
-        wh = Workload(request_rate_per_s=w.request_rate_per_s, hit_request_share=h,
-                      mean_reused_tokens=w.mean_reused_tokens, mean_prompt_tokens=w.mean_prompt_tokens)  # fmt: skip
+        wh = Workload(
+            request_rate_per_s=w.request_rate_per_s,
+            hit_request_share=h,
+            mean_reused_tokens=w.mean_reused_tokens,
+            mean_prompt_tokens=w.mean_prompt_tokens,
+        )
         flop = saved_flop_per_s(wh, model)
         total = w.request_rate_per_s * model.prefill_flop(w.mean_prompt_tokens)
         row: dict[str, Any] = {
-            "measured": measured, "h": h, "token_hit_rate": wh.token_hit_rate,
-            "saved_tokens_per_s": wh.saved_tokens_per_s, "saved_flop_per_s": flop,
+            "measured": measured,
+            "h": h,
+            "token_hit_rate": wh.token_hit_rate,
+            "saved_tokens_per_s": wh.saved_tokens_per_s,
+            "saved_flop_per_s": flop,
             "share_prefill_flop_saved": flop / total if total else 0.0,
-        }  # fmt: skip
+        }
         for g in gpu_names:
             row[f"gpus_saved_{g}"] = gpus_saved(flop, GPUS[g], mfu)
         if local_tokens_per_s:
@@ -173,7 +185,9 @@ def economics_table(
 # ---------------------------------------------------------------- inputs: a trace replay, live counters
 
 
-def workload_from_trace(path: Path, *, capacity_frac: float | None = None, policy: str = "default") -> tuple[Workload, dict[str, Any]]:  # fmt: skip
+def workload_from_trace(
+    path: Path, *, capacity_frac: float | None = None, policy: str = "default"
+) -> tuple[Workload, dict[str, Any]]:
     """Replay a Mooncake-format trace through the real `RadixIndex` (no eviction unless `capacity_frac`):
     per request, reused tokens = the leading resident blocks' tokens (capped at its input length)."""
     # the trace benchmark's block semantics and insertion (shared on purpose)
@@ -208,8 +222,15 @@ def workload_from_trace(path: Path, *, capacity_frac: float | None = None, polic
         mean_reused_tokens=sum(hits) / len(hits) if hits else 0.0,
         mean_prompt_tokens=sum(prompts) / len(prompts),
     )
-    info = {"source": f"trace {path.name}", "num_requests": len(reused), "duration_s": duration_s,
-            "capacity_blocks": capacity, "policy": policy, "reused_tokens": reused, "prompt_tokens": prompts}  # fmt: skip
+    info = {
+        "source": f"trace {path.name}",
+        "num_requests": len(reused),
+        "duration_s": duration_s,
+        "capacity_blocks": capacity,
+        "policy": policy,
+        "reused_tokens": reused,
+        "prompt_tokens": prompts,
+    }
     return w, info
 
 

@@ -88,15 +88,20 @@ def run_economics(
     rows = economics_table(w, model, gpu_names=gpu_names, mfu=mfu, local_tokens_per_s=local_tps)
     measured = rows[-1]
     if exact is not None:  # a replay knows every request: the measured row uses Σ F(s_i), not F(mean)
-        measured |= {"saved_flop_per_s": exact, "share_prefill_flop_saved": exact / exact_total if exact_total else 0.0,
-                     **{f"gpus_saved_{g}": gpus_saved(exact, GPUS[g], mfu) for g in gpu_names}}  # fmt: skip
+        measured |= {
+            "saved_flop_per_s": exact,
+            "share_prefill_flop_saved": exact / exact_total if exact_total else 0.0,
+            **{f"gpus_saved_{g}": gpus_saved(exact, GPUS[g], mfu) for g in gpu_names},
+        }
     line = (
         verdict(measured["share_prefill_flop_saved"], measured[f"gpus_saved_{gpu_names[0]}"], gpu_names[0])
         if has_traffic(w)
         else no_traffic(window_s)
     )
-    table = Table(title=f"economics: {model.name}, λ = {w.request_rate_per_s:.2f} req/s, s_c = "
-                        f"{w.mean_reused_tokens:.0f} tokens, s_prompt = {w.mean_prompt_tokens:.0f} ({info['source']})")  # fmt: skip
+    table = Table(
+        title=f"economics: {model.name}, λ = {w.request_rate_per_s:.2f} req/s, s_c = "
+        f"{w.mean_reused_tokens:.0f} tokens, s_prompt = {w.mean_prompt_tokens:.0f} ({info['source']})"
+    )
     for col in (
         "h",
         "token hit rate",
@@ -109,22 +114,37 @@ def run_economics(
     if local_tps:
         table.add_column("local devices saved", justify="right")
     for r in rows:
-        cells = [f"{r['h']:.2f}" + ("*" if r["measured"] else ""), f"{r['token_hit_rate']:.1%}",
-                 f"{r['saved_tokens_per_s']:,.0f}", f"{r['saved_flop_per_s'] / 1e12:,.1f}",
-                 f"{r['share_prefill_flop_saved']:.1%}", *[f"{r[f'gpus_saved_{g}']:.2f}" for g in gpu_names]]  # fmt: skip
+        cells = [
+            f"{r['h']:.2f}" + ("*" if r["measured"] else ""),
+            f"{r['token_hit_rate']:.1%}",
+            f"{r['saved_tokens_per_s']:,.0f}",
+            f"{r['saved_flop_per_s'] / 1e12:,.1f}",
+            f"{r['share_prefill_flop_saved']:.1%}",
+            *[f"{r[f'gpus_saved_{g}']:.2f}" for g in gpu_names],
+        ]
         if local_tps:
             cells.append(f"{r['local_devices_saved']:.1f}")
         table.add_row(*cells)
     console.print(table)
-    console.print(f"* measured: h = {w.hit_request_share:.3f} of requests reuse, s_c = {w.mean_reused_tokens:.0f} tokens each"
-                  + ("; its FLOP, share and GPUs are exact (Σ F(s_i)/T), the other rows use F(s_c)" if exact else ""))  # fmt: skip
+    console.print(
+        f"* measured: h = {w.hit_request_share:.3f} of requests reuse, s_c = {w.mean_reused_tokens:.0f} tokens each"
+        + ("; its FLOP, share and GPUs are exact (Σ F(s_i)/T), the other rows use F(s_c)" if exact else "")
+    )
     console.print(f"verdict: {line}")
     summary = {
-        "workload": asdict(w), "saved_tokens_per_s": w.saved_tokens_per_s, "token_hit_rate": w.token_hit_rate,
-        "saved_flop_per_s": measured["saved_flop_per_s"], "saved_flop_per_s_exact": exact,
+        "workload": asdict(w),
+        "saved_tokens_per_s": w.saved_tokens_per_s,
+        "token_hit_rate": w.token_hit_rate,
+        "saved_flop_per_s": measured["saved_flop_per_s"],
+        "saved_flop_per_s_exact": exact,
         "share_prefill_flop_saved": measured["share_prefill_flop_saved"],
         **{f"gpus_saved_{g}": measured[f"gpus_saved_{g}"] for g in gpu_names},
-        "model": asdict(model), "mfu": mfu, "gpus": {g: asdict(GPUS[g]) for g in gpu_names},
-        "local_prefill_tokens_per_s": local_tps, "local_device": local_desc, "verdict": line, **info,
-    }  # fmt: skip
+        "model": asdict(model),
+        "mfu": mfu,
+        "gpus": {g: asdict(GPUS[g]) for g in gpu_names},
+        "local_prefill_tokens_per_s": local_tps,
+        "local_device": local_desc,
+        "verdict": line,
+        **info,
+    }
     return write_report(json_out, "economics", rows, summary)

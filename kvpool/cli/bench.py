@@ -74,17 +74,29 @@ def ttft(
         _prompt_fits(max(grid_p) + max(grid_q), model, "'--prefixes' + '--questions'")
         need_bench_extra("ttft --sweep", plot=plot)
         ttft_sweep.run_ttft_sweep(
-            prefixes=plist, questions=qlist, reps=requests, quick=quick, block_size=block_size, model_dir=model,
-            json_out=json_out, plot_out=plot,
-        )  # fmt: skip
+            prefixes=plist,
+            questions=qlist,
+            reps=requests,
+            quick=quick,
+            block_size=block_size,
+            model_dir=model,
+            json_out=json_out,
+            plot_out=plot,
+        )
         return
     from kvpool.bench.ttft import run_ttft
 
     _prompt_fits(prefix_tokens + question_tokens, model, "'--prefix-tokens' + '--question-tokens'")
     run_ttft(
-        prefix_tokens=prefix_tokens, question_tokens=question_tokens, num_requests=requests, block_size=block_size,
-        transport=transport, device=device, model_dir=model, json_out=json_out,
-    )  # fmt: skip
+        prefix_tokens=prefix_tokens,
+        question_tokens=question_tokens,
+        num_requests=requests,
+        block_size=block_size,
+        transport=transport,
+        device=device,
+        model_dir=model,
+        json_out=json_out,
+    )
 
 
 def _prompt_fits(prompt_tokens: int, model: str | None, param_hint: str) -> None:
@@ -139,10 +151,15 @@ def vllm_cmd(
 
     try:
         run_vllm_bench(
-            num_prefixes=num_prefixes, prefix_tokens=prefix_tokens, question_tokens=question_tokens,
-            max_tokens=max_tokens, python=python, json_out=json_out, plot_out=plot,
+            num_prefixes=num_prefixes,
+            prefix_tokens=prefix_tokens,
+            question_tokens=question_tokens,
+            max_tokens=max_tokens,
+            python=python,
+            json_out=json_out,
+            plot_out=plot,
             log_dir=log_dir,
-        )  # fmt: skip
+        )
     except InvalidArgument as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -173,9 +190,15 @@ def crossover_cmd(
         raise typer.BadParameter("--reps must be >= 1")
     need_bench_extra("crossover", plot=plot)
     run_crossover(
-        quick=quick, reps=reps, rates_mbit=rate_list, question_tokens=question_tokens, netns=netns,
-        fresh_calibration=fresh_calibration, json_out=json_out, plot_out=plot,
-    )  # fmt: skip
+        quick=quick,
+        reps=reps,
+        rates_mbit=rate_list,
+        question_tokens=question_tokens,
+        netns=netns,
+        fresh_calibration=fresh_calibration,
+        json_out=json_out,
+        plot_out=plot,
+    )
 
 
 @bench_app.command("economics")
@@ -204,10 +227,16 @@ def economics_cmd(
 
     try:
         run_economics(
-            trace=trace, master=master, window_s=window_s, model_name=model,
-            gpu_names=[g.strip() for g in gpus.split(",") if g.strip()], mfu=mfu, capacity_frac=capacity_frac,
-            measure_local=measure_local, json_out=json_out,
-        )  # fmt: skip
+            trace=trace,
+            master=master,
+            window_s=window_s,
+            model_name=model,
+            gpu_names=[g.strip() for g in gpus.split(",") if g.strip()],
+            mfu=mfu,
+            capacity_frac=capacity_frac,
+            measure_local=measure_local,
+            json_out=json_out,
+        )
     except (InvalidArgument, OSError) as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -305,9 +334,15 @@ def master_churn_cmd(
     from kvpool.bench.master_churn import run_master_churn
 
     run_master_churn(
-        cycles=cycles, salts=salts, matches=matches, reps=reps, blocks=blocks, prompts=prompts,
-        churn_blocks=churn_blocks, json_out=json_out,
-    )  # fmt: skip
+        cycles=cycles,
+        salts=salts,
+        matches=matches,
+        reps=reps,
+        blocks=blocks,
+        prompts=prompts,
+        churn_blocks=churn_blocks,
+        json_out=json_out,
+    )
 
 
 @bench_app.command("transfer")
@@ -335,9 +370,15 @@ def transfer_cmd(
     from kvpool.bench.transfer_bench import run_transfer_bench
 
     run_transfer_bench(
-        json_out=json_out, plot_out=plot, quick=quick, reps=reps, batch=batch, endpoints=endpoints,
-        blocks_per_message=blocks_per_message, mooncake=mooncake,
-    )  # fmt: skip
+        json_out=json_out,
+        plot_out=plot,
+        quick=quick,
+        reps=reps,
+        batch=batch,
+        endpoints=endpoints,
+        blocks_per_message=blocks_per_message,
+        mooncake=mooncake,
+    )
 
 
 @bench_app.command("routing")
@@ -369,10 +410,18 @@ def routing_cmd(
     need_bench_extra("routing", progress=True, plot=plot)
     try:
         run_routing(
-            trace_path=trace, nodes=node_list, profile=profile, load=load, seed=seed, quick=quick,
-            real=(not quick) if real is None else real, real_requests=real_requests,
-            max_requests=max_requests or None, json_out=json_out, plot_out=plot,
-        )  # fmt: skip
+            trace_path=trace,
+            nodes=node_list,
+            profile=profile,
+            load=load,
+            seed=seed,
+            quick=quick,
+            real=(not quick) if real is None else real,
+            real_requests=real_requests,
+            max_requests=max_requests or None,
+            json_out=json_out,
+            plot_out=plot,
+        )
     except (InvalidArgument, OSError) as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -401,10 +450,18 @@ def vllm_replay_cmd(
 
     try:
         run_vllm_replay(
-            trace=trace, max_requests=max_requests, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
-            speedup=speedup, seed=seed, kv_cache_gib=kv_cache_gib,
-            setups=tuple(s.strip() for s in setups.split(",") if s.strip()), python=python, json_out=json_out,
-            plot_out=plot, log_dir=log_dir,
-        )  # fmt: skip
+            trace=trace,
+            max_requests=max_requests,
+            max_prompt_tokens=max_prompt_tokens,
+            max_tokens=max_tokens,
+            speedup=speedup,
+            seed=seed,
+            kv_cache_gib=kv_cache_gib,
+            setups=tuple(s.strip() for s in setups.split(",") if s.strip()),
+            python=python,
+            json_out=json_out,
+            plot_out=plot,
+            log_dir=log_dir,
+        )
     except InvalidArgument as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -79,9 +79,16 @@ def serve_node(
         raise
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print_ready({"node_id": settings.node_id, "role": role, "grpc_address": address,
-                 "metrics_address": address_of(metrics), "model_id": rt.runner.model_id,
-                 "synthetic": rt.runner.synthetic})  # fmt: skip
+    print_ready(
+        {
+            "node_id": settings.node_id,
+            "role": role,
+            "grpc_address": address,
+            "metrics_address": address_of(metrics),
+            "model_id": rt.runner.model_id,
+            "synthetic": rt.runner.synthetic,
+        }
+    )
     try:
         stop.wait()
     finally:
