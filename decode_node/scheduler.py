@@ -129,18 +129,26 @@ class DecodeScheduler:
         block_size = rt.runner.layout.block_size
         hashes = hash_blocks(job.ns, job.prompt, block_size)
         loaded = rt.connector.load_prefix(
-            job.ns, job.prompt, hashes, count_hit=False, request_id=job.request_id,
+            job.ns,
+            job.prompt,
+            hashes,
+            count_hit=False,
+            request_id=job.request_id,
             use_cache=job.use_cache and job.prompt_committed,
-        )  # fmt: skip
+        )
         _logits, job.cache = rt.compute_prompt(job.prompt, loaded)
         job.flush_epoch = loaded.flush_epoch
         rt.connector.keep_pulled(job.ns, loaded)
         s = loaded.stats
         job.stats.update(
-            num_reused_tokens=s.num_reused_tokens, num_pulled_tokens=s.num_pulled_tokens,
-            pulled_bytes=s.pulled_bytes, decision=s.decision, pull_s=s.pull_s, load_s=time.perf_counter() - t0,
+            num_reused_tokens=s.num_reused_tokens,
+            num_pulled_tokens=s.num_pulled_tokens,
+            pulled_bytes=s.pulled_bytes,
+            decision=s.decision,
+            pull_s=s.pull_s,
+            load_s=time.perf_counter() - t0,
             t_decode_start=time.perf_counter(),
-        )  # fmt: skip
+        )
         job.generated = [job.first_token]
         return True
 

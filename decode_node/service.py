@@ -34,9 +34,10 @@ class DecodeService(pb_grpc.DecodeServicer):
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.DecodeEvent]:  # noqa: N802
         rt = self.rt
         prompt = validate_tokens(
-            request.token_ids, vocab_size=rt.runner.vocab_size,
+            request.token_ids,
+            vocab_size=rt.runner.vocab_size,
             max_tokens=prompt_token_limit(rt.settings.max_prompt_tokens, rt.runner.max_model_len),
-        )  # fmt: skip
+        )
         if request.first_token >= rt.runner.vocab_size:
             raise InvalidArgument(f"first_token {request.first_token} is outside the vocabulary")
         params = sampling_from_proto(request.sampling)
@@ -76,11 +77,14 @@ class DecodeService(pb_grpc.DecodeServicer):
         s = job.stats
         num_generated = s.get("num_generated", 1)
         rt.metrics.observe_request(
-            num_prompt_tokens=len(prompt), num_reused_tokens=s.get("num_reused_tokens", 0),
-            num_pulled_tokens=s.get("num_pulled_tokens", 0), decision=s.get("decision", "none"),
-            pulled_bytes=s.get("pulled_bytes", 0), pull_s=s.get("pull_s", 0.0),
+            num_prompt_tokens=len(prompt),
+            num_reused_tokens=s.get("num_reused_tokens", 0),
+            num_pulled_tokens=s.get("num_pulled_tokens", 0),
+            decision=s.get("decision", "none"),
+            pulled_bytes=s.get("pulled_bytes", 0),
+            pull_s=s.get("pull_s", 0.0),
             latency_s=s.get("decode_s", 0.0) / (num_generated - 1) if num_generated > 1 else None,
-        )  # fmt: skip
+        )
         yield pb.DecodeEvent(
             finished=True,
             stats=pb.DecodeStats(

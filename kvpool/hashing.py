@@ -128,6 +128,30 @@ class Namespace:
         return NamespaceId(h.digest())
 
 
+@dataclass(frozen=True, slots=True)
+class EngineNamespace:
+    """What a vLLM engine's namespaces are built from besides a request's cache salt and adapter
+    (`kvpool.vllm.identity`): a router rebuilds the request's namespace with `namespace(cache_salt)`, so
+    its keys are the engine's by construction (field cases B30/B31: one key function)."""
+
+    model_id: str
+    weights_version: str
+    layout_fingerprint: str
+    engine: str  # vllm-<version>-<device>-<kernel>
+
+    def namespace(self, cache_salt: str = "", adapter_digest: str = "") -> Namespace:
+        """The namespace of a request with `cache_salt` and adapter (`""`: the base model); the engine's
+        connector builds its namespaces with this same function. `ValueError` on a bad layout."""
+        return Namespace(
+            model_id=self.model_id,
+            weights_version=self.weights_version,
+            layout=KVLayout.from_fingerprint(self.layout_fingerprint),
+            cache_salt=cache_salt,
+            adapter_digest=adapter_digest,
+            extra=(("engine", self.engine),),
+        )
+
+
 def encode_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """Validate token ids and return them as a uint32 little-endian array.
 

@@ -1,13 +1,18 @@
-"""Value types shared by every role: block hashes, namespaces, KV layout, locations, clocks.
+"""Value types shared by every role: block hashes, namespaces, KV layout, locations, clocks, and the nodes of a
+pool (`NodeInfo`, `NodeLoad`, `NodeStatus`) and a prefix match (`Match`).
 
-This module imports nothing from the project; `kvpool.index` depends on it alone.
+This module imports nothing from the project at run time (`kvpool.hashing.EngineNamespace` only in annotations);
+`kvpool.index` depends on it alone.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NewType, Protocol
+from typing import TYPE_CHECKING, NewType, Protocol
+
+if TYPE_CHECKING:
+    from kvpool.hashing import EngineNamespace
 
 HASH_NBYTES = 16
 """Length in bytes of a block hash and of a namespace digest (128 bits)."""
@@ -152,3 +157,59 @@ class FakeClock:
         if now_ms < self._now_ms:
             raise ValueError("a clock never goes back")
         self._now_ms = now_ms
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    node_id: str
+    role: str
+    grpc_address: str
+    data_address: str
+    epoch: int
+    url: str = ""  # a vLLM engine's OpenAI base URL
+    engine_namespace: EngineNamespace | None = None  # a vLLM engine's namespace base
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLoad:
+    """Load and calibration figures a node reports with its heartbeats."""
+
+    queue_len: int = 0
+    recompute_s_per_token: float = 0.0
+    recompute_s_per_token_ctx: float = 0.0
+    recompute_overhead_s: float = 0.0
+    link_alpha_s: float = 0.0
+    link_beta_bytes_per_s: float = 0.0
+    kv_usage: float = 0.0  # fraction of the node's KV cache in use (vLLM engines)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    node: NodeInfo
+    alive: bool
+    draining: bool
+    num_slots: int
+    num_used_slots: int
+    num_blocks: int
+    used_bytes: int
+    load: NodeLoad
+    dataplane_state: str = ""  # a store's data plane: ok | suspect | failed | trial (kvpool.master.dataplane)
+    num_dataplane_failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """A prefix match: `replicas[i]` are block i's locations; `nodes` maps node id -> endpoint.
+
+    `lease_id` is None without a lease; release it (or let it expire) when done reading.
+    """
+
+    num_matched: int
+    replicas: list[tuple[Location, ...]]
+    lease_id: int | None
+    nodes: dict[str, NodeInfo]
+
+    def data_address(self, node_id: str) -> str:
+        """The UCX address of a store node named in `replicas` ("" when unknown)."""
+        node = self.nodes.get(node_id)
+        return node.data_address if node is not None else ""

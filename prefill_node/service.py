@@ -72,10 +72,14 @@ class PrefillService(pb_grpc.PrefillServicer):
         self.num_requests += 1
         ttft_s = time.perf_counter() - t_start
         rt.metrics.observe_request(
-            num_prompt_tokens=len(tokens), num_reused_tokens=stats.num_reused_tokens,
-            num_pulled_tokens=stats.num_pulled_tokens, decision=stats.decision, pulled_bytes=stats.pulled_bytes,
-            pull_s=stats.pull_s, latency_s=ttft_s,
-        )  # fmt: skip
+            num_prompt_tokens=len(tokens),
+            num_reused_tokens=stats.num_reused_tokens,
+            num_pulled_tokens=stats.num_pulled_tokens,
+            decision=stats.decision,
+            pulled_bytes=stats.pulled_bytes,
+            pull_s=stats.pull_s,
+            latency_s=ttft_s,
+        )
         log.info(
             "[%s] prompt=%d reused=%d (%s) ttft=%.3fs",
             rid,

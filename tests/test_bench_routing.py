@@ -15,9 +15,9 @@ import pytest
 
 from kvpool.bench.routing import BUNDLED_TRACE, run_real, run_sim_grid, summarize
 from kvpool.bench.routing_sim import EMBEDDED_CPU, SimConfig, build_workload, simulate, spread_arrivals_s
-from kvpool.bench.trace import Trace, TraceRequest, load_trace
 from kvpool.errors import InvalidArgument
 from kvpool.router.policy import POLICIES
+from kvpool.trace import Trace, TraceRequest, load_trace
 
 KEYS = {"mode", "policy", "p50_ttft_s", "p90_ttft_s", "token_hit_rate", "imbalance"}
 

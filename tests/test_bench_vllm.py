@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from kvpool.bench.report import write_report
 from kvpool.bench.vllm_bench import (
     engine_job,
     make_prompts,
@@ -24,6 +23,7 @@ from kvpool.bench.vllm_bench import (
 )
 from kvpool.bench.vllm_report import plot_report, prefix_record, print_report, summarize
 from kvpool.errors import InvalidArgument
+from kvpool.report import write_report
 
 TOKENS = [7, 8, 9]
 

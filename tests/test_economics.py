@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench.economics import (
+from kvpool.economics import (
     GPUS,
     HIT_RATES,
     ModelShape,

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvpool.bench.trace import Trace, TraceRequest, load_trace, parse_fractions, parse_policies, replay
+from kvpool.bench.trace import parse_fractions, parse_policies, replay
 from kvpool.cli.main import app
 from kvpool.errors import InvalidArgument
+from kvpool.trace import Trace, TraceRequest, load_trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "conversation_200.jsonl"
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench.trace import load_trace, replay
+from kvpool.bench.trace import replay
 from kvpool.errors import InvalidArgument
 from kvpool.index import DEFAULT_POLICY, POLICY_NAMES, BlockStats, RadixIndex, make_policy
 from kvpool.index.policy_adaptive import TAIL_OFFSET_MS, AdaptiveTailARCPolicy, TailFirstLRUPolicy
+from kvpool.trace import load_trace
 from kvpool.types import BlockHash, FakeClock, Location, NamespaceId
 
 ROOT = Path(__file__).resolve().parent.parent

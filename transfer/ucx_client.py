@@ -343,8 +343,16 @@ class UcxTransport:
         async def one(conn: Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
             p = self._peers.get(peer)
             if p is not None and p.mapping is not None:
-                await mapped_read(conn, p.mapping, next(self._ids), [reads[i] for i in idxs],
-                                  [views[i] for i in idxs], idxs, results, stop)  # fmt: skip
+                await mapped_read(
+                    conn,
+                    p.mapping,
+                    next(self._ids),
+                    [reads[i] for i in idxs],
+                    [views[i] for i in idxs],
+                    idxs,
+                    results,
+                    stop,
+                )
                 return
             rid = next(self._ids)
             msg = {

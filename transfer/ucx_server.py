@@ -424,9 +424,11 @@ class UcxBlockServer:
                 self._abort(ep)
                 raise
             arrived = {
-                j for (i, n, _), d in zip(plan, done, strict=True) if not isinstance(d, BaseException)
+                j
+                for (i, n, _), d in zip(plan, done, strict=True)
+                if not isinstance(d, BaseException)
                 for j in range(i, i + n)
-            }  # fmt: skip
+            }
             landed = [i in arrived for i, *_ in accepted]
             # end_write hashes what landed: on a hashing thread (GIL released: transfer.xxh3), so the loop keeps
             # moving other messages' bytes meanwhile. Shielded: once submitted it runs to the end, and

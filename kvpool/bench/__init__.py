@@ -1,1 +1,1 @@
-"""Benchmarks behind `kvpool bench …` and the shared JSON report format of DESIGN.md."""
+"""Benchmarks behind `kvpool bench …` (imported by nothing else; the report format is `kvpool.report`)."""

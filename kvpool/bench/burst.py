@@ -37,8 +37,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvpool.bench.report import write_report
 from kvpool.hashing import hash_blocks
+from kvpool.report import write_report
 
 ARMS = ("recompute", "pull")
 

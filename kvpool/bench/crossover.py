@@ -112,10 +112,16 @@ LARGER_SPEC = EmbeddedSpec(num_layers=8, hidden_size=512, num_heads=8, num_kv_he
 (12 layers / hidden 768 costs ~14 ms per token on a shared 2-core CPU: 8K tokens would not fit the budget.)"""
 
 FULL_MODELS = (
-    ModelCase(name="default-l4-h256", spec=DEFAULT_SPEC, prefixes=(64, 512, 2048, 8192),
-              throttled_prefixes=(64, 512, 2048)),
-    ModelCase(name="larger-l8-h512", spec=LARGER_SPEC, prefixes=(64, 256, 1024), throttled_prefixes=(64, 256, 1024)),
-)  # fmt: skip
+    ModelCase(
+        name="default-l4-h256",
+        spec=DEFAULT_SPEC,
+        prefixes=(64, 512, 2048, 8192),
+        throttled_prefixes=(64, 512, 2048),
+    ),
+    ModelCase(
+        name="larger-l8-h512", spec=LARGER_SPEC, prefixes=(64, 256, 1024), throttled_prefixes=(64, 256, 1024)
+    ),
+)
 QUICK_MODELS = (
     ModelCase(name="default-l4-h256", spec=DEFAULT_SPEC, prefixes=(64, 256), throttled_prefixes=(64,)),
 )
@@ -152,7 +158,7 @@ def run_crossover(
     from rich.console import Console
 
     from kvpool.bench.netns import netns_unavailable_reason
-    from kvpool.bench.report import write_report
+    from kvpool.report import write_report
 
     console = Console(stderr=True)
     if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds: namespaces are deleted
@@ -171,12 +177,22 @@ def run_crossover(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpool-calib-")) if fresh else None
         )
         for case in models:
-            m = {"name": case.name, "spec": asdict(case.spec), "prefixes": list(case.prefixes),
-                 "throttled_prefixes": list(case.throttled_prefixes)}  # fmt: skip
+            m = {
+                "name": case.name,
+                "spec": asdict(case.spec),
+                "prefixes": list(case.prefixes),
+                "throttled_prefixes": list(case.throttled_prefixes),
+            }
             recs = []
             for kind in ("shm", "tcp"):  # one cluster each: the store's transports differ
-                job = Job(model=m, links=[asdict(LinkCase(name=kind, kind=kind))], reps=reps,
-                          question_tokens=question_tokens, margin=margin, cache_dir=cache_dir)  # fmt: skip
+                job = Job(
+                    model=m,
+                    links=[asdict(LinkCase(name=kind, kind=kind))],
+                    reps=reps,
+                    question_tokens=question_tokens,
+                    margin=margin,
+                    cache_dir=cache_dir,
+                )
                 recs += run_job(job, log=console.log)
             records += recs
             if why_not:
@@ -184,14 +200,28 @@ def run_crossover(
             rates = [r * 1e6 for r in rates_mbit] if rates_mbit else auto_rates(recs, question_tokens, quick)
             notes["rates_mbit"][case.name] = [round(r / 1e6, 2) for r in rates]
             console.log(f"[{case.name}] throttled rates (Mb/s): {notes['rates_mbit'][case.name]}")
-            tjob = Job(model=m, links=[asdict(tbf_link(r)) for r in rates], reps=reps, question_tokens=question_tokens,
-                       margin=margin, cache_dir=cache_dir)  # fmt: skip
+            tjob = Job(
+                model=m,
+                links=[asdict(tbf_link(r)) for r in rates],
+                reps=reps,
+                question_tokens=question_tokens,
+                margin=margin,
+                cache_dir=cache_dir,
+            )
             with _maybe_pair(True) as pair:
                 records += run_job_in_netns(tjob, pair, console.log)
-    summary = summarize(records) | crossovers(records, question_tokens) | {
-        "wall_s": round(time.perf_counter() - t_start, 1), "reps": reps, "tolerance": TOLERANCE, "margin": margin,
-        "fresh_calibration": fresh, **notes,
-    }  # fmt: skip
+    summary = (
+        summarize(records)
+        | crossovers(records, question_tokens)
+        | {
+            "wall_s": round(time.perf_counter() - t_start, 1),
+            "reps": reps,
+            "tolerance": TOLERANCE,
+            "margin": margin,
+            "fresh_calibration": fresh,
+            **notes,
+        }
+    )
     print_tables(console, records, summary)
     report = write_report(json_out, "crossover", records, summary)
     if plot_out is not None:

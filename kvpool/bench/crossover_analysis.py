@@ -56,8 +56,12 @@ def predict_cell(
     recompute_all = model.t_recompute_s(prompt_tokens, 0)
     if node_recompute_all_s and recompute_all > 0:
         scale = node_recompute_all_s / recompute_all
-        model = replace(model, overhead_s=model.overhead_s * scale, per_token_s=model.per_token_s * scale,
-                        per_pair_s=model.per_pair_s * scale)  # fmt: skip
+        model = replace(
+            model,
+            overhead_s=model.overhead_s * scale,
+            per_token_s=model.per_token_s * scale,
+            per_pair_s=model.per_pair_s * scale,
+        )
         recompute_all = model.t_recompute_s(prompt_tokens, 0)
     compute_rest = model.t_recompute_s(n_new, prompt_tokens - n_new)
     pull = (1.0 + margin) * predicted_load_s + compute_rest < recompute_all
@@ -68,8 +72,9 @@ def predict_cell(
     }
 
 
-def breakeven_bits_per_s(model: RecomputeModel, prefix_tokens: int, question_tokens: int, token_nbytes: int,
-                         alpha_s: float = 0.0) -> float:  # fmt: skip
+def breakeven_bits_per_s(
+    model: RecomputeModel, prefix_tokens: int, question_tokens: int, token_nbytes: int, alpha_s: float = 0.0
+) -> float:
     """Bandwidth at which pulling the prefix costs as much as recomputing it (inf if it never does)."""
     saved = model.t_recompute_s(prefix_tokens + question_tokens, 0) - model.t_recompute_s(
         question_tokens, prefix_tokens
@@ -145,10 +150,17 @@ def crossovers(records: Sequence[dict[str, Any]], question_tokens: int) -> dict[
             (r for r in cells if r["model"] == model and r["link"] == link), key=lambda r: r["prefix_tokens"]
         )
         entry: dict[str, Any] = {
-            "measured_crossover_prefix": crossover_prefix([(r["prefix_tokens"], r["pull_ttft_s"], r["recompute_ttft_s"]) for r in rs]),
-            "predicted_crossover_prefix": crossover_prefix([(r["prefix_tokens"], r["predicted_pull_ttft_s"], r["predicted_recompute_ttft_s"]) for r in rs]),
+            "measured_crossover_prefix": crossover_prefix(
+                [(r["prefix_tokens"], r["pull_ttft_s"], r["recompute_ttft_s"]) for r in rs]
+            ),
+            "predicted_crossover_prefix": crossover_prefix(
+                [
+                    (r["prefix_tokens"], r["predicted_pull_ttft_s"], r["predicted_recompute_ttft_s"])
+                    for r in rs
+                ]
+            ),
             "configured_rate_mbit": rs[0]["configured_rate_mbit"],
-        }  # fmt: skip
+        }
         try:
             est = LinkEstimate.from_samples([(r["kv_bytes"], r["predicted_load_s"]) for r in rs])
             entry |= {
@@ -156,7 +168,11 @@ def crossovers(records: Sequence[dict[str, Any]], question_tokens: int) -> dict[
                 "learned_alpha_ms": round(est.alpha_s * 1e3, 3),
             }
         except Exception:  # noqa: BLE001 - fewer than two sizes
-            entry |= {"learned_beta_mbit": round(8 * rs[-1]["kv_bytes"] / rs[-1]["predicted_load_s"] / 1e6, 2) if rs[-1]["predicted_load_s"] > 0 else None}  # fmt: skip
+            entry |= {
+                "learned_beta_mbit": round(8 * rs[-1]["kv_bytes"] / rs[-1]["predicted_load_s"] / 1e6, 2)
+                if rs[-1]["predicted_load_s"] > 0
+                else None
+            }
         by_link[f"{model}/{link}"] = entry
     by_prefix: dict[str, dict[str, Any]] = {}
     for model, prefix in sorted({(r["model"], r["prefix_tokens"]) for r in cells if r["link_kind"] == "tbf"}):
@@ -169,8 +185,13 @@ def crossovers(records: Sequence[dict[str, Any]], question_tokens: int) -> dict[
             [(r["configured_rate_mbit"] * 1e6, r["pull_ttft_s"], r["recompute_ttft_s"]) for r in rs]
         )
         alphas = [by_link[f"{model}/{r['link']}"].get("learned_alpha_ms") or 0.0 for r in rs]
-        pred = breakeven_bits_per_s(RecomputeModel(**rs[0]["recompute_model"]), prefix, question_tokens, rs[0]["token_nbytes"],
-                                    statistics.median(alphas) / 1e3)  # fmt: skip
+        pred = breakeven_bits_per_s(
+            RecomputeModel(**rs[0]["recompute_model"]),
+            prefix,
+            question_tokens,
+            rs[0]["token_nbytes"],
+            statistics.median(alphas) / 1e3,
+        )
         by_prefix[f"{model}/{prefix}"] = {
             "measured_breakeven_mbit": round(meas / 1e6, 2) if meas else None,
             "predicted_breakeven_mbit": round(pred / 1e6, 2) if math.isfinite(pred) else None,

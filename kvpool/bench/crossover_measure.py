@@ -65,8 +65,14 @@ class BenchCluster(LocalCluster):
     """A `LocalCluster` (no prefill/decode at start) whose stores may live in another network namespace,
     and whose single prefill node is (re)started per link with its own environment."""
 
-    def __init__(self, spec: LocalClusterSpec, *, store_netns: str | None = None, store_host: str | None = None,
-                 log_dir: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: LocalClusterSpec,
+        *,
+        store_netns: str | None = None,
+        store_host: str | None = None,
+        log_dir: Path | None = None,
+    ) -> None:
         super().__init__(spec, log_dir=log_dir)
         self.store_netns = store_netns
         self.store_host = store_host or spec.host
@@ -85,9 +91,24 @@ class BenchCluster(LocalCluster):
         with ctx:
             proc = self._spawn(
                 node_id,
-                ["store", "--master", self.master_address, "--listen", self.store_host, "--grpc-port", "0",
-                 "--data-port", "0", "--segment-size", s.segment_size, "--layout", s.layout, "--node-id", node_id],
-            )  # fmt: skip
+                [
+                    "store",
+                    "--master",
+                    self.master_address,
+                    "--listen",
+                    self.store_host,
+                    "--grpc-port",
+                    "0",
+                    "--data-port",
+                    "0",
+                    "--segment-size",
+                    s.segment_size,
+                    "--layout",
+                    s.layout,
+                    "--node-id",
+                    node_id,
+                ],
+            )
         if wait:
             proc.wait_ready(timeout_s)
         return proc
@@ -100,10 +121,24 @@ class BenchCluster(LocalCluster):
         s = self.spec
         self._num_prefill_starts += 1
         node_id = f"prefill{self._num_prefill_starts}"
-        args = ["prefill", "--node-id", node_id, "--master", self.master_address, "--listen", s.host, "--port", "0",
-                "--device", s.device, "--block-size", str(s.block_size)] + (["--model", s.model_dir] if s.model_dir else [])  # fmt: skip
-        proc = RoleProcess(node_id, args, log_path=self.log_dir / f"{node_id}.log",
-                           env=dict(os.environ) | s.extra_env | env)  # fmt: skip
+        args = [
+            "prefill",
+            "--node-id",
+            node_id,
+            "--master",
+            self.master_address,
+            "--listen",
+            s.host,
+            "--port",
+            "0",
+            "--device",
+            s.device,
+            "--block-size",
+            str(s.block_size),
+        ] + (["--model", s.model_dir] if s.model_dir else [])
+        proc = RoleProcess(
+            node_id, args, log_path=self.log_dir / f"{node_id}.log", env=dict(os.environ) | s.extra_env | env
+        )
         self.processes.append(proc)
         self.prefill_proc = proc
         proc.wait_ready(timeout_s)
@@ -124,13 +159,20 @@ class PrefillCaller:
     def close(self) -> None:
         self._ch.close()
 
-    def __call__(self, tokens: Sequence[int], *, use_cache: bool, publish: bool, rid: str) -> tuple[float, dict[str, Any]]:  # fmt: skip
+    def __call__(
+        self, tokens: Sequence[int], *, use_cache: bool, publish: bool, rid: str
+    ) -> tuple[float, dict[str, Any]]:
         """(TTFT seconds, the node's PrefillStats as a dict); consumes the stream (publish included)."""
         from kvpool.demo.orchestrator import Sampling
         from kvpool.v1 import kvpool_pb2 as pb
 
-        req = pb.PrefillRequest(request_id=rid, token_ids=list(tokens), sampling=Sampling(max_tokens=1).to_proto(),
-                                publish=publish, use_cache=use_cache)  # fmt: skip
+        req = pb.PrefillRequest(
+            request_id=rid,
+            token_ids=list(tokens),
+            sampling=Sampling(max_tokens=1).to_proto(),
+            publish=publish,
+            use_cache=use_cache,
+        )
         t0 = time.perf_counter()
         ttft, stats = 0.0, {}
         for event in self._stub.Prefill(req, timeout=self.timeout_s):
@@ -190,8 +232,12 @@ def run_job(job: Job, log: Callable[[str], None] = print) -> list[dict[str, Any]
     from kvpool.bench.netns import PairAddresses, ThrottledPair
     from kvpool.model import ModelRunner, embedded_model_dir
 
-    case = ModelCase(name=job.model["name"], spec=EmbeddedSpec(**job.model["spec"]),
-                     prefixes=tuple(job.model["prefixes"]), throttled_prefixes=tuple(job.model["throttled_prefixes"]))  # fmt: skip
+    case = ModelCase(
+        name=job.model["name"],
+        spec=EmbeddedSpec(**job.model["spec"]),
+        prefixes=tuple(job.model["prefixes"]),
+        throttled_prefixes=tuple(job.model["throttled_prefixes"]),
+    )
     links = [LinkCase(**lk) for lk in job.links]
     model_dir = str(embedded_model_dir(case.spec))
     runner = ModelRunner.load(model_dir, device="cpu", block_size=job.block_size)
@@ -202,8 +248,12 @@ def run_job(job: Job, log: Callable[[str], None] = print) -> list[dict[str, Any]
     max_prefix = max(max(p) for p in prefixes_of.values())
     base, questions = _tokens(max_prefix, job.question_tokens, vocab)
     seg = max(256 * 2**20, 2 * (max_prefix + 64) * token_nbytes)
-    env = {"KVPOOL_LOCAL_TIER_BYTES": "0", "KVPOOL_PULL_TIMEOUT_S": "900", "KVPOOL_COST_MARGIN": str(job.margin),
-           "KVPOOL_FORCE_DECISION": "pull"} | ({"KVPOOL_CACHE_DIR": job.cache_dir} if job.cache_dir else {})  # fmt: skip
+    env = {
+        "KVPOOL_LOCAL_TIER_BYTES": "0",
+        "KVPOOL_PULL_TIMEOUT_S": "900",
+        "KVPOOL_COST_MARGIN": str(job.margin),
+        "KVPOOL_FORCE_DECISION": "pull",
+    } | ({"KVPOOL_CACHE_DIR": job.cache_dir} if job.cache_dir else {})
     tls = {lk.ucx_tls for lk in links}
     if len(tls) != 1:
         raise ValueError(f"one job, one UCX_TLS: {sorted(tls)}")
@@ -212,13 +262,26 @@ def run_job(job: Job, log: Callable[[str], None] = print) -> list[dict[str, Any]
     env["UCX_TLS"] = tls.pop()
     if "sm" not in env["UCX_TLS"].split(","):  # nor map its segment (same-host reads bypass UCX entirely)
         env["KVPOOL_SHARE_SEGMENT"] = "false"
-    spec = LocalClusterSpec(layout=layout.fingerprint(), num_stores=1, num_prefill=0, num_decode=0, block_size=job.block_size,
-                            model_dir=model_dir, host=job.host, segment_size=f"{seg // 2**20}MiB", extra_env=env)  # fmt: skip
+    spec = LocalClusterSpec(
+        layout=layout.fingerprint(),
+        num_stores=1,
+        num_prefill=0,
+        num_decode=0,
+        block_size=job.block_size,
+        model_dir=model_dir,
+        host=job.host,
+        segment_size=f"{seg // 2**20}MiB",
+        extra_env=env,
+    )
     records: list[dict[str, Any]] = []
     keep = os.environ.get("KVPOOL_BENCH_LOG_DIR")  # keep the nodes' logs there (debugging)
     log_dir = Path(tempfile.mkdtemp(prefix=f"{case.name}-", dir=keep)) if keep else None
-    cluster = BenchCluster(spec, store_netns=pair.addr.ns_b if pair else None, store_host=pair.addr.b if pair else None,
-                           log_dir=log_dir)  # fmt: skip
+    cluster = BenchCluster(
+        spec,
+        store_netns=pair.addr.ns_b if pair else None,
+        store_host=pair.addr.b if pair else None,
+        log_dir=log_dir,
+    )
     with cluster:
         published = False
         for link in links:
@@ -251,11 +314,17 @@ def run_job(job: Job, log: Callable[[str], None] = print) -> list[dict[str, Any]
                     publish=False,
                     rid="warm-rec",
                 )
-                _, st = call(base[: min(prefixes_of[link.name])] + questions[1], use_cache=True, publish=False,
-                             rid="check")  # fmt: skip
+                _, st = call(
+                    base[: min(prefixes_of[link.name])] + questions[1],
+                    use_cache=True,
+                    publish=False,
+                    rid="check",
+                )
                 if st.get("num_reused_tokens", 0) == 0:
-                    log(f"[{case.name}] link {link.name}: the prefix is no longer pullable (a failed connect or "
-                        "probe reported the replica bad); its cells will fail")  # fmt: skip
+                    log(
+                        f"[{case.name}] link {link.name}: the prefix is no longer pullable (a failed connect or "
+                        "probe reported the replica bad); its cells will fail"
+                    )
                 recompute = _wait_recompute_model(cluster, proc.name)
                 log(
                     f"[{case.name}] link {link.name}: prefill up and warm in {time.perf_counter() - t0:.1f} s"
@@ -265,15 +334,26 @@ def run_job(job: Job, log: Callable[[str], None] = print) -> list[dict[str, Any]
                         _measure_cell(call, case, link, prefix, base, questions, job, recompute, token_nbytes)
                     )
                     r = records[-1]
-                    log(f"[{case.name}] {link.name:>12} prefix {prefix:>5}: pull {r['pull_ttft_s']:.3f} s, "
-                        f"recompute {r['recompute_ttft_s']:.3f} s, choice {r.get('choice', '?')}")  # fmt: skip
+                    log(
+                        f"[{case.name}] {link.name:>12} prefix {prefix:>5}: pull {r['pull_ttft_s']:.3f} s, "
+                        f"recompute {r['recompute_ttft_s']:.3f} s, choice {r.get('choice', '?')}"
+                    )
             finally:
                 call.close()
     return records
 
 
-def _measure_cell(call: PrefillCaller, case: ModelCase, link: LinkCase, prefix: int, base: list[int],
-                  questions: list[list[int]], job: Job, recompute: RecomputeModel, token_nbytes: int) -> dict[str, Any]:  # fmt: skip
+def _measure_cell(
+    call: PrefillCaller,
+    case: ModelCase,
+    link: LinkCase,
+    prefix: int,
+    base: list[int],
+    questions: list[list[int]],
+    job: Job,
+    recompute: RecomputeModel,
+    token_nbytes: int,
+) -> dict[str, Any]:
     pulls: list[float] = []
     recs: list[float] = []
     node: list[dict[str, Any]] = []
@@ -294,19 +374,30 @@ def _measure_cell(call: PrefillCaller, case: ModelCase, link: LinkCase, prefix: 
     prompt_tokens = prefix + job.question_tokens
     pred_load = statistics.median(s["predicted_pull_s"] for s in node)
     rec: dict[str, Any] = {
-        "model": case.name, "link": link.name, "link_kind": link.kind,
+        "model": case.name,
+        "link": link.name,
+        "link_kind": link.kind,
         "configured_rate_mbit": link.rate_bits_per_s / 1e6 if link.rate_bits_per_s else None,
-        "prefix_tokens": prefix, "question_tokens": job.question_tokens, "prompt_tokens": prompt_tokens,
-        "kv_bytes": prefix * token_nbytes, "token_nbytes": token_nbytes,
-        "pull_ttft_s": statistics.median(pulls), "recompute_ttft_s": statistics.median(recs),
-        "pull_samples_s": pulls, "recompute_samples_s": recs,
+        "prefix_tokens": prefix,
+        "question_tokens": job.question_tokens,
+        "prompt_tokens": prompt_tokens,
+        "kv_bytes": prefix * token_nbytes,
+        "token_nbytes": token_nbytes,
+        "pull_ttft_s": statistics.median(pulls),
+        "recompute_ttft_s": statistics.median(recs),
+        "pull_samples_s": pulls,
+        "recompute_samples_s": recs,
         "node_pull_s": statistics.median(s["pull_s"] for s in node),
         "node_match_s": statistics.median(s["match_s"] for s in node),
-        "predicted_load_s": pred_load, "margin": job.margin,
-        "recompute_model": {"overhead_s": recompute.overhead_s, "per_token_s": recompute.per_token_s,
-                            "per_pair_s": recompute.per_pair_s},
+        "predicted_load_s": pred_load,
+        "margin": job.margin,
+        "recompute_model": {
+            "overhead_s": recompute.overhead_s,
+            "per_token_s": recompute.per_token_s,
+            "per_pair_s": recompute.per_pair_s,
+        },
         "ok": ok,
-    }  # fmt: skip
+    }
     node_rec_all = statistics.median(s["predicted_recompute_s"] for s in node)
     node_rest = statistics.median(s.get("predicted_compute_s", 0.0) for s in node)
     rec["node_predicted_recompute_s"], rec["node_predicted_compute_s"] = node_rec_all, node_rest
@@ -323,7 +414,7 @@ def worker_main(job_path: str, out_path: str) -> None:
 
 def run_job_in_netns(job: Job, pair: Any, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Run `job` in a child process inside namespace A (its store node goes to namespace B)."""
-    from kvpool.cluster.process import die_with_parent
+    from kvpool.rpc.process import die_with_parent
 
     job.host = pair.addr.a
     job.netns = asdict(pair.addr)
@@ -341,8 +432,9 @@ def run_job_in_netns(job: Job, pair: Any, log: Callable[[str], None]) -> list[di
             str(jp),
             str(op),
         ]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=die_with_parent)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent
+        )
         assert proc.stderr is not None
         tail: list[str] = []
         for line in proc.stderr:

@@ -56,16 +56,20 @@ def plot_crossover(records: Sequence[dict[str, Any]], summary: dict[str, Any], o
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted({(r["model"], r["link"], r["configured_rate_mbit"] or math.inf, r["link_kind"]) for r in records},
-                  key=lambda k: (k[0], k[3] == "tbf", k[2]))  # fmt: skip
+    keys = sorted(
+        {(r["model"], r["link"], r["configured_rate_mbit"] or math.inf, r["link_kind"]) for r in records},
+        key=lambda k: (k[0], k[3] == "tbf", k[2]),
+    )
     ncols = 5
     nrows = max(1, math.ceil(len(keys) / ncols))
     fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.0 * nrows), squeeze=False, sharex=True)
     for ax in axes.flat[len(keys) :]:
         ax.axis("off")
     for ax, (model, link, _, _) in zip(axes.flat, keys, strict=False):
-        rs = sorted((r for r in records if r["model"] == model and r["link"] == link and r.get("ok")),
-                    key=lambda r: r["prefix_tokens"])  # fmt: skip
+        rs = sorted(
+            (r for r in records if r["model"] == model and r["link"] == link and r.get("ok")),
+            key=lambda r: r["prefix_tokens"],
+        )
         x = [r["prefix_tokens"] for r in rs]
         ax.plot(x, [r["pull_ttft_s"] for r in rs], "o-", color="tab:blue", label="pulled")
         ax.plot(x, [r["recompute_ttft_s"] for r in rs], "s--", color="tab:red", label="recomputed")

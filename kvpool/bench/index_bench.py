@@ -81,7 +81,7 @@ def run_index_bench(
     from rich.console import Console
     from rich.table import Table
 
-    from kvpool.bench.report import write_report
+    from kvpool.report import write_report
 
     for name, value in (
         ("--num-blocks", num_blocks),

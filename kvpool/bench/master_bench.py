@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.master_load import LeanJob, lean_client
-from kvpool.bench.report import write_report
 from kvpool.client import MasterClient, PoolClient
 from kvpool.client import convert as cv
 from kvpool.hashing import hash_blocks
 from kvpool.master.procs import LAYOUT, start_master, start_store
+from kvpool.report import write_report
 from kvpool.types import KVLayout
 
 

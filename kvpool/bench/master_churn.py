@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bench.report import write_report
 from kvpool.client import MasterClient, PoolClient
 from kvpool.client import convert as cv
 from kvpool.hashing import hash_blocks
 from kvpool.master.procs import LAYOUT, Proc, start_master, start_store
+from kvpool.report import write_report
 from kvpool.types import KVLayout
 
 _UNARY = "/kvpool.v1.Master/MatchPrefix"

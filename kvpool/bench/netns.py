@@ -70,9 +70,13 @@ class ThrottledPair:
         tag = prefix or f"kvpb{os.getpid() % 100000}"
         octet = subnet if subnet is not None else 100 + os.getpid() % 150
         self.addr = PairAddresses(
-            ns_a=f"{tag}-a", ns_b=f"{tag}-b", dev_a=f"{tag}a"[:15], dev_b=f"{tag}b"[:15],
-            a=f"10.231.{octet}.1", b=f"10.231.{octet}.2",
-        )  # fmt: skip
+            ns_a=f"{tag}-a",
+            ns_b=f"{tag}-b",
+            dev_a=f"{tag}a"[:15],
+            dev_b=f"{tag}b"[:15],
+            a=f"10.231.{octet}.1",
+            b=f"10.231.{octet}.2",
+        )
         self.rate_bits_per_s: float | None = None
         self._created: list[str] = []
 

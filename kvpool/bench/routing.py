@@ -33,9 +33,9 @@ from kvpool.bench.routing_sim import (
     simulate,
     ttft_record,
 )
-from kvpool.bench.trace import Trace, load_trace
 from kvpool.errors import InvalidArgument
 from kvpool.router.policy import DEFAULT_LINK, POLICIES
+from kvpool.trace import Trace, load_trace
 
 SHARED_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
 BUNDLED_TRACE = Path(__file__).resolve().parent.parent / "data" / "traces" / "conversation_small.jsonl"
@@ -49,9 +49,16 @@ def default_trace(quick: bool) -> Path:
 
 
 def run_sim_grid(
-    trace: Trace, nodes: Sequence[int], policies: Sequence[str], profile: SimProfile, *, load: float,
-    seed: int, max_requests: int | None = None, progress: bool = False,
-) -> list[dict[str, Any]]:  # fmt: skip
+    trace: Trace,
+    nodes: Sequence[int],
+    policies: Sequence[str],
+    profile: SimProfile,
+    *,
+    load: float,
+    seed: int,
+    max_requests: int | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
     """One "sim" record per node count x policy (same workload for every policy of a node count)."""
     from tqdm import tqdm
 
@@ -93,9 +100,14 @@ def _reported_recompute(master: Any, timeout_s: float) -> dict[str, float]:
 
 
 def run_real(
-    trace: Trace, policies: Sequence[str], *, num_requests: int = 40, block_tokens: int = 32,
-    load: float = 0.9, seed: int = 0,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    trace: Trace,
+    policies: Sequence[str],
+    *,
+    num_requests: int = 40,
+    block_tokens: int = 32,
+    load: float = 0.9,
+    seed: int = 0,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """The live run and its simulated mirror: ("real" records, "sim" real-mirror records, info).
 
     Arrivals and the mirror use the documented `EMBEDDED_CPU` calibration (with the router's default
@@ -110,8 +122,15 @@ def run_real(
     from kvpool.serving.sampling import Sampling
 
     model = ModelInfo.load(None, block_size=block_tokens)
-    spec = LocalClusterSpec(layout=model.layout.fingerprint(), num_stores=1, num_prefill=2, num_decode=1,
-                            block_size=block_tokens, segment_size="256MiB", heartbeat_timeout_ms=30_000)  # fmt: skip
+    spec = LocalClusterSpec(
+        layout=model.layout.fingerprint(),
+        num_stores=1,
+        num_prefill=2,
+        num_decode=1,
+        block_size=block_tokens,
+        segment_size="256MiB",
+        heartbeat_timeout_ms=30_000,
+    )
     reqs = trace.requests[:num_requests]
     real, mirror = [], []
     profile = replace(
@@ -122,8 +141,9 @@ def run_real(
     with LocalCluster(spec) as cluster, MasterClient(cluster.master_address) as master:
         info: dict[str, Any] = {"reported_recompute": _reported_recompute(master, timeout_s=60.0)}
         quiet.setLevel(logging.WARNING)  # one INFO line per request otherwise
-        wl = build_workload(trace, profile, num_nodes=2, load=load, block_tokens=block_tokens,
-                            max_requests=num_requests)  # fmt: skip
+        wl = build_workload(
+            trace, profile, num_nodes=2, load=load, block_tokens=block_tokens, max_requests=num_requests
+        )
         prompts = [
             _prompt_tokens(r.hash_ids, s.prompt_len, block_tokens)
             for r, s in zip(reqs, wl.requests, strict=True)
@@ -155,11 +175,27 @@ def run_real(
             computed = {n: 0 for n in names}
             for _, node, n_prompt, n_cached in results:
                 computed[node] = computed.get(node, 0) + n_prompt - n_cached
-            rec = ttft_record("real", policy, 2, [r[0] for r in results], sum(r[2] for r in results),
-                              sum(r[3] for r in results), list(computed.values()))  # fmt: skip
+            rec = ttft_record(
+                "real",
+                policy,
+                2,
+                [r[0] for r in results],
+                sum(r[2] for r in results),
+                sum(r[3] for r in results),
+                list(computed.values()),
+            )
             real.append(rec | {"workload": "real-mirror", "profile": "live"})
-            sim = simulate(wl, SimConfig(policy=policy, num_nodes=2, profile=profile, seed=seed,
-                                         pool_capacity_frac=1.0, local_capacity_frac=1.0)).record()  # fmt: skip
+            sim = simulate(
+                wl,
+                SimConfig(
+                    policy=policy,
+                    num_nodes=2,
+                    profile=profile,
+                    seed=seed,
+                    pool_capacity_frac=1.0,
+                    local_capacity_frac=1.0,
+                ),
+            ).record()
             mirror.append(sim | {"workload": "real-mirror", "profile": profile.name, "load": load})
     quiet.setLevel(level)
     return real, mirror, info
@@ -191,14 +227,24 @@ def summarize(records: Sequence[dict[str, Any]], nodes: Sequence[int]) -> dict[s
 
 
 def run_routing(
-    *, trace_path: Path | None = None, nodes: Sequence[int] = (4, 8, 16), policies: Sequence[str] = POLICIES,
-    profile: str = "embedded-cpu", load: float = 0.9, seed: int = 0, quick: bool = False, real: bool = True,
-    real_requests: int = 40, max_requests: int | None = None, json_out: Path | None = None,
-    plot_out: Path | None = None, progress: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+    *,
+    trace_path: Path | None = None,
+    nodes: Sequence[int] = (4, 8, 16),
+    policies: Sequence[str] = POLICIES,
+    profile: str = "embedded-cpu",
+    load: float = 0.9,
+    seed: int = 0,
+    quick: bool = False,
+    real: bool = True,
+    real_requests: int = 40,
+    max_requests: int | None = None,
+    json_out: Path | None = None,
+    plot_out: Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Run the grid (and the real run), print the table, write the report (and plot)."""
-    from kvpool.bench.report import write_report
     from kvpool.console import console
+    from kvpool.report import write_report
 
     if profile not in PROFILES:
         raise InvalidArgument(f"unknown profile {profile!r}; expected one of {', '.join(PROFILES)}")
@@ -208,19 +254,38 @@ def run_routing(
     if not nodes or min(nodes) < 1 or not load > 0:
         raise InvalidArgument("--nodes must be positive integers and --load > 0")
     trace = load_trace(trace_path or default_trace(quick))
-    records = run_sim_grid(trace, nodes, policies, PROFILES[profile], load=load, seed=seed,
-                           max_requests=max_requests, progress=progress)  # fmt: skip
+    records = run_sim_grid(
+        trace,
+        nodes,
+        policies,
+        PROFILES[profile],
+        load=load,
+        seed=seed,
+        max_requests=max_requests,
+        progress=progress,
+    )
     if real:
         real_recs, mirror, info = run_real(trace, policies, num_requests=real_requests, load=load, seed=seed)
         records += real_recs + mirror
-    summary = summarize(records, nodes) | ({"real_" + k: v for k, v in info.items()} if real else {}) | {"trace": trace.name, "profile": profile, "load": load, "seed": seed,
-                                           "profile_source": PROFILES[profile].source}  # fmt: skip
+    summary = (
+        summarize(records, nodes)
+        | ({"real_" + k: v for k, v in info.items()} if real else {})
+        | {
+            "trace": trace.name,
+            "profile": profile,
+            "load": load,
+            "seed": seed,
+            "profile_source": PROFILES[profile].source,
+        }
+    )
     out = console()
     out.print(_table(records, trace.name, profile, load))
     g_a, g_l = summary["cost_p90_gain_vs_affinity"], summary["cost_p90_gain_vs_least_load"]
     if g_a is not None and g_l is not None:
-        out.print(f"{TARGET_NODES} nodes: cost p90 {g_a:+.1%} vs affinity, {g_l:+.1%} vs least-load "
-                      f"(target >= {TARGET_GAIN:.0%} lower: {'met' if summary['target_met'] else 'NOT met'})")  # fmt: skip
+        out.print(
+            f"{TARGET_NODES} nodes: cost p90 {g_a:+.1%} vs affinity, {g_l:+.1%} vs least-load "
+            f"(target >= {TARGET_GAIN:.0%} lower: {'met' if summary['target_met'] else 'NOT met'})"
+        )
     if plot_out is not None:
         _plot(records, plot_out)
     return write_report(json_out, "routing", records, summary)
@@ -235,8 +300,17 @@ def _table(records: Sequence[dict[str, Any]], trace: str, profile: str, load: fl
     for r in records:
         mode = "mirror" if r["mode"] == "sim" and r.get("workload") == "real-mirror" else r["mode"]
         util = f"{r['utilization']:.2f}" if "utilization" in r else "-"
-        table.add_row(mode, str(r["num_nodes"]), r["policy"], f"{r['p50_ttft_s']:.3g}", f"{r['p90_ttft_s']:.3g}",
-                      f"{r['p99_ttft_s']:.3g}", f"{r['token_hit_rate']:.3f}", f"{r['imbalance']:.2f}", util)  # fmt: skip
+        table.add_row(
+            mode,
+            str(r["num_nodes"]),
+            r["policy"],
+            f"{r['p50_ttft_s']:.3g}",
+            f"{r['p90_ttft_s']:.3g}",
+            f"{r['p99_ttft_s']:.3g}",
+            f"{r['token_hit_rate']:.3f}",
+            f"{r['imbalance']:.2f}",
+            util,
+        )
     return table
 
 

@@ -16,7 +16,7 @@ What is real and what is modelled:
   stored/evicted blocks become/leave `local` locations in the index as the master records them.
   Heartbeats report no queue (one router: its own in-flight count is the whole load, DESIGN B21).
 
-Workload: a Mooncake-format trace (`kvpool.bench.trace.load_trace`). Each hash id is one block of
+Workload: a Mooncake-format trace (`kvpool.trace.load_trace`). Each hash id is one block of
 `block_tokens` tokens (512: the trace's own; the real-run mirror uses fewer tokens per hash id, prompt
 lengths scaled alike); only full blocks are published, as the live system does. Requests sharing a
 quantised timestamp are spread evenly up to the next distinct timestamp. Timestamps are then scaled so
@@ -36,14 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bench.trace import TRACE_BLOCK_TOKENS, Trace
-from kvpool.client.types import Match, NodeInfo, NodeLoad, NodeStatus
 from kvpool.cost import LinkEstimate, RecomputeModel, decide_reuse
 from kvpool.errors import InvalidArgument, NotFound
 from kvpool.index import DEFAULT_POLICY, RadixIndex
 from kvpool.router.policy import COST_MARGIN, RouteRequest, RoutingPolicy
 from kvpool.router.state import Inflight, node_states
-from kvpool.types import BlockHash, FakeClock, Location, NamespaceId
+from kvpool.trace import TRACE_BLOCK_TOKENS, Trace
+from kvpool.types import BlockHash, FakeClock, Location, Match, NamespaceId, NodeInfo, NodeLoad, NodeStatus
 
 _NS = NamespaceId(b"routing-sim-ns\x00\x00")
 _POOL_LOC = Location("store0", 0, 0)
@@ -69,10 +68,13 @@ class SimProfile:
         """What a node with this calibration reports in its heartbeats (queue 0, see module docstring)."""
         r = self.recompute
         return NodeLoad(
-            queue_len=0, recompute_s_per_token=r.per_token_s, recompute_s_per_token_ctx=r.per_pair_s,
-            recompute_overhead_s=r.overhead_s, link_alpha_s=self.link.alpha_s,
+            queue_len=0,
+            recompute_s_per_token=r.per_token_s,
+            recompute_s_per_token_ctx=r.per_pair_s,
+            recompute_overhead_s=r.overhead_s,
+            link_alpha_s=self.link.alpha_s,
             link_beta_bytes_per_s=self.link.beta_bytes_per_s,
-        )  # fmt: skip
+        )
 
 
 EMBEDDED_CPU = SimProfile(
@@ -84,7 +86,7 @@ EMBEDDED_CPU = SimProfile(
         source="calibrated",
         fit_rel_rmse=0.106,
         num_samples=9,
-    ),  # fmt: skip
+    ),
     kv_bytes_per_token=4096,
     link=LinkEstimate(alpha_s=0.001, beta_bytes_per_s=0.58e9),
     source=(
@@ -182,9 +184,13 @@ def build_workload(
     t0 = arrivals[0]
     requests = tuple(SimRequest((t - t0) * scale, n, h) for t, (n, h) in zip(arrivals, out, strict=True))
     return Workload(
-        name=trace.name, requests=requests, block_tokens=block_tokens, num_unique_blocks=len(seen),
-        time_scale=scale, load=load,
-    )  # fmt: skip
+        name=trace.name,
+        requests=requests,
+        block_tokens=block_tokens,
+        num_unique_blocks=len(seen),
+        time_scale=scale,
+        load=load,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -217,8 +223,15 @@ class SimResult:
 
     def record(self) -> dict[str, Any]:
         """The issue-#11 record: `mode`, `policy`, p50/p90 TTFT, token hit rate, imbalance (+ extras)."""
-        rec = ttft_record("sim", self.policy, self.num_nodes, self.ttft_s, self.prompt_tokens,
-                          self.reused_tokens, self.computed_tokens_per_node)  # fmt: skip
+        rec = ttft_record(
+            "sim",
+            self.policy,
+            self.num_nodes,
+            self.ttft_s,
+            self.prompt_tokens,
+            self.reused_tokens,
+            self.computed_tokens_per_node,
+        )
         rec["local_hit_rate"] = (
             round(self.local_tokens / self.prompt_tokens, 4) if self.prompt_tokens else 0.0
         )
@@ -227,19 +240,29 @@ class SimResult:
 
 
 def ttft_record(
-    mode: str, policy: str, num_nodes: int, ttft_s: Any, prompt_tokens: int, reused_tokens: int,
+    mode: str,
+    policy: str,
+    num_nodes: int,
+    ttft_s: Any,
+    prompt_tokens: int,
+    reused_tokens: int,
     computed_per_node: Any,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """imbalance = max / mean computed (prefilled) tokens per node (1 = even; `num_nodes` = one node)."""
     t = np.asarray(ttft_s, dtype=float)
     work = np.asarray(computed_per_node, dtype=float)
     return {
-        "mode": mode, "policy": policy, "num_nodes": num_nodes, "num_requests": int(t.size),
-        "p50_ttft_s": round(float(np.percentile(t, 50)), 4), "p90_ttft_s": round(float(np.percentile(t, 90)), 4),
-        "p99_ttft_s": round(float(np.percentile(t, 99)), 4), "mean_ttft_s": round(float(t.mean()), 4),
+        "mode": mode,
+        "policy": policy,
+        "num_nodes": num_nodes,
+        "num_requests": int(t.size),
+        "p50_ttft_s": round(float(np.percentile(t, 50)), 4),
+        "p90_ttft_s": round(float(np.percentile(t, 90)), 4),
+        "p99_ttft_s": round(float(np.percentile(t, 99)), 4),
+        "mean_ttft_s": round(float(t.mean()), 4),
         "token_hit_rate": round(reused_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
         "imbalance": round(float(work.max() / work.mean()), 4) if work.sum() > 0 else 1.0,
-    }  # fmt: skip
+    }
 
 
 @dataclass(slots=True)
@@ -302,12 +325,16 @@ class _Sim:
                 if self.nodes[k].queue:
                     self._start(k, now, events)
         return SimResult(
-            policy=self.cfg.policy, num_nodes=self.cfg.num_nodes, ttft_s=tuple(self.ttft),
-            node_of=tuple(self.node_of), prompt_tokens=self.prompt_tokens, reused_tokens=self.reused_tokens,
+            policy=self.cfg.policy,
+            num_nodes=self.cfg.num_nodes,
+            ttft_s=tuple(self.ttft),
+            node_of=tuple(self.node_of),
+            prompt_tokens=self.prompt_tokens,
+            reused_tokens=self.reused_tokens,
             local_tokens=self.local_tokens,
             computed_tokens_per_node=tuple(n.computed_tokens for n in self.nodes),
             utilization=self.busy_s / (len(self.nodes) * max(now, 1e-9)),
-        )  # fmt: skip
+        )
 
     def _route(self, i: int) -> int:
         """The router's `place` (kvpool.router.service), minus hashing and gRPC: peek, states, choose."""
@@ -319,8 +346,12 @@ class _Sim:
         if res.num_matched:
             names = {loc.node_id for locs in res.locations for loc in locs if loc.local}
             match = Match(res.num_matched, res.locations, None, {n: self.infos[n] for n in names})
-        route = RouteRequest(prompt_len=req.prompt_len, block_size=bs, block_nbytes=self.block_nbytes,
-                             pool_blocks=res.num_matched)  # fmt: skip
+        route = RouteRequest(
+            prompt_len=req.prompt_len,
+            block_size=bs,
+            block_nbytes=self.block_nbytes,
+            pool_blocks=res.num_matched,
+        )
         states = node_states(self.statuses, match, self.inflight, max_blocks)
         choice = self.policy.choose(route, states)
         k = int(choice.node_id.removeprefix("prefill"))
@@ -342,8 +373,16 @@ class _Sim:
         while num_local < len(cand) and cand[num_local] in node.local:
             num_local += 1
         h = max(num_pool, num_local)
-        dec = decide_reuse(h, bs, req.prompt_len, self.block_nbytes, p.link, p.recompute,
-                           num_local_blocks=min(num_local, h), margin=COST_MARGIN)  # fmt: skip
+        dec = decide_reuse(
+            h,
+            bs,
+            req.prompt_len,
+            self.block_nbytes,
+            p.link,
+            p.recompute,
+            num_local_blocks=min(num_local, h),
+            margin=COST_MARGIN,
+        )
         for bh in cand[: dec.num_local_used]:
             node.local.move_to_end(bh)
         self.prompt_tokens += req.prompt_len

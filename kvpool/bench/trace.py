@@ -1,106 +1,25 @@
-"""`kvpool bench trace`: replay a Mooncake-format JSONL trace through the real `RadixIndex`.
+"""`kvpool bench trace`: replay a Mooncake-format JSONL trace (`kvpool.trace`) through the real `RadixIndex`.
 
-Trace semantics (see `../shared/traces/README.md`, Mooncake FAST'25): each hash id is one 512-token
-block (the last one of a request possibly partial) and names its whole prefix. Per request: match its
-blocks (`count_hit=True`, no lease), count the leading run of resident blocks as hit tokens (capped at
-`input_length`), insert the missing blocks, then evict down to the capacity. Capacity is a fraction of
-the trace's unique blocks. Token prefix-hit rate = hit tokens / input tokens.
+Per request: match its blocks (`count_hit=True`, no lease), count the leading run of resident blocks as hit
+tokens (capped at `input_length`), insert the missing blocks, then evict down to the capacity. Capacity is a
+fraction of the trace's unique blocks. Token prefix-hit rate = hit tokens / input tokens.
 
 Time: the index clock follows the trace timestamps (ms), moved on by at least 1 ms per request so the
 requests of one quantised bucket keep their order. `opt` (Belady) is fed each block's next use
 (the index of the next request holding it) before the request touches it.
-Block size in bytes and recompute cost (for `cost`) follow a nominal 8B dense model (Llama-3-8B
-shapes, bf16 KV): 128 KiB per token; recompute = tokens * (2*params + 2*layers*d_model*context) FLOP
-at 400 TFLOP/s.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvpool.errors import InvalidArgument
 from kvpool.index import POLICY_NAMES, BeladyPolicy, RadixIndex, make_policy
-from kvpool.types import BlockHash, FakeClock, Location, NamespaceId
-
-TRACE_BLOCK_TOKENS = 512
-KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
-"""Llama-3-8B: 32 layers x (K,V) x 8 KV heads x head_dim 128 x bf16."""
-_PARAMS, _LAYERS, _D_MODEL, _FLOP_PER_S = 8.0e9, 32, 4096, 400.0e12
-_NS = NamespaceId(b"trace-replay-ns\x00")
-_SIM_LOCATION = Location("sim", 0, 0)
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    timestamp_ms: int
-    input_length: int
-    hash_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Trace:
-    name: str
-    requests: tuple[TraceRequest, ...]
-    num_unique_blocks: int
-
-
-def load_trace(path: Path) -> Trace:
-    """Parse a JSONL trace; raises `InvalidArgument` naming the file and line of any malformed record."""
-    requests: list[TraceRequest] = []
-    unique: set[int] = set()
-    try:
-        fh = path.open("rb")
-    except OSError as exc:
-        raise InvalidArgument(f"{path}: cannot read trace: {exc.strerror}") from None
-    with fh:
-        for lineno, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode()
-            except UnicodeDecodeError as exc:
-                raise InvalidArgument(f"{path}:{lineno}: not UTF-8 text (byte {exc.start})") from None
-            if not line.strip():
-                continue
-            requests.append(_parse_line(path, lineno, line))
-            unique.update(requests[-1].hash_ids)
-    if not requests:
-        raise InvalidArgument(f"{path}: no trace records")
-    return Trace(path.stem, tuple(requests), len(unique))
-
-
-def _parse_line(path: Path, lineno: int, line: str) -> TraceRequest:
-    where = f"{path}:{lineno}"
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"{where}: not JSON ({exc.msg})") from None
-    except (ValueError, RecursionError) as exc:  # an int of > 4300 digits; nesting too deep
-        raise InvalidArgument(f"{where}: not a usable JSON record ({type(exc).__name__}: {exc})") from None
-    if not isinstance(rec, dict):
-        raise InvalidArgument(f"{where}: a record must be a JSON object")
-    for key in ("timestamp", "input_length", "hash_ids"):
-        if key not in rec:
-            raise InvalidArgument(f"{where}: missing {key!r}")
-    ts, n_in, ids = rec["timestamp"], rec["input_length"], rec["hash_ids"]
-    if not isinstance(ts, int) or isinstance(ts, bool) or ts < 0:
-        raise InvalidArgument(f"{where}: timestamp must be a non-negative int, got {ts!r}")
-    if not isinstance(n_in, int) or isinstance(n_in, bool) or n_in <= 0:
-        raise InvalidArgument(f"{where}: input_length must be a positive int, got {n_in!r}")
-    if not isinstance(ids, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
-    ):
-        raise InvalidArgument(f"{where}: hash_ids must be a list of non-negative ints")
-    if len(ids) != math.ceil(n_in / TRACE_BLOCK_TOKENS):
-        raise InvalidArgument(
-            f"{where}: {len(ids)} hash_ids for input_length {n_in} (expected ceil({n_in}/{TRACE_BLOCK_TOKENS}))"
-        )
-    if len(set(ids)) != len(ids):
-        raise InvalidArgument(f"{where}: hash_ids repeats an id")
-    return TraceRequest(ts, n_in, tuple(ids))
+from kvpool.trace import TRACE_BLOCK_TOKENS, TRACE_NS, Trace, block_hash, insert_rest, load_trace
+from kvpool.types import FakeClock
 
 
 def _next_uses(trace: Trace) -> list[list[float]]:
@@ -113,10 +32,6 @@ def _next_uses(trace: Trace) -> list[list[float]]:
         for b in ids:
             seen[b] = float(i)
     return out
-
-
-def _block_hash(hash_id: int) -> BlockHash:
-    return BlockHash(hash_id.to_bytes(16, "big"))
 
 
 def replay(
@@ -136,45 +51,27 @@ def replay(
         next_uses = _next_uses(trace)
     clock = FakeClock(0)
     index = RadixIndex(clock=clock, policy=policy)
-    index.register_namespace(_NS)
+    index.register_namespace(TRACE_NS)
     hit_tokens = input_tokens = 0
     now_ms = -1
     for i, req in enumerate(trace.requests):
         now_ms = max(req.timestamp_ms, now_ms + 1)
         clock.set(now_ms)
-        hashes = [_block_hash(b) for b in req.hash_ids]
+        hashes = [block_hash(b) for b in req.hash_ids]
         if oracle is not None and next_uses is not None:
-            for block_hash, next_use in zip(hashes, next_uses[i], strict=True):
-                oracle.set_next_use(block_hash, next_use)
-        matched = index.match_prefix(_NS, hashes, count_hit=True, lease_ttl_ms=0).num_matched
+            for bh, next_use in zip(hashes, next_uses[i], strict=True):
+                oracle.set_next_use(bh, next_use)
+        matched = index.match_prefix(TRACE_NS, hashes, count_hit=True, lease_ttl_ms=0).num_matched
         hit_tokens += min(matched * TRACE_BLOCK_TOKENS, req.input_length)
         input_tokens += req.input_length
         if matched < len(hashes):
-            _insert_rest(index, hashes, matched, req.input_length)
+            insert_rest(index, hashes, matched, req.input_length)
         over = index.num_blocks - capacity_blocks
         if over > 0:
             index.evict(over)
         if on_request is not None:
             on_request()
     return hit_tokens / input_tokens if input_tokens else 0.0
-
-
-def _insert_rest(index: RadixIndex, hashes: list[BlockHash], start: int, input_length: int) -> None:
-    tokens = [
-        min(TRACE_BLOCK_TOKENS, input_length - j * TRACE_BLOCK_TOKENS) for j in range(start, len(hashes))
-    ]
-    costs = [
-        t * (2 * _PARAMS + 2 * _LAYERS * _D_MODEL * (j * TRACE_BLOCK_TOKENS + t / 2)) / _FLOP_PER_S
-        for j, t in zip(range(start, len(hashes)), tokens, strict=True)
-    ]
-    index.insert(
-        _NS,
-        hashes[start:],
-        parent=hashes[start - 1] if start else None,
-        locations=[(_SIM_LOCATION,)] * len(tokens),
-        size_bytes=[t * KV_BYTES_PER_TOKEN for t in tokens],
-        recompute_cost_s=costs,
-    )
 
 
 def parse_policies(text: str) -> list[str]:
@@ -220,7 +117,7 @@ def run_trace_bench(
     from rich.table import Table
     from tqdm import tqdm
 
-    from kvpool.bench.report import write_report
+    from kvpool.report import write_report
 
     loaded = [load_trace(p) for p in traces]
     total = sum(len(t.requests) for t in loaded) * len(fractions) * len(policies)

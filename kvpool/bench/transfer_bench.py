@@ -68,13 +68,26 @@ class _Store:
         segment = 2 * batch * block_bytes
         self.child = Child(
             [
-                sys.executable, "-m", "kvpool.cli.main", "store", "--listen", "127.0.0.1", "--grpc-port", "0",
-                "--data-port", "0", "--segment-size", str(segment), "--layout", layout_for(block_bytes),
-                "--node-id", f"bench-{block_bytes}",
+                sys.executable,
+                "-m",
+                "kvpool.cli.main",
+                "store",
+                "--listen",
+                "127.0.0.1",
+                "--grpc-port",
+                "0",
+                "--data-port",
+                "0",
+                "--segment-size",
+                str(segment),
+                "--layout",
+                layout_for(block_bytes),
+                "--node-id",
+                f"bench-{block_bytes}",
             ],
             "KVPOOL_READY ",
             env,
-        )  # fmt: skip
+        )
         info = json.loads(self.child.info)
         self.data_address: str = info["data_address"]
         self._channel = channel(info["grpc_address"])
@@ -311,8 +324,8 @@ def run_transfer_bench(
     mooncake: bool = True,
 ) -> dict[str, Any]:
     """Measure everything (see the module docstring), print the tables, write the report and the plot."""
-    from kvpool.bench.report import write_report
     from kvpool.console import console
+    from kvpool.report import write_report
 
     sizes = list(QUICK_SIZES if quick else FULL_SIZES)
     batch = batch or (8 if quick else 256)
@@ -320,9 +333,14 @@ def run_transfer_bench(
     eps = endpoints or 4
     per_msg = blocks_per_message or max(1, min(64, batch // eps))
     cfg = {
-        "sizes": sizes, "batch": batch, "reps": reps, "endpoints": eps, "blocks_per_message": per_msg,
-        "latency_bytes": 64 * KIB, "latency_iters": 10 if quick else 200,
-    }  # fmt: skip
+        "sizes": sizes,
+        "batch": batch,
+        "reps": reps,
+        "endpoints": eps,
+        "blocks_per_message": per_msg,
+        "latency_bytes": 64 * KIB,
+        "latency_iters": 10 if quick else 200,
+    }
     pt_reps = 1 if quick else 3
     mc_on = mooncake and not quick and mooncake_unavailable() is None
     total = len(TRANSPORTS) * len(sizes) * (reps + pt_reps) + (len(sizes) * (reps + 1) if mc_on else 0)

@@ -166,12 +166,18 @@ def run_mooncake(sizes: Sequence[int], batch: int, reps: int, on_step: Callable[
     log = tempfile.NamedTemporaryFile(prefix="kvpool-bench-mc-", suffix=".log", delete=False)  # noqa: SIM115
     master = subprocess.Popen(
         [
-            master_bin, f"--rpc_port={rpc_port}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http_port}",
+            master_bin,
+            f"--rpc_port={rpc_port}",
+            "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={http_port}",
             f"--metrics_port={free_port()}",
         ],
-        stdout=log, stderr=log, env=env,
-    )  # fmt: skip
+        stdout=log,
+        stderr=log,
+        env=env,
+    )
     storage: Child | None = None
     try:
         time.sleep(1.0)

@@ -46,33 +46,54 @@ def build_report(
                 mcv = _median(mc.get(size_key, {}).get(op, [])) if transport == "tcp" else None
                 records.append(
                     {
-                        "transport": transport, "block_bytes": size, "op": op, "gb_per_s": pool,
-                        "raw_ucx_gb_per_s": raw, "perftest_gb_per_s": pt, "memcpy_gb_per_s": memcpy,
-                        "mooncake_gb_per_s": mcv, "samples_gb_per_s": s[op], "raw_ucx_samples_gb_per_s": s[f"raw_{op}"],
+                        "transport": transport,
+                        "block_bytes": size,
+                        "op": op,
+                        "gb_per_s": pool,
+                        "raw_ucx_gb_per_s": raw,
+                        "perftest_gb_per_s": pt,
+                        "memcpy_gb_per_s": memcpy,
+                        "mooncake_gb_per_s": mcv,
+                        "samples_gb_per_s": s[op],
+                        "raw_ucx_samples_gb_per_s": s[f"raw_{op}"],
                         "pool_over_raw": _paired_ratio(s[op], s[f"raw_{op}"]),
                         "raw_ucx_xxh3_gb_per_s": _median(s.get(f"raw_{op}_xxh3", [])),
                         "pool_over_raw_xxh3": _paired_ratio(s[op], s.get(f"raw_{op}_xxh3", [])),
                         "path": "mapped" if op == "get" and "get_ucx" in s else "ucx",
-                        "ucx_path_gb_per_s": _median(s["get_ucx"]) if op == "get" and "get_ucx" in s else None,
+                        "ucx_path_gb_per_s": _median(s["get_ucx"])
+                        if op == "get" and "get_ucx" in s
+                        else None,
                     }
-                )  # fmt: skip
+                )
                 r = records[-1]["pool_over_raw"]
                 targets.append(
-                    {"target": f"{transport} {op} >= 85% raw UCX", "block_bytes": size, "ratio": r,
-                     "met": r is not None and r >= TARGET_RAW_RATIO}
-                )  # fmt: skip
+                    {
+                        "target": f"{transport} {op} >= 85% raw UCX",
+                        "block_bytes": size,
+                        "ratio": r,
+                        "met": r is not None and r >= TARGET_RAW_RATIO,
+                    }
+                )
                 if op == "get" and transport == "tcp":
                     r = _ratio(pool, mcv)
                     targets.append(
-                        {"target": "tcp get >= Mooncake get", "block_bytes": size, "ratio": r,
-                         "met": None if r is None else r >= 1.0}
-                    )  # fmt: skip
+                        {
+                            "target": "tcp get >= Mooncake get",
+                            "block_bytes": size,
+                            "ratio": r,
+                            "met": None if r is None else r >= 1.0,
+                        }
+                    )
                 if op == "get" and transport == "shm":
                     r = _paired_ratio(s["get"], s["memcpy"])
                     targets.append(
-                        {"target": "shm get >= 50% memcpy", "block_bytes": size, "ratio": r,
-                         "met": r is not None and r >= TARGET_MEMCPY_RATIO}
-                    )  # fmt: skip
+                        {
+                            "target": "shm get >= 50% memcpy",
+                            "block_bytes": size,
+                            "ratio": r,
+                            "met": r is not None and r >= TARGET_MEMCPY_RATIO,
+                        }
+                    )
     summary = {
         "targets": targets,
         "all_targets_met": all(t["met"] is not False for t in targets),
@@ -95,17 +116,37 @@ def print_tables(console: Any, records: Sequence[dict[str, Any]], summary: dict[
     from rich.table import Table
 
     table = Table(title="data plane throughput (GB/s, medians)")
-    cols = ("transport", "block", "op", "pool", "pool, UCX path", "raw UCX", "pool/raw", "raw+xxh3",
-            "pool/raw+xxh3", "perftest", "memcpy")  # fmt: skip
+    cols = (
+        "transport",
+        "block",
+        "op",
+        "pool",
+        "pool, UCX path",
+        "raw UCX",
+        "pool/raw",
+        "raw+xxh3",
+        "pool/raw+xxh3",
+        "perftest",
+        "memcpy",
+    )
     for col in (*cols, "Mooncake"):
         table.add_column(col, justify="right")
     for r in records:
         op = r["op"] + (" (mapped)" if r.get("path") == "mapped" else "")
         table.add_row(
-            r["transport"], _size_name(r["block_bytes"]), op, _fmt(r["gb_per_s"]), _fmt(r.get("ucx_path_gb_per_s")),
-            _fmt(r["raw_ucx_gb_per_s"]), _fmt(r["pool_over_raw"], ".0%"), _fmt(r.get("raw_ucx_xxh3_gb_per_s")),
-            _fmt(r.get("pool_over_raw_xxh3"), ".0%"), _fmt(r["perftest_gb_per_s"]), _fmt(r["memcpy_gb_per_s"]), _fmt(r["mooncake_gb_per_s"]),
-        )  # fmt: skip
+            r["transport"],
+            _size_name(r["block_bytes"]),
+            op,
+            _fmt(r["gb_per_s"]),
+            _fmt(r.get("ucx_path_gb_per_s")),
+            _fmt(r["raw_ucx_gb_per_s"]),
+            _fmt(r["pool_over_raw"], ".0%"),
+            _fmt(r.get("raw_ucx_xxh3_gb_per_s")),
+            _fmt(r.get("pool_over_raw_xxh3"), ".0%"),
+            _fmt(r["perftest_gb_per_s"]),
+            _fmt(r["memcpy_gb_per_s"]),
+            _fmt(r["mooncake_gb_per_s"]),
+        )
     console.print(table)
     lat = Table(title="one-block read latency (µs)")
     for col in ("transport", "block", "pool p50", "pool p99", "raw p50", "raw p99"):
@@ -113,9 +154,13 @@ def print_tables(console: Any, records: Sequence[dict[str, Any]], summary: dict[
     for tr, v in summary["latency"].items():
         if v:
             lat.add_row(
-                tr, _size_name(v["block_bytes"]), _fmt(v["pool_p50_us"], ".0f"), _fmt(v["pool_p99_us"], ".0f"),
-                _fmt(v["raw_ucx_p50_us"], ".0f"), _fmt(v["raw_ucx_p99_us"], ".0f"),
-            )  # fmt: skip
+                tr,
+                _size_name(v["block_bytes"]),
+                _fmt(v["pool_p50_us"], ".0f"),
+                _fmt(v["pool_p99_us"], ".0f"),
+                _fmt(v["raw_ucx_p50_us"], ".0f"),
+                _fmt(v["raw_ucx_p99_us"], ".0f"),
+            )
     console.print(lat)
     for t in summary["targets"]:
         mark = {True: "[green]met[/green]", False: "[red]missed[/red]", None: "[yellow]n/a[/yellow]"}[
@@ -138,14 +183,18 @@ def plot_report(records: Sequence[dict[str, Any]], path: Path) -> None:
     transports = list(dict.fromkeys(r["transport"] for r in records))  # in measuring order
     fig, axes = plt.subplots(1, len(transports), figsize=(6 * len(transports), 4.5), squeeze=False)
     series = [
-        ("get", "gb_per_s", "pool get", "C0", "-o"), ("put", "gb_per_s", "pool put", "C1", "-o"),
-        ("get", "raw_ucx_gb_per_s", "raw ucxx get", "C0", "--x"), ("put", "raw_ucx_gb_per_s", "raw ucxx put", "C1", "--x"),
+        ("get", "gb_per_s", "pool get", "C0", "-o"),
+        ("put", "gb_per_s", "pool put", "C1", "-o"),
+        ("get", "raw_ucx_gb_per_s", "raw ucxx get", "C0", "--x"),
+        ("put", "raw_ucx_gb_per_s", "raw ucxx put", "C1", "--x"),
         ("get", "raw_ucx_xxh3_gb_per_s", "raw ucxx get + xxh3", "C0", ":+"),
         ("put", "raw_ucx_xxh3_gb_per_s", "raw ucxx put + xxh3", "C1", ":+"),
-        ("get", "perftest_gb_per_s", "ucx_perftest tag_bw", "C2", ":s"), ("get", "memcpy_gb_per_s", "memcpy", "C7", ":^"),
-        ("get", "mooncake_gb_per_s", "Mooncake get", "C3", "-.d"), ("put", "mooncake_gb_per_s", "Mooncake put", "C4", "-.d"),
+        ("get", "perftest_gb_per_s", "ucx_perftest tag_bw", "C2", ":s"),
+        ("get", "memcpy_gb_per_s", "memcpy", "C7", ":^"),
+        ("get", "mooncake_gb_per_s", "Mooncake get", "C3", "-.d"),
+        ("put", "mooncake_gb_per_s", "Mooncake put", "C4", "-.d"),
         ("get", "ucx_path_gb_per_s", "pool get, UCX path (not mapped)", "C5", "-v"),
-    ]  # fmt: skip
+    ]
     for ax, tr in zip(axes[0], transports, strict=True):
         for op, key, label, color, style in series:
             pts = sorted(

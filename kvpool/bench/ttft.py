@@ -17,8 +17,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvpool.bench.report import write_report
 from kvpool.errors import InvalidArgument
+from kvpool.report import write_report
 
 TRANSPORTS = ("tcp", "auto")
 
@@ -69,8 +69,14 @@ def run_ttft(
     if transport == "tcp":  # as across hosts: UCX over tcp, and no same-host mapping of the stores' segments
         env.update(UCX_TLS="tcp", KVPOOL_SHARE_SEGMENT="false")
     seg = max(256 * 2**20, 4 * prefix_tokens * runner.layout.token_nbytes)
-    spec = LocalClusterSpec(layout=runner.layout.fingerprint(), block_size=block_size, device=device,
-                            model_dir=model_dir, segment_size=f"{seg // 2**20}MiB", extra_env=env)  # fmt: skip
+    spec = LocalClusterSpec(
+        layout=runner.layout.fingerprint(),
+        block_size=block_size,
+        device=device,
+        model_dir=model_dir,
+        segment_size=f"{seg // 2**20}MiB",
+        extra_env=env,
+    )
     sampling = Sampling(max_tokens=1)
     records: list[dict[str, Any]] = []
     with LocalCluster(spec) as cluster:
@@ -87,33 +93,55 @@ def run_ttft(
                 warm = orch.run(prompt, sampling=sampling, publish=False, request_id=f"warm{i}")
                 for kind, res in (("cold", cold), ("warm", warm)):
                     p = res.prefill
-                    records.append({
-                        "kind": kind, "prompt_tokens": len(prompt), "reused_tokens": p["num_reused_tokens"],
-                        "ttft_s": res.ttft_s, "node_ttft_s": p["ttft_s"], "match_s": p["match_s"], "pull_s": p["pull_s"],
-                        "compute_s": p["compute_s"], "pulled_bytes": p["pulled_bytes"], "decision": p["decision"],
-                        "predicted_pull_s": p["predicted_pull_s"], "predicted_recompute_s": p["predicted_recompute_s"],
-                    })  # fmt: skip
+                    records.append(
+                        {
+                            "kind": kind,
+                            "prompt_tokens": len(prompt),
+                            "reused_tokens": p["num_reused_tokens"],
+                            "ttft_s": res.ttft_s,
+                            "node_ttft_s": p["ttft_s"],
+                            "match_s": p["match_s"],
+                            "pull_s": p["pull_s"],
+                            "compute_s": p["compute_s"],
+                            "pulled_bytes": p["pulled_bytes"],
+                            "decision": p["decision"],
+                            "predicted_pull_s": p["predicted_pull_s"],
+                            "predicted_recompute_s": p["predicted_recompute_s"],
+                        }
+                    )
         finally:
             orch.close()
     cold_s = statistics.median(r["ttft_s"] for r in records if r["kind"] == "cold")
     warm_s = statistics.median(r["ttft_s"] for r in records if r["kind"] == "warm")
     warm_rec = [r for r in records if r["kind"] == "warm"]
     summary = {
-        "prefix_tokens": prefix_tokens, "question_tokens": question_tokens, "transport": transport,
-        "ttft_cold_s": cold_s, "ttft_warm_s": warm_s, "warm_over_cold": warm_s / cold_s if cold_s else 0.0,
+        "prefix_tokens": prefix_tokens,
+        "question_tokens": question_tokens,
+        "transport": transport,
+        "ttft_cold_s": cold_s,
+        "ttft_warm_s": warm_s,
+        "warm_over_cold": warm_s / cold_s if cold_s else 0.0,
         "warm_match_s": statistics.median(r["match_s"] for r in warm_rec),
         "warm_pull_s": statistics.median(r["pull_s"] for r in warm_rec),
         "warm_compute_s": statistics.median(r["compute_s"] for r in warm_rec),
         "warm_pulled_bytes": warm_rec[0]["pulled_bytes"] if warm_rec else 0,
-    }  # fmt: skip
+    }
     table = Table(
         title=f"TTFT: {prefix_tokens}-token shared prefix + {question_tokens}-token question ({transport})"
     )
     for col in ("kind", "reused", "TTFT s", "match s", "pull s", "compute s", "pulled MiB", "decision"):
         table.add_column(col, justify="left" if col in ("kind", "decision") else "right")
     for r in records:
-        table.add_row(r["kind"], str(r["reused_tokens"]), f"{r['ttft_s']:.3f}", f"{r['match_s']:.4f}",
-                      f"{r['pull_s']:.4f}", f"{r['compute_s']:.3f}", f"{r['pulled_bytes'] / 2**20:.1f}", r["decision"])  # fmt: skip
+        table.add_row(
+            r["kind"],
+            str(r["reused_tokens"]),
+            f"{r['ttft_s']:.3f}",
+            f"{r['match_s']:.4f}",
+            f"{r['pull_s']:.4f}",
+            f"{r['compute_s']:.3f}",
+            f"{r['pulled_bytes'] / 2**20:.1f}",
+            r["decision"],
+        )
     console.print(table)
     console.print(f"warm/cold = {summary['warm_over_cold']:.3f} (target <= 0.05)")
     write_report(json_out, "ttft", records, summary)

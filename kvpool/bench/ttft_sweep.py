@@ -79,9 +79,9 @@ def run_ttft_sweep(
     from rich.table import Table
 
     from kvpool.bench.crossover_measure import BenchCluster, PrefillCaller
-    from kvpool.bench.report import write_report
     from kvpool.cluster.local import LocalClusterSpec
     from kvpool.model import ModelRunner, embedded_model_dir
+    from kvpool.report import write_report
 
     console = Console(stderr=True)
     prefixes = tuple(prefixes or (QUICK_PREFIXES if quick else FULL_PREFIXES))
@@ -96,8 +96,16 @@ def run_ttft_sweep(
     seg = max(256 * 2**20, 2 * (max(prefixes) + max(questions)) * layout.token_nbytes)
     # the tcp path as across hosts: no same-host mapping of the store's segment
     env = {"KVPOOL_LOCAL_TIER_BYTES": "0", "KVPOOL_PULL_TIMEOUT_S": "600", "KVPOOL_SHARE_SEGMENT": "false"}
-    spec = LocalClusterSpec(layout=layout.fingerprint(), num_stores=1, num_prefill=0, num_decode=0, block_size=block_size,
-                            model_dir=model_dir, segment_size=f"{seg // 2**20}MiB", extra_env=env)  # fmt: skip
+    spec = LocalClusterSpec(
+        layout=layout.fingerprint(),
+        num_stores=1,
+        num_prefill=0,
+        num_decode=0,
+        block_size=block_size,
+        model_dir=model_dir,
+        segment_size=f"{seg // 2**20}MiB",
+        extra_env=env,
+    )
     t_start = time.perf_counter()
     records: list[dict[str, Any]] = []
     cluster = BenchCluster(spec)
@@ -115,12 +123,22 @@ def run_ttft_sweep(
                             ttft, st = call(
                                 prompt, use_cache=use_cache, publish=False, rid=f"{kind}-{p}-{q}-{i}"
                             )
-                            records.append({
-                                "kind": kind, "prefix_tokens": p, "question_tokens": q, "prompt_tokens": len(prompt),
-                                "reused_tokens": st["num_reused_tokens"], "ttft_s": ttft, "node_ttft_s": st["ttft_s"],
-                                "pull_s": st["pull_s"], "compute_s": st["compute_s"], "match_s": st["match_s"],
-                                "decision": st["decision"], "pulled_bytes": st["pulled_bytes"],
-                            })  # fmt: skip
+                            records.append(
+                                {
+                                    "kind": kind,
+                                    "prefix_tokens": p,
+                                    "question_tokens": q,
+                                    "prompt_tokens": len(prompt),
+                                    "reused_tokens": st["num_reused_tokens"],
+                                    "ttft_s": ttft,
+                                    "node_ttft_s": st["ttft_s"],
+                                    "pull_s": st["pull_s"],
+                                    "compute_s": st["compute_s"],
+                                    "match_s": st["match_s"],
+                                    "decision": st["decision"],
+                                    "pulled_bytes": st["pulled_bytes"],
+                                }
+                            )
                     console.log(f"prefix {p:>5} question {q:>4}: done")
         finally:
             call.close()
@@ -128,8 +146,15 @@ def run_ttft_sweep(
     for r, pred in zip(records, fit.pop("predicted_ttft_s"), strict=True):
         r["predicted_ttft_s"] = pred
     cells = _cells(records)
-    summary = {"prefixes": list(prefixes), "questions": list(questions), "reps": reps, "fit": fit, "cells": cells,
-               "wall_s": round(time.perf_counter() - t_start, 1), "transport": "tcp"}  # fmt: skip
+    summary = {
+        "prefixes": list(prefixes),
+        "questions": list(questions),
+        "reps": reps,
+        "fit": fit,
+        "cells": cells,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "transport": "tcp",
+    }
     table = Table(title="TTFT sweep (median s): cold / warm, predicted by the seed formula in brackets")
     table.add_column("prefix \\ question", justify="right")
     for q in questions:
@@ -180,8 +205,13 @@ def plot_sweep(records: Sequence[dict[str, Any]], fit: dict[str, Any], out: Path
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.5))
     for kind, marker in (("cold", "s"), ("warm", "o")):
         rs = [r for r in records if r["kind"] == kind]
-        ax.scatter([r["prompt_tokens"] - r["reused_tokens"] for r in rs], [r["ttft_s"] for r in rs], marker=marker,
-                   label=kind, alpha=0.7)  # fmt: skip
+        ax.scatter(
+            [r["prompt_tokens"] - r["reused_tokens"] for r in rs],
+            [r["ttft_s"] for r in rs],
+            marker=marker,
+            label=kind,
+            alpha=0.7,
+        )
         bx.scatter(
             [r["ttft_s"] for r in rs],
             [r["predicted_ttft_s"] for r in rs],
@@ -190,8 +220,12 @@ def plot_sweep(records: Sequence[dict[str, Any]], fit: dict[str, Any], out: Path
             alpha=0.7,
         )
     xs = np.array([1, max(r["prompt_tokens"] for r in records)], dtype=float)
-    ax.plot(xs, xs * fit["t_prefill_token_s"] + fit["t_overhead_s"], "k--",
-            label=f"fit: {fit['t_prefill_token_s'] * 1e3:.3f} ms/token + {fit['t_overhead_s'] * 1e3:.0f} ms")  # fmt: skip
+    ax.plot(
+        xs,
+        xs * fit["t_prefill_token_s"] + fit["t_overhead_s"],
+        "k--",
+        label=f"fit: {fit['t_prefill_token_s'] * 1e3:.3f} ms/token + {fit['t_overhead_s'] * 1e3:.0f} ms",
+    )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("computed tokens  s_p − s_hit")

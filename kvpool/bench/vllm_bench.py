@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from kvpool.bench.report import write_report
 from kvpool.bench.vllm_report import plot_report, prefix_record, print_report, summarize
 from kvpool.errors import InvalidArgument
+from kvpool.report import write_report
 
 LAYOUT = "kv1:float32:b64:l4:h4:d32"  # the embedded model's KV in fp32, block 64
 BLOCK_SIZE = 64

@@ -32,7 +32,6 @@ from typing import Any
 
 from rich.console import Console
 
-from kvpool.bench.report import write_report
 from kvpool.bench.vllm_replay_report import SETUPS, plot_report, print_report, summarize
 from kvpool.bench.vllm_replay_trace import (
     BlockTokens,
@@ -42,6 +41,7 @@ from kvpool.bench.vllm_replay_trace import (
     select_subset,
 )
 from kvpool.errors import InvalidArgument
+from kvpool.report import write_report
 
 LAYOUT = "kv1:float32:b64:l4:h4:d32"  # the embedded model's KV in fp32, block 64
 BLOCK_SIZE = 64
@@ -65,11 +65,30 @@ def engine_command(
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, extra env) of one OpenAI server pinned to `core`; with `master`, kvpool's connector."""
     argv = [
-        "taskset", "-c", str(core), python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
-        "--max-model-len", str(max_model_len), "--enforce-eager", "--enable-prompt-tokens-details",
-        "--distributed-executor-backend", "uni", "--disable-uvicorn-access-log",
-    ]  # fmt: skip
+        "taskset",
+        "-c",
+        str(core),
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--enable-prompt-tokens-details",
+        "--distributed-executor-backend",
+        "uni",
+        "--disable-uvicorn-access-log",
+    ]
     if master:
         kv = {
             "kv_connector": "KVPoolConnector",
@@ -240,11 +259,26 @@ def run_setup(
         t0 = time.perf_counter()
         for core in range(num_engines):
             port = free_port()
-            argv, env = engine_command(python=python, model_dir=model_dir, port=port, core=core, master=master,
-                                       max_model_len=max_model_len, kv_cache_gib=kv_cache_gib)  # fmt: skip
+            argv, env = engine_command(
+                python=python,
+                model_dir=model_dir,
+                port=port,
+                core=core,
+                master=master,
+                max_model_len=max_model_len,
+                kv_cache_gib=kv_cache_gib,
+            )
             url = f"http://127.0.0.1:{port}"
-            procs.append(RoleProcess(f"{setup}-e{core}", [], log_path=workdir / f"{setup}-e{core}.log",
-                                     env=dict(os.environ) | env, argv=argv, ready_url=f"{url}/health"))  # fmt: skip
+            procs.append(
+                RoleProcess(
+                    f"{setup}-e{core}",
+                    [],
+                    log_path=workdir / f"{setup}-e{core}.log",
+                    env=dict(os.environ) | env,
+                    argv=argv,
+                    ready_url=f"{url}/health",
+                )
+            )
             urls.append(url)
         with console.status(f"{setup}: starting {num_engines} engine(s)"):
             for p in procs:
@@ -259,9 +293,15 @@ def run_setup(
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task(f"{setup}: replay", total=len(requests))
             records = asyncio.run(
-                replay(requests, tokens, urls, model=model_dir, max_tokens=max_tokens,
-                       on_done=lambda: progress.advance(task))
-            )  # fmt: skip
+                replay(
+                    requests,
+                    tokens,
+                    urls,
+                    model=model_dir,
+                    max_tokens=max_tokens,
+                    on_done=lambda: progress.advance(task),
+                )
+            )
         info["replay_wall_s"] = time.perf_counter() - t1
         if master and requests:
             time.sleep(SETTLE_S)
@@ -321,8 +361,13 @@ def run_vllm_replay(
     python = python or vllm_python()
     trace = trace or default_trace()
     version = vllm_version(python)
-    requests = select_subset(load_trace(trace), max_requests=max_requests, max_prompt_tokens=max_prompt_tokens,
-                             speedup=speedup, seed=seed)  # fmt: skip
+    requests = select_subset(
+        load_trace(trace),
+        max_requests=max_requests,
+        max_prompt_tokens=max_prompt_tokens,
+        speedup=speedup,
+        seed=seed,
+    )
     tokens = BlockTokens(seed)
     longest = max([r.num_prompt_tokens for r in requests] + [len(tokens.warmup())]) + max_tokens
     max_model_len = -(-(longest + 1) // BLOCK_SIZE) * BLOCK_SIZE
@@ -339,16 +384,30 @@ def run_vllm_replay(
         workdir = log_dir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         model_dir = str(export_model_dir(workdir / "model", force=True))
-        common: dict[str, Any] = dict(requests=requests, tokens=tokens, python=python, model_dir=model_dir,
-                                      max_model_len=max_model_len, max_tokens=max_tokens,
-                                      kv_cache_gib=kv_cache_gib, workdir=workdir, console=console)  # fmt: skip
+        common: dict[str, Any] = dict(
+            requests=requests,
+            tokens=tokens,
+            python=python,
+            model_dir=model_dir,
+            max_model_len=max_model_len,
+            max_tokens=max_tokens,
+            kv_cache_gib=kv_cache_gib,
+            workdir=workdir,
+            console=console,
+        )
         for setup in setups:
             num_engines = 1 if setup == "one_engine" else 2
             if setup != "two_engines_pool":
                 recs, setup_info[setup] = run_setup(setup, num_engines=num_engines, master="", **common)
             else:
-                spec = LocalClusterSpec(layout=LAYOUT, block_size=BLOCK_SIZE, num_stores=1, num_prefill=0,
-                                        num_decode=0, segment_size=f"{kv_cache_gib:g}GiB")  # fmt: skip
+                spec = LocalClusterSpec(
+                    layout=LAYOUT,
+                    block_size=BLOCK_SIZE,
+                    num_stores=1,
+                    num_prefill=0,
+                    num_decode=0,
+                    segment_size=f"{kv_cache_gib:g}GiB",
+                )
                 pool_logs = workdir / "pool" if log_dir else None
                 if pool_logs is not None:
                     pool_logs.mkdir(exist_ok=True)

@@ -157,12 +157,12 @@ def economics(
 ) -> None:
     """Saved prefill tokens/s (λ x mean reused tokens per request), FLOP/s and GPUs saved, from live counters.
 
-    Formulas and sources: `kvpool.bench.economics` (saved tokens/s = λ·h·s_c; FLOP = 2Ψ per token plus
+    Formulas and sources: `kvpool.economics` (saved tokens/s = λ·h·s_c; FLOP = 2Ψ per token plus
     causal attention 4·layers·d_attn per pair; GPUs = FLOP/s ÷ (peak·MFU); Mooncake FAST'25, SGLang).
     """
     import time
 
-    from kvpool.bench import economics as eco
+    from kvpool import economics as eco
 
     shape = eco.ModelShape(name="given", params=model_params, num_layers=num_layers, d_attn=d_attn)
 

@@ -58,7 +58,7 @@ def _namespace_hex_given(value: str) -> str:
 
 
 def _known_gpu(gpu: str) -> str:
-    from kvpool.bench.economics import GPUS
+    from kvpool.economics import GPUS
 
     if gpu not in GPUS:
         raise typer.BadParameter(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")

@@ -1,7 +1,11 @@
-"""`kvpool bench …`: each benchmark lives in `kvpool.bench.<name>` and is imported on use."""
+"""`kvpool bench …`: each benchmark lives in `kvpool.bench.<name>` and is imported on use.
+
+Progress bars (tqdm) and plots (matplotlib) come with the `bench` extra (`pip install 'kvpool[bench]'`); a
+command that needs a missing one says so before it starts."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -10,6 +14,26 @@ import typer
 from kvpool.cli.checks import device_option
 
 bench_app = typer.Typer(no_args_is_help=True)
+
+BENCH_EXTRA = "pip install 'kvpool[bench]'"
+
+
+def need_bench_extra(command: str, *, progress: bool = False, plot: Path | None = None) -> None:
+    """Exit 1 with one line naming the `bench` extra when `command` needs tqdm (`progress`) or matplotlib
+    (`plot` given) and it is not installed; nothing has started yet."""
+    wanted = [m for m, needed in (("tqdm", progress), ("matplotlib", plot is not None)) if needed]
+    missing = []
+    for module in wanted:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        typer.echo(
+            f"kvpool bench {command}: needs {' and '.join(missing)} from the 'bench' extra: {BENCH_EXTRA}",
+            err=True,
+        )
+        raise typer.Exit(1)
 
 
 @bench_app.command("ttft")
@@ -48,18 +72,31 @@ def ttft(
         grid_p = plist or (ttft_sweep.QUICK_PREFIXES if quick else ttft_sweep.FULL_PREFIXES)
         grid_q = qlist or (ttft_sweep.QUICK_QUESTIONS if quick else ttft_sweep.FULL_QUESTIONS)
         _prompt_fits(max(grid_p) + max(grid_q), model, "'--prefixes' + '--questions'")
+        need_bench_extra("ttft --sweep", plot=plot)
         ttft_sweep.run_ttft_sweep(
-            prefixes=plist, questions=qlist, reps=requests, quick=quick, block_size=block_size, model_dir=model,
-            json_out=json_out, plot_out=plot,
-        )  # fmt: skip
+            prefixes=plist,
+            questions=qlist,
+            reps=requests,
+            quick=quick,
+            block_size=block_size,
+            model_dir=model,
+            json_out=json_out,
+            plot_out=plot,
+        )
         return
     from kvpool.bench.ttft import run_ttft
 
     _prompt_fits(prefix_tokens + question_tokens, model, "'--prefix-tokens' + '--question-tokens'")
     run_ttft(
-        prefix_tokens=prefix_tokens, question_tokens=question_tokens, num_requests=requests, block_size=block_size,
-        transport=transport, device=device, model_dir=model, json_out=json_out,
-    )  # fmt: skip
+        prefix_tokens=prefix_tokens,
+        question_tokens=question_tokens,
+        num_requests=requests,
+        block_size=block_size,
+        transport=transport,
+        device=device,
+        model_dir=model,
+        json_out=json_out,
+    )
 
 
 def _prompt_fits(prompt_tokens: int, model: str | None, param_hint: str) -> None:
@@ -114,15 +151,21 @@ def vllm_cmd(
     log_dir: Path | None = typer.Option(None, help="Keep the engines' and the pool's logs here."),
 ) -> None:
     """vLLM TTFT with kvpool's connector: (a) cold, (b) vLLM's own prefix cache, (c) loaded from the pool."""
+    need_bench_extra("vllm", plot=plot)
     from kvpool.bench.vllm_bench import run_vllm_bench
     from kvpool.errors import InvalidArgument
 
     try:
         run_vllm_bench(
-            num_prefixes=num_prefixes, prefix_tokens=prefix_tokens, question_tokens=question_tokens,
-            max_tokens=max_tokens, python=python, json_out=json_out, plot_out=plot,
+            num_prefixes=num_prefixes,
+            prefix_tokens=prefix_tokens,
+            question_tokens=question_tokens,
+            max_tokens=max_tokens,
+            python=python,
+            json_out=json_out,
+            plot_out=plot,
             log_dir=log_dir,
-        )  # fmt: skip
+        )
     except InvalidArgument as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -151,10 +194,17 @@ def crossover_cmd(
         raise typer.BadParameter(f"--rates: {rates!r} is not 'auto' or a list of numbers") from None
     if reps < 1:
         raise typer.BadParameter("--reps must be >= 1")
+    need_bench_extra("crossover", plot=plot)
     run_crossover(
-        quick=quick, reps=reps, rates_mbit=rate_list, question_tokens=question_tokens, netns=netns,
-        fresh_calibration=fresh_calibration, json_out=json_out, plot_out=plot,
-    )  # fmt: skip
+        quick=quick,
+        reps=reps,
+        rates_mbit=rate_list,
+        question_tokens=question_tokens,
+        netns=netns,
+        fresh_calibration=fresh_calibration,
+        json_out=json_out,
+        plot_out=plot,
+    )
 
 
 @bench_app.command("economics")
@@ -183,10 +233,16 @@ def economics_cmd(
 
     try:
         run_economics(
-            trace=trace, master=master, window_s=window_s, model_name=model,
-            gpu_names=[g.strip() for g in gpus.split(",") if g.strip()], mfu=mfu, capacity_frac=capacity_frac,
-            measure_local=measure_local, json_out=json_out,
-        )  # fmt: skip
+            trace=trace,
+            master=master,
+            window_s=window_s,
+            model_name=model,
+            gpu_names=[g.strip() for g in gpus.split(",") if g.strip()],
+            mfu=mfu,
+            capacity_frac=capacity_frac,
+            measure_local=measure_local,
+            json_out=json_out,
+        )
     except (InvalidArgument, OSError) as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -203,6 +259,7 @@ def trace_cmd(
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
     """Replay traces through the radix index: token prefix-hit rate per policy and capacity."""
+    need_bench_extra("trace", progress=True, plot=plot)
     from kvpool.bench.trace import parse_fractions, parse_policies, run_trace_bench
     from kvpool.errors import InvalidArgument
 
@@ -283,9 +340,15 @@ def master_churn_cmd(
     from kvpool.bench.master_churn import run_master_churn
 
     run_master_churn(
-        cycles=cycles, salts=salts, matches=matches, reps=reps, blocks=blocks, prompts=prompts,
-        churn_blocks=churn_blocks, json_out=json_out,
-    )  # fmt: skip
+        cycles=cycles,
+        salts=salts,
+        matches=matches,
+        reps=reps,
+        blocks=blocks,
+        prompts=prompts,
+        churn_blocks=churn_blocks,
+        json_out=json_out,
+    )
 
 
 @bench_app.command("transfer")
@@ -309,12 +372,19 @@ def transfer_cmd(
     mooncake: bool = typer.Option(True, help="Measure Mooncake's store when its wheel is installed."),
 ) -> None:
     """Data-plane GB/s: pool get/put vs raw UCX, ucx_perftest, memcpy and Mooncake, over tcp and shm."""
+    need_bench_extra("transfer", progress=True, plot=plot)
     from kvpool.bench.transfer_bench import run_transfer_bench
 
     run_transfer_bench(
-        json_out=json_out, plot_out=plot, quick=quick, reps=reps, batch=batch, endpoints=endpoints,
-        blocks_per_message=blocks_per_message, mooncake=mooncake,
-    )  # fmt: skip
+        json_out=json_out,
+        plot_out=plot,
+        quick=quick,
+        reps=reps,
+        batch=batch,
+        endpoints=endpoints,
+        blocks_per_message=blocks_per_message,
+        mooncake=mooncake,
+    )
 
 
 @bench_app.command("routing")
@@ -343,12 +413,21 @@ def routing_cmd(
         node_list = [int(x) for x in nodes.split(",") if x.strip()] or ([4, 8] if quick else [4, 8, 16])
     except ValueError:
         raise typer.BadParameter(f"--nodes: {nodes!r} is not a list of integers") from None
+    need_bench_extra("routing", progress=True, plot=plot)
     try:
         run_routing(
-            trace_path=trace, nodes=node_list, profile=profile, load=load, seed=seed, quick=quick,
-            real=(not quick) if real is None else real, real_requests=real_requests,
-            max_requests=max_requests or None, json_out=json_out, plot_out=plot,
-        )  # fmt: skip
+            trace_path=trace,
+            nodes=node_list,
+            profile=profile,
+            load=load,
+            seed=seed,
+            quick=quick,
+            real=(not quick) if real is None else real,
+            real_requests=real_requests,
+            max_requests=max_requests or None,
+            json_out=json_out,
+            plot_out=plot,
+        )
     except (InvalidArgument, OSError) as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -371,15 +450,24 @@ def vllm_replay_cmd(
     log_dir: Path | None = typer.Option(None, help="Keep the engines' and the pool's logs here."),
 ) -> None:
     """Mooncake conversation trace on vLLM: 2 engines without and with kvpool vs 1 engine (hit rate, TTFT)."""
+    need_bench_extra("vllm-replay", plot=plot)
     from kvpool.bench.vllm_replay import run_vllm_replay
     from kvpool.errors import InvalidArgument
 
     try:
         run_vllm_replay(
-            trace=trace, max_requests=max_requests, max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens,
-            speedup=speedup, seed=seed, kv_cache_gib=kv_cache_gib,
-            setups=tuple(s.strip() for s in setups.split(",") if s.strip()), python=python, json_out=json_out,
-            plot_out=plot, log_dir=log_dir,
-        )  # fmt: skip
+            trace=trace,
+            max_requests=max_requests,
+            max_prompt_tokens=max_prompt_tokens,
+            max_tokens=max_tokens,
+            speedup=speedup,
+            seed=seed,
+            kv_cache_gib=kv_cache_gib,
+            setups=tuple(s.strip() for s in setups.split(",") if s.strip()),
+            python=python,
+            json_out=json_out,
+            plot_out=plot,
+            log_dir=log_dir,
+        )
     except InvalidArgument as exc:
         raise typer.BadParameter(str(exc)) from None

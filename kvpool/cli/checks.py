@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
-    from kvpool.bench.trace import Trace
+    from kvpool.trace import Trace
 
 
 def device_option(value: str | None) -> str | None:
@@ -26,8 +26,8 @@ def device_option(value: str | None) -> str | None:
 
 def load_trace_option(path: Path, param_hint: str = "'--trace'") -> Trace:
     """Read a Mooncake-format trace; a missing or malformed file is a usage error naming the file and line."""
-    from kvpool.bench.trace import load_trace
     from kvpool.errors import InvalidArgument
+    from kvpool.trace import load_trace
 
     try:
         return load_trace(path)

@@ -3,7 +3,6 @@ once serving."""
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import threading
@@ -43,6 +42,7 @@ def register_master_command(app: typer.Typer) -> None:
         """Run the master (index, placement, leases, node registry)."""
         from kvpool.config import load_config
         from kvpool.master import MasterSettings, serve
+        from kvpool.rpc.process import print_ready
 
         try:
             settings = load_config(
@@ -68,7 +68,7 @@ def register_master_command(app: typer.Typer) -> None:
             typer.echo(f"kvpool master: {exc}", err=True)
             raise typer.Exit(2) from None
         ready = {"grpc_address": server.address, "metrics_address": server.metrics_address}
-        print("KVPOOL_READY " + json.dumps(ready), flush=True)
+        print_ready(ready)
         done = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: done.set())

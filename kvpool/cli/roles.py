@@ -77,8 +77,14 @@ def register_role_commands(app: typer.Typer) -> None:
             from kvpool.demo.run import run_demo
 
             summary = run_demo(
-                json_out=json_out, trace=chat_trace, trace_block_tokens=trace_block_tokens, num_conversations=conversations,
-                questions_per_doc=questions, max_tokens=max_tokens, device=device, model_dir=model,
-            )  # fmt: skip
+                json_out=json_out,
+                trace=chat_trace,
+                trace_block_tokens=trace_block_tokens,
+                num_conversations=conversations,
+                questions_per_doc=questions,
+                max_tokens=max_tokens,
+                device=device,
+                model_dir=model,
+            )
         if not summary["greedy_equal"]:
             raise typer.Exit(1)

@@ -37,11 +37,21 @@ def register_router_command(app: typer.Typer) -> None:
 
         try:
             settings = load_config(
-                RouterSettings, config, master=master, bind_host=listen, port=port, policy=policy, engines=engines,
+                RouterSettings,
+                config,
+                master=master,
+                bind_host=listen,
+                port=port,
+                policy=policy,
+                engines=engines,
                 model=model,
-                served_model_name=served_model_name, tenants=tenants, block_size=block_size, seed=seed,
-                max_inflight=max_inflight, max_prompt_tokens=max_prompt_tokens,
-            )  # fmt: skip
+                served_model_name=served_model_name,
+                tenants=tenants,
+                block_size=block_size,
+                seed=seed,
+                max_inflight=max_inflight,
+                max_prompt_tokens=max_prompt_tokens,
+            )
         except ValidationError:
             raise  # a bad setting: `kvpool.cli.main` prints one line per field
         except Exception as exc:  # noqa: BLE001 - one clear line, no traceback

@@ -34,10 +34,20 @@ def _register(app: typer.Typer, role: str) -> None:
         from kvpool.serving.common import ServingSettings
 
         settings = load_config(
-            ServingSettings, config, master=master, bind_host=listen, port=port, node_id=node_id, model=model,
-            device=device, block_size=block_size, local_tier_bytes=local_tier_bytes, num_replicas=replicas,
-            metrics=metrics, metrics_port=metrics_port,
-        )  # fmt: skip
+            ServingSettings,
+            config,
+            master=master,
+            bind_host=listen,
+            port=port,
+            node_id=node_id,
+            model=model,
+            device=device,
+            block_size=block_size,
+            local_tier_bytes=local_tier_bytes,
+            num_replicas=replicas,
+            metrics=metrics,
+            metrics_port=metrics_port,
+        )
         if role == "prefill":
             from prefill_node.main import main
         else:

@@ -40,13 +40,13 @@ def register_store_command(app: typer.Typer) -> None:
         With --master: once the master accepted it or could not be reached (a refusal exits 2 first).
         SIGTERM/SIGINT stop it."""
         import contextlib
-        import json
         import signal
         import sys
 
         from pydantic import ValidationError
 
         from kvpool.config import load_config
+        from kvpool.rpc.process import print_ready
         from kvpool.store.node import StoreNode
         from kvpool.store.settings import StoreSettings
 
@@ -79,7 +79,7 @@ def register_store_command(app: typer.Typer) -> None:
                 with contextlib.suppress(Exception):
                     node.stop()  # whatever had started
             raise typer.Exit(2) from None
-        print("KVPOOL_READY " + json.dumps(node.ready_info()), flush=True)
+        print_ready(node.ready_info())
         try:
             node.wait()
         finally:

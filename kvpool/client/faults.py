@@ -6,8 +6,15 @@ from __future__ import annotations
 # connection may be this reader's own network: reporting those would let one broken reader strip the pool
 # of replicas every other node can read, so they are only retried; the master learns of dead nodes from
 # missed heartbeats.
-_REPLICA_FAULTS = ("checksum mismatch", "StaleGeneration", "FailedPrecondition", "NotFound", "LeaseExpired",
-                   "ChecksumMismatch", "InvalidArgument")  # fmt: skip
+_REPLICA_FAULTS = (
+    "checksum mismatch",
+    "StaleGeneration",
+    "FailedPrecondition",
+    "NotFound",
+    "LeaseExpired",
+    "ChecksumMismatch",
+    "InvalidArgument",
+)
 
 
 def is_replica_fault(error: str) -> bool:

@@ -358,9 +358,12 @@ class MatchStream:
         num_prompt_tokens: int = 0,
     ) -> Match:
         self.send(
-            namespace, block_hashes, count_hit=count_hit, lease_ttl_ms=lease_ttl_ms,
+            namespace,
+            block_hashes,
+            count_hit=count_hit,
+            lease_ttl_ms=lease_ttl_ms,
             num_prompt_tokens=num_prompt_tokens,
-        )  # fmt: skip
+        )
         return self.receive()
 
     def send(

@@ -1,35 +1,18 @@
-"""Values the client library returns (frozen dataclasses; no proto type leaves `kvpool.client`)."""
+"""Values the client library returns (frozen dataclasses; no proto type leaves `kvpool.client`).
+
+The node values (`NodeInfo`, `NodeLoad`, `NodeStatus`, `Match`) live in `kvpool.types` and `EngineNamespace` in
+`kvpool.hashing`; they are re-exported here for callers of the client library."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpool.hashing import Namespace
-from kvpool.types import KVLayout, Location
-
-
-@dataclass(frozen=True, slots=True)
-class EngineNamespace:
-    """What a vLLM engine's namespaces are built from besides a request's cache salt and adapter
-    (`kvpool.vllm.identity`): a router rebuilds the request's namespace with `namespace(cache_salt)`, so
-    its keys are the engine's by construction (field cases B30/B31: one key function)."""
-
-    model_id: str
-    weights_version: str
-    layout_fingerprint: str
-    engine: str  # vllm-<version>-<device>-<kernel>
-
-    def namespace(self, cache_salt: str = "", adapter_digest: str = "") -> Namespace:
-        """The namespace of a request with `cache_salt` and adapter (`""`: the base model); the engine's
-        connector builds its namespaces with this same function. `ValueError` on a bad layout."""
-        return Namespace(
-            model_id=self.model_id,
-            weights_version=self.weights_version,
-            layout=KVLayout.from_fingerprint(self.layout_fingerprint),
-            cache_salt=cache_salt,
-            adapter_digest=adapter_digest,
-            extra=(("engine", self.engine),),
-        )
+from kvpool.hashing import EngineNamespace as EngineNamespace
+from kvpool.types import Location
+from kvpool.types import Match as Match
+from kvpool.types import NodeInfo as NodeInfo
+from kvpool.types import NodeLoad as NodeLoad
+from kvpool.types import NodeStatus as NodeStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,17 +25,6 @@ class AdapterStatus:
     digest: str
     num_namespaces: int
     num_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class NodeInfo:
-    node_id: str
-    role: str
-    grpc_address: str
-    data_address: str
-    epoch: int
-    url: str = ""  # a vLLM engine's OpenAI base URL
-    engine_namespace: EngineNamespace | None = None  # a vLLM engine's namespace base
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,41 +49,10 @@ class HeartbeatAnswer:
 
 
 @dataclass(frozen=True, slots=True)
-class NodeLoad:
-    """Load and calibration figures a node reports with its heartbeats."""
-
-    queue_len: int = 0
-    recompute_s_per_token: float = 0.0
-    recompute_s_per_token_ctx: float = 0.0
-    recompute_overhead_s: float = 0.0
-    link_alpha_s: float = 0.0
-    link_beta_bytes_per_s: float = 0.0
-    kv_usage: float = 0.0  # fraction of the node's KV cache in use (vLLM engines)
-
-
-@dataclass(frozen=True, slots=True)
 class Registration:
     heartbeat_interval_ms: int
     master_epoch: int
     layout_fingerprint: str
-
-
-@dataclass(frozen=True, slots=True)
-class Match:
-    """A prefix match: `replicas[i]` are block i's locations; `nodes` maps node id -> endpoint.
-
-    `lease_id` is None without a lease; release it (or let it expire) when done reading.
-    """
-
-    num_matched: int
-    replicas: list[tuple[Location, ...]]
-    lease_id: int | None
-    nodes: dict[str, NodeInfo]
-
-    def data_address(self, node_id: str) -> str:
-        """The UCX address of a store node named in `replicas` ("" when unknown)."""
-        node = self.nodes.get(node_id)
-        return node.data_address if node is not None else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,20 +86,6 @@ class CommitBlock:
 class CommitResult:
     num_committed: int
     num_existing: int
-
-
-@dataclass(frozen=True, slots=True)
-class NodeStatus:
-    node: NodeInfo
-    alive: bool
-    draining: bool
-    num_slots: int
-    num_used_slots: int
-    num_blocks: int
-    used_bytes: int
-    load: NodeLoad
-    dataplane_state: str = ""  # a store's data plane: ok | suspect | failed | trial (kvpool.master.dataplane)
-    num_dataplane_failures: int = 0
 
 
 @dataclass(frozen=True, slots=True)

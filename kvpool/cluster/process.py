@@ -7,8 +7,6 @@ addresses in the JSON), so a parent never guesses ports. Children die with their
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -24,28 +22,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvpool.errors import KVPoolError
+from kvpool.rpc.process import READY_PREFIX, die_with_parent
 
 log = logging.getLogger(__name__)
-
-READY_PREFIX = "KVPOOL_READY "
-_PR_SET_PDEATHSIG = 1
 
 
 class NodeStartFailed(KVPoolError, RuntimeError):
     """A node process died or stalled before it reported ready; the message carries its log's tail."""
-
-
-def print_ready(info: dict[str, Any]) -> None:
-    """Announce that this process serves: one machine-readable line on stdout, flushed."""
-    sys.stdout.write(READY_PREFIX + json.dumps(info, sort_keys=True) + "\n")
-    sys.stdout.flush()
-
-
-def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """In a child before exec: receive SIGTERM when the parent dies (Linux `PR_SET_PDEATHSIG`)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class RoleProcess:

@@ -89,13 +89,17 @@ class OnlineCalibration:
     def _refit(self) -> None:
         """Refit to the scaled start-up anchors + the observed forwards (called under the lock)."""
         s, b = self.recompute_scale, self.base
-        anchors = [RecomputeSample(n_new=n, n_ctx=c, seconds=b.t_recompute_s(n, c) * s)
-                   for n in _ANCHOR_NEW for c in _ANCHOR_CTX]  # fmt: skip
+        anchors = [
+            RecomputeSample(n_new=n, n_ctx=c, seconds=b.t_recompute_s(n, c) * s)
+            for n in _ANCHOR_NEW
+            for c in _ANCHOR_CTX
+        ]
         try:
             fitted = RecomputeModel.fit(anchors + list(self._observed))
         except InvalidArgument:  # degenerate start-up model (e.g. all zero): keep the level only
-            fitted = replace(b, overhead_s=b.overhead_s * s, per_token_s=b.per_token_s * s,
-                             per_pair_s=b.per_pair_s * s)  # fmt: skip
+            fitted = replace(
+                b, overhead_s=b.overhead_s * s, per_token_s=b.per_token_s * s, per_pair_s=b.per_pair_s * s
+            )
         self._model = replace(fitted, source=b.source)
 
     def link(self, link: LinkLike) -> LinkEstimate:

@@ -64,9 +64,13 @@ class Orchestrator:
         """Serve one request end to end. Raises a `KVPoolError` for a failed RPC."""
         rid = request_id or uuid.uuid4().hex[:12]
         req = pb.PrefillRequest(
-            request_id=rid, token_ids=list(token_ids), sampling=sampling.to_proto(), cache_salt=cache_salt,
-            publish=publish, use_cache=use_cache,
-        )  # fmt: skip
+            request_id=rid,
+            token_ids=list(token_ids),
+            sampling=sampling.to_proto(),
+            cache_salt=cache_salt,
+            publish=publish,
+            use_cache=use_cache,
+        )
         t0 = time.perf_counter()
         first: pb.PrefillFirstToken | None = None
         published: pb.PrefillPublished | None = None
@@ -84,10 +88,16 @@ class Orchestrator:
             raise RuntimeError(f"Prefill {rid} ended without a first token")
         status = published.status if published is not None else "publish_failed"
         dreq = pb.DecodeRequest(
-            request_id=rid, token_ids=list(token_ids), first_token=first.token_id, block_hashes=list(first.block_hashes),
-            sampling=sampling.to_proto(), cache_salt=cache_salt, prompt_committed=status == "committed",
-            publish=publish, use_cache=use_cache,
-        )  # fmt: skip
+            request_id=rid,
+            token_ids=list(token_ids),
+            first_token=first.token_id,
+            block_hashes=list(first.block_hashes),
+            sampling=sampling.to_proto(),
+            cache_salt=cache_salt,
+            prompt_committed=status == "committed",
+            publish=publish,
+            use_cache=use_cache,
+        )
         tokens = [first.token_id]
         dstats: dict[str, Any] = {}
         try:
@@ -101,6 +111,12 @@ class Orchestrator:
         if tokens and tokens[0] in stop:
             tokens = []
         return RequestResult(
-            request_id=rid, num_prompt_tokens=len(token_ids), ttft_s=ttft_s, e2e_s=time.perf_counter() - t0,
-            tokens=tokens, prefill=_fields(first.stats), publish_status=status, decode=dstats,
-        )  # fmt: skip
+            request_id=rid,
+            num_prompt_tokens=len(token_ids),
+            ttft_s=ttft_s,
+            e2e_s=time.perf_counter() - t0,
+            tokens=tokens,
+            prefill=_fields(first.stats),
+            publish_status=status,
+            decode=dstats,
+        )

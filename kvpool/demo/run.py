@@ -17,10 +17,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvpool.bench.report import write_report
-from kvpool.bench.trace import Trace
 from kvpool.demo.orchestrator import Orchestrator, RequestResult, Sampling
 from kvpool.demo.workload import DemoRequest, chat_requests, default_chat_trace, rag_requests
+from kvpool.report import write_report
+from kvpool.trace import Trace
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,11 @@ def run_demo(
         )
     rag = rag_requests(runner.encode, questions_per_doc=questions_per_doc)
     chat = chat_requests(
-        trace or default_chat_trace(), vocab_size=min(runner.vocab_size, 256),
-        num_conversations=num_conversations, trace_block_tokens=trace_block_tokens,
-    )  # fmt: skip
+        trace or default_chat_trace(),
+        vocab_size=min(runner.vocab_size, 256),
+        num_conversations=num_conversations,
+        trace_block_tokens=trace_block_tokens,
+    )
     spec = LocalClusterSpec(
         layout=runner.layout.fingerprint(), block_size=block_size, device=device, model_dir=model_dir
     )
@@ -106,8 +108,13 @@ def run_demo(
                 task = progress.add_task("serving requests", total=len(rag) + len(chat))
                 for req in rag + chat:
                     warm = orch.run(req.token_ids, sampling=sampling, request_id=req.request_id)
-                    cold = orch.run(req.token_ids, sampling=sampling, use_cache=False, publish=False,
-                                    request_id=req.request_id + "-cold")  # fmt: skip
+                    cold = orch.run(
+                        req.token_ids,
+                        sampling=sampling,
+                        use_cache=False,
+                        publish=False,
+                        request_id=req.request_id + "-cold",
+                    )
                     results[req.scenario].append((req, warm, cold))
                     progress.advance(task)
         finally:
@@ -118,14 +125,36 @@ def run_demo(
     overall["wall_s"] = time.perf_counter() - t_start
     _print_report(console, summaries, overall)
     records = [
-        {"scenario": req.scenario, "request_id": req.request_id, "label": req.label,
-         "prompt_tokens": w.num_prompt_tokens, "reused_tokens": w.prefill.get("num_reused_tokens", 0),
-         "ttft_warm_s": w.ttft_s, "ttft_cold_s": c.ttft_s, "prefill_decision": w.prefill.get("decision"),
-         "decode_decision": w.decode.get("decision"), "publish": w.publish_status, "greedy_equal": w.tokens == c.tokens}
+        {
+            "scenario": req.scenario,
+            "request_id": req.request_id,
+            "label": req.label,
+            "prompt_tokens": w.num_prompt_tokens,
+            "reused_tokens": w.prefill.get("num_reused_tokens", 0),
+            "ttft_warm_s": w.ttft_s,
+            "ttft_cold_s": c.ttft_s,
+            "prefill_decision": w.prefill.get("decision"),
+            "decode_decision": w.decode.get("decision"),
+            "publish": w.publish_status,
+            "greedy_equal": w.tokens == c.tokens,
+        }
         for req, w, c in everything
-    ]  # fmt: skip
-    summary = {**{k: overall[k] for k in ("ttft_cold_p50_s", "ttft_warm_p50_s", "speedup", "token_hit_rate",
-                                           "greedy_equal", "requests", "wall_s")}, "scenarios": summaries}  # fmt: skip
+    ]
+    summary = {
+        **{
+            k: overall[k]
+            for k in (
+                "ttft_cold_p50_s",
+                "ttft_warm_p50_s",
+                "speedup",
+                "token_hit_rate",
+                "greedy_equal",
+                "requests",
+                "wall_s",
+            )
+        },
+        "scenarios": summaries,
+    }
     write_report(json_out, "demo", records, summary)
     return summary
 

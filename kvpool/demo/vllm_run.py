@@ -30,11 +30,11 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
-from kvpool.bench.report import write_report
-from kvpool.bench.trace import Trace
 from kvpool.demo.run import COMMON_ROWS, EQUAL_ROW, _pct, scenario_table
 from kvpool.demo.workload import DemoRequest, chat_requests, default_chat_trace, rag_requests
 from kvpool.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kvpool.report import write_report
+from kvpool.trace import Trace
 
 BLOCK_SIZE = 64
 MAX_MODEL_LEN = 8192  # the RAG prompts are ~4,250 byte tokens with the embedded model

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpool.bench.trace import TRACE_BLOCK_TOKENS, Trace, TraceRequest, load_trace
 from kvpool.errors import InvalidArgument
+from kvpool.trace import TRACE_BLOCK_TOKENS, Trace, TraceRequest, load_trace
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 
@@ -87,7 +87,7 @@ def chat_requests(
 ) -> list[DemoRequest]:
     """Whole conversations from the trace, turn by turn, in trace order (turns of chains interleaved).
 
-    A path is read with `kvpool.bench.trace.load_trace`: `InvalidArgument` naming the file and line of a
+    A path is read with `kvpool.trace.load_trace`: `InvalidArgument` naming the file and line of a
     malformed record (the CLI loads it before it starts anything).
     """
     if trace_block_tokens < 1:

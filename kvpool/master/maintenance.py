@@ -248,9 +248,13 @@ class Maintenance:
         dsts = [  # a copy never takes a store past its high watermark: its eviction would undo the copy
             n
             for n in nodes.values()
-            if n.placeable and m.reachable(n) and dataplane.usable(m, n) and n.node_id not in have and n.free
+            if n.placeable
+            and m.reachable(n)
+            and dataplane.usable(m, n)
+            and n.node_id not in have
+            and n.free
             and n.num_allocated + 1 <= high * n.num_slots
-        ]  # fmt: skip
+        ]
         if not dsts:
             if draining and not good and not info.num_leases and not info.num_children:
                 # nowhere to copy it: the drain evicts this leaf instead (its parent becomes a leaf next)

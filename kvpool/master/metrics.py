@@ -31,17 +31,24 @@ class MasterCollector(Collector):
         m, c = self.m, self.m.counters
         counters = [
             ("match_requests", "Prefix matches that counted a hit (prefill requests).", c.num_match_requests),
-            ("requested_tokens", "Prompt tokens of counted matches (prefill requests), recorded with hit_tokens by "
-             "the same match: the pool hit-rate denominator.", c.requested_tokens),
-            ("hit_tokens", "Prompt tokens found in the pool by counted matches: matched (on offer), not "
-             "necessarily reused (reused: kvpool_prefill_reused_tokens_total); at most requested_tokens.",
-             c.hit_tokens),
+            (
+                "requested_tokens",
+                "Prompt tokens of counted matches (prefill requests), recorded with hit_tokens by "
+                "the same match: the pool hit-rate denominator.",
+                c.requested_tokens,
+            ),
+            (
+                "hit_tokens",
+                "Prompt tokens found in the pool by counted matches: matched (on offer), not "
+                "necessarily reused (reused: kvpool_prefill_reused_tokens_total); at most requested_tokens.",
+                c.hit_tokens,
+            ),
             ("requested_blocks", "Full blocks of counted matches.", c.requested_blocks),
             ("hit_blocks", "Blocks found in the pool by counted matches.", c.hit_blocks),
             ("evictions", "Blocks evicted (watermark, admin or policy).", c.num_evictions),
             ("rereplications", "Block copies made to restore the replica count.", c.num_rereplications),
             ("bad_replicas", "Replicas reported unreadable by readers.", c.num_bad_replicas),
-        ]  # fmt: skip
+        ]
         for name, doc, value in counters:
             yield CounterMetricFamily(P + name, doc, value=value)
         used_slots = GaugeMetricFamily(

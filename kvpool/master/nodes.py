@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvpool.client.types import NodeLoad
 from kvpool.master.dataplane import DataPlaneHealth
-from kvpool.types import Location
+from kvpool.types import Location, NodeLoad
 
 
 @dataclass(slots=True)

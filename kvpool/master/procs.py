@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.cluster.process import die_with_parent
+from kvpool.rpc.process import die_with_parent
 
 LAYOUT = "kv1:float32:b64:l4:h2:d32"
 

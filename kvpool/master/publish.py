@@ -152,9 +152,12 @@ class Publisher:
                 now = m.clock.now_ms()
                 stores = [n for n in m.st.nodes.values() if n.is_store and n.alive and not n.draining]
                 pending = [
-                    n for n in stores
-                    if not n.ready and n.adopt_failures == 0 and now - n.registered_ms <= ADOPTION_WAIT_S * 1000
-                ]  # fmt: skip
+                    n
+                    for n in stores
+                    if not n.ready
+                    and n.adopt_failures == 0
+                    and now - n.registered_ms <= ADOPTION_WAIT_S * 1000
+                ]
                 if not pending or any(n.ready for n in stores):
                     return
             m.wake.set()  # adopt now, not at the next tick

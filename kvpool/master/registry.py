@@ -11,7 +11,6 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvpool.client.types import NodeLoad
 from kvpool.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -22,6 +21,7 @@ from kvpool.errors import (
 )
 from kvpool.master.nodes import NodeRecord
 from kvpool.rpc import PROTOCOL_VERSION
+from kvpool.types import NodeLoad
 
 if TYPE_CHECKING:
     from kvpool.master.core import MasterState

@@ -301,12 +301,15 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
                 block_size=m.layout.block_size,
                 namespaces=[
                     pb.NamespaceInfo(
-                        namespace=r.digest, model_id=r.model_id, weights_version=r.weights_version,
-                        active=m.namespaces.is_active(r.digest), num_blocks=m.index.num_blocks_in(r.digest),
+                        namespace=r.digest,
+                        model_id=r.model_id,
+                        weights_version=r.weights_version,
+                        active=m.namespaces.is_active(r.digest),
+                        num_blocks=m.index.num_blocks_in(r.digest),
                     )
                     for r in m.namespaces.records()
                 ],
-            )  # fmt: skip
+            )
 
     @rpc_errors
     def ListNodes(self, request: pb.ListNodesRequest, context: grpc.ServicerContext) -> pb.ListNodesResponse:

@@ -150,14 +150,19 @@ def calibrate_recompute(
             cached = RecomputeModel.from_dict(json.loads(path.read_text())["model"])
             if cached.fit_rel_rmse <= MAX_CACHED_FIT_RMSE:
                 return cached
-            log.warning("ignoring calibration %s: a %.0f%% fit error says it was measured under heavy load",
-                        path, cached.fit_rel_rmse * 100)  # fmt: skip
+            log.warning(
+                "ignoring calibration %s: a %.0f%% fit error says it was measured under heavy load",
+                path,
+                cached.fit_rel_rmse * 100,
+            )
         except (ValueError, KeyError) as exc:
             log.warning("ignoring unreadable calibration %s: %s", path, exc)
     model, samples = _measure_and_fit(runner, ctx_points, new_points, repeats)
     if model.fit_rel_rmse > MAX_CACHED_FIT_RMSE:  # a noisy machine: used now, measured again next start
-        log.warning("recompute fit error %.0f%%: not cached (the node corrects its level online)",
-                    model.fit_rel_rmse * 100)  # fmt: skip
+        log.warning(
+            "recompute fit error %.0f%%: not cached (the node corrects its level online)",
+            model.fit_rel_rmse * 100,
+        )
         return model
     record = {
         "model": model.to_dict(),

@@ -24,8 +24,8 @@ from kvpool.model.digest import weights_digest
 from kvpool.model.embedded import embedded_model_dir, read_marker
 from kvpool.model.kv import BlockBytes, KVPrefix, gather_blocks, scatter_blocks
 from kvpool.model.sampling import SamplingParams, make_generator, sample_next
+from kvpool.model.settings import DEFAULT_MAX_MODEL_LEN
 from kvpool.model.tokenizer import Tokenizer, load_tokenizer
-from kvpool.serving.common import DEFAULT_MAX_MODEL_LEN
 from kvpool.types import KVLayout
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,9 @@ from kvpool.config import KVPoolSettings
 if TYPE_CHECKING:
     import torch
 
+DEFAULT_MAX_MODEL_LEN = 32_768
+"""A model's context when its config.json names no `max_position_embeddings` (the runner's and router's)."""
+
 
 def check_device(value: str) -> str:
     """`value` if torch can name it as a device and this machine can use it; else `ValueError` (a settings

@@ -61,7 +61,7 @@ def _check_layout(master: Any, model: Any) -> None:
 def serve(settings: RouterSettings) -> None:
     import uvicorn
 
-    from kvpool.cluster.process import print_ready
+    from kvpool.rpc.process import print_ready
 
     app, service = build(settings)
     sock = socket.socket(socket.AF_INET6 if ":" in settings.bind_host else socket.AF_INET)

@@ -10,11 +10,10 @@ from pydantic import Field, field_validator
 
 from kvpool.config import KVPoolSettings, check_host_port
 from kvpool.errors import InvalidArgument, NotFound
+from kvpool.model.settings import DEFAULT_MAX_MODEL_LEN
 
 DEFAULT_MAX_PROMPT_TOKENS = 32_768
 """A node's `max_prompt_tokens` by default (the router's default is the same number)."""
-DEFAULT_MAX_MODEL_LEN = 32_768
-"""A model's context when its config.json names no `max_position_embeddings` (the runner's and router's)."""
 
 
 class ServingSettings(KVPoolSettings):

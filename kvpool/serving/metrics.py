@@ -37,19 +37,26 @@ class ServingMetrics:
             registry=r,
         )
         self.reused_tokens = Counter(
-            p + "reused_tokens", "Prompt tokens taken from cache, by source (local tier or pulled), recorded "
-            "with prompt_tokens for the same requests; at most their prompt tokens.", ["source"], registry=r,
-        )  # fmt: skip
+            p + "reused_tokens",
+            "Prompt tokens taken from cache, by source (local tier or pulled), recorded "
+            "with prompt_tokens for the same requests; at most their prompt tokens.",
+            ["source"],
+            registry=r,
+        )
         self.decisions = Counter(p + "decisions", "Prompt KV load decisions.", ["decision"], registry=r)
         self.pulled_bytes = Counter(p + "pulled_bytes", "Bytes of blocks pulled from the pool.", registry=r)
         self.pull_seconds = Histogram(
-            p + "pull_seconds", "Time to pull a request's blocks (requests that pulled).",
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
-        self.link_blocks = Counter(
-            p + "link_blocks", "Blocks moved per link and direction (ok or not).", ["peer", "op", "ok"],
+            p + "pull_seconds",
+            "Time to pull a request's blocks (requests that pulled).",
+            buckets=LATENCY_BUCKETS_S,
             registry=r,
-        )  # fmt: skip
+        )
+        self.link_blocks = Counter(
+            p + "link_blocks",
+            "Blocks moved per link and direction (ok or not).",
+            ["peer", "op", "ok"],
+            registry=r,
+        )
         self.link_bytes = Counter(
             p + "link_bytes",
             "Bytes of blocks moved intact per link and direction.",
@@ -57,21 +64,28 @@ class ServingMetrics:
             registry=r,
         )
         self.link_seconds = Histogram(
-            p + "link_seconds", "Latency of one batched read or write per link.", ["peer", "op"],
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
+            p + "link_seconds",
+            "Latency of one batched read or write per link.",
+            ["peer", "op"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
         self.queue_len = Gauge(p + "queue_length", "Requests waiting or running on this node.", registry=r)
         self.latency: Histogram
         if role == "prefill":
             self.latency = Histogram(
-                p + "ttft_seconds", "Time to first token on the node (load + compute).",
-                buckets=LATENCY_BUCKETS_S, registry=r,
-            )  # fmt: skip
+                p + "ttft_seconds",
+                "Time to first token on the node (load + compute).",
+                buckets=LATENCY_BUCKETS_S,
+                registry=r,
+            )
         else:
             self.latency = Histogram(
-                p + "tpot_seconds", "Mean time per output token after the first, per request.",
-                buckets=LATENCY_BUCKETS_S, registry=r,
-            )  # fmt: skip
+                p + "tpot_seconds",
+                "Mean time per output token after the first, per request.",
+                buckets=LATENCY_BUCKETS_S,
+                registry=r,
+            )
 
     def set_queue_len(self, fn: Callable[[], int]) -> None:
         """Read the queue length from `fn` at scrape time."""

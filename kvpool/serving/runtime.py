@@ -166,8 +166,11 @@ class NodeRuntime:
     def load_info(self) -> dict[str, Any]:
         """Calibration figures for heartbeats (`NodeLoad` fields): the recompute model decisions use now."""
         r = self.connector.recompute
-        return {"recompute_s_per_token": r.per_token_s, "recompute_s_per_token_ctx": r.per_pair_s,
-                "recompute_overhead_s": r.overhead_s}  # fmt: skip
+        return {
+            "recompute_s_per_token": r.per_token_s,
+            "recompute_s_per_token_ctx": r.per_pair_s,
+            "recompute_overhead_s": r.overhead_s,
+        }
 
     def close(self) -> None:
         if self.agent is not None:

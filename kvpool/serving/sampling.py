@@ -21,6 +21,11 @@ class Sampling:
 
     def to_proto(self) -> pb.SamplingParams:
         return pb.SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed or 0,
-            has_seed=self.seed is not None, max_tokens=self.max_tokens, stop_token_ids=list(self.stop_token_ids),
-        )  # fmt: skip
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed or 0,
+            has_seed=self.seed is not None,
+            max_tokens=self.max_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+        )

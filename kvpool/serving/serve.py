@@ -9,9 +9,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.cluster.process import print_ready
 from kvpool.errors import KVPoolError
 from kvpool.metrics import address_of, maybe_start
+from kvpool.rpc.process import print_ready
 from kvpool.rpc.server import start_server
 from kvpool.serving.common import ServingSettings
 from kvpool.serving.runtime import NodeRuntime
@@ -79,9 +79,16 @@ def serve_node(
         raise
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print_ready({"node_id": settings.node_id, "role": role, "grpc_address": address,
-                 "metrics_address": address_of(metrics), "model_id": rt.runner.model_id,
-                 "synthetic": rt.runner.synthetic})  # fmt: skip
+    print_ready(
+        {
+            "node_id": settings.node_id,
+            "role": role,
+            "grpc_address": address,
+            "metrics_address": address_of(metrics),
+            "model_id": rt.runner.model_id,
+            "synthetic": rt.runner.synthetic,
+        }
+    )
     try:
         stop.wait()
     finally:

@@ -106,8 +106,11 @@ class MasterLink:
                 pb_grpc.MasterStub(ch).DeregisterNode(req, timeout=DEREGISTER_TIMEOUT_S)
             log.info("deregistered from master %s", self.address)
         except grpc.RpcError as exc:
-            log.warning("could not deregister from master %s (%s): it expires after its heartbeat timeout",
-                        self.address, exc.code() if hasattr(exc, "code") else exc)  # fmt: skip
+            log.warning(
+                "could not deregister from master %s (%s): it expires after its heartbeat timeout",
+                self.address,
+                exc.code() if hasattr(exc, "code") else exc,
+            )
 
     def _run(self) -> None:
         try:

@@ -17,9 +17,8 @@ import hashlib
 import threading
 from pathlib import Path
 
-from kvpool.client.types import EngineNamespace
 from kvpool.errors import FailedPrecondition, NotFound
-from kvpool.hashing import Namespace
+from kvpool.hashing import EngineNamespace, Namespace
 from kvpool.model.digest import weights_digest
 from kvpool.model.embedded import read_marker
 from kvpool.types import KVLayout

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvpool.bench.trace import load_trace
 from kvpool.cluster.spec import load_spec
 from kvpool.errors import InvalidArgument
+from kvpool.trace import load_trace
 
 FILES = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                  suppress_health_check=list(HealthCheck))  # fmt: skip

@@ -1,0 +1,31 @@
+"""What a role process and its launcher agree on: the ready line and dying with the parent.
+
+Every role command prints exactly one `KVPOOL_READY <json>` line on stdout when it serves (its bound
+addresses in the JSON), so a parent never guesses ports (`kvpool.cluster.process` reads it). Children die
+with their parent on Linux (`PR_SET_PDEATHSIG`), so a killed launcher leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import signal
+import sys
+from typing import Any
+
+READY_PREFIX = "KVPOOL_READY "
+_PR_SET_PDEATHSIG = 1
+
+
+def print_ready(info: dict[str, Any]) -> None:
+    """Announce that this process serves: one machine-readable line on stdout, flushed."""
+    sys.stdout.write(READY_PREFIX + json.dumps(info, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """In a child before exec: receive SIGTERM when the parent dies (Linux `PR_SET_PDEATHSIG`)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
