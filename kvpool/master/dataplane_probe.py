@@ -16,10 +16,9 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpool.errors import KVPoolError
 from kvpool.master import dataplane
 from kvpool.master.grants import read_grant
-from kvpool.master.stores import SlotOrder
+from kvpool.master.stores import SlotOrder, copy_into
 from kvpool.types import BlockHash, Location, NamespaceId
 
 if TYPE_CHECKING:
@@ -103,17 +102,12 @@ def run(m: Master, probe: Probe) -> None:
     ok, detail = True, "nothing to copy: on trial"
     if probe.key is not None and probe.src is not None and probe.dst is not None:
         ns, h = probe.key
-        try:
-            order = SlotOrder(probe.dst.slot, probe.dst.generation, ns, h, probe.parent)
-            m.stores.reserve(probe.address, [order], m.settings.default_write_lease_ms)
-            src = read_grant(m.capabilities, ns, h, probe.src, m.settings.default_write_lease_ms)
-            errs = m.stores.copy(probe.address, probe.src_data_address, [(src, probe.dst, probe.checksum)])
-            detail = errs.get((probe.dst.slot, probe.dst.generation), "")
-            if not detail:
-                ref = (probe.dst.slot, probe.dst.generation)
-                detail = m.stores.commit(probe.address, [probe.dst]).get(ref, "")
-        except KVPoolError as exc:
-            detail = f"{type(exc).__name__}: {exc}"
+        order = SlotOrder(probe.dst.slot, probe.dst.generation, ns, h, probe.parent)
+        lease_ms = m.settings.default_write_lease_ms
+        src = read_grant(m.capabilities, ns, h, probe.src, lease_ms)
+        detail = copy_into(
+            m.stores, probe.address, probe.src_data_address, order, src, probe.dst, probe.checksum, lease_ms
+        )
         ok = not detail
         if not ok and any(marker in detail for marker in INCONCLUSIVE):
             with m.lock:

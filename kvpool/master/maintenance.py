@@ -20,7 +20,7 @@ from kvpool.errors import KVPoolError
 from kvpool.master import bounds, dataplane, dataplane_probe
 from kvpool.master.core import BlockKey, BlockMeta
 from kvpool.master.grants import read_grant
-from kvpool.master.stores import InventoryItem, SlotOrder
+from kvpool.master.stores import InventoryItem, SlotOrder, copy_into
 from kvpool.types import BlockHash, Location, NamespaceId
 
 if TYPE_CHECKING:
@@ -284,16 +284,12 @@ class Maintenance:
     def _copy(self, job: _CopyJob) -> None:
         m = self.m
         ns, h = job.key
-        try:
-            order = SlotOrder(job.dst.slot, job.dst.generation, ns, h, job.parent)
-            m.stores.reserve(job.dst_address, [order], m.settings.default_write_lease_ms)
-            src = read_grant(m.capabilities, ns, h, job.src, m.settings.default_write_lease_ms)
-            errs = m.stores.copy(job.dst_address, job.src_data_address, [(src, job.dst, job.checksum)])
-            err = errs.get((job.dst.slot, job.dst.generation), "")
-            if not err:
-                err = m.stores.commit(job.dst_address, [job.dst]).get((job.dst.slot, job.dst.generation), "")
-        except KVPoolError as exc:
-            err = str(exc)
+        order = SlotOrder(job.dst.slot, job.dst.generation, ns, h, job.parent)
+        lease_ms = m.settings.default_write_lease_ms
+        src = read_grant(m.capabilities, ns, h, job.src, lease_ms)
+        err = copy_into(
+            m.stores, job.dst_address, job.src_data_address, order, src, job.dst, job.checksum, lease_ms
+        )
         with m.lock:
             present = m.index.lookup(NamespaceId(ns), BlockHash(h)) is not None
             if err or not present:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvpool.capability import Capabilities, WallClock
+from kvpool.errors import KVPoolError
 from kvpool.membership import MASTER_CALL_METADATA, master_call_credential
 from kvpool.rpc.security import CallMetadata
 from kvpool.rpc.server import channel
@@ -163,6 +164,30 @@ class StoreCalls:
         for r in resp.results:
             out[(r.slot, r.generation)] = "" if r.ok else (r.error or "refused")
         return out
+
+
+def copy_into(
+    stores: StoreCalls,
+    address: str,
+    src_data_address: str,
+    order: SlotOrder,
+    src: Location,
+    dst: Location,
+    checksum: int,
+    write_lease_ms: int,
+) -> str:
+    """Reserve `dst` on the store at `address` for `order`'s block, have it pull `src` (with the read
+    capability `src` carries) from `src_data_address`, and commit it: "" on success, else the error
+    ("ChecksumMismatch: ...", "Unavailable: ...", a store's refusal). Outside the master's lock."""
+    ref = (dst.slot, dst.generation)
+    try:
+        stores.reserve(address, [order], write_lease_ms)
+        err = stores.copy(address, src_data_address, [(src, dst, checksum)]).get(ref, "")
+        if not err:
+            err = stores.commit(address, [dst]).get(ref, "")
+    except KVPoolError as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    return err
 
 
 def _identity(get_info: Callable[..., pb.GetInfoResponse], timeout_s: float) -> tuple[str, int] | None:
