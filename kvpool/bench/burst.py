@@ -139,8 +139,9 @@ def run_burst(
     json_out: Path | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark (see the module docstring); returns the summary."""
+    from kvpool.bench.procs import pool_only_spec
     from kvpool.bench.ttft import check_prompt_fits
-    from kvpool.cluster.local import LocalCluster, LocalClusterSpec
+    from kvpool.cluster.local import LocalCluster
     from kvpool.model import ModelRunner
     from kvpool.serving.common import ServingSettings
     from kvpool.serving.runtime import NodeRuntime
@@ -157,16 +158,7 @@ def run_burst(
 
     tcp = {"UCX_TLS": "tcp", "KVPOOL_SHARE_SEGMENT": "false"}  # as across hosts
     seg = max(256 * 2**20, 4 * (prefix_tokens + question_tokens) * layout.token_nbytes)
-    spec = LocalClusterSpec(
-        layout=layout.fingerprint(),
-        num_stores=1,
-        num_prefill=0,
-        num_decode=0,
-        block_size=block_size,
-        model_dir=model_dir,
-        segment_size=f"{seg // 2**20}MiB",
-        extra_env=tcp,
-    )
+    spec = pool_only_spec(layout, block_size=block_size, model_dir=model_dir, segment_bytes=seg, env=tcp)
     records: list[dict[str, Any]] = []
     learned_bytes_per_s = pull_overhead_s = 0.0
     num_pull_observations = 0

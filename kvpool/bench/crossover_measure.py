@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.bench.crossover_analysis import predict_cell, recompute_model_of, score_cell
+from kvpool.bench.procs import pool_only_spec
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 from kvpool.cluster.process import RoleProcess
 from kvpool.cost import RecomputeModel
@@ -262,16 +263,8 @@ def run_job(job: Job, log: Callable[[str], None] = print) -> list[dict[str, Any]
     env["UCX_TLS"] = tls.pop()
     if "sm" not in env["UCX_TLS"].split(","):  # nor map its segment (same-host reads bypass UCX entirely)
         env["KVPOOL_SHARE_SEGMENT"] = "false"
-    spec = LocalClusterSpec(
-        layout=layout.fingerprint(),
-        num_stores=1,
-        num_prefill=0,
-        num_decode=0,
-        block_size=job.block_size,
-        model_dir=model_dir,
-        host=job.host,
-        segment_size=f"{seg // 2**20}MiB",
-        extra_env=env,
+    spec = pool_only_spec(
+        layout, block_size=job.block_size, model_dir=model_dir, segment_bytes=seg, env=env, host=job.host
     )
     records: list[dict[str, Any]] = []
     keep = os.environ.get("KVPOOL_BENCH_LOG_DIR")  # keep the nodes' logs there (debugging)

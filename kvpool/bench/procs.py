@@ -12,7 +12,11 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpool.cluster.local import LocalClusterSpec
+    from kvpool.types import KVLayout
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -81,3 +85,29 @@ def run_worker(
                 f"worker failed ({proc.returncode}): {err.read().decode(errors='replace')[-2000:]}"
             )
         return result
+
+
+def pool_only_spec(
+    layout: KVLayout,
+    *,
+    block_size: int,
+    model_dir: str | None,
+    segment_bytes: int,
+    env: dict[str, str],
+    host: str = "127.0.0.1",
+) -> LocalClusterSpec:
+    """A master and one store node (a segment of `segment_bytes`, rounded down to MiB), no serving node:
+    the benchmark's own process is the node. `env` goes to every process of the cluster."""
+    from kvpool.cluster.local import LocalClusterSpec
+
+    return LocalClusterSpec(
+        layout=layout.fingerprint(),
+        num_stores=1,
+        num_prefill=0,
+        num_decode=0,
+        block_size=block_size,
+        model_dir=model_dir,
+        host=host,
+        segment_size=f"{segment_bytes // 2**20}MiB",
+        extra_env=env,
+    )

@@ -79,7 +79,7 @@ def run_ttft_sweep(
     from rich.table import Table
 
     from kvpool.bench.crossover_measure import BenchCluster, PrefillCaller
-    from kvpool.cluster.local import LocalClusterSpec
+    from kvpool.bench.procs import pool_only_spec
     from kvpool.model import ModelRunner, embedded_model_dir
     from kvpool.report import write_report
 
@@ -96,16 +96,7 @@ def run_ttft_sweep(
     seg = max(256 * 2**20, 2 * (max(prefixes) + max(questions)) * layout.token_nbytes)
     # the tcp path as across hosts: no same-host mapping of the store's segment
     env = {"KVPOOL_LOCAL_TIER_BYTES": "0", "KVPOOL_PULL_TIMEOUT_S": "600", "KVPOOL_SHARE_SEGMENT": "false"}
-    spec = LocalClusterSpec(
-        layout=layout.fingerprint(),
-        num_stores=1,
-        num_prefill=0,
-        num_decode=0,
-        block_size=block_size,
-        model_dir=model_dir,
-        segment_size=f"{seg // 2**20}MiB",
-        extra_env=env,
-    )
+    spec = pool_only_spec(layout, block_size=block_size, model_dir=model_dir, segment_bytes=seg, env=env)
     t_start = time.perf_counter()
     records: list[dict[str, Any]] = []
     cluster = BenchCluster(spec)

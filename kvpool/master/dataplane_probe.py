@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpool.master import dataplane
-from kvpool.master.grants import read_grant
-from kvpool.master.stores import SlotOrder, copy_into
+from kvpool.master.stores import copy_into
 from kvpool.types import BlockHash, Location, NamespaceId
 
 if TYPE_CHECKING:
@@ -101,12 +100,17 @@ def run(m: Master, probe: Probe) -> None:
     """Outside the lock: carry out `probe` and record its result (see the module docstring)."""
     ok, detail = True, "nothing to copy: on trial"
     if probe.key is not None and probe.src is not None and probe.dst is not None:
-        ns, h = probe.key
-        order = SlotOrder(probe.dst.slot, probe.dst.generation, ns, h, probe.parent)
-        lease_ms = m.settings.default_write_lease_ms
-        src = read_grant(m.capabilities, ns, h, probe.src, lease_ms)
         detail = copy_into(
-            m.stores, probe.address, probe.src_data_address, order, src, probe.dst, probe.checksum, lease_ms
+            m.stores,
+            m.capabilities,
+            probe.address,
+            probe.src_data_address,
+            probe.key,
+            probe.parent,
+            probe.src,
+            probe.dst,
+            probe.checksum,
+            m.settings.default_write_lease_ms,
         )
         ok = not detail
         if not ok and any(marker in detail for marker in INCONCLUSIVE):
@@ -114,7 +118,7 @@ def run(m: Master, probe: Probe) -> None:
                 m.queue_free(probe.dst)
             log.info("probe of store %s inconclusive (%s): probing again", probe.node_id, detail)
             return
-        detail = detail or f"copied block {h.hex()[:16]} through its data plane"
+        detail = detail or f"copied block {probe.key[1].hex()[:16]} through its data plane"
     with m.lock:
         if probe.dst is not None:
             m.queue_free(probe.dst)  # the spare slot never enters the index

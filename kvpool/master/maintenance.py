@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING
 from kvpool.errors import KVPoolError
 from kvpool.master import bounds, dataplane, dataplane_probe
 from kvpool.master.core import BlockKey, BlockMeta
-from kvpool.master.grants import read_grant
-from kvpool.master.stores import InventoryItem, SlotOrder, copy_into
+from kvpool.master.stores import InventoryItem, copy_into
 from kvpool.types import BlockHash, Location, NamespaceId
 
 if TYPE_CHECKING:
@@ -284,11 +283,17 @@ class Maintenance:
     def _copy(self, job: _CopyJob) -> None:
         m = self.m
         ns, h = job.key
-        order = SlotOrder(job.dst.slot, job.dst.generation, ns, h, job.parent)
-        lease_ms = m.settings.default_write_lease_ms
-        src = read_grant(m.capabilities, ns, h, job.src, lease_ms)
         err = copy_into(
-            m.stores, job.dst_address, job.src_data_address, order, src, job.dst, job.checksum, lease_ms
+            m.stores,
+            m.capabilities,
+            job.dst_address,
+            job.src_data_address,
+            job.key,
+            job.parent,
+            job.src,
+            job.dst,
+            job.checksum,
+            m.settings.default_write_lease_ms,
         )
         with m.lock:
             present = m.index.lookup(NamespaceId(ns), BlockHash(h)) is not None

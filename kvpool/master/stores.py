@@ -13,6 +13,7 @@ import grpc
 
 from kvpool.capability import Capabilities, WallClock
 from kvpool.errors import KVPoolError
+from kvpool.master.grants import read_grant
 from kvpool.membership import MASTER_CALL_METADATA, master_call_credential
 from kvpool.rpc.security import CallMetadata
 from kvpool.rpc.server import channel
@@ -168,21 +169,26 @@ class StoreCalls:
 
 def copy_into(
     stores: StoreCalls,
+    caps: Capabilities | None,
     address: str,
     src_data_address: str,
-    order: SlotOrder,
+    key: tuple[bytes, bytes],
+    parent: bytes,
     src: Location,
     dst: Location,
     checksum: int,
     write_lease_ms: int,
 ) -> str:
-    """Reserve `dst` on the store at `address` for `order`'s block, have it pull `src` (with the read
-    capability `src` carries) from `src_data_address`, and commit it: "" on success, else the error
+    """Copy block `key` (namespace, hash; `parent` its parent hash) from replica `src` (on the store at
+    `src_data_address`) into slot `dst` of the store at `address`: reserve `dst`, have that store pull `src`
+    with a read capability granted for `write_lease_ms`, commit. "" on success, else the error
     ("ChecksumMismatch: ...", "Unavailable: ...", a store's refusal). Outside the master's lock."""
+    ns, h = key
     ref = (dst.slot, dst.generation)
     try:
-        stores.reserve(address, [order], write_lease_ms)
-        err = stores.copy(address, src_data_address, [(src, dst, checksum)]).get(ref, "")
+        stores.reserve(address, [SlotOrder(dst.slot, dst.generation, ns, h, parent)], write_lease_ms)
+        grant = read_grant(caps, ns, h, src, write_lease_ms)
+        err = stores.copy(address, src_data_address, [(grant, dst, checksum)]).get(ref, "")
         if not err:
             err = stores.commit(address, [dst]).get(ref, "")
     except KVPoolError as exc:
