@@ -422,3 +422,19 @@ def test_router_and_demo_refuse_an_unknown_engine_alike() -> None:
         assert f"Invalid value for '{option}': must be kvpool or vllm, got 'foo'" in result.output, (
             result.output
         )
+
+
+def test_a_port_in_use_is_one_plain_line_naming_it() -> None:
+    """gRPC's C-core log (`add_port.cc ... Address already in use`) and a RuntimeError used to say it."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = _kvpool("master", "--port", str(port))
+        line = _one_error_line(out, "kvpool master: ")
+        assert out.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in line, line
+        out = _kvpool("store", "--grpc-port", str(port))
+        line = _one_error_line(out, "kvpool store: ")
+        assert out.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in line, line
