@@ -438,3 +438,14 @@ def test_a_port_in_use_is_one_plain_line_naming_it() -> None:
         out = _kvpool("store", "--grpc-port", str(port))
         line = _one_error_line(out, "kvpool store: ")
         assert out.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in line, line
+
+
+def test_layout_prints_the_fingerprint_a_master_needs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvpool.types import DEFAULT_LAYOUT, KVLayout
+
+    out = _kvpool("layout")
+    assert out.returncode == 0 and out.stdout.strip() == DEFAULT_LAYOUT, out
+    out = _kvpool("layout", "--block-size", "16")
+    assert KVLayout.from_fingerprint(out.stdout.strip()).block_size == 16, out
+    out = _kvpool("layout", "--model", str(tmp_path / "missing"))
+    assert out.returncode == 1 and "no config.json" in _one_error_line(out, "kvpool layout: ")
