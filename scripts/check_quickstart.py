@@ -30,11 +30,11 @@ USAGE_RE = re.compile(r"^(\d+) (\d+)$", re.M)  # the snippet prints "prompt_toke
 
 def quickstart_blocks(readme: str) -> list[str]:
     """The ```bash blocks of the "## Quickstart" section, in order; ValueError when there is none."""
-    start = readme.find("\n## Quickstart")
-    if start < 0:
+    start = re.search(r"^## Quickstart", readme, re.M)
+    if start is None:
         raise ValueError('README.md has no "## Quickstart" section')
-    end = readme.find("\n## ", start + 1)
-    section = readme[start : end if end > 0 else len(readme)]
+    end = re.search(r"^## ", readme[start.end() :], re.M)
+    section = readme[start.start() : start.end() + end.start() if end else len(readme)]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     if len(blocks) < 2:
         raise ValueError(f"the Quickstart has {len(blocks)} bash block(s); expected the cluster and a client")
