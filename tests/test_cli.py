@@ -269,6 +269,7 @@ def test_a_store_that_cannot_start_says_why_in_one_line() -> None:
             ["[default: 127.0.0.1]", "[default: 256MiB]", "[default: auto]", "[default: share-segment]"],
         ),
         ("master", ["[default: 127.0.0.1]", "[default: 50051]", "[default: 10000]", "[default: tail]"]),
+        ("router", ["[default: 127.0.0.1:50051]", "[default: 8000]", "[default: cost]", "[default: kvpool]"]),
     ],
 )
 def test_store_and_master_help_show_the_built_in_defaults(command: str, defaults: list[str]) -> None:
@@ -399,3 +400,52 @@ def test_version_flag() -> None:
     out = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "--version"], capture_output=True, text=True,
                          timeout=60)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == f"kvpool {version('kvpool')}", out
+
+
+def test_help_shows_flags_as_flags_and_no_stray_markup() -> None:
+    """`<bool>` beside a plain flag read as if it took a value; `[default: ...]` inside a help text was eaten
+    as rich markup and left `HOST:PORT .`."""
+    up = CliRunner().invoke(app, ["up", "--help"], env={"COLUMNS": "200"}).output
+    assert "--insecure" in up and "--quiet" in up and "<bool>" not in up, up
+    assert "<float>" in up and "<path>" in up  # options that take a value keep their type
+    router = CliRunner().invoke(app, ["router", "--help"], env={"COLUMNS": "200"}).output
+    assert "Master HOST:PORT. [default: 127.0.0.1:50051]" in router and " ." not in router, router
+
+
+def test_router_and_demo_refuse_an_unknown_engine_alike() -> None:
+    for args, option in (
+        (["router", "--engines", "foo"], "--engines"),
+        (["demo", "--engine", "foo"], "--engine"),
+    ):
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+        assert result.exit_code == 2, result.output
+        assert f"Invalid value for '{option}': must be kvpool or vllm, got 'foo'" in result.output, (
+            result.output
+        )
+
+
+def test_a_port_in_use_is_one_plain_line_naming_it() -> None:
+    """gRPC's C-core log (`add_port.cc ... Address already in use`) and a RuntimeError used to say it."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = _kvpool("master", "--port", str(port))
+        line = _one_error_line(out, "kvpool master: ")
+        assert out.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in line, line
+        out = _kvpool("store", "--grpc-port", str(port))
+        line = _one_error_line(out, "kvpool store: ")
+        assert out.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in line, line
+
+
+def test_layout_prints_the_fingerprint_a_master_needs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvpool.types import DEFAULT_LAYOUT, KVLayout
+
+    out = _kvpool("layout")
+    assert out.returncode == 0 and out.stdout.strip() == DEFAULT_LAYOUT, out
+    out = _kvpool("layout", "--block-size", "16")
+    assert KVLayout.from_fingerprint(out.stdout.strip()).block_size == 16, out
+    out = _kvpool("layout", "--model", str(tmp_path / "missing"))
+    assert out.returncode == 1 and "no config.json" in _one_error_line(out, "kvpool layout: ")

@@ -160,8 +160,8 @@ def test_new_policies_are_registered() -> None:
 
 
 def test_default_is_what_the_docs_say() -> None:
-    readme = (ROOT / "docs" / "reference.md").read_text()
-    section = readme.split("## Eviction policy research", 1)[1]
+    design = (ROOT / "docs" / "design.md").read_text()
+    section = design.split("\n## Eviction\n", 1)[1]
     match = re.search(r"\*\*Default: `([a-z]+)`\*\*", section)
     assert match is not None
     assert match.group(1) == DEFAULT_POLICY == make_policy("default").name

@@ -213,6 +213,34 @@ def test_admin_match_peeks_without_registering_anything(cluster) -> None:
     assert runner.invoke(app, [*base, "--model", "peeked"]).exit_code == 2  # no version
 
 
+def test_admin_match_summarises_the_replicas_of_a_long_prompt(cluster, transport) -> None:
+    """A 6,000-token prompt's table listed every block's replicas: one 41 KB-wide row. The table now counts
+    blocks per holder; --json keeps each block's replicas."""
+    master, _ = cluster
+    with MasterClient(master.grpc_address) as c:
+        ns, _ = c.register_namespace("long-match", "v1", LAYOUT)
+    tokens = list(range(64 * 96))
+    hashes = hash_blocks(ns, tokens, LAY.block_size)
+    with PoolClient(master.grpc_address, transport, block_nbytes=LAY.block_nbytes) as pc:
+        assert pc.put_blocks(ns, None, hashes, blocks_for(96, 3), num_replicas=2).num_committed == 96
+    base = [
+        "admin",
+        "--master",
+        master.grpc_address,
+        "match",
+        ",".join(map(str, tokens)),
+        "--namespace",
+        ns.hex(),
+    ]
+    table = CliRunner().invoke(app, base, env={"COLUMNS": "100"})
+    assert table.exit_code == 0, table.output
+    assert "s0: 96 blocks, s1: 96 blocks (--json: per block)" in table.output, table.output
+    assert max(len(line) for line in table.output.splitlines()) <= 100
+    full = json.loads(CliRunner().invoke(app, [*base, "--json"]).output)
+    assert full["num_matched"] == 96 and len(full["replicas"]) == 96
+    assert all(sorted(r.split(":")[0] for r in block) == ["s0", "s1"] for block in full["replicas"])
+
+
 def test_admin_invalidate_and_drain_and_failures(cluster) -> None:
     master, _ = cluster
     runner = CliRunner()

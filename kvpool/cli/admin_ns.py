@@ -97,7 +97,21 @@ def match(
             ],  # a local tier has no store slot
         }
 
-    _run(fn, as_json, lambda r: _kv("match", r))
+    _run(fn, as_json, lambda r: _kv("match", {**r, "replicas": replicas_summary(r["replicas"])}))
+
+
+def replicas_summary(replicas: list[list[str]]) -> str:
+    """A match's replica lists in one line for a table, however long the prompt: how many matched blocks
+    each holder has ("s1: 128 blocks, p1 (local): 12 blocks"); `--json` lists every block's replicas."""
+    per_holder: dict[str, int] = {}
+    for block in replicas:
+        for replica in block:
+            holder = replica if replica.endswith(" (local)") else replica.rpartition(":")[0]
+            per_holder[holder] = per_holder.get(holder, 0) + 1
+    if not per_holder:
+        return "none"
+    ranked = sorted(per_holder.items(), key=lambda item: (-item[1], item[0]))
+    return ", ".join(f"{holder}: {n} block{'s' * (n != 1)}" for holder, n in ranked) + " (--json: per block)"
 
 
 @admin_app.command("set-version")

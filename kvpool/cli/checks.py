@@ -24,6 +24,16 @@ def device_option(value: str | None) -> str | None:
         raise typer.BadParameter(str(exc)) from None
 
 
+ENGINES = ("kvpool", "vllm")
+
+
+def engine_option(value: str | None) -> str | None:
+    """An `--engine`/`--engines` callback: kvpool (kvpool's own serving nodes) or vllm (vLLM engines)."""
+    if value is not None and value not in ENGINES:
+        raise typer.BadParameter(f"must be {' or '.join(ENGINES)}, got {value!r}")
+    return value
+
+
 def load_trace_option(path: Path, param_hint: str = "'--trace'") -> Trace:
     """Read a Mooncake-format trace; a missing or malformed file is a usage error naming the file and line."""
     from kvpool.errors import InvalidArgument

@@ -7,9 +7,7 @@ from typing import Any
 
 import typer
 
-from kvpool.cli.checks import device_option, load_trace_option
-
-ENGINES = ("kvpool", "vllm")
+from kvpool.cli.checks import device_option, engine_option, load_trace_option
 
 
 def _vllm_demo(**kwargs: Any) -> dict[str, Any]:
@@ -48,6 +46,7 @@ def register_role_commands(app: typer.Typer) -> None:
         engine: str = typer.Option(
             "kvpool",
             help="kvpool (kvpool's own nodes) or vllm (a vLLM prefill and decode engine, `kvpool up`).",
+            callback=engine_option,
         ),
         python: str | None = typer.Option(
             None,
@@ -57,10 +56,6 @@ def register_role_commands(app: typer.Typer) -> None:
         """Start a local cluster of real processes and serve RAG + multi-turn chat through the pool."""
         from kvpool.demo.workload import default_chat_trace
 
-        if engine not in ENGINES:
-            raise typer.BadParameter(
-                f"must be {' or '.join(ENGINES)}, got {engine!r}", param_hint="'--engine'"
-            )
         chat_trace = load_trace_option(trace or default_chat_trace())  # before anything starts
         if engine == "vllm":
             summary = _vllm_demo(

@@ -6,21 +6,30 @@ from pathlib import Path
 
 import typer
 
+from kvpool.cli.checks import engine_option
+from kvpool.cli.settings_help import settings_command
+
 
 def register_router_command(app: typer.Typer) -> None:
-    @app.command()
+    # Options default to None (unset: TOML/env apply); --help shows RouterSettings' defaults.
+    @app.command(cls=settings_command("kvpool.router.settings:RouterSettings", {"listen": "bind_host"}))
     def router(
-        master: str | None = typer.Option(None, help="Master HOST:PORT [default: 127.0.0.1:50051]."),
-        listen: str | None = typer.Option(None, help="Bind host (default 127.0.0.1)."),
-        port: int | None = typer.Option(None, help="HTTP port (default 8000; 0: ephemeral)."),
-        policy: str | None = typer.Option(None, help="cost (default) | affinity | least-load | round-robin."),
+        master: str | None = typer.Option(None, help="Master HOST:PORT."),
+        listen: str | None = typer.Option(None, help="Bind host."),
+        port: int | None = typer.Option(None, help="HTTP port (0: ephemeral)."),
+        policy: str | None = typer.Option(None, help="cost | affinity | least-load | round-robin."),
         engines: str | None = typer.Option(
             None,
-            help="kvpool (default: kvpool's prefill/decode nodes) | vllm (vLLM engines with the connector).",
+            help="kvpool (kvpool's prefill/decode nodes) | vllm (vLLM engines with the connector).",
+            callback=engine_option,
         ),
         model: str | None = typer.Option(None, help="Model directory (default: the embedded model)."),
-        served_model_name: str | None = typer.Option(None, help="Model name in the API (default: model id)."),
-        tenants: str | None = typer.Option(None, help="Tenants TOML: API keys -> tenant -> cache salt."),
+        served_model_name: str | None = typer.Option(
+            None, help="Model name in the API (default: the model id)."
+        ),
+        tenants: str | None = typer.Option(
+            None, help="Tenants TOML: API keys -> tenant -> cache salt (default: one tenant)."
+        ),
         block_size: int | None = typer.Option(None, help="Tokens per block (default: the master's)."),
         seed: int | None = typer.Option(None, help="Seed of the tie-breaking random choice."),
         max_inflight: int | None = typer.Option(None, help="Concurrent requests; more get 429."),

@@ -10,6 +10,23 @@ import typer
 def register_serving_commands(app: typer.Typer) -> None:
     for role in ("prefill", "decode"):
         _register(app, role)
+    app.command(name="layout")(layout)
+
+
+def layout(
+    model: str = typer.Option(None, help="HF model directory (default: the embedded synthetic model)."),
+    block_size: int = typer.Option(64, min=1, help="Tokens per KV block, as the serving nodes will use."),
+) -> None:
+    """Print the KV layout fingerprint a serving node of this model registers with: give it to the master
+    and the stores (`--layout`) before starting nodes. Reads the model directory; loads no model."""
+    from kvpool.errors import KVPoolError
+    from kvpool.router.model_info import ModelInfo
+
+    try:
+        typer.echo(ModelInfo.load(model, block_size=block_size).layout.fingerprint())
+    except KVPoolError as exc:
+        typer.echo(f"kvpool layout: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 def _register(app: typer.Typer, role: str) -> None:

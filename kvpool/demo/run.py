@@ -79,6 +79,7 @@ def run_demo(
 
     console = Console()
     t_start = time.perf_counter()
+    console.print(f"loading the model {model_dir or '(the embedded one, created on first use)'} ...")
     runner = ModelRunner.load(model_dir, device="cpu", block_size=block_size)
     if runner.synthetic:
         console.print(

@@ -97,12 +97,46 @@ def server_interceptors(sec: RpcSecurity) -> list[grpc.ServerInterceptor]:
 
 
 def bind(server: grpc.Server, address: str, sec: RpcSecurity) -> int:
-    """Add the listening port, with TLS when a certificate is configured. Returns the bound port."""
-    if sec.tls_cert_file:
-        key = Path(sec.tls_key_file).read_bytes()
-        cert = Path(sec.tls_cert_file).read_bytes()
-        return server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-    return server.add_insecure_port(address)
+    """Add the listening port, with TLS when a certificate is configured. Returns the bound port.
+
+    Raises `OSError` with one plain line naming the address when it cannot be listened on (in use, or a
+    host this machine does not have): checked with a plain socket first, so gRPC's own C-core error log
+    is not printed for the common case."""
+    check_listen_address(address)
+    try:
+        if sec.tls_cert_file:
+            key = Path(sec.tls_key_file).read_bytes()
+            cert = Path(sec.tls_cert_file).read_bytes()
+            return server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        return server.add_insecure_port(address)
+    except RuntimeError as exc:  # taken between the check and gRPC's bind
+        raise OSError(f"cannot listen on {address}: {exc}") from None
+
+
+def check_listen_address(address: str) -> None:
+    """`OSError("port P on HOST is in use ...")` when a TCP listener on `address` ("host:port", "[v6]:port")
+    cannot be opened; port 0 (ephemeral) is not checked. Uses SO_REUSEADDR as gRPC does, so a port left
+    in TIME_WAIT by a previous run counts as free."""
+    import errno
+    import socket
+
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    if not port_text.isdigit() or int(port_text) == 0:
+        return
+    port = int(port_text)
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise OSError(f"cannot listen on {address}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(f"port {port} on {host} is in use (another process listens there)") from None
+            raise OSError(f"cannot listen on {address}: {exc.strerror}") from None
 
 
 class CallMetadata(
