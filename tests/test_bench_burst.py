@@ -46,12 +46,17 @@ def test_a_small_burst_runs_both_arms_and_reports_the_summary_keys(tmp_path: Pat
     from kvpool.bench.burst import run_burst
 
     out = tmp_path / "burst.json"
-    summary = run_burst(burst=6, prefix_tokens=128, question_tokens=8, warmup_bursts=1, json_out=out)
+    summary = run_burst(
+        burst=6, prefix_tokens=128, question_tokens=8, warmup_bursts=1, rounds=2, json_out=out
+    )
     for key in ("pull_ttft_p50_s", "recompute_ttft_p50_s", "pull_over_recompute", "contended_bytes_per_s"):
         assert key in summary
     assert summary["recompute_ttft_p50_s"] > 0 and summary["pull_ttft_p50_s"] > 0
     assert summary["pull_num_errors"] == summary["recompute_num_errors"] == 0
-    assert summary["recompute_decisions"] == {"recompute": 6} and sum(summary["pull_decisions"].values()) == 6
+    assert (
+        summary["recompute_decisions"] == {"recompute": 12} and sum(summary["pull_decisions"].values()) == 12
+    )
     report = json.loads(out.read_text())
     arms = {r["arm"] for r in report["records"]}
     assert arms == {"recompute", "pull", "warmup0"} and report["summary"]["warmup_bursts"] == 1
+    assert {r["round"] for r in report["records"] if r["arm"] == "pull"} == {0, 1}

@@ -11,6 +11,9 @@ question) arrive at once:
   decision sees the pulls already in flight on the store's link (`kvpool.cost.inflight.PullLedger`);
 - **recompute burst** (the baseline, same run): the same requests with the cache off.
 
+The two arms run in `rounds` interleaved rounds (recompute then pull, then pull then recompute, ...), so a
+drift in the host's load hits both; each arm's percentiles are over all its rounds' requests.
+
 Before the measured pull burst, `warmup_bursts` unmeasured pull bursts run (default 1): a serving node
 has seen traffic before, and the pulls that finished behind others taught its ledger what the store's link
 drains under contention (`InFlight.bytes_per_s`), which the measured burst's decisions then use. With
@@ -135,6 +138,7 @@ def run_burst(
     question_tokens: int = 16,
     block_size: int = 64,
     warmup_bursts: int = 1,
+    rounds: int = 3,
     model_dir: str | None = None,
     json_out: Path | None = None,
 ) -> dict[str, Any]:
@@ -160,8 +164,7 @@ def run_burst(
     seg = max(256 * 2**20, 4 * (prefix_tokens + question_tokens) * layout.token_nbytes)
     spec = pool_only_spec(layout, block_size=block_size, model_dir=model_dir, segment_bytes=seg, env=tcp)
     records: list[dict[str, Any]] = []
-    learned_bytes_per_s = pull_overhead_s = 0.0
-    num_pull_observations = 0
+    learned_bytes_per_s = 0.0
     with LocalCluster(spec) as cluster, _env(tcp | {"KVPOOL_FORCE_DECISION": "auto"}):
         settings = ServingSettings(
             master=cluster.master_address,
@@ -181,17 +184,18 @@ def run_burst(
             _logits, full = rt.compute_prompt(warm, loaded)
             n_full = len(hashes)
             rt.connector.publish(ns, hashes, rt.runner.blocks_from_prefix(full, 0, n_full), start_block=0)
-            for arm in ARMS:  # the baseline first: the pull arm then runs on a model warmed as much
-                if arm == "pull":
-                    for i in range(warmup_bursts):
-                        console.print(f"warm-up pull burst {i + 1} of {warmup_bursts} (not measured)")
-                        records += _burst(rt, ns, prompts(), use_cache=True, arm=f"warmup{i}")
-                    learned = rt.connector.pulls.contended_rates()  # the one store's link
-                    learned_bytes_per_s = max(learned.values(), default=0.0)
-                    pull_overhead_s = rt.connector.calibration.pull_overhead_s
-                    num_pull_observations = rt.connector.calibration.num_pull_observations
-                console.print(f"[bold]{arm} burst[/]: {burst} requests at once")
-                records += _burst(rt, ns, prompts(), use_cache=arm == "pull", arm=arm)
+            for i in range(warmup_bursts):
+                console.print(f"warm-up pull burst {i + 1} of {warmup_bursts} (not measured)")
+                records += _burst(rt, ns, prompts(), use_cache=True, arm=f"warmup{i}")
+            learned = rt.connector.pulls.contended_rates()  # the one store's link
+            learned_bytes_per_s = max(learned.values(), default=0.0)
+            for r in range(rounds):  # interleaved, the order alternating: drift on the host hits both arms
+                for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
+                    console.print(
+                        f"[bold]{arm} burst[/] (round {r + 1} of {rounds}): {burst} requests at once"
+                    )
+                    got = _burst(rt, ns, prompts(), use_cache=arm == "pull", arm=arm)
+                    records += [rec | {"round": r} for rec in got]
         finally:
             rt.close()
     summary: dict[str, Any] = {
@@ -201,8 +205,7 @@ def run_burst(
         "block_nbytes": layout.block_nbytes,
         "warmup_bursts": warmup_bursts,
         "contended_bytes_per_s": learned_bytes_per_s,  # learned by the warm-up (0.0: none)
-        "pull_overhead_s": pull_overhead_s,  # the online link correction the measured burst decided with
-        "num_pull_observations": num_pull_observations,
+        "rounds": rounds,
     }
     for arm in ARMS:
         summary |= _arm_summary(records, arm)

@@ -121,6 +121,7 @@ def burst_cmd(
         min=0,
         help="unmeasured pull bursts first, from which the node learns its link's contended throughput",
     ),
+    rounds: int = typer.Option(3, min=1, help="interleaved rounds of the two measured bursts"),
     model: str = typer.Option(None, help="HF model directory (default: embedded)"),
     json_out: Path = typer.Option(None, "--json", help="write the report JSON here"),
 ) -> None:
@@ -134,6 +135,7 @@ def burst_cmd(
         question_tokens=question_tokens,
         block_size=block_size,
         warmup_bursts=warmup_bursts,
+        rounds=rounds,
         model_dir=model,
         json_out=json_out,
     )
