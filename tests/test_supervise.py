@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -99,8 +100,6 @@ def test_a_role_that_crashes_at_start_is_restarted_then_given_up_on(tmp_path: Pa
     policy = RestartPolicy(backoff_s=0.05, backoff_max_s=0.1, max_restarts=2, window_s=60.0)
     role = SupervisedRole("flaky0", [], argv=crash, log_path=tmp_path / "flaky0.log", env={},
                           policy=policy, say=said.append)  # fmt: skip
-    import threading
-
     with pytest.raises(GaveUp) as caught:
         role.wait_ready(30.0, threading.Event())
     message = str(caught.value)
@@ -112,14 +111,20 @@ def test_a_role_that_crashes_at_start_is_restarted_then_given_up_on(tmp_path: Pa
         "flaky0 exited (exit code 3); restarting it in 0.1 s on the same ports",
     ]
     assert role.restarts == 2
+    never = RestartPolicy(max_restarts=0)  # no restart: the first crash gives up
+    once = SupervisedRole("flaky1", [], argv=crash, log_path=tmp_path / "flaky1.log", env={}, policy=never,
+                          say=said.append)  # fmt: skip
+    with pytest.raises(
+        GaveUp, match=r"^giving up on flaky1: it crashed once within 60 s \(max_restarts = 0\)"
+    ):
+        once.wait_ready(30.0, threading.Event())
+    assert len(said) == 2 and once.restarts == 0
 
 
 def test_a_start_timeout_is_not_a_crash(tmp_path: Path) -> None:
     silent = [sys.executable, "-c", "import time; time.sleep(60)"]
     role = SupervisedRole("mute0", [], argv=silent, log_path=tmp_path / "mute0.log", env={},
                           policy=RestartPolicy(), say=print)  # fmt: skip
-    import threading
-
     with pytest.raises(NodeStartFailed, match="no answer within 1 s") as caught:
         role.wait_ready(1.0, threading.Event())
     assert caught.value.exit_code is None and role.restarts == 0

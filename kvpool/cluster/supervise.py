@@ -100,6 +100,10 @@ def pin_ports(args: Sequence[str], info: dict[str, Any]) -> list[str]:
     return out
 
 
+def _how_often(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
+
+
 def last_words(log_tail: str, name: str, limit: int = 160) -> str:
     """The last non-empty line of a role's log, without its `[name] ` prefix, at most `limit` chars."""
     lines = [ln.removeprefix(f"[{name}] ").strip() for ln in log_tail.splitlines()]
@@ -179,7 +183,7 @@ class SupervisedRole:
             p = self.history.policy
             why = last_words(self.proc.log_tail(20), self.name)
             raise GaveUp(
-                f"giving up on {self.name}: it crashed {self.history.recent} times within "
+                f"giving up on {self.name}: it crashed {_how_often(self.history.recent)} within "
                 f"{p.window_s:g} s (max_restarts = {p.max_restarts}); last: {how}"
                 + (f": {why}" if why else "")
                 + f" (log: {self.log_path})"
