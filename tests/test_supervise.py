@@ -121,6 +121,24 @@ def test_a_role_that_crashes_at_start_is_restarted_then_given_up_on(tmp_path: Pa
     assert len(said) == 2 and once.restarts == 0
 
 
+def test_ctrl_c_during_a_back_off_stops_at_once(tmp_path: Path) -> None:
+    crash = [sys.executable, "-c", "raise SystemExit(4)"]
+    slow = RestartPolicy(backoff_s=120.0, backoff_max_s=120.0)
+    cancel = threading.Event()
+    said: list[str] = []
+
+    def say(line: str) -> None:  # the crash is announced, then Ctrl-C comes within its 120 s back-off
+        said.append(line)
+        cancel.set()
+
+    role = SupervisedRole("flaky2", [], argv=crash, log_path=tmp_path / "flaky2.log", env={}, policy=slow,
+                          say=say)  # fmt: skip
+    with pytest.raises(NodeStartFailed, match="flaky2: start cancelled"):
+        role.wait_ready(60.0, cancel)
+    assert said == ["flaky2 exited (exit code 4); restarting it in 120 s on the same ports"]
+    assert role.restarts == 0 and not role.proc.alive
+
+
 def test_a_start_timeout_is_not_a_crash(tmp_path: Path) -> None:
     silent = [sys.executable, "-c", "import time; time.sleep(60)"]
     role = SupervisedRole("mute0", [], argv=silent, log_path=tmp_path / "mute0.log", env={},
