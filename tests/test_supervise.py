@@ -139,6 +139,28 @@ def test_ctrl_c_during_a_back_off_stops_at_once(tmp_path: Path) -> None:
     assert role.restarts == 0 and not role.proc.alive
 
 
+def test_a_role_that_serves_then_keeps_crashing_is_restarted_then_given_up_on(tmp_path: Path) -> None:
+    """`kvpool up`'s supervision loop over a real child that announces itself, serves 0.3 s and exits 5:
+    restarted after each crash (each restart served again), then `GaveUp`."""
+    from kvpool.cli.up_cmd import _supervise
+
+    serves = [
+        sys.executable,
+        "-c",
+        "import time; print('KVPOOL_READY {}', flush=True); time.sleep(0.3); exit(5)",
+    ]
+    said: list[str] = []
+    policy = RestartPolicy(backoff_s=0.05, backoff_max_s=0.05, max_restarts=2, window_s=60.0)
+    role = SupervisedRole("short0", [], argv=serves, log_path=tmp_path / "short0.log", env={}, policy=policy,
+                          say=said.append)  # fmt: skip
+    stop = threading.Event()
+    role.wait_ready(30.0, stop)
+    with pytest.raises(GaveUp, match=r"^giving up on short0: it crashed 3 times .* last: exit code 5"):
+        _supervise([role], 30.0, stop)
+    assert said == ["short0 exited (exit code 5); restarting it in 0.05 s on the same ports"] * 2
+    assert role.restarts == 2 and role.log_path.read_text().count("KVPOOL_READY") == 3
+
+
 def test_a_start_timeout_is_not_a_crash(tmp_path: Path) -> None:
     silent = [sys.executable, "-c", "import time; time.sleep(60)"]
     role = SupervisedRole("mute0", [], argv=silent, log_path=tmp_path / "mute0.log", env={},
