@@ -3,8 +3,11 @@
 Starts master → stores → prefill/decode → router (those whose host is this machine), waits until each
 announced itself and passes its health check (gRPC health for the gRPC roles, `GET /health` for the
 router), prints the endpoints (each with its Prometheus `/metrics`) and, for roles on other hosts, the
-command to run there. Each role's output is echoed with a `[name]` prefix. Ctrl-C or SIGTERM stops
-everything (children also die with this process on Linux), freeing the ports.
+command to run there. Each role's output is echoed with a `[name]` prefix. A role that exits is
+restarted after a back-off on the ports it bound the first time, with its node id (one line says so);
+one that crashes more often than `[cluster] max_restarts` within `restart_window_s` stops everything
+with one line naming it (exit 1). Ctrl-C or SIGTERM stops everything (children also die with this
+process on Linux), freeing the ports.
 """
 
 from __future__ import annotations
@@ -71,16 +74,40 @@ def _wait_http(url: str, timeout_s: float, cancel: threading.Event) -> None:
             raise TimeoutError(f"{url}: start cancelled")
 
 
-def _ready(proc: object, timeout_s: float, stop: threading.Event) -> dict[str, Any]:
-    """Wait for one role (stopping at once on Ctrl-C/SIGTERM) and say how long it took to start, so a
-    slow or stuck start shows which role it is."""
-    from kvpool.cluster.process import RoleProcess
+def _ready(role: object, timeout_s: float, stop: threading.Event) -> dict[str, Any]:
+    """Wait for one role (stopping at once on Ctrl-C/SIGTERM, restarting it when it crashes as its policy
+    allows) and say how long it took to start, so a slow or stuck start shows which role it is."""
+    from kvpool.cluster.supervise import SupervisedRole
 
-    assert isinstance(proc, RoleProcess)
+    assert isinstance(role, SupervisedRole)
     t0 = time.monotonic()
-    info = proc.wait_ready(timeout_s, cancel=stop)
-    typer.echo(f"kvpool up: {proc.name} ready in {time.monotonic() - t0:.1f} s", err=True)
+    info = role.wait_ready(timeout_s, cancel=stop)
+    typer.echo(f"kvpool up: {role.name} ready in {time.monotonic() - t0:.1f} s", err=True)
     return info
+
+
+def _supervise(roles: list[Any], timeout_s: float, stop: threading.Event) -> None:
+    """Until `stop`: a role that exits is restarted after its back-off on the same ports (one line says
+    so); `GaveUp` when one crashed more often than its policy allows."""
+    from kvpool.cluster.process import NodeStartFailed
+
+    while not stop.is_set():
+        for role in roles:
+            if role.crashed:
+                role.schedule_restart(role.proc.proc.returncode)
+            elif role.restart_at is not None and time.monotonic() >= role.restart_at:
+                role.respawn()
+                try:
+                    _ready(role, timeout_s, stop)
+                except NodeStartFailed:  # no answer within timeout_s (it was stopped), or Ctrl-C
+                    if stop.is_set():
+                        return
+                    role.schedule_restart(role.proc.proc.returncode, how=f"no answer within {timeout_s:g} s")
+        stop.wait(0.2)
+
+
+def _say(line: str) -> None:
+    typer.echo(f"kvpool up: {line}", err=True)
 
 
 def _echo_logs(paths: list[Path], stop: threading.Event) -> None:
@@ -130,8 +157,8 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     """Start and supervise; returns the exit code (0 on a clean stop, 1 when a role failed). `secured`:
     master and stores share a fresh cluster secret, every other role a fresh join token."""
     from kvpool.capability import SECRET_ROLES
-    from kvpool.cluster.process import RoleProcess
     from kvpool.cluster.spec import ClusterSpec, plan
+    from kvpool.cluster.supervise import GaveUp, RestartPolicy, SupervisedRole
     from kvpool.router.model_info import ModelInfo
     from kvpool.rpc.server import wait_healthy
 
@@ -140,7 +167,13 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     launches = plan(spec, layout.fingerprint())
     log_dir = Path(tempfile.mkdtemp(prefix="kvpool-up-"))
     secret_env, master_env, member_env = _membership_env(log_dir, secured)
-    procs: list[RoleProcess] = []
+    # This process checks the roles' gRPC health and forks roles (again on each restart): gRPC's fork
+    # handlers can deadlock a fork that follows a health check (a hung `kvpool up`), and none is needed
+    # here (the roles exec at once). The roles keep gRPC's default.
+    own_fork_setting = "GRPC_ENABLE_FORK_SUPPORT" not in os.environ
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    policy = RestartPolicy.of(spec.cluster)
+    procs: list[SupervisedRole] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -150,7 +183,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     master = f"{spec.master.host}:{spec.master.port}"
     endpoints: list[str] = []
     remote: list[str] = []
-    engines: list[RoleProcess] = []  # vLLM engines started and not yet waited for
+    engines: list[SupervisedRole] = []  # vLLM engines started and not yet waited for
     model_dir = spec.cluster.model
     code = 0
     try:
@@ -171,12 +204,14 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
             if launch.role == "master":
                 role_env = role_env | master_env
             env = dict(os.environ) | role_env | launch.env
+            if own_fork_setting:
+                env.pop("GRPC_ENABLE_FORK_SUPPORT")
             if launch.argv:  # a vLLM engine: started now, waited for with the others (they load in parallel)
                 if not model_dir:
                     model_dir = _vllm_model_dir(spec, log_dir)
                 argv = launch.resolved(master, model_dir)
-                proc = RoleProcess(launch.name, [], log_path=log_dir / f"{launch.name}.log", env=env, argv=argv,
-                                   ready_url=launch.ready_url)  # fmt: skip
+                proc = SupervisedRole(launch.name, [], log_path=log_dir / f"{launch.name}.log", env=env,
+                                      argv=argv, ready_url=launch.ready_url, policy=policy, say=_say)  # fmt: skip
                 procs.append(proc)
                 logs.append(proc.log_path)
                 engines.append(proc)
@@ -185,7 +220,9 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                 endpoints.append(f"  {engine.name:<8} {_ready(engine, timeout_s, stop)['url']}/v1")
             engines.clear()
             args = launch.resolved(master, model_dir)
-            proc = RoleProcess(launch.name, args, log_path=log_dir / f"{launch.name}.log", env=env)
+            proc = SupervisedRole(
+                launch.name, args, log_path=log_dir / f"{launch.name}.log", env=env, policy=policy, say=_say
+            )
             procs.append(proc)
             logs.append(proc.log_path)
             info = _ready(proc, timeout_s, stop)
@@ -221,23 +258,10 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                     "UNSECURED (--insecure): any process that reaches the master may join, read and write"
                 )
             typer.echo(f"logs in {log_dir}; Ctrl-C stops everything")
-        reported: set[str] = set()
-        while not stop.is_set():
-            # A role that dies is a fault the cluster rides out (its peers detect it by heartbeat): report
-            # it once and keep the others serving; stop only when nothing is left.
-            for p in procs:
-                if not p.alive and p.name not in reported:
-                    reported.add(p.name)
-                    typer.echo(
-                        f"kvpool up: {p.name} exited ({p.proc.returncode}); the rest keep running "
-                        f"(its log: {p.log_path})",
-                        err=True,
-                    )
-            if procs and len(reported) == len(procs):
-                typer.echo("kvpool up: every process exited", err=True)
-                code = 1
-                break
-            stop.wait(0.5)
+        _supervise(procs, timeout_s, stop)
+    except GaveUp as exc:
+        _say(str(exc))
+        code = 1
     except (RuntimeError, TimeoutError) as exc:
         typer.echo(f"kvpool up: {exc}", err=True)
         code = 1

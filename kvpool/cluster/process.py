@@ -28,7 +28,13 @@ log = logging.getLogger(__name__)
 
 
 class NodeStartFailed(KVPoolError, RuntimeError):
-    """A node process died or stalled before it reported ready; the message carries its log's tail."""
+    """A node process died or stalled before it reported ready; the message carries its log's tail.
+    `exit_code`: the process's return code when it exited by itself (a crash), else None (it did not
+    answer in time, or the wait was cancelled)."""
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class RoleProcess:
@@ -96,9 +102,10 @@ class RoleProcess:
             except queue.Empty:
                 continue
         if info is None:
+            code = self._crash_code(cancel)
             why, after = self._why(timeout_s, cancel)
             self.stop()
-            raise NodeStartFailed(f"{self.name} did not become ready{why}:\n{self.log_tail()}{after}")
+            raise NodeStartFailed(f"{self.name} did not become ready{why}:\n{self.log_tail()}{after}", code)
         self.info = info
         return info
 
@@ -129,11 +136,22 @@ class RoleProcess:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
+        code = self._crash_code(cancel)
         why, after = self._why(timeout_s, cancel)
         self.stop()
         raise NodeStartFailed(
-            f"{self.name} did not become ready ({self.ready_url}){why}:\n{self.log_tail()}{after}"
+            f"{self.name} did not become ready ({self.ready_url}){why}:\n{self.log_tail()}{after}", code
         )
+
+    def _crash_code(self, cancel: threading.Event | None) -> int | None:
+        """Its return code when it exited by itself before it served, else None."""
+        if cancel and cancel.is_set():
+            return None
+        self._pump.join(timeout=0.2)
+        if not self._pump.is_alive():  # its output ended: it exits, or has
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=2.0)
+        return self.proc.poll()
 
     def log_tail(self, num_lines: int = 30) -> str:
         try:

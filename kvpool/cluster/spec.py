@@ -4,6 +4,10 @@
     model = ""              # model directory; "" = the embedded model
     block_size = 64
     device = "cpu"
+    restart_backoff_s = 1.0     # a crashed role restarts after this, doubled per crash in the window
+    restart_backoff_max_s = 30.0
+    max_restarts = 5            # restarts allowed within restart_window_s; one more crash: kvpool up stops
+    restart_window_s = 60.0
 
     [master]
     host = "127.0.0.1"
@@ -63,6 +67,30 @@ class ClusterSection(_Section):
     model: str = ""
     block_size: int = Field(default=64, gt=0, le=4096)
     device: str = "cpu"
+    restart_backoff_s: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=3600.0,
+        description="first restart delay of a crashed role (s), doubled per crash",
+    )
+    restart_backoff_max_s: float = Field(
+        default=30.0, ge=0.0, le=3600.0, description="longest restart delay (s)"
+    )
+    max_restarts: int = Field(
+        default=5,
+        ge=0,
+        le=1000,
+        description="restarts of one role within restart_window_s; then kvpool up stops",
+    )
+    restart_window_s: float = Field(
+        default=60.0, gt=0.0, description="window that counts a role's crashes (s)"
+    )
+
+    @model_validator(mode="after")
+    def _backoff(self) -> ClusterSection:
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError("restart_backoff_max_s must be >= restart_backoff_s")
+        return self
 
 
 class MasterSection(_Section):
