@@ -7,6 +7,7 @@ addresses in the JSON), so a parent never guesses ports. Children die with their
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
