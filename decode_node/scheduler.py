@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.hashing import hash_blocks
-from kvpool.serving.runtime import NodeRuntime, make_step_generator
+from kvpool.serving.runtime import NodeRuntime
+from kvpool.serving.sampling import make_step_generator
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,12 @@ from collections.abc import Iterator
 import grpc
 
 from decode_node.scheduler import DecodeJob, DecodeScheduler, is_done
+from kvpool.client import convert
 from kvpool.errors import InvalidArgument
 from kvpool.hashing import hash_blocks
+from kvpool.prompt import check_context, prompt_token_limit, validate_tokens
 from kvpool.rpc.status import rpc_errors
-from kvpool.serving.common import prompt_token_limit, validate_tokens
-from kvpool.serving.runtime import NodeRuntime, sampling_from_proto
+from kvpool.serving.runtime import NodeRuntime
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -40,13 +41,8 @@ class DecodeService(pb_grpc.DecodeServicer):
         )
         if request.first_token >= rt.runner.vocab_size:
             raise InvalidArgument(f"first_token {request.first_token} is outside the vocabulary")
-        params = sampling_from_proto(request.sampling)
-        limit = rt.runner.max_model_len
-        if len(prompt) + params.max_tokens > limit:
-            raise InvalidArgument(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceed the model's "
-                f"context of {limit} tokens"
-            )
+        params = convert.sampling(request.sampling)
+        check_context(len(prompt), params.max_tokens, rt.runner.max_model_len)
         ns = rt.namespace(request.cache_salt)
         if request.block_hashes:
             ours = hash_blocks(ns, prompt, rt.runner.layout.block_size)

@@ -16,10 +16,12 @@ from typing import Any
 
 import grpc
 
+from kvpool.client import convert
 from kvpool.hashing import hash_blocks
+from kvpool.prompt import prompt_token_limit, validate_tokens
 from kvpool.rpc.status import rpc_errors
-from kvpool.serving.common import prompt_token_limit, validate_tokens
-from kvpool.serving.runtime import NodeRuntime, make_step_generator, sampling_from_proto
+from kvpool.serving.runtime import NodeRuntime
+from kvpool.serving.sampling import make_step_generator
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -50,7 +52,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         rid = request.request_id or f"req-{id(request):x}"
         limit = prompt_token_limit(rt.settings.max_prompt_tokens, rt.runner.max_model_len)
         tokens = validate_tokens(request.token_ids, vocab_size=rt.runner.vocab_size, max_tokens=limit)
-        params = sampling_from_proto(request.sampling)
+        params = convert.sampling(request.sampling)
         ns = rt.namespace(request.cache_salt)
         block_size = rt.runner.layout.block_size
         hashes = hash_blocks(ns, tokens, block_size)

@@ -45,6 +45,7 @@ from kvpool.cost import (
 )
 from kvpool.cost.online import OnlineCalibration
 from kvpool.errors import DeadlineExceeded, FailedPrecondition, TransferError, Unavailable, VersionFenced
+from kvpool.prompt import max_reusable_blocks, reusable_tokens
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class KVConnector:
 
     def max_reusable_blocks(self, num_tokens: int) -> int:
         """Blocks that may be reused for a prompt of `num_tokens`: the last token is always computed."""
-        return max(0, (num_tokens - 1) // self.block_size)
+        return max_reusable_blocks(num_tokens, self.block_size)
 
     def link_to_pool(self, addresses: Sequence[str]) -> LinkEstimate | None:
         """The slowest calibrated link among the stores we would pull from (conservative)."""
@@ -281,8 +282,9 @@ class KVConnector:
         )
         stats.predicted_pull_s = decision.predicted_load_s
         stats.predicted_recompute_s = decision.predicted_recompute_all_s
-        n_rest = max(1, stats.num_prompt_tokens - num_hit * self.block_size)  # every hit block loaded
-        stats.predicted_compute_s = cal.recompute.t_recompute_s(n_rest, stats.num_prompt_tokens - n_rest)
+        n_prompt = stats.num_prompt_tokens
+        n_rest = n_prompt - reusable_tokens(num_hit * self.block_size, n_prompt)  # every hit block loaded
+        stats.predicted_compute_s = cal.recompute.t_recompute_s(n_rest, n_prompt - n_rest)
         stats.reason = decision.reason
         stats.num_pulls_in_flight, stats.queued_bytes = queue.num_pulls, decision.queued_bytes
         k = decision.num_load_blocks

@@ -15,39 +15,12 @@ from typing import Any
 from kvpool.connector.agent import NodeAgent
 from kvpool.connector.connector import KVConnector
 from kvpool.connector.local_tier import LocalTier
+from kvpool.prompt import reusable_tokens
 from kvpool.serving.common import ServingSettings
 from kvpool.serving.metrics import MeteredTransport, ServingMetrics
 from kvpool.types import NamespaceId
 
 log = logging.getLogger(__name__)
-
-
-def sampling_from_proto(msg: Any) -> Any:
-    """`kvpool.v1.SamplingParams` → `kvpool.model.SamplingParams` (validated: `InvalidArgument`)."""
-    from kvpool.model import SamplingParams
-
-    return SamplingParams(
-        temperature=float(msg.temperature),
-        top_p=float(msg.top_p) if msg.top_p else 1.0,
-        top_k=int(msg.top_k),
-        seed=int(msg.seed) if msg.has_seed else None,
-        max_tokens=int(msg.max_tokens) if msg.max_tokens else 16,
-        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
-    )
-
-
-def make_step_generator(params: Any, step: int) -> Any:
-    """A generator for output position `step` (None for greedy); see `kvpool.serving.common.step_seed`."""
-    if params.greedy:
-        return None
-    import random
-
-    import torch
-
-    from kvpool.serving.common import step_seed
-
-    seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
-    return torch.Generator(device="cpu").manual_seed(step_seed(seed, step))
 
 
 @dataclass
@@ -157,7 +130,7 @@ class NodeRuntime:
         the connector's online recompute calibration. Callers hold `model_lock`.
         """
         prefix = self.runner.prefix_from_blocks(loaded.blocks) if loaded.blocks else None
-        n_ctx = min(prefix.num_tokens if prefix is not None else 0, len(tokens) - 1)
+        n_ctx = reusable_tokens(prefix.num_tokens if prefix is not None else 0, len(tokens))
         t0 = time.perf_counter()
         out = self.runner.prefill_prompt(tokens, prefix)
         self.connector.calibration.observe_compute(len(tokens) - n_ctx, n_ctx, time.perf_counter() - t0)
