@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -24,6 +24,13 @@ from kvpool.serving.runtime import NodeRuntime
 from kvpool.serving.sampling import make_step_generator
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpool.connector.plan import LoadedPrefix
+    from kvpool.model import KVPrefix
+    from kvpool.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +124,13 @@ class PrefillService(pb_grpc.PrefillServicer):
         yield pb.PrefillEvent(published=self._publish(request, ns, hashes, full, loaded, rid))
 
     def _publish(
-        self, request: Any, ns: bytes, hashes: list, full: Any, loaded: Any, rid: str
+        self,
+        request: pb.PrefillRequest,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        full: KVPrefix,
+        loaded: LoadedPrefix,
+        rid: str,
     ) -> pb.PrefillPublished:
         """Publish the full blocks the pool does not hold yet (off the TTFT path), under the flush epoch
         the load began with."""
@@ -153,7 +166,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         )
 
 
-def _sample(logits: Any, params: Any) -> int:
+def _sample(logits: torch.Tensor, params: SamplingParams) -> int:
     from kvpool.model import sample_next
 
     return sample_next(logits, params, make_step_generator(params, 0))

@@ -24,7 +24,6 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -33,10 +32,10 @@ from kvpool.connector.breaker import PoolBreaker
 from kvpool.connector.convoy import TTL_FACTOR, busiest, contended, peer_bytes
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.plan import LoadedPrefix, LoadPlan, LoadStats
+from kvpool.connector.ports import MasterPort, PoolPort, TransportPort
 from kvpool.connector.pull import pull_blocks
 from kvpool.cost import (
     LOCAL_LINK,
-    LinkEstimate,
     LinkLike,
     PullLedger,
     RecomputeModel,
@@ -74,9 +73,9 @@ class KVConnector:
     """Pool + local tier access for one node. Thread-safe as far as its clients are.
 
     Args:
-        master: a `kvpool.client.MasterClient`.
-        pool: a `kvpool.client.PoolClient` (publishes: reserve, write, commit).
-        transport: a `transfer.Transport` (pulls).
+        master: the master link (`kvpool.connector.ports.MasterPort`, e.g. a `kvpool.client.MasterClient`).
+        pool: the pool client that publishes (reserve, write, commit); None: this connector only loads.
+        transport: link estimates and block reads (a `transfer.Transport`).
         block_size, block_nbytes: the KV layout's figures.
         recompute: the calibrated recompute model of this node's runner (corrected online by
             `calibration` from the forwards and pulls this node runs; see kvpool.cost.online).
@@ -87,9 +86,9 @@ class KVConnector:
     def __init__(
         self,
         *,
-        master: Any,
-        pool: Any,
-        transport: Any,
+        master: MasterPort,
+        pool: PoolPort | None,
+        transport: TransportPort,
         node_id: str,
         block_size: int,
         block_nbytes: int,
@@ -132,7 +131,7 @@ class KVConnector:
         """Blocks that may be reused for a prompt of `num_tokens`: the last token is always computed."""
         return max_reusable_blocks(num_tokens, self.block_size)
 
-    def link_to_pool(self, addresses: Sequence[str]) -> LinkEstimate | None:
+    def link_to_pool(self, addresses: Sequence[str]) -> LinkLike | None:
         """The slowest calibrated link among the stores we would pull from (conservative)."""
         links = []
         for address in set(addresses):
@@ -418,6 +417,8 @@ class KVConnector:
             return None
         if not self.breaker.allow():
             raise Unavailable("pool unreachable (degraded mode): not publishing")
+        if self.pool is None:
+            raise FailedPrecondition("this connector has no pool client: it loads, never publishes")
         parent = hashes[start_block - 1] if start_block > 0 else None
         try:
             result = self.pool.put_blocks(

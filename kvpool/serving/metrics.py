@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpool.metrics import LATENCY_BUCKETS_S
+
+if TYPE_CHECKING:
+    from transfer import BlockRead, BlockResult, BlockWrite, LinkEstimate, Transport
 
 DECISIONS = ("none", "local", "pull", "recompute")
 
@@ -118,12 +121,12 @@ class ServingMetrics:
 class MeteredTransport:
     """A `transfer.Transport` that forwards to `inner` and records per-peer blocks, bytes and latency."""
 
-    def __init__(self, inner: Any, metrics: ServingMetrics) -> None:
+    def __init__(self, inner: Transport, metrics: ServingMetrics) -> None:
         self._inner = inner
         self._m = metrics
 
     def _record(
-        self, peer: str, op: str, nbytes: Sequence[int], results: Sequence[Any], elapsed_s: float
+        self, peer: str, op: str, nbytes: Sequence[int], results: Sequence[BlockResult], elapsed_s: float
     ) -> None:
         m = self._m
         m.link_seconds.labels(peer, op).observe(elapsed_s)
@@ -132,22 +135,30 @@ class MeteredTransport:
         m.link_blocks.labels(peer, op, "false").inc(len(results) - num_ok)
         m.link_bytes.labels(peer, op).inc(sum(n for n, r in zip(nbytes, results, strict=False) if r.ok))
 
-    def read_blocks(self, peer: str, reads: Sequence[Any], out: Sequence[memoryview], **kwargs: Any) -> Any:
+    def read_blocks(
+        self, peer: str, reads: Sequence[BlockRead], out: Sequence[memoryview], **kwargs: Any
+    ) -> list[BlockResult]:
         t0 = time.perf_counter()
         results = self._inner.read_blocks(peer, reads, out, **kwargs)
         self._record(peer, "read", [r.nbytes for r in reads], results, time.perf_counter() - t0)
         return results
 
-    def write_blocks(self, peer: str, writes: Sequence[Any], **kwargs: Any) -> Any:
+    def write_blocks(self, peer: str, writes: Sequence[BlockWrite], **kwargs: Any) -> list[BlockResult]:
         t0 = time.perf_counter()
         results = self._inner.write_blocks(peer, writes, **kwargs)
         self._record(peer, "write", [_nbytes(w) for w in writes], results, time.perf_counter() - t0)
         return results
 
+    def link(self, peer: str) -> LinkEstimate:
+        return self._inner.link(peer)
+
+    def close(self) -> None:
+        self._inner.close()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
 
-def _nbytes(write: Any) -> int:
+def _nbytes(write: BlockWrite) -> int:
     data = write.data
     return int(getattr(data, "nbytes", None) or len(data))

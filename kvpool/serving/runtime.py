@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.connector.agent import NodeAgent
 from kvpool.connector.connector import KVConnector
@@ -20,17 +20,26 @@ from kvpool.serving.common import ServingSettings
 from kvpool.serving.metrics import MeteredTransport, ServingMetrics
 from kvpool.types import NamespaceId
 
+if TYPE_CHECKING:
+    import torch
+
+    from kvpool.client import MasterClient, PoolClient
+    from kvpool.connector.plan import LoadedPrefix
+    from kvpool.cost import RecomputeModel
+    from kvpool.model import KVPrefix, ModelRunner
+    from kvpool.v1 import kvpool_pb2 as pb
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class NodeRuntime:
     settings: ServingSettings
-    runner: Any
-    recompute: Any
-    master: Any
-    pool: Any
-    transport: Any
+    runner: ModelRunner
+    recompute: RecomputeModel
+    master: MasterClient
+    pool: PoolClient
+    transport: MeteredTransport
     connector: KVConnector
     agent: NodeAgent | None
     model_lock: threading.Lock
@@ -38,7 +47,7 @@ class NodeRuntime:
     metrics: ServingMetrics
 
     @classmethod
-    def start(cls, settings: ServingSettings, *, role: str, grpc_address_fn: Any = None) -> NodeRuntime:
+    def start(cls, settings: ServingSettings, *, role: str) -> NodeRuntime:
         """Load the model, calibrate, connect to the master and the pool. `agent` starts later (`attach`)."""
         from kvpool.client import MasterClient, PoolClient
         from kvpool.model import ModelRunner, calibrate_recompute
@@ -86,7 +95,12 @@ class NodeRuntime:
             metrics,
         )
 
-    def attach_agent(self, grpc_address: str, load_fn: Any, on_fatal: Any = None) -> None:
+    def attach_agent(
+        self,
+        grpc_address: str,
+        load_fn: Callable[[], dict[str, Any]] | None,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
         """Register with the master and start heartbeating; raises the master's refusal (e.g. `AlreadyExists`:
         a live node holds this node id). `on_fatal(message)`: a later re-registration was refused."""
         agent = NodeAgent(
@@ -103,7 +117,7 @@ class NodeRuntime:
         self.agent = agent  # GetInfo answers with this epoch from the registration on
         agent.start()
 
-    def info(self) -> Any:
+    def info(self) -> pb.GetInfoResponse:
         """`kvpool.v1.GetInfoResponse` for this node (epoch 0 and no address until the agent registered)."""
         from kvpool.v1 import kvpool_pb2 as pb
 
@@ -123,7 +137,7 @@ class NodeRuntime:
             return ns.digest()
         return self.agent.namespace(ns)
 
-    def compute_prompt(self, tokens: Sequence[int], loaded: Any) -> tuple[Any, Any]:
+    def compute_prompt(self, tokens: Sequence[int], loaded: LoadedPrefix) -> tuple[torch.Tensor, KVPrefix]:
         """Scatter a load's blocks and prefill the rest of `tokens` (>= the last token) on them.
 
         Returns `(logits, prefix)` as `ModelRunner.prefill_prompt`; the forward's time is folded into
@@ -136,7 +150,7 @@ class NodeRuntime:
         self.connector.calibration.observe_compute(len(tokens) - n_ctx, n_ctx, time.perf_counter() - t0)
         return out
 
-    def load_info(self) -> dict[str, Any]:
+    def load_info(self) -> dict[str, float]:
         """Calibration figures for heartbeats (`NodeLoad` fields): the recompute model decisions use now."""
         r = self.connector.recompute
         return {

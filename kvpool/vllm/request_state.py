@@ -6,6 +6,7 @@ Plain values and a small thread-safe map: no vllm import (`kvpool.vllm.scheduler
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from kvpool.connector.plan import LoadPlan
 from kvpool.cost import LinkEstimate
 from kvpool.errors import TransferError
 from kvpool.hashing import Namespace
+from transfer import BlockRead, BlockResult
 
 
 @dataclass(slots=True)
@@ -57,6 +59,12 @@ class ReportedLinks:
         if link is None:
             raise TransferError(f"no worker has measured the link to {peer} yet")
         return link
+
+    def read_blocks(
+        self, peer: str, reads: Sequence[BlockRead], out: Sequence[memoryview], *, timeout_s: float
+    ) -> list[BlockResult]:
+        """The scheduler half reads no blocks (its workers do): every read fails."""
+        return [BlockResult(False, error="the vLLM scheduler half reads no blocks")] * len(reads)
 
     def close(self) -> None:
         return
