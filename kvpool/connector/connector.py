@@ -15,7 +15,8 @@ the first in vLLM's scheduler and the second in its workers, with the same code.
      if it fails again only the blocks before it are reused, the bad replica is reported to the master
      (so the next lookup does not offer it: B18), and the rest is recomputed.
   5. The lease is released in every case (B13).
-`publish` (step 5): reserve → write → commit through the pool client, off the TTFT path.
+`publish` (step 5): reserve → write → commit through the pool client, off the TTFT path
+(`kvpool.connector.publish`).
 """
 
 from __future__ import annotations
@@ -27,23 +28,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.client.types import PutResult
 from kvpool.connector.breaker import PoolBreaker
 from kvpool.connector.convoy import TTL_FACTOR, busiest, contended, peer_bytes
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.plan import LoadedPrefix, LoadPlan, LoadStats
 from kvpool.connector.ports import MasterPort, PoolPort, TransportPort
+from kvpool.connector.publish import publish_chain
 from kvpool.connector.pull import pull_blocks
-from kvpool.cost import (
-    LOCAL_LINK,
-    LinkLike,
-    PullLedger,
-    RecomputeModel,
-    decide_reuse,
-    t_transfer_s,
-)
+from kvpool.cost import LOCAL_LINK, LinkLike, PullLedger, RecomputeModel, decide_reuse, t_transfer_s
 from kvpool.cost.online import OnlineCalibration
-from kvpool.errors import DeadlineExceeded, FailedPrecondition, TransferError, Unavailable, VersionFenced
 from kvpool.prompt import max_reusable_blocks, reusable_tokens
 
 log = logging.getLogger(__name__)
@@ -55,12 +48,6 @@ FORCE_DECISION_ENV = "KVPOOL_FORCE_DECISION"
 """Benchmarks only: `pull` (load every hit block) | `recompute` (load none) | `auto` (default, the cost
 model). Forced loads still report the cost model's predictions: `predicted_pull_s` is then the predicted
 load of every hit block, and `reason` says what `auto` would have done."""
-
-
-def _refuses_the_kv(exc: FailedPrecondition) -> bool:
-    """A publish refused for its KV itself (a fenced namespace: not of its model's active version, or
-    one invalidated since the load), not for a lapse of the write (an expired lease, a stale slot)."""
-    return isinstance(exc, VersionFenced) or "invalidated" in str(exc)
 
 
 def forced_decision() -> str:
@@ -376,66 +363,23 @@ class KVConnector:
         request_id: str = "",
         flush_epoch: int | None = None,
     ) -> tuple[int, int]:
-        """Publish blocks `start_block..` of a chain (`blocks[i]` is block `start_block + i`). `flush_epoch`:
-        the `LoadedPrefix.flush_epoch` of the load the blocks were computed from (a namespace invalidated
-        since refuses them; None: unchecked).
-
-        Returns (num committed, num already present). Raises a `KVPoolError` on failure (the caller
-        reports `publish_failed`); a partial failure aborts the reservation, so nothing half-visible.
-        KV the master refuses as such (a namespace fenced by a version switch, or invalidated since the
-        load) leaves the node-local tier too: the tier never serves what the pool would not.
-        """
-        mine = list(hashes[start_block : start_block + len(blocks)])
-        parent = hashes[start_block - 1] if start_block > 0 else None
-        self.local_tier.put_chain(ns, parent, mine, blocks, report=False)  # reported once committed
-        try:
-            result = self._put(ns, hashes, start_block, mine, blocks, recompute_cost_s, flush_epoch)
-        except FailedPrecondition as exc:
-            if _refuses_the_kv(exc):
-                self.local_tier.discard(ns, mine)
-            raise
-        finally:
-            self.local_tier.report_stored(ns, mine)
-        if result is None:
-            return 0, 0
-        if result.num_failed:
-            raise TransferError(f"{result.num_failed} of {len(blocks)} blocks could not be written")
-        return result.num_committed, result.num_existing
-
-    def _put(
-        self,
-        ns: bytes,
-        hashes: Sequence[bytes],
-        start_block: int,
-        mine: list[bytes],
-        blocks: Sequence[np.ndarray],
-        recompute_cost_s: Sequence[float] | None,
-        flush_epoch: int | None,
-    ) -> PutResult | None:
-        """`publish`'s pool write (None: nothing to write); records the outcome in the breaker."""
-        if not blocks:
-            return None
-        if not self.breaker.allow():
-            raise Unavailable("pool unreachable (degraded mode): not publishing")
-        if self.pool is None:
-            raise FailedPrecondition("this connector has no pool client: it loads, never publishes")
-        parent = hashes[start_block - 1] if start_block > 0 else None
-        try:
-            result = self.pool.put_blocks(
-                ns,
-                parent,
-                mine,
-                list(blocks),
-                num_replicas=self.num_replicas,
-                recompute_cost_s=list(recompute_cost_s or ()),
-                writer_node_id=self.node_id,
-                flush_epoch=flush_epoch,
-            )
-        except (Unavailable, DeadlineExceeded):
-            self.breaker.record(False)
-            raise
-        self.breaker.record(True)
-        return result
+        """Publish blocks `start_block..` of a chain (`blocks[i]` is block `start_block + i`) under the
+        `flush_epoch` of the load they were computed from (None: unchecked); see
+        `kvpool.connector.publish.publish_chain`. Returns (num committed, num already present); raises a
+        `KVPoolError` on failure (the caller reports `publish_failed`)."""
+        return publish_chain(
+            self.pool,
+            self.local_tier,
+            self.breaker,
+            ns,
+            hashes,
+            blocks,
+            start_block=start_block,
+            num_replicas=self.num_replicas,
+            writer_node_id=self.node_id,
+            recompute_cost_s=recompute_cost_s,
+            flush_epoch=flush_epoch,
+        )
 
     def note_flush_epoch(self, flush_epoch: int) -> None:
         """A heartbeat answer's flush epoch: when it moved (a namespace was invalidated, or the master
