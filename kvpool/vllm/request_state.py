@@ -14,7 +14,7 @@ from typing import Any
 from kvpool.connector.plan import LoadPlan
 from kvpool.cost import LinkEstimate
 from kvpool.errors import TransferError
-from kvpool.hashing import Namespace
+from kvpool.hashing import Namespace, hash_blocks
 from transfer import BlockRead, BlockResult
 
 
@@ -38,6 +38,30 @@ class RequestState:
     load_failed: bool = False
     num_intact_blocks: int = 0
     wait_blocks: int = 0  # P/D decode: blocks its prefill engine published (waited for before matching)
+
+    def lease_gone(self, num_computed_tokens: int, block_size: int) -> bool:
+        """Would the decided plan now load blocks (vLLM's local hit shrank) although its lease was released
+        (the earlier answer loaded nothing)? Loading them unleased could read freed slots (B13)."""
+        plan = self.plan
+        if plan is None or plan.lease_id or self.num_local_tokens == num_computed_tokens:
+            return False
+        return min(plan.num_load_blocks, plan.num_pool_blocks) * block_size > num_computed_tokens
+
+    def may_ask_again(self, request: Any) -> bool:
+        """A request asks the pool again only when it was preempted since (its blocks were freed), and
+        never after a load of it failed (vLLM recomputes from the failure; asking again could loop)."""
+        return not self.load_failed and int(getattr(request, "num_preemptions", 0)) > self.num_preemptions
+
+    def extend_hashes(self, tokens: Sequence[int], n_blocks: int, block_size: int) -> None:
+        """Hash blocks up to `n_blocks` incrementally: block i's parent is block i-1's hash (the namespace
+        for block 0), the same tagged field either way (`kvpool.hashing`)."""
+        have = len(self.hashes)
+        if n_blocks <= have:
+            return
+        parent = self.hashes[-1] if self.hashes else self.digest
+        self.hashes.extend(
+            hash_blocks(parent, list(tokens[have * block_size : n_blocks * block_size]), block_size)
+        )
 
 
 class ReportedLinks:
