@@ -5,8 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool.serving.common import ServingSettings
+from kvpool.serving.metrics import LatencyMetric
 from kvpool.serving.runtime import NodeRuntime
 from kvpool.serving.serve import serve_node
+
+TPOT = LatencyMetric("tpot_seconds", "Mean time per output token after the first, per request.")
+"""The decode node's latency: `kvpool_decode_tpot_seconds`."""
 
 
 def main(settings: ServingSettings) -> None:
@@ -24,4 +28,4 @@ def main(settings: ServingSettings) -> None:
             scheduler.stop,
         )
 
-    serve_node(settings, role="decode", build=build)
+    serve_node(settings, role="decode", latency=TPOT, build=build)

@@ -5,8 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool.serving.common import ServingSettings
+from kvpool.serving.metrics import LatencyMetric
 from kvpool.serving.runtime import NodeRuntime
 from kvpool.serving.serve import serve_node
+
+TTFT = LatencyMetric("ttft_seconds", "Time to first token on the node (load + compute).")
+"""The prefill node's latency: `kvpool_prefill_ttft_seconds`."""
 
 
 def main(settings: ServingSettings) -> None:
@@ -21,4 +25,4 @@ def main(settings: ServingSettings) -> None:
             lambda: None,
         )
 
-    serve_node(settings, role="prefill", build=build)
+    serve_node(settings, role="prefill", latency=TTFT, build=build)

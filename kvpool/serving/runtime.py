@@ -17,7 +17,7 @@ from kvpool.connector.connector import KVConnector
 from kvpool.connector.local_tier import LocalTier
 from kvpool.prompt import reusable_tokens
 from kvpool.serving.common import ServingSettings
-from kvpool.serving.metrics import MeteredTransport, ServingMetrics
+from kvpool.serving.metrics import LatencyMetric, MeteredTransport, ServingMetrics
 from kvpool.types import NamespaceId
 
 if TYPE_CHECKING:
@@ -47,8 +47,11 @@ class NodeRuntime:
     metrics: ServingMetrics
 
     @classmethod
-    def start(cls, settings: ServingSettings, *, role: str) -> NodeRuntime:
-        """Load the model, calibrate, connect to the master and the pool. `agent` starts later (`attach`)."""
+    def start(
+        cls, settings: ServingSettings, *, role: str, latency: LatencyMetric | None = None
+    ) -> NodeRuntime:
+        """Load the model, calibrate, connect to the master and the pool. `agent` starts later (`attach`).
+        `latency`: the role's latency histogram in its metrics (None: none)."""
         from kvpool.client import MasterClient, PoolClient
         from kvpool.model import ModelRunner, calibrate_recompute
         from transfer import UcxTransport
@@ -58,7 +61,7 @@ class NodeRuntime:
             log.info("model %s: SYNTHETIC weights (embedded demo model, random but fixed)", runner.model_id)
         recompute = calibrate_recompute(runner)
         master = MasterClient(settings.master, timeout_s=2.0)
-        metrics = ServingMetrics(role)
+        metrics = ServingMetrics(role, latency)
         transport = MeteredTransport(
             UcxTransport(
                 endpoints_per_peer=settings.pull_endpoints_per_peer,

@@ -14,6 +14,7 @@ from kvpool.metrics import address_of, maybe_start
 from kvpool.rpc.process import print_ready
 from kvpool.rpc.server import start_server
 from kvpool.serving.common import ServingSettings
+from kvpool.serving.metrics import LatencyMetric
 from kvpool.serving.runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
@@ -35,16 +36,17 @@ def serve_node(
     settings: ServingSettings,
     *,
     role: str,
+    latency: LatencyMetric,
     build: Callable[[NodeRuntime], tuple[list[tuple[Any, Any, str]], Callable[[], int], Callable[[], None]]],
 ) -> None:
-    """Start the runtime, the gRPC server (`build` returns its registrations, a queue-length function and a
+    """Start the runtime (with the role's `latency` metric), the gRPC server (`build` returns its registrations, a queue-length function and a
     stop hook) and `/metrics`, register with the master, print the READY line, and block until a stop
     signal. A registration the master refuses (`AlreadyExists`: a live node holds this node id) raises
     before READY, with everything started so far stopped; a refused re-registration later stops the node
     and raises `NodeRefused`."""
     if not settings.node_id:
         settings = settings.model_copy(update={"node_id": default_node_id(role, settings.port)})
-    rt = NodeRuntime.start(settings, role=role)
+    rt = NodeRuntime.start(settings, role=role, latency=latency)
     registrations, queue_len, on_stop = build(rt)
     server = start_server(registrations, host=settings.bind_host, port=settings.port)
     address = f"{settings.bind_host}:{server.port}"
