@@ -8,11 +8,12 @@ from collections.abc import Iterator
 import grpc
 
 from decode_node.scheduler import DecodeJob, DecodeScheduler, is_done
+from kvpool.client import convert
 from kvpool.errors import InvalidArgument
 from kvpool.hashing import hash_blocks
+from kvpool.prompt import check_context, prompt_token_limit, validate_tokens
 from kvpool.rpc.status import rpc_errors
-from kvpool.serving.common import prompt_token_limit, validate_tokens
-from kvpool.serving.runtime import NodeRuntime, sampling_from_proto
+from kvpool.serving.runtime import NodeRuntime
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -40,22 +41,17 @@ class DecodeService(pb_grpc.DecodeServicer):
         )
         if request.first_token >= rt.runner.vocab_size:
             raise InvalidArgument(f"first_token {request.first_token} is outside the vocabulary")
-        params = sampling_from_proto(request.sampling)
-        limit = rt.runner.max_model_len
-        if len(prompt) + params.max_tokens > limit:
-            raise InvalidArgument(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceed the model's "
-                f"context of {limit} tokens"
-            )
+        params = convert.sampling(request.sampling)
+        check_context(len(prompt), params.max_tokens, rt.runner.max_model_len)
         ns = rt.namespace(request.cache_salt)
-        if request.block_hashes:
-            ours = hash_blocks(ns, prompt, rt.runner.layout.block_size)
-            if list(request.block_hashes) != ours:
-                raise InvalidArgument("block_hashes do not match the prompt under this node's namespace")
+        hashes = hash_blocks(ns, prompt, rt.runner.layout.block_size)  # once: the scheduler loads with them
+        if request.block_hashes and list(request.block_hashes) != hashes:
+            raise InvalidArgument("block_hashes do not match the prompt under this node's namespace")
         job = DecodeJob(
             request_id=request.request_id or f"dec-{id(request):x}",
             ns=ns,
             prompt=prompt,
+            hashes=hashes,
             first_token=int(request.first_token),
             params=params,
             prompt_committed=request.prompt_committed,
@@ -75,27 +71,26 @@ class DecodeService(pb_grpc.DecodeServicer):
         if job.error is not None:
             raise job.error
         s = job.stats
-        num_generated = s.get("num_generated", 1)
         rt.metrics.observe_request(
             num_prompt_tokens=len(prompt),
-            num_reused_tokens=s.get("num_reused_tokens", 0),
-            num_pulled_tokens=s.get("num_pulled_tokens", 0),
-            decision=s.get("decision", "none"),
-            pulled_bytes=s.get("pulled_bytes", 0),
-            pull_s=s.get("pull_s", 0.0),
-            latency_s=s.get("decode_s", 0.0) / (num_generated - 1) if num_generated > 1 else None,
+            num_reused_tokens=s.num_reused_tokens,
+            num_pulled_tokens=s.num_pulled_tokens,
+            decision=s.decision,
+            pulled_bytes=s.pulled_bytes,
+            pull_s=s.pull_s,
+            latency_s=s.tpot_s,
         )
         yield pb.DecodeEvent(
             finished=True,
             stats=pb.DecodeStats(
                 num_prompt_tokens=len(prompt),
-                num_reused_tokens=s.get("num_reused_tokens", 0),
-                num_pulled_tokens=s.get("num_pulled_tokens", 0),
-                pulled_bytes=s.get("pulled_bytes", 0),
-                decision=s.get("decision", "none"),
-                load_s=s.get("load_s", 0.0),
-                decode_s=s.get("decode_s", 0.0),
-                num_generated=s.get("num_generated", 1),
-                finish_reason=s.get("finish_reason", ""),
+                num_reused_tokens=s.num_reused_tokens,
+                num_pulled_tokens=s.num_pulled_tokens,
+                pulled_bytes=s.pulled_bytes,
+                decision=s.decision,
+                load_s=s.load_s,
+                decode_s=s.decode_s,
+                num_generated=s.num_generated,
+                finish_reason=s.finish_reason,
             ),
         )

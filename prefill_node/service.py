@@ -11,17 +11,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
+from kvpool.client import convert
 from kvpool.hashing import hash_blocks
+from kvpool.prompt import prompt_token_limit, validate_tokens
 from kvpool.rpc.status import rpc_errors
-from kvpool.serving.common import prompt_token_limit, validate_tokens
-from kvpool.serving.runtime import NodeRuntime, make_step_generator, sampling_from_proto
+from kvpool.serving.runtime import NodeRuntime
+from kvpool.serving.sampling import make_step_generator
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpool.connector.plan import LoadedPrefix
+    from kvpool.model import KVPrefix
+    from kvpool.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +59,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         rid = request.request_id or f"req-{id(request):x}"
         limit = prompt_token_limit(rt.settings.max_prompt_tokens, rt.runner.max_model_len)
         tokens = validate_tokens(request.token_ids, vocab_size=rt.runner.vocab_size, max_tokens=limit)
-        params = sampling_from_proto(request.sampling)
+        params = convert.sampling(request.sampling)
         ns = rt.namespace(request.cache_salt)
         block_size = rt.runner.layout.block_size
         hashes = hash_blocks(ns, tokens, block_size)
@@ -115,7 +124,13 @@ class PrefillService(pb_grpc.PrefillServicer):
         yield pb.PrefillEvent(published=self._publish(request, ns, hashes, full, loaded, rid))
 
     def _publish(
-        self, request: Any, ns: bytes, hashes: list, full: Any, loaded: Any, rid: str
+        self,
+        request: pb.PrefillRequest,
+        ns: bytes,
+        hashes: Sequence[bytes],
+        full: KVPrefix,
+        loaded: LoadedPrefix,
+        rid: str,
     ) -> pb.PrefillPublished:
         """Publish the full blocks the pool does not hold yet (off the TTFT path), under the flush epoch
         the load began with."""
@@ -151,7 +166,7 @@ class PrefillService(pb_grpc.PrefillServicer):
         )
 
 
-def _sample(logits: Any, params: Any) -> int:
+def _sample(logits: torch.Tensor, params: SamplingParams) -> int:
     from kvpool.model import sample_next
 
     return sample_next(logits, params, make_step_generator(params, 0))

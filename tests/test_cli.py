@@ -202,9 +202,11 @@ def test_bench_ttft_refuses_an_unknown_transport_and_a_too_long_prompt_before_st
 def test_the_nodes_and_the_router_have_one_prompt_limit() -> None:
     """One rule (`prompt_token_limit`): the nodes said 32768 where the router said 32767 (the model's
     context less the first output token)."""
+    from kvpool.model.settings import model_context_len
+    from kvpool.prompt import prompt_token_limit
     from kvpool.router.model_info import ModelInfo
     from kvpool.router.settings import RouterSettings
-    from kvpool.serving.common import ServingSettings, model_context_len, prompt_token_limit
+    from kvpool.serving.common import ServingSettings
 
     context = model_context_len(None)
     assert context == ModelInfo.load(None, block_size=64).max_model_len

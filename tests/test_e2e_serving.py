@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("torch")
 
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec  # noqa: E402
-from kvpool.demo.orchestrator import Orchestrator, Sampling  # noqa: E402
+from kvpool.demo.orchestrator import Orchestrator  # noqa: E402
+from kvpool.sampling import SamplingParams  # noqa: E402
 
 BLOCK = 16
 
@@ -57,7 +58,7 @@ def _prompt(seed: int, n: int, vocab: int = 256) -> list[int]:
 def test_greedy_with_hits_equals_without(orch: Orchestrator) -> None:
     shared = _prompt(1, 8 * BLOCK)
     prompts = [shared + _prompt(100 + i, 5 + i) for i in range(20)]
-    sampling = Sampling(max_tokens=6)
+    sampling = SamplingParams(max_tokens=6)
     num_hits = 0
     for i, prompt in enumerate(prompts):
         warm = orch.run(prompt, sampling=sampling, request_id=f"g{i}")
@@ -79,7 +80,7 @@ def test_greedy_with_hits_equals_without(orch: Orchestrator) -> None:
 
 def test_seeded_temperature_same_warm_and_cold(orch: Orchestrator) -> None:
     prompt = _prompt(7, 6 * BLOCK + 3)
-    s = Sampling(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=8)
+    s = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=8)
     orch.run(prompt, sampling=s, request_id="t-publish")
     warm = orch.run(prompt, sampling=s, request_id="t-warm")
     cold = orch.run(prompt, sampling=s, use_cache=False, publish=False, request_id="t-cold")
@@ -89,22 +90,22 @@ def test_seeded_temperature_same_warm_and_cold(orch: Orchestrator) -> None:
 
 def test_sampling_params_do_not_change_hits(orch: Orchestrator) -> None:
     prompt = _prompt(8, 5 * BLOCK + 1)
-    orch.run(prompt, sampling=Sampling(max_tokens=2), request_id="s-publish")
-    a = orch.run(prompt, sampling=Sampling(max_tokens=2), request_id="s-a")
-    b = orch.run(prompt, sampling=Sampling(temperature=1.3, seed=5, max_tokens=3), request_id="s-b")
+    orch.run(prompt, sampling=SamplingParams(max_tokens=2), request_id="s-publish")
+    a = orch.run(prompt, sampling=SamplingParams(max_tokens=2), request_id="s-a")
+    b = orch.run(prompt, sampling=SamplingParams(temperature=1.3, seed=5, max_tokens=3), request_id="s-b")
     assert a.prefill["num_matched_tokens"] == b.prefill["num_matched_tokens"] == 5 * BLOCK
     assert a.prefill["num_reused_tokens"] == b.prefill["num_reused_tokens"]
 
 
 def test_second_chat_turn_hits_first_answer(orch: Orchestrator) -> None:
     turn1 = _prompt(9, 3 * BLOCK + 5)
-    first = orch.run(turn1, sampling=Sampling(max_tokens=2 * BLOCK), request_id="chat-1")
+    first = orch.run(turn1, sampling=SamplingParams(max_tokens=2 * BLOCK), request_id="chat-1")
     assert len(first.tokens) == 2 * BLOCK
     turn2 = turn1 + first.tokens + _prompt(10, 7)
     # decode publishes prompt + answer after it finishes: allow it a moment
     deadline = time.monotonic() + 10
     while True:
-        second = orch.run(turn2, sampling=Sampling(max_tokens=2), publish=False, request_id="chat-2")
+        second = orch.run(turn2, sampling=SamplingParams(max_tokens=2), publish=False, request_id="chat-2")
         if second.prefill["num_reused_tokens"] > len(turn1) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -120,7 +121,7 @@ def test_failed_pull_reuses_exactly_the_blocks_before(
     from kvpool.hashing import hash_blocks
 
     prompt = _prompt(11, 10 * BLOCK + 2)
-    sampling = Sampling(max_tokens=5)
+    sampling = SamplingParams(max_tokens=5)
     reference = orch.run(prompt, sampling=sampling, use_cache=False, publish=False, request_id="f-ref")
     orch.run(prompt, sampling=sampling, request_id="f-publish")
     ns = runner.namespace().digest()

@@ -164,13 +164,14 @@ class PrefillCaller:
         self, tokens: Sequence[int], *, use_cache: bool, publish: bool, rid: str
     ) -> tuple[float, dict[str, Any]]:
         """(TTFT seconds, the node's PrefillStats as a dict); consumes the stream (publish included)."""
-        from kvpool.demo.orchestrator import Sampling
+        from kvpool.client import convert
+        from kvpool.sampling import SamplingParams
         from kvpool.v1 import kvpool_pb2 as pb
 
         req = pb.PrefillRequest(
             request_id=rid,
             token_ids=list(tokens),
-            sampling=Sampling(max_tokens=1).to_proto(),
+            sampling=convert.sampling_pb(SamplingParams(max_tokens=1)),
             publish=publish,
             use_cache=use_cache,
         )

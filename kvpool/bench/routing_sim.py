@@ -39,6 +39,7 @@ import numpy as np
 from kvpool.cost import LinkEstimate, RecomputeModel, decide_reuse
 from kvpool.errors import InvalidArgument, NotFound
 from kvpool.index import DEFAULT_POLICY, RadixIndex
+from kvpool.prompt import max_reusable_blocks
 from kvpool.router.policy import COST_MARGIN, RouteRequest, RoutingPolicy
 from kvpool.router.state import Inflight, node_states
 from kvpool.trace import TRACE_BLOCK_TOKENS, Trace
@@ -340,7 +341,7 @@ class _Sim:
         """The router's `place` (kvpool.router.service), minus hashing and gRPC: peek, states, choose."""
         req = self.wl.requests[i]
         bs = self.wl.block_tokens
-        max_blocks = max(0, (req.prompt_len - 1) // bs)
+        max_blocks = max_reusable_blocks(req.prompt_len, bs)
         res = self.index.match_prefix(_NS, req.hashes[:max_blocks], count_hit=False, lease_ttl_ms=0)
         match = None
         if res.num_matched:
@@ -366,7 +367,7 @@ class _Sim:
         i = node.queue.pop(0)
         node.busy = True
         req, bs, p = self.wl.requests[i], self.wl.block_tokens, self.cfg.profile
-        max_blocks = max(0, (req.prompt_len - 1) // bs)
+        max_blocks = max_reusable_blocks(req.prompt_len, bs)
         cand = req.hashes[:max_blocks]
         num_pool = self.index.match_prefix(_NS, cand, count_hit=True, lease_ttl_ms=0).num_matched
         num_local = 0

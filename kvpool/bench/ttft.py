@@ -24,10 +24,12 @@ TRANSPORTS = ("tcp", "auto")
 
 
 def check_prompt_fits(prompt_tokens: int, model_dir: str | None) -> int:
-    """The serving nodes' prompt limit (`kvpool.serving.common.prompt_token_limit`, with their settings from
+    """The serving nodes' prompt limit (`kvpool.prompt.prompt_token_limit`, with their settings from
     `KVPOOL_*` as the nodes will see them); `InvalidArgument` when `prompt_tokens` exceeds it. Called
     before any process starts."""
-    from kvpool.serving.common import ServingSettings, model_context_len, prompt_token_limit
+    from kvpool.model.settings import model_context_len
+    from kvpool.prompt import prompt_token_limit
+    from kvpool.serving.common import ServingSettings
 
     max_prompt, context = ServingSettings().max_prompt_tokens, model_context_len(model_dir)
     limit = prompt_token_limit(max_prompt, context)
@@ -51,8 +53,9 @@ def run_ttft(
     json_out: Path | None = None,
 ) -> dict[str, Any]:
     from kvpool.cluster.local import LocalCluster, LocalClusterSpec
-    from kvpool.demo.orchestrator import Orchestrator, Sampling
+    from kvpool.demo.orchestrator import Orchestrator
     from kvpool.model import ModelRunner
+    from kvpool.sampling import SamplingParams
 
     if transport not in TRANSPORTS:
         raise InvalidArgument(f"transport must be {' or '.join(TRANSPORTS)}, got {transport!r}")
@@ -77,7 +80,7 @@ def run_ttft(
         segment_size=f"{seg // 2**20}MiB",
         extra_env=env,
     )
-    sampling = Sampling(max_tokens=1)
+    sampling = SamplingParams(max_tokens=1)
     records: list[dict[str, Any]] = []
     with LocalCluster(spec) as cluster:
         orch = Orchestrator(cluster.prefill_addresses[0], cluster.decode_addresses[0], timeout_s=600)

@@ -17,6 +17,7 @@ from kvpool.client.types import (
     Reservation,
     ReservedBlock,
 )
+from kvpool.sampling import SamplingParams
 from kvpool.types import Location
 from kvpool.v1 import kvpool_pb2 as pb
 
@@ -200,4 +201,30 @@ def stats(r: Any) -> PoolStats:
             NamespaceStatus(bytes(x.namespace), x.model_id, x.weights_version, x.active, x.num_blocks)
             for x in r.namespaces
         ],
+    )
+
+
+def sampling(msg: Any) -> SamplingParams:
+    """A `pb.SamplingParams` as the domain value, validated (`InvalidArgument`); unset `top_p` and
+    `max_tokens` (0 on the wire) are 1.0 and 16."""
+    return SamplingParams(
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p) if msg.top_p else 1.0,
+        top_k=int(msg.top_k),
+        seed=int(msg.seed) if msg.has_seed else None,
+        max_tokens=int(msg.max_tokens) if msg.max_tokens else 16,
+        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+    )
+
+
+def sampling_pb(params: SamplingParams) -> pb.SamplingParams:
+    """`SamplingParams` on the wire (`has_seed` says whether `seed` is set)."""
+    return pb.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed or 0,
+        has_seed=params.seed is not None,
+        max_tokens=params.max_tokens,
+        stop_token_ids=list(params.stop_token_ids),
     )

@@ -15,7 +15,8 @@ the first in vLLM's scheduler and the second in its workers, with the same code.
      if it fails again only the blocks before it are reused, the bad replica is reported to the master
      (so the next lookup does not offer it: B18), and the rest is recomputed.
   5. The lease is released in every case (B13).
-`publish` (step 5): reserve → write → commit through the pool client, off the TTFT path.
+`publish` (step 5): reserve → write → commit through the pool client, off the TTFT path
+(`kvpool.connector.publish`).
 """
 
 from __future__ import annotations
@@ -24,27 +25,19 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from kvpool.client.types import PutResult
 from kvpool.connector.breaker import PoolBreaker
 from kvpool.connector.convoy import TTL_FACTOR, busiest, contended, peer_bytes
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.plan import LoadedPrefix, LoadPlan, LoadStats
+from kvpool.connector.ports import MasterPort, PoolPort, TransportPort
+from kvpool.connector.publish import publish_chain
 from kvpool.connector.pull import pull_blocks
-from kvpool.cost import (
-    LOCAL_LINK,
-    LinkEstimate,
-    LinkLike,
-    PullLedger,
-    RecomputeModel,
-    decide_reuse,
-    t_transfer_s,
-)
+from kvpool.cost import LOCAL_LINK, LinkLike, PullLedger, RecomputeModel, decide_reuse, t_transfer_s
 from kvpool.cost.online import OnlineCalibration
-from kvpool.errors import DeadlineExceeded, FailedPrecondition, TransferError, Unavailable, VersionFenced
+from kvpool.prompt import max_reusable_blocks, reusable_tokens
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +50,6 @@ model). Forced loads still report the cost model's predictions: `predicted_pull_
 load of every hit block, and `reason` says what `auto` would have done."""
 
 
-def _refuses_the_kv(exc: FailedPrecondition) -> bool:
-    """A publish refused for its KV itself (a fenced namespace: not of its model's active version, or
-    one invalidated since the load), not for a lapse of the write (an expired lease, a stale slot)."""
-    return isinstance(exc, VersionFenced) or "invalidated" in str(exc)
-
-
 def forced_decision() -> str:
     """The value of `KVPOOL_FORCE_DECISION` (read per load), "auto" when unset or unknown."""
     value = os.environ.get(FORCE_DECISION_ENV, "auto").strip().lower()
@@ -73,9 +60,9 @@ class KVConnector:
     """Pool + local tier access for one node. Thread-safe as far as its clients are.
 
     Args:
-        master: a `kvpool.client.MasterClient`.
-        pool: a `kvpool.client.PoolClient` (publishes: reserve, write, commit).
-        transport: a `transfer.Transport` (pulls).
+        master: the master link (`kvpool.connector.ports.MasterPort`, e.g. a `kvpool.client.MasterClient`).
+        pool: the pool client that publishes (reserve, write, commit); None: this connector only loads.
+        transport: link estimates and block reads (a `transfer.Transport`).
         block_size, block_nbytes: the KV layout's figures.
         recompute: the calibrated recompute model of this node's runner (corrected online by
             `calibration` from the forwards and pulls this node runs; see kvpool.cost.online).
@@ -86,9 +73,9 @@ class KVConnector:
     def __init__(
         self,
         *,
-        master: Any,
-        pool: Any,
-        transport: Any,
+        master: MasterPort,
+        pool: PoolPort | None,
+        transport: TransportPort,
         node_id: str,
         block_size: int,
         block_nbytes: int,
@@ -129,9 +116,9 @@ class KVConnector:
 
     def max_reusable_blocks(self, num_tokens: int) -> int:
         """Blocks that may be reused for a prompt of `num_tokens`: the last token is always computed."""
-        return max(0, (num_tokens - 1) // self.block_size)
+        return max_reusable_blocks(num_tokens, self.block_size)
 
-    def link_to_pool(self, addresses: Sequence[str]) -> LinkEstimate | None:
+    def link_to_pool(self, addresses: Sequence[str]) -> LinkLike | None:
         """The slowest calibrated link among the stores we would pull from (conservative)."""
         links = []
         for address in set(addresses):
@@ -281,8 +268,9 @@ class KVConnector:
         )
         stats.predicted_pull_s = decision.predicted_load_s
         stats.predicted_recompute_s = decision.predicted_recompute_all_s
-        n_rest = max(1, stats.num_prompt_tokens - num_hit * self.block_size)  # every hit block loaded
-        stats.predicted_compute_s = cal.recompute.t_recompute_s(n_rest, stats.num_prompt_tokens - n_rest)
+        n_prompt = stats.num_prompt_tokens
+        n_rest = n_prompt - reusable_tokens(num_hit * self.block_size, n_prompt)  # every hit block loaded
+        stats.predicted_compute_s = cal.recompute.t_recompute_s(n_rest, n_prompt - n_rest)
         stats.reason = decision.reason
         stats.num_pulls_in_flight, stats.queued_bytes = queue.num_pulls, decision.queued_bytes
         k = decision.num_load_blocks
@@ -375,64 +363,23 @@ class KVConnector:
         request_id: str = "",
         flush_epoch: int | None = None,
     ) -> tuple[int, int]:
-        """Publish blocks `start_block..` of a chain (`blocks[i]` is block `start_block + i`). `flush_epoch`:
-        the `LoadedPrefix.flush_epoch` of the load the blocks were computed from (a namespace invalidated
-        since refuses them; None: unchecked).
-
-        Returns (num committed, num already present). Raises a `KVPoolError` on failure (the caller
-        reports `publish_failed`); a partial failure aborts the reservation, so nothing half-visible.
-        KV the master refuses as such (a namespace fenced by a version switch, or invalidated since the
-        load) leaves the node-local tier too: the tier never serves what the pool would not.
-        """
-        mine = list(hashes[start_block : start_block + len(blocks)])
-        parent = hashes[start_block - 1] if start_block > 0 else None
-        self.local_tier.put_chain(ns, parent, mine, blocks, report=False)  # reported once committed
-        try:
-            result = self._put(ns, hashes, start_block, mine, blocks, recompute_cost_s, flush_epoch)
-        except FailedPrecondition as exc:
-            if _refuses_the_kv(exc):
-                self.local_tier.discard(ns, mine)
-            raise
-        finally:
-            self.local_tier.report_stored(ns, mine)
-        if result is None:
-            return 0, 0
-        if result.num_failed:
-            raise TransferError(f"{result.num_failed} of {len(blocks)} blocks could not be written")
-        return result.num_committed, result.num_existing
-
-    def _put(
-        self,
-        ns: bytes,
-        hashes: Sequence[bytes],
-        start_block: int,
-        mine: list[bytes],
-        blocks: Sequence[np.ndarray],
-        recompute_cost_s: Sequence[float] | None,
-        flush_epoch: int | None,
-    ) -> PutResult | None:
-        """`publish`'s pool write (None: nothing to write); records the outcome in the breaker."""
-        if not blocks:
-            return None
-        if not self.breaker.allow():
-            raise Unavailable("pool unreachable (degraded mode): not publishing")
-        parent = hashes[start_block - 1] if start_block > 0 else None
-        try:
-            result = self.pool.put_blocks(
-                ns,
-                parent,
-                mine,
-                list(blocks),
-                num_replicas=self.num_replicas,
-                recompute_cost_s=list(recompute_cost_s or ()),
-                writer_node_id=self.node_id,
-                flush_epoch=flush_epoch,
-            )
-        except (Unavailable, DeadlineExceeded):
-            self.breaker.record(False)
-            raise
-        self.breaker.record(True)
-        return result
+        """Publish blocks `start_block..` of a chain (`blocks[i]` is block `start_block + i`) under the
+        `flush_epoch` of the load they were computed from (None: unchecked); see
+        `kvpool.connector.publish.publish_chain`. Returns (num committed, num already present); raises a
+        `KVPoolError` on failure (the caller reports `publish_failed`)."""
+        return publish_chain(
+            self.pool,
+            self.local_tier,
+            self.breaker,
+            ns,
+            hashes,
+            blocks,
+            start_block=start_block,
+            num_replicas=self.num_replicas,
+            writer_node_id=self.node_id,
+            recompute_cost_s=recompute_cost_s,
+            flush_epoch=flush_epoch,
+        )
 
     def note_flush_epoch(self, flush_epoch: int) -> None:
         """A heartbeat answer's flush epoch: when it moved (a namespace was invalidated, or the master

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.cost import LinkEstimate
+from kvpool.cost import LinkLike
 from kvpool.types import Location
 
 
@@ -71,7 +71,7 @@ class LoadPlan:
     addresses: dict[str, str] = field(default_factory=dict)
     lease_id: int | None = None
     pull_timeout_s: float = 0.0
-    link: LinkEstimate | None = None
+    link: LinkLike | None = None
     flush_epoch: int | None = None
     pull_ticket: str | None = None
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.client.faults import is_replica_fault
+from kvpool.connector.ports import MasterPort, TransportPort
 from kvpool.types import Location
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ def _pick(replicas: Sequence[Location], addresses: dict[str, str], skip: set[Loc
 
 
 def pull_blocks(
-    transport: Any,
-    master: Any,
+    transport: TransportPort,
+    master: MasterPort,
     ns: bytes,
     hashes: Sequence[bytes],
     replicas: Sequence[Sequence[Location]],
@@ -48,7 +49,7 @@ def pull_blocks(
 ) -> tuple[list[np.ndarray], int]:
     """Read blocks `start..end` of a match. Returns (leading run of intact blocks, num failed reads).
 
-    `transport` implements `transfer.Transport`; `master` is a `MasterClient` (bad replicas are reported).
+    `transport` reads the blocks; bad replicas are reported to `master`.
     """
     from transfer import BlockRead
 

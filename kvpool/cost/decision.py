@@ -27,6 +27,7 @@ from typing import Any
 from kvpool.cost.link import LOCAL_LINK, LinkLike, t_transfer_s
 from kvpool.cost.recompute import RecomputeModel
 from kvpool.errors import InvalidArgument
+from kvpool.prompt import reusable_tokens
 
 DEFAULT_MARGIN = 0.25
 """Loads are predicted 25 % slower than calibrated when compared with recompute (a safety margin)."""
@@ -134,7 +135,7 @@ def decide_reuse(
     q = queued_bytes
 
     def compute_s(k: int) -> tuple[int, float]:
-        n_new = max(1, prompt_len - k * bs)
+        n_new = prompt_len - reusable_tokens(k * bs, prompt_len)  # >= 1: the last token (B06)
         return n_new, recompute.t_recompute_s(n_new, prompt_len - n_new)
 
     recompute_all = recompute.t_recompute_s(prompt_len, 0)

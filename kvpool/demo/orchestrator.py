@@ -14,9 +14,10 @@ from typing import Any
 
 import grpc
 
+from kvpool.client import convert
 from kvpool.rpc.server import channel
 from kvpool.rpc.status import raise_from_rpc_error
-from kvpool.serving.sampling import Sampling
+from kvpool.sampling import SamplingParams
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -55,7 +56,7 @@ class Orchestrator:
         self,
         token_ids: Sequence[int],
         *,
-        sampling: Sampling = Sampling(),
+        sampling: SamplingParams = SamplingParams(),
         use_cache: bool = True,
         publish: bool = True,
         cache_salt: str = "",
@@ -66,7 +67,7 @@ class Orchestrator:
         req = pb.PrefillRequest(
             request_id=rid,
             token_ids=list(token_ids),
-            sampling=sampling.to_proto(),
+            sampling=convert.sampling_pb(sampling),
             cache_salt=cache_salt,
             publish=publish,
             use_cache=use_cache,
@@ -92,7 +93,7 @@ class Orchestrator:
             token_ids=list(token_ids),
             first_token=first.token_id,
             block_hashes=list(first.block_hashes),
-            sampling=sampling.to_proto(),
+            sampling=convert.sampling_pb(sampling),
             cache_salt=cache_salt,
             prompt_committed=status == "committed",
             publish=publish,

@@ -17,9 +17,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvpool.demo.orchestrator import Orchestrator, RequestResult, Sampling
+from kvpool.demo.orchestrator import Orchestrator, RequestResult
 from kvpool.demo.workload import DemoRequest, chat_requests, default_chat_trace, rag_requests
 from kvpool.report import write_report
+from kvpool.sampling import SamplingParams
 from kvpool.trace import Trace
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def run_demo(
     spec = LocalClusterSpec(
         layout=runner.layout.fingerprint(), block_size=block_size, device=device, model_dir=model_dir
     )
-    sampling = Sampling(temperature=0.0, max_tokens=max_tokens)
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     results: dict[str, list[tuple[DemoRequest, RequestResult, RequestResult]]] = {"rag": [], "chat": []}
     console.print(f"starting a local cluster: master, {spec.num_stores} store nodes, 1 prefill, 1 decode ...")
     with LocalCluster(spec) as cluster:

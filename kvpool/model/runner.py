@@ -23,9 +23,11 @@ from kvpool.model.attention import register as register_prefix_attention
 from kvpool.model.digest import weights_digest
 from kvpool.model.embedded import embedded_model_dir, read_marker
 from kvpool.model.kv import BlockBytes, KVPrefix, gather_blocks, scatter_blocks
-from kvpool.model.sampling import SamplingParams, make_generator, sample_next
+from kvpool.model.sampling import make_generator, sample_next
 from kvpool.model.settings import DEFAULT_MAX_MODEL_LEN
 from kvpool.model.tokenizer import Tokenizer, load_tokenizer
+from kvpool.prompt import reusable_tokens
+from kvpool.sampling import SamplingParams
 from kvpool.types import KVLayout
 
 log = logging.getLogger(__name__)
@@ -240,7 +242,7 @@ class ModelRunner:
         prefix = prefix or KVPrefix.empty()
         if prefix.num_tokens > len(prompt_ids):
             raise InvalidArgument(f"prefix of {prefix.num_tokens} tokens is longer than the prompt")
-        reused = min(prefix.num_tokens, len(prompt_ids) - 1)
+        reused = reusable_tokens(prefix.num_tokens, len(prompt_ids))
         return self.prefill(prompt_ids[reused:], prefix.truncated(reused))
 
     def decode_step(self, batch: Sequence[tuple[KVPrefix, int]]) -> tuple[torch.Tensor, list[KVPrefix]]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import field_validator
 
 from kvpool.config import KVPoolSettings
+from kvpool.errors import InvalidArgument, NotFound
 
 if TYPE_CHECKING:
     import torch
@@ -80,3 +82,22 @@ class ModelSettings(KVPoolSettings):
     @classmethod
     def _device(cls, value: str) -> str:
         return check_device(value)
+
+
+def model_context_len(model_dir: str | Path | None) -> int:
+    """`max_position_embeddings` of a model directory's config.json (None = the embedded model), read
+    without torch or loading weights; `NotFound` without a config.json (as the runner), `InvalidArgument`
+    when it is not JSON."""
+    if model_dir is None:
+        from kvpool.model.embedded import DEFAULT_SPEC
+
+        return DEFAULT_SPEC.max_position_embeddings
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise NotFound(f"no config.json in model directory {path.parent}") from None
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot read {path}: {exc}") from None
+    cfg = (raw.get("text_config") or raw) if isinstance(raw, dict) else {}
+    return int(cfg.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN)

@@ -1,19 +1,24 @@
-"""Settings and request helpers shared by the prefill and decode nodes."""
+"""Settings shared by the prefill and decode nodes.
+
+The prompt limits live in `kvpool.prompt` and the model's context length in `kvpool.model.settings`;
+they are re-exported here for the callers that import them from this module.
+"""
 
 from __future__ import annotations
-
-import json
-from collections.abc import Sequence
-from pathlib import Path
 
 from pydantic import Field, field_validator
 
 from kvpool.config import KVPoolSettings, check_host_port
-from kvpool.errors import InvalidArgument, NotFound
-from kvpool.model.settings import DEFAULT_MAX_MODEL_LEN
+from kvpool.model.settings import model_context_len
+from kvpool.prompt import DEFAULT_MAX_PROMPT_TOKENS, prompt_token_limit, validate_tokens
 
-DEFAULT_MAX_PROMPT_TOKENS = 32_768
-"""A node's `max_prompt_tokens` by default (the router's default is the same number)."""
+__all__ = [
+    "DEFAULT_MAX_PROMPT_TOKENS",
+    "ServingSettings",
+    "model_context_len",
+    "prompt_token_limit",
+    "validate_tokens",
+]
 
 
 class ServingSettings(KVPoolSettings):
@@ -54,52 +59,3 @@ class ServingSettings(KVPoolSettings):
     metrics_port: int = Field(
         default=0, ge=0, le=65535, description="/metrics port on bind_host (0 = ephemeral)"
     )
-
-
-def prompt_token_limit(max_prompt_tokens: int, max_model_len: int) -> int:
-    """The longest prompt accepted: at most `max_prompt_tokens`, and one position short of the model's
-    context (the first generated token needs it). The one rule of the prefill and decode nodes, the
-    router's `_check_prompt` and `kvpool bench ttft`'s check before it starts."""
-    return min(max_prompt_tokens, max_model_len - 1)
-
-
-def model_context_len(model_dir: str | Path | None) -> int:
-    """`max_position_embeddings` of a model directory's config.json (None = the embedded model), read
-    without torch or loading weights; `NotFound` without a config.json (as the runner), `InvalidArgument`
-    when it is not JSON."""
-    if model_dir is None:
-        from kvpool.model.embedded import DEFAULT_SPEC
-
-        return DEFAULT_SPEC.max_position_embeddings
-    path = Path(model_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise NotFound(f"no config.json in model directory {path.parent}") from None
-    except (OSError, ValueError) as exc:
-        raise InvalidArgument(f"cannot read {path}: {exc}") from None
-    cfg = (raw.get("text_config") or raw) if isinstance(raw, dict) else {}
-    return int(cfg.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN)
-
-
-def validate_tokens(token_ids: Sequence[int], *, vocab_size: int, max_tokens: int) -> list[int]:
-    """A prompt's token ids as a list; `InvalidArgument` when empty, longer than `max_tokens` (see
-    `prompt_token_limit`) or out of the vocabulary."""
-    tokens = list(token_ids)
-    if not tokens:
-        raise InvalidArgument("token_ids must not be empty")
-    if len(tokens) > max_tokens:
-        raise InvalidArgument(f"the prompt has {len(tokens)} tokens; the limit is {max_tokens} tokens")
-    bad = next((t for t in tokens if t >= vocab_size), None)
-    if bad is not None:
-        raise InvalidArgument(f"token id {bad} is outside the model's vocabulary of {vocab_size}")
-    return tokens
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The sampling seed for output position `step` of a request seeded with `seed`.
-
-    Position-derived, so the same request samples the same tokens whether its prompt KV was reused or
-    recomputed and wherever its first token was sampled (prefill) or the rest (decode).
-    """
-    return (seed * 1_000_003 + step * 7_919 + 1) % (2**63 - 1)

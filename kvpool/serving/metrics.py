@@ -2,7 +2,7 @@
 
 Per request: prompt tokens (the hit-rate denominator), reused tokens by source (`local`: the node-local
 tier, `pulled`: the pool), the load decision (`none` | `local` | `pull` | `recompute`), the pull time, and
-TTFT (prefill) or TPOT (decode). Per link (`peer` = a store node's data address): blocks, bytes and
+the role's latency (`LatencyMetric`: TTFT for prefill, TPOT for decode). Per link (`peer` = a store node's data address): blocks, bytes and
 batch latency of reads (pulls) and writes (publishes), counted by `MeteredTransport`, the transport the
 node's connector and pool client are given. The queue length is read at scrape time.
 """
@@ -11,19 +11,33 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpool.metrics import LATENCY_BUCKETS_S
 
+if TYPE_CHECKING:
+    from transfer import BlockRead, BlockResult, BlockWrite, LinkEstimate, Transport
+
 DECISIONS = ("none", "local", "pull", "recompute")
 
 
-class ServingMetrics:
-    """Counters of one prefill or decode node; `role` is the metric-name prefix after `kvpool_`."""
+@dataclass(frozen=True, slots=True)
+class LatencyMetric:
+    """A role's per-request latency histogram: `name` after `kvpool_<role>_` (e.g. `ttft_seconds`) and its
+    help text. Each role declares its own (prefill: TTFT, decode: TPOT)."""
 
-    def __init__(self, role: str) -> None:
+    name: str
+    help: str
+
+
+class ServingMetrics:
+    """Counters of one prefill or decode node; `role` is the metric-name prefix after `kvpool_`, `latency`
+    the role's latency histogram (None: none is recorded)."""
+
+    def __init__(self, role: str, latency: LatencyMetric | None = None) -> None:
         self.role = role
         self.registry = CollectorRegistry()
         r, p = self.registry, f"kvpool_{role}_"
@@ -71,21 +85,11 @@ class ServingMetrics:
             registry=r,
         )
         self.queue_len = Gauge(p + "queue_length", "Requests waiting or running on this node.", registry=r)
-        self.latency: Histogram
-        if role == "prefill":
-            self.latency = Histogram(
-                p + "ttft_seconds",
-                "Time to first token on the node (load + compute).",
-                buckets=LATENCY_BUCKETS_S,
-                registry=r,
-            )
-        else:
-            self.latency = Histogram(
-                p + "tpot_seconds",
-                "Mean time per output token after the first, per request.",
-                buckets=LATENCY_BUCKETS_S,
-                registry=r,
-            )
+        self.latency = (
+            Histogram(p + latency.name, latency.help, buckets=LATENCY_BUCKETS_S, registry=r)
+            if latency is not None
+            else None
+        )
 
     def set_queue_len(self, fn: Callable[[], int]) -> None:
         """Read the queue length from `fn` at scrape time."""
@@ -102,7 +106,8 @@ class ServingMetrics:
         pull_s: float,
         latency_s: float | None,
     ) -> None:
-        """One served request. `latency_s` is TTFT (prefill) or TPOT (decode; None when one token only)."""
+        """One served request. `latency_s`: the role's latency (None: not observed, e.g. the TPOT of a
+        one-token answer)."""
         self.requests.inc()
         self.prompt_tokens.inc(num_prompt_tokens)
         self.reused_tokens.labels("pulled").inc(num_pulled_tokens)
@@ -111,19 +116,19 @@ class ServingMetrics:
         self.pulled_bytes.inc(pulled_bytes)
         if num_pulled_tokens > 0 or pulled_bytes > 0:
             self.pull_seconds.observe(pull_s)
-        if latency_s is not None:
+        if latency_s is not None and self.latency is not None:
             self.latency.observe(latency_s)
 
 
 class MeteredTransport:
     """A `transfer.Transport` that forwards to `inner` and records per-peer blocks, bytes and latency."""
 
-    def __init__(self, inner: Any, metrics: ServingMetrics) -> None:
+    def __init__(self, inner: Transport, metrics: ServingMetrics) -> None:
         self._inner = inner
         self._m = metrics
 
     def _record(
-        self, peer: str, op: str, nbytes: Sequence[int], results: Sequence[Any], elapsed_s: float
+        self, peer: str, op: str, nbytes: Sequence[int], results: Sequence[BlockResult], elapsed_s: float
     ) -> None:
         m = self._m
         m.link_seconds.labels(peer, op).observe(elapsed_s)
@@ -132,22 +137,30 @@ class MeteredTransport:
         m.link_blocks.labels(peer, op, "false").inc(len(results) - num_ok)
         m.link_bytes.labels(peer, op).inc(sum(n for n, r in zip(nbytes, results, strict=False) if r.ok))
 
-    def read_blocks(self, peer: str, reads: Sequence[Any], out: Sequence[memoryview], **kwargs: Any) -> Any:
+    def read_blocks(
+        self, peer: str, reads: Sequence[BlockRead], out: Sequence[memoryview], **kwargs: Any
+    ) -> list[BlockResult]:
         t0 = time.perf_counter()
         results = self._inner.read_blocks(peer, reads, out, **kwargs)
         self._record(peer, "read", [r.nbytes for r in reads], results, time.perf_counter() - t0)
         return results
 
-    def write_blocks(self, peer: str, writes: Sequence[Any], **kwargs: Any) -> Any:
+    def write_blocks(self, peer: str, writes: Sequence[BlockWrite], **kwargs: Any) -> list[BlockResult]:
         t0 = time.perf_counter()
         results = self._inner.write_blocks(peer, writes, **kwargs)
         self._record(peer, "write", [_nbytes(w) for w in writes], results, time.perf_counter() - t0)
         return results
 
+    def link(self, peer: str) -> LinkEstimate:
+        return self._inner.link(peer)
+
+    def close(self) -> None:
+        self._inner.close()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
 
-def _nbytes(write: Any) -> int:
+def _nbytes(write: BlockWrite) -> int:
     data = write.data
     return int(getattr(data, "nbytes", None) or len(data))

@@ -8,56 +8,38 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.connector.agent import NodeAgent
 from kvpool.connector.connector import KVConnector
 from kvpool.connector.local_tier import LocalTier
+from kvpool.prompt import reusable_tokens
 from kvpool.serving.common import ServingSettings
-from kvpool.serving.metrics import MeteredTransport, ServingMetrics
+from kvpool.serving.metrics import LatencyMetric, MeteredTransport, ServingMetrics
 from kvpool.types import NamespaceId
 
-log = logging.getLogger(__name__)
-
-
-def sampling_from_proto(msg: Any) -> Any:
-    """`kvpool.v1.SamplingParams` → `kvpool.model.SamplingParams` (validated: `InvalidArgument`)."""
-    from kvpool.model import SamplingParams
-
-    return SamplingParams(
-        temperature=float(msg.temperature),
-        top_p=float(msg.top_p) if msg.top_p else 1.0,
-        top_k=int(msg.top_k),
-        seed=int(msg.seed) if msg.has_seed else None,
-        max_tokens=int(msg.max_tokens) if msg.max_tokens else 16,
-        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
-    )
-
-
-def make_step_generator(params: Any, step: int) -> Any:
-    """A generator for output position `step` (None for greedy); see `kvpool.serving.common.step_seed`."""
-    if params.greedy:
-        return None
-    import random
-
+if TYPE_CHECKING:
     import torch
 
-    from kvpool.serving.common import step_seed
+    from kvpool.client import MasterClient, PoolClient
+    from kvpool.connector.plan import LoadedPrefix
+    from kvpool.cost import RecomputeModel
+    from kvpool.model import KVPrefix, ModelRunner
+    from kvpool.v1 import kvpool_pb2 as pb
 
-    seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
-    return torch.Generator(device="cpu").manual_seed(step_seed(seed, step))
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class NodeRuntime:
     settings: ServingSettings
-    runner: Any
-    recompute: Any
-    master: Any
-    pool: Any
-    transport: Any
+    runner: ModelRunner
+    recompute: RecomputeModel
+    master: MasterClient
+    pool: PoolClient
+    transport: MeteredTransport
     connector: KVConnector
     agent: NodeAgent | None
     model_lock: threading.Lock
@@ -65,8 +47,11 @@ class NodeRuntime:
     metrics: ServingMetrics
 
     @classmethod
-    def start(cls, settings: ServingSettings, *, role: str, grpc_address_fn: Any = None) -> NodeRuntime:
-        """Load the model, calibrate, connect to the master and the pool. `agent` starts later (`attach`)."""
+    def start(
+        cls, settings: ServingSettings, *, role: str, latency: LatencyMetric | None = None
+    ) -> NodeRuntime:
+        """Load the model, calibrate, connect to the master and the pool. `agent` starts later (`attach`).
+        `latency`: the role's latency histogram in its metrics (None: none)."""
         from kvpool.client import MasterClient, PoolClient
         from kvpool.model import ModelRunner, calibrate_recompute
         from transfer import UcxTransport
@@ -76,7 +61,7 @@ class NodeRuntime:
             log.info("model %s: SYNTHETIC weights (embedded demo model, random but fixed)", runner.model_id)
         recompute = calibrate_recompute(runner)
         master = MasterClient(settings.master, timeout_s=2.0)
-        metrics = ServingMetrics(role)
+        metrics = ServingMetrics(role, latency)
         transport = MeteredTransport(
             UcxTransport(
                 endpoints_per_peer=settings.pull_endpoints_per_peer,
@@ -113,7 +98,12 @@ class NodeRuntime:
             metrics,
         )
 
-    def attach_agent(self, grpc_address: str, load_fn: Any, on_fatal: Any = None) -> None:
+    def attach_agent(
+        self,
+        grpc_address: str,
+        load_fn: Callable[[], dict[str, Any]] | None,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
         """Register with the master and start heartbeating; raises the master's refusal (e.g. `AlreadyExists`:
         a live node holds this node id). `on_fatal(message)`: a later re-registration was refused."""
         agent = NodeAgent(
@@ -130,7 +120,7 @@ class NodeRuntime:
         self.agent = agent  # GetInfo answers with this epoch from the registration on
         agent.start()
 
-    def info(self) -> Any:
+    def info(self) -> pb.GetInfoResponse:
         """`kvpool.v1.GetInfoResponse` for this node (epoch 0 and no address until the agent registered)."""
         from kvpool.v1 import kvpool_pb2 as pb
 
@@ -150,20 +140,20 @@ class NodeRuntime:
             return ns.digest()
         return self.agent.namespace(ns)
 
-    def compute_prompt(self, tokens: Sequence[int], loaded: Any) -> tuple[Any, Any]:
+    def compute_prompt(self, tokens: Sequence[int], loaded: LoadedPrefix) -> tuple[torch.Tensor, KVPrefix]:
         """Scatter a load's blocks and prefill the rest of `tokens` (>= the last token) on them.
 
         Returns `(logits, prefix)` as `ModelRunner.prefill_prompt`; the forward's time is folded into
         the connector's online recompute calibration. Callers hold `model_lock`.
         """
         prefix = self.runner.prefix_from_blocks(loaded.blocks) if loaded.blocks else None
-        n_ctx = min(prefix.num_tokens if prefix is not None else 0, len(tokens) - 1)
+        n_ctx = reusable_tokens(prefix.num_tokens if prefix is not None else 0, len(tokens))
         t0 = time.perf_counter()
         out = self.runner.prefill_prompt(tokens, prefix)
         self.connector.calibration.observe_compute(len(tokens) - n_ctx, n_ctx, time.perf_counter() - t0)
         return out
 
-    def load_info(self) -> dict[str, Any]:
+    def load_info(self) -> dict[str, float]:
         """Calibration figures for heartbeats (`NodeLoad` fields): the recompute model decisions use now."""
         r = self.connector.recompute
         return {

@@ -1,31 +1,47 @@
-"""Sampling parameters as callers of the Prefill/Decode services send them (the router, the demo's
-orchestrator, benchmarks). Validation happens on the nodes (`kvpool.model.SamplingParams`)."""
+"""Sampling on the serving nodes: the seed and generator of each output position, shared by prefill (the
+first token) and decode (the rest), so a seeded request draws the same tokens wherever it runs.
+
+`Sampling` is `kvpool.sampling.SamplingParams` with `to_proto()`, kept for the router's `generate` until it
+converts with `kvpool.client.convert.sampling_pb` itself; everything else uses `SamplingParams`.
+"""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.client import convert
+from kvpool.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpool.v1 import kvpool_pb2 as pb
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed for output position `step` of a request seeded with `seed`.
+
+    Position-derived, so the same request samples the same tokens whether its prompt KV was reused or
+    recomputed and wherever its first token was sampled (prefill) or the rest (decode).
+    """
+    return (seed * 1_000_003 + step * 7_919 + 1) % (2**63 - 1)
+
+
+def make_step_generator(params: SamplingParams, step: int) -> torch.Generator | None:
+    """A CPU generator for output position `step` (None for greedy); see `step_seed`."""
+    if params.greedy:
+        return None
+    import torch
+
+    seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+    return torch.Generator(device="cpu").manual_seed(step_seed(seed, step))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Sampling:
-    """temperature 0 = greedy; top_p in (0, 1]; top_k 0 = all; seed None = unseeded; max_tokens >= 1."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
+class Sampling(SamplingParams):
+    """`SamplingParams` that converts itself to the wire (the router's `generate` calls `to_proto`)."""
 
     def to_proto(self) -> pb.SamplingParams:
-        return pb.SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed or 0,
-            has_seed=self.seed is not None,
-            max_tokens=self.max_tokens,
-            stop_token_ids=list(self.stop_token_ids),
-        )
+        return convert.sampling_pb(self)

@@ -6,14 +6,17 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import grpc
 
 from kvpool.errors import KVPoolError
 from kvpool.metrics import address_of, maybe_start
 from kvpool.rpc.process import print_ready
 from kvpool.rpc.server import start_server
 from kvpool.serving.common import ServingSettings
+from kvpool.serving.metrics import LatencyMetric
 from kvpool.serving.runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
@@ -31,21 +34,31 @@ def default_node_id(role: str, port: int) -> str:
     return f"{role}-{socket.gethostname()}-{port or f'p{os.getpid()}'}"
 
 
-def serve_node(
-    settings: ServingSettings,
-    *,
-    role: str,
-    build: Callable[[NodeRuntime], tuple[list[tuple[Any, Any, str]], Callable[[], int], Callable[[], None]]],
-) -> None:
-    """Start the runtime, the gRPC server (`build` returns its registrations, a queue-length function and a
-    stop hook) and `/metrics`, register with the master, print the READY line, and block until a stop
-    signal. A registration the master refuses (`AlreadyExists`: a live node holds this node id) raises
-    before READY, with everything started so far stopped; a refused re-registration later stops the node
-    and raises `NodeRefused`."""
+Registration = tuple[Callable[[Any, grpc.Server], None], Any, str]
+"""A servicer for `kvpool.rpc.server.start_server`: (add_*Servicer_to_server, servicer, service name)."""
+
+
+def start_node(settings: ServingSettings, *, role: str, latency: LatencyMetric) -> NodeRuntime:
+    """A node's runtime (`NodeRuntime.start`: model, calibration, master and pool clients, metrics with
+    the role's `latency` histogram), under `default_node_id` when `settings` name no node id."""
     if not settings.node_id:
         settings = settings.model_copy(update={"node_id": default_node_id(role, settings.port)})
-    rt = NodeRuntime.start(settings, role=role)
-    registrations, queue_len, on_stop = build(rt)
+    return NodeRuntime.start(settings, role=role, latency=latency)
+
+
+def serve_node(
+    rt: NodeRuntime,
+    registrations: Sequence[Registration],
+    *,
+    queue_len: Callable[[], int],
+    on_stop: Callable[[], None] = lambda: None,
+) -> None:
+    """Serve a started node: the gRPC server (its `registrations`) and `/metrics`, register with the
+    master, print the READY line, and block until a stop signal; `queue_len` feeds heartbeats and metrics,
+    `on_stop` runs after the server stopped. A registration the master refuses (`AlreadyExists`: a live
+    node holds this node id) raises before READY, with everything started so far stopped; a refused
+    re-registration later stops the node and raises `NodeRefused`."""
+    settings, role = rt.settings, rt.role
     server = start_server(registrations, host=settings.bind_host, port=settings.port)
     address = f"{settings.bind_host}:{server.port}"
     rt.metrics.set_queue_len(queue_len)

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvpool.connector.ports import MasterPort
+
 log = logging.getLogger(__name__)
 
 PREFILL_KEY = "kvpool_prefill"  # the decode request's kv_transfer_params key the router fills
@@ -34,7 +36,7 @@ def prefill_blocks(request: Any) -> int:
 
 
 def wait_committed(
-    master: Any,
+    master: MasterPort,
     digest: bytes,
     hashes: Sequence[bytes],
     wait_s: float,

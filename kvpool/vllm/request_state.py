@@ -6,6 +6,7 @@ Plain values and a small thread-safe map: no vllm import (`kvpool.vllm.scheduler
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +14,8 @@ from typing import Any
 from kvpool.connector.plan import LoadPlan
 from kvpool.cost import LinkEstimate
 from kvpool.errors import TransferError
-from kvpool.hashing import Namespace
+from kvpool.hashing import Namespace, hash_blocks
+from transfer import BlockRead, BlockResult
 
 
 @dataclass(slots=True)
@@ -37,6 +39,30 @@ class RequestState:
     num_intact_blocks: int = 0
     wait_blocks: int = 0  # P/D decode: blocks its prefill engine published (waited for before matching)
 
+    def lease_gone(self, num_computed_tokens: int, block_size: int) -> bool:
+        """Would the decided plan now load blocks (vLLM's local hit shrank) although its lease was released
+        (the earlier answer loaded nothing)? Loading them unleased could read freed slots (B13)."""
+        plan = self.plan
+        if plan is None or plan.lease_id or self.num_local_tokens == num_computed_tokens:
+            return False
+        return min(plan.num_load_blocks, plan.num_pool_blocks) * block_size > num_computed_tokens
+
+    def may_ask_again(self, request: Any) -> bool:
+        """A request asks the pool again only when it was preempted since (its blocks were freed), and
+        never after a load of it failed (vLLM recomputes from the failure; asking again could loop)."""
+        return not self.load_failed and int(getattr(request, "num_preemptions", 0)) > self.num_preemptions
+
+    def extend_hashes(self, tokens: Sequence[int], n_blocks: int, block_size: int) -> None:
+        """Hash blocks up to `n_blocks` incrementally: block i's parent is block i-1's hash (the namespace
+        for block 0), the same tagged field either way (`kvpool.hashing`)."""
+        have = len(self.hashes)
+        if n_blocks <= have:
+            return
+        parent = self.hashes[-1] if self.hashes else self.digest
+        self.hashes.extend(
+            hash_blocks(parent, list(tokens[have * block_size : n_blocks * block_size]), block_size)
+        )
+
 
 class ReportedLinks:
     """The links the workers measured (their transport's connect probe, updated by every real transfer),
@@ -57,6 +83,12 @@ class ReportedLinks:
         if link is None:
             raise TransferError(f"no worker has measured the link to {peer} yet")
         return link
+
+    def read_blocks(
+        self, peer: str, reads: Sequence[BlockRead], out: Sequence[memoryview], *, timeout_s: float
+    ) -> list[BlockResult]:
+        """The scheduler half reads no blocks (its workers do): every read fails."""
+        return [BlockResult(False, error="the vLLM scheduler half reads no blocks")] * len(reads)
 
     def close(self) -> None:
         return

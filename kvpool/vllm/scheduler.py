@@ -7,11 +7,12 @@ Rules:
   has not answered after `match_wait_s` costs that request its hit, never its latency beyond that.
 - **Never claim the last prompt token** (`KVConnector.max_reusable_blocks`), and load only what vLLM's own
   prefix cache lacks: blocks below the block-aligned local hit are never pulled.
-- **Leases** (B13): renewed while the request waits, released when its load ends, when nothing is loaded,
-  on abort and in `request_finished`; a match that answers after its request gave up is released at once.
+- **Leases** (B13): renewed while the request waits (`kvpool.vllm.leases`), released when its load ends,
+  when nothing is loaded, on abort and in `request_finished`; a match that answers after its request gave
+  up is released at once.
 - **Pull convoys** (B39): a load's pull stays in the connector's ledger from the decision until the
   worker's step output reports the load ended (`KVPoolWorkerMetadata.loads_done`, with its time, which
-  teaches the ledger the link's contended throughput), not until the request ends.
+  teaches the ledger the link's contended throughput), not until the request ends (`kvpool.vllm.feedback`).
 - **Saves**: every step, each scheduled request's blocks that became full (prefill, chunked-prefill
   continuations, decode) and whose tokens are known are published once, in chain order, starting after the
   pool's matched run. A finished request's last full blocks are saved in the next step, with the free of
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -30,19 +32,18 @@ from typing import Any
 from kvpool.connector.agent import NodeAgent
 from kvpool.connector.connector import KVConnector
 from kvpool.connector.plan import LoadPlan
-from kvpool.cost import LinkEstimate
 from kvpool.errors import DeadlineExceeded, Unavailable
-from kvpool.hashing import Namespace, hash_blocks
+from kvpool.hashing import Namespace
+from kvpool.vllm.feedback import PullTickets, observe_worker
 from kvpool.vllm.identity import Namespaces
+from kvpool.vllm.leases import renew_leases
 from kvpool.vllm.meta import KVPoolMetadata, KVPoolWorkerMetadata, LoadSpec, SaveSpec
 from kvpool.vllm.pd import prefill_blocks, wait_committed
 from kvpool.vllm.request_state import ReportedLinks, RequestState, request_report
 
+__all__ = ["ReportedLinks", "SchedulerHalf"]
+
 log = logging.getLogger(__name__)
-
-
-MAX_TICKETS = 65_536
-"""Pull tickets awaiting their worker's report at once (a lost report's ticket expires in the ledger)."""
 
 
 class SchedulerHalf:
@@ -59,7 +60,7 @@ class SchedulerHalf:
         load_async: bool = False,
         save_decode_blocks: bool = True,
         pd_wait_s: float = 0.0,
-        clock: Any = time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.connector = connector
         self.agent = agent
@@ -74,10 +75,15 @@ class SchedulerHalf:
         self._reqs: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []
         self._final_saves: list[SaveSpec] = []
-        self._tickets: dict[str, str] = {}  # request id -> its pull's ledger ticket, until its load ends
+        self._tickets = PullTickets()  # request id -> its pull's ledger ticket, until its load ends
         self._matcher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpool-match")
         self._stop = threading.Event()
-        self._renewer = threading.Thread(target=self._renew_leases, name="kvpool-lease-renew", daemon=True)
+        self._renewer = threading.Thread(
+            target=renew_leases,
+            args=(connector, self._reqs, self._stop),
+            name="kvpool-lease-renew",
+            daemon=True,
+        )
         self._renewer.start()
         self.kv_cache_manager: Any = None
         self.num_match_timeouts = 0
@@ -86,22 +92,19 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         st = self._reqs.get(rid)
-        if st is not None and st.phase == "decided" and self._lease_gone(st, num_computed_tokens):
-            st.phase, st.plan = (
-                "done",
-                None,
-            )  # vLLM's own cache shrank below a plan whose lease is gone: ask again
+        if st is not None and st.phase == "decided" and st.lease_gone(num_computed_tokens, self.block_size):
+            # vLLM's own cache shrank below a plan whose lease is gone: ask again
+            st.phase, st.plan = "done", None
             st = self._start_match(request, num_computed_tokens, st)
-        elif st is None or (st.phase == "done" and self._may_ask_again(st, request)):
+        elif st is None or (st.phase == "done" and st.may_ask_again(request)):
             st = self._start_match(request, num_computed_tokens, st)
         if st is None:
             return 0, False
         if st.phase == "matching":
             assert st.future is not None
             if not st.future.done():
-                if self._clock() - st.asked_s < self.match_wait_s + (
-                    self.pd_wait_s if st.wait_blocks else 0.0
-                ):
+                wait_s = self.match_wait_s + (self.pd_wait_s if st.wait_blocks else 0.0)
+                if self._clock() - st.asked_s < wait_s:
                     return None, False
                 self.num_match_timeouts += 1
                 log.warning(
@@ -120,20 +123,6 @@ class SchedulerHalf:
         if st.num_local_tokens != num_computed_tokens:  # vLLM's own cache changed since: re-answer
             self._answer(st, num_computed_tokens)
         return st.num_external_tokens, self.load_async and st.num_external_tokens > 0
-
-    def _lease_gone(self, st: RequestState, num_computed_tokens: int) -> bool:
-        """Would the decided plan now load blocks (vLLM's local hit shrank) although its lease was released
-        (the earlier answer loaded nothing)? Loading them unleased could read freed slots (B13)."""
-        plan = st.plan
-        if plan is None or plan.lease_id or st.num_local_tokens == num_computed_tokens:
-            return False
-        return min(plan.num_load_blocks, plan.num_pool_blocks) * self.block_size > num_computed_tokens
-
-    @staticmethod
-    def _may_ask_again(st: RequestState, request: Any) -> bool:
-        """A request asks the pool again only when it was preempted since (its blocks were freed), and
-        never after a load of it failed (vLLM recomputes from the failure; asking again could loop)."""
-        return not st.load_failed and int(getattr(request, "num_preemptions", 0)) > st.num_preemptions
 
     def _start_match(
         self, request: Any, num_computed_tokens: int, old: RequestState | None
@@ -162,7 +151,7 @@ class SchedulerHalf:
                 self._matcher.submit(self._register, st.ns)
             return st
         tokens = list(request.all_token_ids)
-        self._extend_hashes(st, tokens, max_blocks)
+        st.extend_hashes(tokens, max_blocks, self.block_size)
         st.num_preemptions = int(getattr(request, "num_preemptions", 0))
         count_hit = st.num_matches == 0  # a preempted request asks again: its hit was counted already
         st.wait_blocks = min(prefill_blocks(request), max_blocks) if count_hit else 0
@@ -285,10 +274,8 @@ class SchedulerHalf:
         plan.lease_id = None  # the worker releases it once its pull ended
         with self._lock:
             self._loads.append(spec)
-            if plan.pull_ticket is not None:  # ended when the worker reports the load done (B39)
-                self._tickets[request.request_id] = plan.pull_ticket
-                while len(self._tickets) > MAX_TICKETS:  # reports lost: the ledger expires them anyway
-                    del self._tickets[next(iter(self._tickets))]
+        if plan.pull_ticket is not None:  # ended when the worker reports the load done (B39)
+            self._tickets.add(request.request_id, plan.pull_ticket)
         st.phase = "loading" if self.load_async else "done"
 
     # ---- each step ---------------------------------------------------------------------------------
@@ -328,7 +315,7 @@ class SchedulerHalf:
         n_full = min(limit // self.block_size, len(block_ids))
         if n_full <= st.num_saved_blocks:
             return None
-        self._extend_hashes(st, req.all_token_ids, n_full)
+        st.extend_hashes(req.all_token_ids, n_full, self.block_size)
         start, st.num_saved_blocks = st.num_saved_blocks, n_full
         return SaveSpec(
             request_id=req.request_id,
@@ -338,15 +325,6 @@ class SchedulerHalf:
             block_ids=block_ids[start:n_full],
             flush_epoch=self.connector.flush_epoch,
         )
-
-    def _extend_hashes(self, st: RequestState, tokens: Any, n_blocks: int) -> None:
-        """Hash blocks up to `n_blocks` incrementally: block i's parent is block i-1's hash (the namespace
-        for block 0), the same tagged field either way (`kvpool.hashing`)."""
-        have, bs = len(st.hashes), self.block_size
-        if n_blocks <= have:
-            return
-        parent = st.hashes[-1] if st.hashes else st.digest
-        st.hashes.extend(hash_blocks(parent, list(tokens[have * bs : n_blocks * bs]), bs))
 
     def update_connector_output(self, output: Any) -> None:
         for rid in output.finished_recving or ():
@@ -358,33 +336,7 @@ class SchedulerHalf:
                 self._reqs.pop(rid, None)
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVPoolWorkerMetadata):
-            self._observe(meta)
-
-    def _observe(self, meta: KVPoolWorkerMetadata) -> None:
-        cal = self.connector.calibration
-        if meta.forward is not None:
-            cal.observe_compute(*meta.forward)
-        for p in meta.pulls:
-            with self._lock:
-                ticket = self._tickets.get(p.request_id)
-            if self.connector.pulls.overlapped(ticket):  # a convoy's time: the ledger learns it below
-                continue
-            cal.observe_pull(
-                p.nbytes, p.seconds, LinkEstimate(alpha_s=p.alpha_s, beta_bytes_per_s=p.beta_bytes_per_s)
-            )
-        links = self.connector.transport
-        if isinstance(links, ReportedLinks):
-            for peer, (alpha_s, beta) in meta.links.items():
-                links.update(peer, LinkEstimate(alpha_s=alpha_s, beta_bytes_per_s=beta))
-        for rid, load_s in meta.loads_done.items():  # the pull ended: off the link's queue, timed
-            with self._lock:
-                ticket = self._tickets.pop(rid, None)
-            self.connector.pulls.release(ticket, elapsed_s=load_s)
-        for rid, num_ok in meta.load_failures.items():
-            st = self._reqs.get(rid)
-            if st is not None:  # the pool's copy is bad or gone: the recomputed blocks are published again
-                st.num_saved_blocks = min(st.num_saved_blocks, num_ok)
-                st.load_failed, st.num_intact_blocks = True, num_ok
+            observe_worker(meta, connector=self.connector, tickets=self._tickets, requests=self._reqs)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Release what the request holds and queue its last full blocks' save. Returns (delay the free of
@@ -398,8 +350,7 @@ class SchedulerHalf:
             st.future.add_done_callback(self._release_late)  # runs now when the future is done
         elif st.plan is not None and st.phase != "loading":
             self.connector.release(st.plan, request_id=rid)
-            with self._lock:
-                self._tickets.pop(rid, None)
+            self._tickets.pop(rid)
         elif st.plan is not None:  # vLLM frees its blocks when the load ends; the worker owns the lease
             self._reqs[rid] = RequestState(request=None, phase="loading")
             return False, {"kvpool": self._report(st)}
@@ -415,21 +366,7 @@ class SchedulerHalf:
     def _report(self, st: RequestState) -> dict[str, Any]:
         return request_report(st, self.block_size, self.connector.block_nbytes)
 
-    # ---- leases ------------------------------------------------------------------------------------
-    def _renew_leases(self) -> None:
-        period_s = max(0.05, self.connector.lease_ttl_ms / 3000.0)
-        while not self._stop.wait(period_s):
-            states = list(self._reqs.values())  # a snapshot: the engine thread adds and removes requests
-            plans = [st.plan for st in states if st.plan is not None and st.plan.lease_id]
-            for plan in plans:
-                lease_id = plan.lease_id
-                if not lease_id:
-                    continue
-                try:
-                    self.connector.master.renew_lease(lease_id, self.connector.lease_ttl_ms)
-                except Exception as exc:  # noqa: BLE001 - an expired lease: the pull may fail and recompute
-                    log.debug("renew of lease %d failed: %s", lease_id, exc)
-
+    # ---- heartbeats and shutdown -------------------------------------------------------------------
     def load(self) -> dict[str, Any]:
         """What the engine's heartbeats report (`kvpool.client.NodeLoad` fields): `queue_len` = requests the
         scheduler holds (waiting or running), `kv_usage` = the fraction of vLLM's KV cache in use (0 until

@@ -277,5 +277,6 @@ class WorkerHalf:
             c.num_dropped_jobs,
         )
         self.connector.transport.close()
-        self.connector.pool.close()
+        if self.connector.pool is not None:  # the worker's connector always publishes (build_worker)
+            self.connector.pool.close()
         self.connector.master.close()
