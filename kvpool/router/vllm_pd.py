@@ -99,9 +99,10 @@ class VllmEngines(NodeView):
         return [n for n in out if not self.in_backoff(n)] or out
 
     def health(self) -> dict[str, Any]:
-        """Live prefill and decode engines, from the master now; `Unavailable` when it does not answer."""
-        self.refresh()
-        return {"prefill": len(self.engines(PREFILL_ROLES)), "decode": len(self.engines(DECODE_ROLES))}
+        """`/health`'s body (`NodeView.health_report`): the master is asked now; while it does not answer,
+        the last known engines are counted and the report says degraded."""
+        self.probe_master()
+        return self.health_report(len(self.engines(PREFILL_ROLES)), len(self.engines(DECODE_ROLES)))
 
     # ---- placement --------------------------------------------------------------------------------
     def pool_blocks(self, engine: NodeStatus, tokens: Sequence[int], cache_salt: str) -> tuple[int, int]:
