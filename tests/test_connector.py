@@ -72,6 +72,24 @@ def test_pool_down_degrades_then_probe_restores_b19() -> None:
     assert not conn.breaker.degraded
 
 
+def test_the_master_back_lets_the_next_request_probe_at_once() -> None:
+    """A heartbeat that reaches the master again (`NodeAgent.on_reconnect`) ends the wait for the next
+    probe: the pool's hits come back within a heartbeat, not a probe interval, of the master's return."""
+    clock = Clock()
+    master = DownMaster()
+    conn = make(master, breaker=PoolBreaker(max_failures=1, probe_interval_s=5.0, clock=clock))
+    hashes, tokens = [bytes([i]) * 16 for i in range(4)], list(range(17))
+    conn.load_prefix(NS, tokens, hashes, count_hit=True)
+    assert conn.breaker.degraded and master.calls == 1
+    clock.now = 1.0
+    conn.breaker.probe_soon()  # (not degraded: nothing; degraded: the next call probes)
+    conn.master = _UpMaster()
+    assert conn.load_prefix(NS, tokens, hashes, count_hit=True).stats.decision != "degraded"
+    assert not conn.breaker.degraded
+    conn.breaker.probe_soon()  # not degraded: no effect
+    assert conn.breaker.allow()
+
+
 class _UpMaster:
     def match(self, ns: bytes, hashes: list[bytes], **kwargs: Any) -> Any:
         from kvpool.client import Match

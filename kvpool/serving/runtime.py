@@ -124,6 +124,7 @@ class NodeRuntime:
             layout_fingerprint=self.runner.layout.fingerprint(),
             load_fn=load_fn,
             on_heartbeat=self.connector.report_local_events,
+            on_reconnect=self.connector.breaker.probe_soon,  # the master is back: probe the pool now
             on_fatal=on_fatal,
             on_flush_epoch=self.connector.note_flush_epoch,  # moved: a namespace was invalidated
         )
