@@ -116,8 +116,9 @@ def _traffic(outage_s: float, *, restart: bool, policy: str) -> None:
     print(f"hit rate of repeated prompts: before the kill {level:.2f}, master down {_hit_rate(during):.2f}")
     print("health at the end:", health)
     assert level > 0.5, level
-    if not restart:
+    if not restart:  # the affinity record keeps each conversation on the node that holds it
         assert health["status"] == "degraded" and health["degraded"][0]["part"] == "master", health
+        assert _hit_rate(during) >= 0.8 * level, _hit_rate(during)
         return
     t0 = t_restart
     after = [a for a in again if a.at_s >= t0]
