@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from kvpool.client import MasterClient
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 from kvpool.router.model_info import ModelInfo
 from kvpool.router.serve import build
@@ -100,6 +101,10 @@ def _traffic(outage_s: float, *, restart: bool, policy: str) -> None:
                 stop.set()
                 traffic.join(timeout=60)
             health = http.get("/health").json()
+            if restart:  # every node re-registered with the new master by itself
+                with MasterClient(cluster.master_address) as master:
+                    alive = sorted(n.node.node_id for n in master.list_nodes() if n.alive)
+                assert alive == ["decode0", "prefill0", "prefill1", "store0"], alive
 
     failed = [a for a in cold + again if a.status != 200]
     assert not failed, failed[:3]

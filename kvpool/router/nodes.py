@@ -103,6 +103,12 @@ class NodeView:
             return False
         return True
 
+    def check_master(self) -> None:
+        """For `/health`: ask the master now, unless it is known unreachable and the background probe
+        runs (its state is then at most `refresh_interval_s` old: a health check never waits on it)."""
+        if not (self.master_state.down and self._thread is not None):
+            self.probe_master()
+
     def master_failed(self, exc: BaseException) -> None:
         """A master call failed: no peeks and no synchronous master calls until a refresh answers."""
         self.master_state.failed(exc)

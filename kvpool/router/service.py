@@ -122,10 +122,10 @@ class RouterService(NodeView):
             self._channels.clear()
 
     def health(self) -> dict[str, Any]:
-        """`/health`'s body (`NodeView.health_report`): the master is asked now (a failed answer marks it
-        unreachable at once), the live nodes counted from its list or, while it is unreachable, from the
-        last known ones."""
-        self.probe_master()
+        """`/health`'s body (`NodeView.health_report`): the master is asked now (`check_master`: a failed
+        answer marks it unreachable at once), the live nodes counted from its list or, while it is
+        unreachable, from the last known ones."""
+        self.check_master()
         return self.health_report(
             len(self.serving("prefill")), len(self.serving("decode")), inflight=self._admitted
         )

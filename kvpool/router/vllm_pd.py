@@ -101,7 +101,7 @@ class VllmEngines(NodeView):
     def health(self) -> dict[str, Any]:
         """`/health`'s body (`NodeView.health_report`): the master is asked now; while it does not answer,
         the last known engines are counted and the report says degraded."""
-        self.probe_master()
+        self.check_master()
         return self.health_report(len(self.engines(PREFILL_ROLES)), len(self.engines(DECODE_ROLES)))
 
     # ---- placement --------------------------------------------------------------------------------
