@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 from starlette.testclient import TestClient
 
@@ -26,6 +27,7 @@ from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 from kvpool.router.model_info import ModelInfo
 from kvpool.router.serve import build
 from kvpool.router.settings import RouterSettings
+from tests.test_router_failover import _metric
 
 pytestmark = pytest.mark.slow
 
@@ -101,11 +103,15 @@ def _traffic(outage_s: float, *, restart: bool, policy: str) -> None:
                 stop.set()
                 traffic.join(timeout=60)
             health = http.get("/health").json()
+            degraded = {name: _metric(httpx.get(f"http://{addr}/metrics").text, "kvpool_prefill_pool_calls_skipped_total")
+                        for name, addr in cluster.metrics_addresses.items() if name.startswith("prefill")}  # fmt: skip
             if restart:  # every node re-registered with the new master by itself
                 with MasterClient(cluster.master_address) as master:
                     alive = sorted(n.node.node_id for n in master.list_nodes() if n.alive)
                 assert alive == ["decode0", "prefill0", "prefill1", "store0"], alive
 
+    # each prefill node ran degraded in the outage: local tier + recompute, no pool calls
+    assert len(degraded) == 2 and all(n > 0 for n in degraded.values()), degraded
     failed = [a for a in cold + again if a.status != 200]
     assert not failed, failed[:3]
     assert all(a.cached_tokens == 0 for a in cold), [a for a in cold if a.cached_tokens][:3]
@@ -120,6 +126,7 @@ def _traffic(outage_s: float, *, restart: bool, policy: str) -> None:
     print(f"\n{policy}: {2 * len(cold)} requests ({2 * len(during)} with the master down), 0 failed, 0 wrong")
     print(f"hit rate of repeated prompts: before the kill {level:.2f}, master down {_hit_rate(during):.2f}")
     print("health at the end:", health)
+    print("prefill pool calls skipped in degraded mode (local tier + recompute):", degraded)
     assert level > 0.5, level
     if not restart:  # the affinity record keeps each conversation on the node that holds it
         assert health["status"] == "degraded" and health["degraded"][0]["part"] == "master", health

@@ -40,6 +40,8 @@ class PoolBreaker:
         self._next_probe = 0.0
         self.num_skipped = 0
         self.num_degradations = 0
+        self.degraded_since_unix_s = 0.0
+        """Wall-clock time (Unix s) the current degraded mode began; 0.0 when not degraded."""
 
     @property
     def degraded(self) -> bool:
@@ -65,10 +67,12 @@ class PoolBreaker:
                     log.warning("pool reachable again: leaving degraded mode")
                 self._failures = 0
                 self._degraded_since = None
+                self.degraded_since_unix_s = 0.0
                 return
             self._failures += 1
             if self._degraded_since is None and self._failures >= self.max_failures:
                 self._degraded_since = self._clock()
+                self.degraded_since_unix_s = time.time()
                 self._next_probe = self._degraded_since + self.probe_interval_s
                 self.num_degradations += 1
                 log.warning(

@@ -151,7 +151,7 @@ class NodeView:
         parts = [p] if (p := self.master_state.part()) is not None else []
         now = time.monotonic()
         with self._down_lock:
-            down = sorted(v for v in self._down.values() if v[0] > now)
+            down = sorted((v for v in self._down.values() if v[0] > now), key=lambda v: v[1])
         parts += [DegradedPart(name, "unreachable: in back-off", since) for _, name, since in down]
         return parts
 

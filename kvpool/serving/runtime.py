@@ -99,6 +99,7 @@ class NodeRuntime:
             pull_timeout_s=settings.pull_timeout_s,
             margin=settings.cost_margin,
         )
+        metrics.watch_breaker(connector.breaker)
         return cls(
             settings,
             runner,
