@@ -110,8 +110,10 @@ def _traffic(outage_s: float, *, restart: bool, policy: str) -> None:
                     alive = sorted(n.node.node_id for n in master.list_nodes() if n.alive)
                 assert alive == ["decode0", "prefill0", "prefill1", "store0"], alive
 
-    # each prefill node ran degraded in the outage: local tier + recompute, no pool calls
-    assert len(degraded) == 2 and all(n > 0 for n in degraded.values()), degraded
+    # the prefill nodes ran degraded in the outage: local tier + recompute, no pool calls (round-robin:
+    # both served; the cost policy may prefer one, whose calibrated recompute is faster)
+    assert len(degraded) == 2 and sum(degraded.values()) > 0, degraded
+    assert policy != "round-robin" or all(n > 0 for n in degraded.values()), degraded
     failed = [a for a in cold + again if a.status != 200]
     assert not failed, failed[:3]
     assert all(a.cached_tokens == 0 for a in cold), [a for a in cold if a.cached_tokens][:3]
