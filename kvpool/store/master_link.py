@@ -27,11 +27,11 @@ from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 DEREGISTER_TIMEOUT_S = 1.0
+"""At most this long on a graceful stop telling the master the node leaves (never blocks shutdown more)."""
 MAX_RETRY_S = 1.0
 """Failed heartbeats are retried after 0.1 s, doubling up to this: a master back on its address hears
 from the store (which re-registers and re-reports its inventory) within about a second, so the pool's
 hits come back within seconds of a master restart. One warning per outage; the retries log at debug."""
-"""At most this long on a graceful stop telling the master the node leaves (never blocks shutdown more)."""
 
 
 class MasterLink:
