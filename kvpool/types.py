@@ -193,8 +193,11 @@ class NodeStatus:
     num_blocks: int
     used_bytes: int
     load: NodeLoad
-    dataplane_state: str = ""  # a store's data plane: ok | suspect | failed | trial (kvpool.master.dataplane)
+    dataplane_state: str = (
+        ""  # a store's data plane: ok | suspect | failed | probe | trial (kvpool.master.dataplane)
+    )
     num_dataplane_failures: int = 0
+    silent_s: float = 0.0  # since the master last heard from it (heartbeat or registration), seconds
 
 
 @dataclass(frozen=True, slots=True)

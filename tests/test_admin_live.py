@@ -108,3 +108,27 @@ def test_admin_namespaces_lists_the_digests_to_invalidate(pool) -> None:
         }
     ], rows
     assert ns.hex() in admin(master, "namespaces")  # the table (piped) shows the whole digest
+
+
+def test_a_dead_store_shows_unknown_slots_and_status_names_it_degraded(pool) -> None:
+    """Issue #29: `admin nodes` showed a dead store's last used/slots as if current. Now they are
+    unknown (table) or null (--json), each node says how long ago the master last heard from it, and
+    `admin status` is "degraded" naming the dead store and since when."""
+    master, _ = pool
+    rows = {r["node"]["node_id"]: r for r in json.loads(admin(master, "nodes", "--json"))}
+    gone, live = rows["gone"], rows["s0"]
+    assert gone["alive"] is False and gone["num_slots"] is None and gone["num_used_slots"] is None
+    assert live["alive"] is True and live["num_slots"] > 0 and live["silent_s"] < 10
+    table = admin(master, "nodes")
+    row = next(line for line in table.splitlines() if "│ gone " in line)
+    assert "unknown" in row and "/" not in row.split("│")[7], row  # the used/slots cell
+    live_row = next(line for line in table.splitlines() if "│ s0 " in line)
+    assert f"0/{live['num_slots']}" in live_row, live_row
+
+    status = json.loads(admin(master, "status", "--json"))
+    assert status["status"] == "degraded", status
+    (part,) = status["degraded"]
+    assert part["part"] == "store gone" and "dead" in part["reason"], part
+    assert part["since"].endswith("Z") and part["for_s"] >= 0
+    text = admin(master, "status")
+    assert table_values(text)["status"] == "degraded" and "store gone" in text

@@ -72,6 +72,24 @@ def test_pool_down_degrades_then_probe_restores_b19() -> None:
     assert not conn.breaker.degraded
 
 
+def test_the_master_back_lets_the_next_request_probe_at_once() -> None:
+    """A heartbeat that reaches the master again (`NodeAgent.on_reconnect`) ends the wait for the next
+    probe: the pool's hits come back within a heartbeat, not a probe interval, of the master's return."""
+    clock = Clock()
+    master = DownMaster()
+    conn = make(master, breaker=PoolBreaker(max_failures=1, probe_interval_s=5.0, clock=clock))
+    hashes, tokens = [bytes([i]) * 16 for i in range(4)], list(range(17))
+    conn.load_prefix(NS, tokens, hashes, count_hit=True)
+    assert conn.breaker.degraded and master.calls == 1
+    clock.now = 1.0
+    conn.breaker.probe_soon()  # (not degraded: nothing; degraded: the next call probes)
+    conn.master = _UpMaster()
+    assert conn.load_prefix(NS, tokens, hashes, count_hit=True).stats.decision != "degraded"
+    assert not conn.breaker.degraded
+    conn.breaker.probe_soon()  # not degraded: no effect
+    assert conn.breaker.allow()
+
+
 class _UpMaster:
     def match(self, ns: bytes, hashes: list[bytes], **kwargs: Any) -> Any:
         from kvpool.client import Match
@@ -251,3 +269,38 @@ def test_kv_is_published_under_the_flush_epoch_its_load_began_with() -> None:
     assert len(conn.local_tier) == 0 and conn.flush_epoch == 4
     conn.publish(NS, h, [np.zeros(NBYTES, np.uint8)] * 2, start_block=0, flush_epoch=loaded.flush_epoch)
     assert calls == [3]  # the old epoch goes to the master, which refuses it
+
+
+def test_a_nodes_metrics_say_when_it_runs_degraded() -> None:
+    """Status tells the truth (issue #29): a serving node's /metrics show its degraded mode, since when,
+    and the pool calls it skipped."""
+    import time as _time
+
+    from prometheus_client import generate_latest
+
+    from kvpool.serving.metrics import ServingMetrics
+    from tests.test_router_failover import _metric
+
+    clock = Clock()
+    breaker = PoolBreaker(max_failures=1, probe_interval_s=5.0, clock=clock)
+    metrics = ServingMetrics("prefill")
+    metrics.watch_breaker(breaker)
+
+    def scrape(name: str) -> float:
+        return _metric(generate_latest(metrics.registry).decode(), name)
+
+    assert (
+        scrape("kvpool_prefill_pool_degraded") == 0
+        and scrape("kvpool_prefill_pool_degraded_since_seconds") == 0
+    )
+    t0 = _time.time()
+    breaker.record(False)
+    assert not breaker.allow() and not breaker.allow()
+    assert scrape("kvpool_prefill_pool_degraded") == 1
+    assert t0 - 1 <= scrape("kvpool_prefill_pool_degraded_since_seconds") <= _time.time()
+    assert scrape("kvpool_prefill_pool_calls_skipped_total") == 2
+    breaker.record(True)
+    assert (
+        scrape("kvpool_prefill_pool_degraded") == 0
+        and scrape("kvpool_prefill_pool_degraded_since_seconds") == 0
+    )

@@ -98,7 +98,14 @@ def test_requests_fail_over_when_a_prefill_and_a_decode_node_are_killed(
                 alive = {n.node.node_id for n in m.list_nodes() if n.alive}
             assert {"prefill1", "decode1"} <= alive
 
+            health = http.get("/health")  # still serving (200), the dead nodes named as degraded parts
+            assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+            parts = {p["part"]: p for p in health.json()["degraded"]}
+            assert set(parts) == {"prefill prefill1", "decode decode1"}, parts
+            assert all("back-off" in p["reason"] and p["for_s"] < 60 for p in parts.values()), parts
+
             text = http.get("/metrics").text
+            assert _metric(text, "kvpool_router_degraded_since_seconds", part="prefill prefill1") > 0, text
             for role, dead in (("prefill", "prefill1"), ("decode", "decode1")):
                 # one failed call, then the node is in back-off: later requests avoid it
                 assert _metric(text, "kvpool_router_node_failures_total", role=role, node=dead) == 1, text

@@ -27,18 +27,48 @@ from kvpool.cli.admin_common import (
 __all__ = ["admin_app"]
 
 
+def _since(silent_s: float, now_unix_s: float) -> str:
+    """The UTC time `silent_s` seconds before `now_unix_s`, ISO 8601 to the second."""
+    import datetime as dt
+
+    at = dt.datetime.fromtimestamp(now_unix_s - silent_s, tz=dt.UTC).isoformat(timespec="seconds")
+    return at.replace("+00:00", "Z")
+
+
+def degraded_parts(nodes: list[Any], now_unix_s: float) -> list[dict[str, Any]]:
+    """The degraded parts the master sees: each dead node (since the master last heard from it) and each
+    store whose data plane is not ok (no since: the master keeps the state, not when it changed)."""
+    parts: list[dict[str, Any]] = []
+    for n in sorted(nodes, key=lambda n: (n.node.role, n.node.node_id)):
+        part = f"{n.node.role} {n.node.node_id}"
+        if not n.alive:
+            parts.append({"part": part, "reason": "dead: no heartbeat (or deregistered)",
+                          "since": _since(n.silent_s, now_unix_s), "for_s": round(n.silent_s, 1)})  # fmt: skip
+        elif n.dataplane_state not in ("", "ok"):
+            reason = f"data plane {n.dataplane_state} ({n.num_dataplane_failures} failures reported)"
+            parts.append({"part": part, "reason": reason, "since": None, "for_s": None})
+    return parts
+
+
 @admin_app.command()
 def status(as_json: bool = JSON) -> None:
-    """Pool summary: nodes and stores alive (of registered), blocks, fill, hit rate.
+    """Pool summary: nodes and stores alive (of registered), blocks, fill, hit rate, and the degraded parts.
 
     `used_bytes`, `capacity_bytes` and `fill` are over the live stores only (the master's Stats), as is
-    `stores_alive`; `nodes` and `stores` also count the dead (heartbeat expired or deregistered) ones."""
+    `stores_alive`; `nodes` and `stores` also count the dead (heartbeat expired or deregistered) ones.
+    `status` is "ok", or "degraded" with `degraded` listing each dead node (since the master last heard
+    from it) and each store whose data plane is suspect, failed or on trial. A master that does not
+    answer is one line on stderr and exit status 1."""
 
     def fn(c: Any) -> dict[str, Any]:
+        import time
+
         s = c.stats()
         stores = [n for n in s.nodes if n.node.role == "store"]
+        parts = degraded_parts(s.nodes, time.time())
         return {
             "master": _Ctx.master,
+            "status": "degraded" if parts else "ok",
             "nodes_alive": sum(1 for n in s.nodes if n.alive),
             "nodes": len(s.nodes),
             "stores_alive": sum(1 for n in stores if n.alive),
@@ -50,17 +80,31 @@ def status(as_json: bool = JSON) -> None:
             "hit_rate": round(s.hit_rate, 4),
             "num_live_leases": s.num_live_leases,
             "uptime_s": round(s.uptime_s, 1),
+            "degraded": parts,
         }
 
-    _run(fn, as_json, lambda r: _kv("kvpool status", r))
+    def render(r: dict[str, Any]) -> None:
+        parts = r["degraded"]
+        _kv("kvpool status", {k: v for k, v in r.items() if k != "degraded"})
+        if parts:
+            rows = [[p["part"], p["reason"], p["since"] or "unknown", "" if p["for_s"] is None else p["for_s"]]
+                    for p in parts]  # fmt: skip
+            _table("degraded", ["part", "reason", "since (UTC)", "for (s)"], rows)
+
+    _run(fn, as_json, render)
 
 
 @admin_app.command()
 def nodes(as_json: bool = JSON) -> None:
     """Registered nodes with liveness, fill and blocks (a vLLM engine: its OpenAI URL and KV cache usage; a
-    store: its data plane, ok, suspect, failed or trial, and the failures reported since it registered)."""
+    store: its data plane, ok, suspect, failed or trial, and the failures reported since it registered).
+    A dead store's slots are unknown (table: "unknown"; --json: null), not the last numbers it reported;
+    `last heard` is how long ago the master last heard from a node."""
     cols = ["node", "role", "alive", "draining", "grpc / url", "data", "used/slots", "blocks", "queue"]
-    cols += ["kv", "data plane"]
+    cols += ["kv", "data plane", "last heard"]
+
+    def slots(n: Any) -> str:
+        return "unknown" if n.node.role == "store" and not n.alive else f"{n.num_used_slots}/{n.num_slots}"
 
     def render(ns: Any) -> None:
         rows = [
@@ -71,17 +115,30 @@ def nodes(as_json: bool = JSON) -> None:
                 n.draining,
                 n.node.grpc_address or n.node.url,
                 n.node.data_address,
-                f"{n.num_used_slots}/{n.num_slots}",
+                slots(n),
                 n.num_blocks,
                 n.load.queue_len,
                 f"{n.load.kv_usage:.0%}" if n.node.role.startswith("vllm") else "",
                 f"{n.dataplane_state} ({n.num_dataplane_failures})" if n.dataplane_state else "",
+                f"{n.silent_s:.1f} s ago",
             ]
             for n in ns
         ]
         _table("nodes", cols, rows)
 
-    _run(lambda c: c.list_nodes(), as_json, render)
+    def fn(c: Any) -> Any:
+        listed = c.list_nodes()
+        if not as_json:
+            return listed
+        out = []
+        for n in listed:
+            row = _plain(n)
+            if n.node.role == "store" and not n.alive:
+                row.update(num_slots=None, num_used_slots=None, used_bytes=None)
+            out.append(row)
+        return out
+
+    _run(fn, as_json, render)
 
 
 @admin_app.command()

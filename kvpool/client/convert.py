@@ -163,6 +163,7 @@ def node_status(n: Any) -> NodeStatus:
         load=load_from_pb(n.load),
         dataplane_state=n.dataplane_state,
         num_dataplane_failures=n.num_dataplane_failures,
+        silent_s=n.silent_ms / 1000.0,
     )
 
 

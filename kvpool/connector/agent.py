@@ -46,7 +46,8 @@ class NodeAgent:
     """Registers `node` (a dict of NodeEndpoint fields) and heartbeats every interval in a thread.
 
     `load_fn` returns the node's current load (a dict of NodeLoad fields) for each heartbeat;
-    `on_heartbeat` runs after each successful one (e.g. to flush local-tier events); `on_flush_epoch` with
+    `on_heartbeat` runs after each successful one (e.g. to flush local-tier events); `on_reconnect` after
+    the first successful one of a master outage or a re-registration (e.g. to probe the pool); `on_flush_epoch` with
     each answer's flush epoch (it moves when a namespace is invalidated). `start()` raises the
     master's refusal of the first registration; a refused re-registration (`REFUSALS`: e.g. another live
     node took this node id while the master was restarting) or a refused heartbeat (its join token was
@@ -63,6 +64,7 @@ class NodeAgent:
         layout_fingerprint: str,
         load_fn: Callable[[], dict[str, Any]] | None = None,
         on_heartbeat: Callable[[int], None] | None = None,
+        on_reconnect: Callable[[], None] | None = None,
         on_fatal: Callable[[str], None] | None = None,
         on_flush_epoch: Callable[[int], None] | None = None,
         url: str = "",
@@ -78,6 +80,7 @@ class NodeAgent:
         self.epoch = secrets.randbits(63) or 1
         self.load_fn = load_fn
         self.on_heartbeat = on_heartbeat
+        self.on_reconnect = on_reconnect
         self.on_fatal = on_fatal
         self.on_flush_epoch = on_flush_epoch
         self.heartbeat_interval_s = 1.0
@@ -227,6 +230,8 @@ class NodeAgent:
                     self._register_namespaces()
                 if self.on_heartbeat is not None:
                     self.on_heartbeat(self.epoch)
+                if (failing or not answer.known) and self.on_reconnect is not None:
+                    self.on_reconnect()
                 if failing:
                     log.warning("heartbeats of %s reach the master again", self.node_id)
                     failing = False

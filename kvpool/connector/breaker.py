@@ -3,6 +3,9 @@
 After `max_failures` consecutive failed pool calls (match, pull batch, publish) the node stops calling
 the pool: requests run on the node-local tier and recompute, paying no connection errors. Every
 `probe_interval_s` one request is let through as a health probe; its success restores normal mode.
+When the node's heartbeats reach the master again after an outage (or it re-registers with a restarted
+master) `probe_soon` lets the next request probe at once, so hits come back within a heartbeat of the
+master's return rather than a probe interval later.
 Source: the monitor LMCache added for an unreachable remote backend (LMCache PR #764).
 """
 
@@ -37,6 +40,8 @@ class PoolBreaker:
         self._next_probe = 0.0
         self.num_skipped = 0
         self.num_degradations = 0
+        self.degraded_since_unix_s = 0.0
+        """Wall-clock time (Unix s) the current degraded mode began; 0.0 when not degraded."""
 
     @property
     def degraded(self) -> bool:
@@ -62,13 +67,21 @@ class PoolBreaker:
                     log.warning("pool reachable again: leaving degraded mode")
                 self._failures = 0
                 self._degraded_since = None
+                self.degraded_since_unix_s = 0.0
                 return
             self._failures += 1
             if self._degraded_since is None and self._failures >= self.max_failures:
                 self._degraded_since = self._clock()
+                self.degraded_since_unix_s = time.time()
                 self._next_probe = self._degraded_since + self.probe_interval_s
                 self.num_degradations += 1
                 log.warning(
                     "pool unreachable after %d failures: degraded mode (local tier + recompute)",
                     self._failures,
                 )
+
+    def probe_soon(self) -> None:
+        """The master answers again: in degraded mode the next pool call is a probe (no wait)."""
+        with self._lock:
+            if self._degraded_since is not None:
+                self._next_probe = min(self._next_probe, self._clock())

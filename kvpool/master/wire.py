@@ -103,6 +103,7 @@ def node_stats(m: Master, rec: NodeRecord) -> pb.NodeStats:
         load=load_pb(rec.load),
         dataplane_state=dp.refresh(m.clock.now_ms(), m.dataplane_policy) if rec.is_store else "",
         num_dataplane_failures=dp.num_failures,
+        silent_ms=max(0, m.clock.now_ms() - rec.last_seen_ms),
     )
 
 

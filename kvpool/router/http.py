@@ -8,7 +8,11 @@
 - Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad input (an
   oversized prompt states the limit), 401 unknown API key (when a tenants file is configured), 404
   unknown model, 429 overload (too many requests in flight, or a node's queue full), 503 no live
-  node or the master unreachable, 500 otherwise.
+  prefill or decode node known (the message says why, e.g. a master never reached), 500 otherwise. A
+  master that does not answer is no error: requests are routed on the last known nodes without hits.
+- `GET /health`: 200 `{"status": "ok" | "degraded", "prefill", "decode", "inflight", "degraded": [{"part",
+  "reason", "since", "for_s"}]}` (degraded: the master unreachable, nodes in back-off), 503 with
+  `"status": "unavailable"` and `error` when no live prefill or decode node is known.
 - The API key (`Authorization: Bearer …`) selects the tenant and so the cache salt; a `cache_salt` in
   the body only sub-partitions the caller's own tenant (field case B09).
 

@@ -20,16 +20,50 @@ of a request's life, for the same set of requests):
   tokens *matched* (on offer in the pool) per counted match, not tokens reused; a serving node's
   `kvpool_prefill_reused_tokens_total / kvpool_prefill_prompt_tokens_total` is the router's hit rate
   seen from the nodes (the same requests, when this router is the nodes' only client).
+- **Degraded parts.** `kvpool_router_master_reachable` is 1 while the last call to the master answered,
+  0 from the first failed one; `kvpool_router_degraded_since_seconds{part}` has one series per degraded
+  part ("master", or "<role> <node id>" for a node in back-off) whose value is the Unix time it became
+  degraded (no series while none is). `kvpool_router_unpeeked_requests_total` counts requests placed
+  without a peek at the master's index (the master unreachable: on the router's own affinity record).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _AT_FIRST = (
     "Recorded once per request at its first token (the same requests as every kvpool_router_*tokens_total)."
 )
+
+
+class _DegradedCollector(Collector):
+    """Reads the router's degraded parts at each scrape (set by `RouterMetrics.watch_degraded`)."""
+
+    def __init__(self) -> None:
+        self.parts: Callable[[], list[Any]] = list
+        self.master_up: Callable[[], bool] = lambda: True
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "kvpool_router_master_reachable",
+            "1 while the router's last call to the master answered, 0 from the first failed one.",
+            value=1.0 if self.master_up() else 0.0,
+        )
+        since = GaugeMetricFamily(
+            "kvpool_router_degraded_since_seconds",
+            "Unix time each degraded part (the master, a node in back-off) became degraded; no series "
+            "while none is.",
+            labels=["part"],
+        )
+        for p in self.parts():
+            since.add_metric([p.part], p.since_unix_s)
+        yield since
 
 
 class RouterMetrics:
@@ -96,6 +130,14 @@ class RouterMetrics:
         self.rejected = Counter(
             "kvpool_router_rejected", "Requests refused before routing, by reason.", ["reason"], registry=r
         )
+        self.unpeeked = Counter(
+            "kvpool_router_unpeeked_requests",
+            "Requests placed without a peek at the master's index (the master unreachable): on the "
+            "router's own record of where recent prefixes went.",
+            registry=r,
+        )
+        self._degraded = _DegradedCollector()
+        r.register(self._degraded)
         self.namespace_entries = Gauge(
             "kvpool_router_namespace_cache_entries",
             "Cache salts whose namespace digest the router keeps (at most namespace_cache_size).",
@@ -106,3 +148,7 @@ class RouterMetrics:
             "Namespace digests dropped for namespace_cache_size (recomputed on their salt's next request).",
             registry=r,
         )
+
+    def watch_degraded(self, parts: Callable[[], list[Any]], master_up: Callable[[], bool]) -> None:
+        """Scrapes read `parts()` (`kvpool.router.degraded.DegradedPart`s) and `master_up()`."""
+        self._degraded.parts, self._degraded.master_up = parts, master_up

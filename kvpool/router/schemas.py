@@ -48,12 +48,12 @@ def request_salt(tenants: Any, authorization: str, client_salt: str) -> str:
 
 
 def health_response(live: dict[str, Any] | errors.KVPoolError) -> JSONResponse:
-    """`GET /health`: 200 when a prefill and a decode node (or engine) are live, else 503 with the counts
-    or the master's error."""
+    """`GET /health`: `live` is `NodeView.health_report`'s body: HTTP 200 while it is "ok" or "degraded"
+    (serving, with the degraded parts and since when), 503 when "unavailable" (no live prefill or decode
+    node known; `error` says why) or for an error."""
     if isinstance(live, errors.KVPoolError):
         return JSONResponse({"status": "unavailable", "error": str(live)}, status_code=503)
-    ok = live["prefill"] > 0 and live["decode"] > 0
-    return JSONResponse({"status": "ok" if ok else "unavailable", **live}, status_code=200 if ok else 503)
+    return JSONResponse(live, status_code=503 if live["status"] == "unavailable" else 200)
 
 
 class CommonBody(BaseModel):

@@ -6,11 +6,17 @@ the global index (`count_hit=False, lease_ttl_ms=0`: no counters, no recency, no
 prefill node by the policy → Prefill stream: the first token is TTFT → wait for `committed` (or
 `publish_failed`) → hand off to the least-loaded decode node → stream its tokens.
 
-`generate` is a synchronous generator of `Event`s (the HTTP layer runs it in a worker thread). The
-node list, the master down (503; `health()` asks the master each time) and failover to another node
-are `kvpool.router.nodes`. A prefill failure is always before the client got anything; a decode stream
-is retried only while it has sent no token (the first token, from prefill, is the same for any decode
-node). Metrics count requests, not attempts (`kvpool.router.metrics`, field case B40).
+A failed control plane costs hit rate, never requests: while the master is unreachable there is no peek
+(the prompt is placed on the router's own record of where recent prefixes went, `AffinityRecord`, and
+counted in `kvpool_router_unpeeked_requests_total`), the nodes serve from their node-local tiers and
+recompute, and a hand-off whose publish could not commit (`publish_failed`) tells decode to recompute
+the prompt (`prompt_committed=false`). The node list, the master's state, `/health` and failover to
+another node are `kvpool.router.nodes`.
+
+`generate` is a synchronous generator of `Event`s (the HTTP layer runs it in a worker thread). A
+prefill failure is always before the client got anything; a decode stream is retried only while it has
+sent no token (the first token, from prefill, is the same for any decode node). Metrics count requests,
+not attempts (`kvpool.router.metrics`, field case B40).
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ import grpc
 from kvpool.client.types import Match, NodeStatus
 from kvpool.errors import DeadlineExceeded, KVPoolError, ResourceExhausted, Unavailable
 from kvpool.hashing import hash_blocks
+from kvpool.router.affinity import AffinityRecord
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.model_info import ModelInfo
 from kvpool.router.namespaces import NamespaceCache
 from kvpool.router.nodes import NodeView
 from kvpool.router.policy import Choice, RouteRequest, RoutingPolicy
 from kvpool.router.settings import RouterSettings
-from kvpool.router.state import Inflight, node_states, serving_nodes
+from kvpool.router.state import Inflight, node_states
 from kvpool.rpc.server import channel
 from kvpool.rpc.status import raise_from_rpc_error
 from kvpool.serving.sampling import Sampling
@@ -43,6 +50,18 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Peeked:
+    """Placement's picture of one prompt: the request, the match (a peek at the master's index, or the
+    router's affinity record while the master is unreachable; None: no hits), the most blocks that can be
+    reused, and the prompt's full-block hashes (recorded under the node that serves it)."""
+
+    req: RouteRequest
+    match: Match | None
+    max_blocks: int
+    hashes: Sequence[bytes]
 
 
 @dataclass(slots=True)
@@ -83,12 +102,15 @@ class RouterService(NodeView):
             model, master, settings.namespace_cache_size, on_evict=self.metrics.namespace_evictions.inc
         )
         self.metrics.namespace_entries.set_function(lambda: len(self.namespaces))
+        self.affinity = AffinityRecord(settings.affinity_blocks)
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> RouterService:
-        self.refresh()
+        """First node list (a master that does not answer yet is no error: requests are answered 503,
+        saying why, until it does) and the background refresh."""
+        self.probe_master()
         self.start_refresh()
         return self
 
@@ -100,59 +122,70 @@ class RouterService(NodeView):
             self._channels.clear()
 
     def health(self) -> dict[str, Any]:
-        """Live serving nodes per role, from the master now (never the cache): `Unavailable` when it does
-        not answer, so a health check right after the master died fails."""
-        nodes = self.refresh()
-        return {
-            "prefill": len(serving_nodes(nodes, "prefill")),
-            "decode": len(serving_nodes(nodes, "decode")),
-            "inflight": self._admitted,
-        }
+        """`/health`'s body (`NodeView.health_report`): the master is asked now (`check_master`: a failed
+        answer marks it unreachable at once), the live nodes counted from its list or, while it is
+        unreachable, from the last known ones."""
+        self.check_master()
+        return self.health_report(
+            len(self.serving("prefill")), len(self.serving("decode")), inflight=self._admitted
+        )
 
     # ---- placement --------------------------------------------------------------------------------
     def namespace(self, cache_salt: str) -> bytes:
-        """The namespace digest of `cache_salt` (bounded LRU, registered with the master on first use)."""
+        """The namespace digest of `cache_salt` (bounded LRU, registered with the master on first use;
+        computed here, not registered, while the master is unreachable)."""
+        if self.master_state.down:
+            return bytes(self.model.namespace(cache_salt).digest())
         return self.namespaces.get(cache_salt)
 
     def place(self, tokens: Sequence[int], cache_salt: str) -> tuple[Choice, NodeStatus]:
         """Choose the prefill node (peek + policy); `Unavailable` when no prefill node is alive."""
         return self.choose_prefill(self.peek(tokens, cache_salt))
 
-    def peek(self, tokens: Sequence[int], cache_salt: str) -> tuple[RouteRequest, Match | None, int]:
-        """What placement needs of the pool for this prompt (one peek, reused by retries):
-        `Unavailable` when no prefill node is alive or the master does not answer."""
+    def peek(self, tokens: Sequence[int], cache_salt: str) -> Peeked:
+        """What placement needs of the pool for this prompt (one peek, reused by retries). The master
+        unreachable (or failing now): no hits from the pool, the router's affinity record instead.
+        `Unavailable` only when no prefill node is known."""
         if not self.serving("prefill"):
-            raise Unavailable("no live prefill node")
+            raise self.no_node("prefill")
         layout = self.model.layout
         max_blocks = max(0, (len(tokens) - 1) // layout.block_size)
         match: Match | None = None
+        hashes: Sequence[bytes] = ()
+        if len(tokens) >= layout.block_size:
+            hashes = hash_blocks(self.namespace(cache_salt), tokens, layout.block_size)
         if max_blocks > 0:
-            ns = self.namespace(cache_salt)
-            hashes = hash_blocks(ns, tokens, layout.block_size)[:max_blocks]
-            try:
-                match = self.master.match(ns, hashes, count_hit=False, lease_ttl_ms=0)
-            except (Unavailable, DeadlineExceeded) as exc:  # the master is down: 503, as for the node list
-                self.master_failed(exc)
-                raise Unavailable(f"master unreachable: {exc}") from None
-            except KVPoolError as exc:
-                log.warning("peek failed (%s); routing without hits", exc)
+            if not self.master_state.down:
+                match = self._peek_master(hashes[:max_blocks], cache_salt)
+            if match is None:
+                self.metrics.unpeeked.inc()
+                match = self.affinity.match(hashes[:max_blocks])
         req = RouteRequest(
             prompt_len=len(tokens),
             block_size=layout.block_size,
             block_nbytes=layout.block_nbytes,
             pool_blocks=match.num_matched if match is not None else 0,
         )
-        return req, match, max_blocks
+        return Peeked(req, match, max_blocks, hashes)
 
-    def choose_prefill(
-        self, peeked: tuple[RouteRequest, Match | None, int], exclude: Collection[str] = ()
-    ) -> tuple[Choice, NodeStatus]:
+    def _peek_master(self, hashes: Sequence[bytes], cache_salt: str) -> Match | None:
+        """The master's match of `hashes` (no counters, no recency, no lease); None when it failed."""
+        ns = self.namespace(cache_salt)
+        try:
+            return self.master.match(ns, hashes, count_hit=False, lease_ttl_ms=0)  # type: ignore[no-any-return]
+        except (Unavailable, DeadlineExceeded) as exc:  # the master is down: no hits, no more peeks
+            self.master_failed(exc)
+        except KVPoolError as exc:
+            log.warning("peek failed (%s); routing without pool hits", exc)
+        return None
+
+    def choose_prefill(self, peeked: Peeked, exclude: Collection[str] = ()) -> tuple[Choice, NodeStatus]:
         """The prefill node the policy chooses among `candidates` (counted in flight until its first token).
         One call per attempt: metrics are recorded per request by `generate`, not here."""
-        req, match, max_blocks = peeked
+        req, match, max_blocks = peeked.req, peeked.match, peeked.max_blocks
         prefill = self.candidates("prefill", exclude)
         if not prefill:
-            raise Unavailable("no live prefill node")
+            raise self.no_node("prefill")
         with self._policy_lock:
             states = node_states(prefill, match, self.inflight, max_blocks)
             choice = self.policy.choose(req, states)
@@ -164,7 +197,7 @@ class RouterService(NodeView):
         """The least-loaded decode node of `candidates` (own in-flight or reported queue); ties seeded."""
         decode = self.candidates("decode", exclude)
         if not decode:
-            raise Unavailable("no live decode node")
+            raise self.no_node("decode")
 
         def load(n: NodeStatus) -> int:
             return max(self.decode_inflight.get(n.node.node_id, n.node.epoch)[0], n.load.queue_len)
@@ -266,6 +299,7 @@ class RouterService(NodeView):
                 except grpc.RpcError as exc:
                     failure = self._call_failed("prefill", pnode, exc, tried)
             self.node_answered(pnode)
+            self.affinity.record(peeked.hashes, pnode)
             if first is None:
                 raise Unavailable(f"prefill on {pnode.node.node_id} ended without a first token")
         except BaseException:

@@ -56,7 +56,14 @@ class RouterSettings(KVPoolSettings):
     node_grace_s: float = Field(
         default=30.0,
         ge=0,
-        description="keep routing to the last live nodes this long when the master lists none",
+        description="keep routing to the last live nodes this long when the master answers but lists none "
+        "(while it does not answer: for the whole outage)",
+    )
+    affinity_blocks: int = Field(
+        default=65536,
+        gt=0,
+        description="block hashes in the router's own record of which prefill node served them (LRU): "
+        "placement while the master is unreachable (no peeks)",
     )
 
     @field_validator("policy")

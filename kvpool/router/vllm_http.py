@@ -2,11 +2,12 @@
 
 `POST /v1/completions` and `POST /v1/chat/completions` (JSON or SSE, as the client asks: the decode
 engine's response is passed through), `GET /v1/models` (an engine's), `GET /health` (503 unless a prefill
-and a decode engine are live), `GET /metrics`. The API key selects the tenant and so the cache salt (a
+and a decode engine are known live; 200 "degraded" with the parts and since when while the master is
+unreachable: `kvpool.router.nodes`), `GET /metrics`. The API key selects the tenant and so the cache salt (a
 client's `cache_salt` only sub-partitions its own tenant, field case B09). vLLM validates the body
 itself: its 4xx answers reach the client unchanged. Router errors use OpenAI's shape: 400 a body that is
-not a JSON object, 401 unknown API key, 429 `max_inflight` reached, 503 no live engine (or none reachable,
-or the master down), 502 a decode engine that failed mid-stream (in a stream: one `data: {"error"}`
+not a JSON object, 401 unknown API key, 429 `max_inflight` reached, 503 no live engine known (or none
+reachable; a master that does not answer leaves the last known engines in use, placed without hits), 502 a decode engine that failed mid-stream (in a stream: one `data: {"error"}`
 event, then the stream ends).
 """
 

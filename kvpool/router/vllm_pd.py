@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.client.types import NodeStatus
-from kvpool.errors import KVPoolError, Unavailable
+from kvpool.errors import DeadlineExceeded, KVPoolError, Unavailable
 from kvpool.hashing import hash_blocks
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.nodes import NodeView
@@ -99,14 +99,16 @@ class VllmEngines(NodeView):
         return [n for n in out if not self.in_backoff(n)] or out
 
     def health(self) -> dict[str, Any]:
-        """Live prefill and decode engines, from the master now; `Unavailable` when it does not answer."""
-        self.refresh()
-        return {"prefill": len(self.engines(PREFILL_ROLES)), "decode": len(self.engines(DECODE_ROLES))}
+        """`/health`'s body (`NodeView.health_report`): the master is asked now; while it does not answer,
+        the last known engines are counted and the report says degraded."""
+        self.check_master()
+        return self.health_report(len(self.engines(PREFILL_ROLES)), len(self.engines(DECODE_ROLES)))
 
     # ---- placement --------------------------------------------------------------------------------
     def pool_blocks(self, engine: NodeStatus, tokens: Sequence[int], cache_salt: str) -> tuple[int, int]:
         """(leading blocks of `tokens` the pool holds in the engine's namespace for `cache_salt`, the most
-        that can be reused). A master that does not answer, or an engine without a namespace, is 0 hits."""
+        that can be reused). A master that does not answer (no peeks until it answers a refresh again), or
+        an engine without a namespace, is 0 hits."""
         base = engine.node.engine_namespace
         if base is None or not tokens:
             return 0, 0
@@ -116,10 +118,16 @@ class VllmEngines(NodeView):
             return 0, 0
         digest = base.namespace(cache_salt).digest()
         hashes = hash_blocks(digest, list(tokens), layout.block_size)[:max_blocks]
+        if self.master_state.down:  # no peeks until the background refresh reaches it again
+            self.metrics.unpeeked.inc()
+            return 0, max_blocks
         try:
             match = self.master.match(digest, hashes, count_hit=False, lease_ttl_ms=0)
         except KVPoolError as exc:
+            if isinstance(exc, Unavailable | DeadlineExceeded):
+                self.master_failed(exc)
             log.debug("peek failed (%s): placing without hits", exc)
+            self.metrics.unpeeked.inc()
             return 0, max_blocks
         return match.num_matched, max_blocks
 

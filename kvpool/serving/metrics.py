@@ -4,17 +4,22 @@ Per request: prompt tokens (the hit-rate denominator), reused tokens by source (
 tier, `pulled`: the pool), the load decision (`none` | `local` | `pull` | `recompute`), the pull time, and
 the role's latency (`LatencyMetric`: TTFT for prefill, TPOT for decode). Per link (`peer` = a store node's data address): blocks, bytes and
 batch latency of reads (pulls) and writes (publishes), counted by `MeteredTransport`, the transport the
-node's connector and pool client are given. The queue length is read at scrape time.
+node's connector and pool client are given. The queue length is read at scrape time, and so is the
+pool breaker's state (`kvpool.connector.breaker`): `…_pool_degraded` (1 while the node runs degraded:
+node-local tier + recompute, no pool calls), `…_pool_degraded_since_seconds` (Unix time it began; 0
+when not degraded) and `…_pool_calls_skipped_total` (requests that skipped the pool meanwhile).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvpool.metrics import LATENCY_BUCKETS_S
 
@@ -22,6 +27,32 @@ if TYPE_CHECKING:
     from transfer import BlockRead, BlockResult, BlockWrite, LinkEstimate, Transport
 
 DECISIONS = ("none", "local", "pull", "recompute")
+
+
+class _BreakerCollector(Collector):
+    """The pool breaker's state at scrape time."""
+
+    def __init__(self, prefix: str, breaker: Any) -> None:
+        self.prefix, self.breaker = prefix, breaker
+
+    def collect(self) -> Iterator[Metric]:
+        b, p = self.breaker, self.prefix
+        yield GaugeMetricFamily(
+            p + "pool_degraded",
+            "1 while the node runs degraded (node-local tier + "
+            "recompute, no pool calls; one probe per interval).",
+            value=float(b.degraded),
+        )
+        yield GaugeMetricFamily(
+            p + "pool_degraded_since_seconds",
+            "Unix time the node's degraded mode began (0: not degraded).",
+            value=b.degraded_since_unix_s,
+        )
+        yield CounterMetricFamily(
+            p + "pool_calls_skipped",
+            "Pool calls skipped in degraded mode (requests served from the node-local tier + recompute).",
+            value=b.num_skipped,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +121,10 @@ class ServingMetrics:
             if latency is not None
             else None
         )
+
+    def watch_breaker(self, breaker: Any) -> None:
+        """Read `breaker`'s (a `PoolBreaker`) state at scrape time (the module docstring's three metrics)."""
+        self.registry.register(_BreakerCollector(f"kvpool_{self.role}_", breaker))
 
     def set_queue_len(self, fn: Callable[[], int]) -> None:
         """Read the queue length from `fn` at scrape time."""

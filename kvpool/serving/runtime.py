@@ -84,6 +84,7 @@ class NodeRuntime:
             pull_timeout_s=settings.pull_timeout_s,
             margin=settings.cost_margin,
         )
+        metrics.watch_breaker(connector.breaker)
         return cls(
             settings,
             runner,
@@ -114,6 +115,7 @@ class NodeRuntime:
             layout_fingerprint=self.runner.layout.fingerprint(),
             load_fn=load_fn,
             on_heartbeat=self.connector.report_local_events,
+            on_reconnect=self.connector.breaker.probe_soon,  # the master is back: probe the pool now
             on_fatal=on_fatal,
             on_flush_epoch=self.connector.note_flush_epoch,  # moved: a namespace was invalidated
         )

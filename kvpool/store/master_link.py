@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 DEREGISTER_TIMEOUT_S = 1.0
 """At most this long on a graceful stop telling the master the node leaves (never blocks shutdown more)."""
+MAX_RETRY_S = 1.0
+"""Failed heartbeats are retried after 0.1 s, doubling up to this: a master back on its address hears
+from the store (which re-registers and re-reports its inventory) within about a second, so the pool's
+hits come back within seconds of a master restart. One warning per outage; the retries log at debug."""
 
 
 class MasterLink:
@@ -122,6 +126,7 @@ class MasterLink:
         with channel(self.address) as ch:
             stub = pb_grpc.MasterStub(ch)
             backoff_s = 0.1
+            failing = False
             while not self._stop.is_set():
                 try:
                     if not self.registered.is_set():
@@ -130,6 +135,9 @@ class MasterLink:
                         self._heartbeat(stub)
                     backoff_s = 0.1
                     wait_s = self.interval_ms / 1000
+                    if failing:
+                        log.warning("master %s answers again", self.address)
+                        failing = False
                 except (
                     FailedPrecondition,
                     InvalidArgument,
@@ -144,8 +152,11 @@ class MasterLink:
                         self._on_fatal(str(exc))
                     return
                 except Exception as exc:  # noqa: BLE001 - keep trying: the master may come back
-                    log.warning("master %s: %s (retrying in %.1f s)", self.address, exc, backoff_s)
-                    wait_s, backoff_s = backoff_s, min(backoff_s * 2, 5.0)
+                    level = logging.DEBUG if failing else logging.WARNING
+                    log.log(level, "master %s: %s (retrying every %.1f s at most; quiet until it answers)",
+                            self.address, exc, MAX_RETRY_S)  # fmt: skip
+                    failing = True
+                    wait_s, backoff_s = backoff_s, min(backoff_s * 2, MAX_RETRY_S)
                 self._first_answer.set()
                 self._stop.wait(wait_s)
 

@@ -454,7 +454,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("node", "alive", "draining", "num_slots", "num_used_slots", "num_blocks", "used_bytes", "load", "dataplane_state", "num_dataplane_failures")
+    __slots__ = ("node", "alive", "draining", "num_slots", "num_used_slots", "num_blocks", "used_bytes", "load", "dataplane_state", "num_dataplane_failures", "silent_ms")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -465,6 +465,7 @@ class NodeStats(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     DATAPLANE_STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_DATAPLANE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SILENT_MS_FIELD_NUMBER: _ClassVar[int]
     node: NodeEndpoint
     alive: bool
     draining: bool
@@ -475,7 +476,8 @@ class NodeStats(_message.Message):
     load: NodeLoad
     dataplane_state: str
     num_dataplane_failures: int
-    def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., alive: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_slots: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., dataplane_state: _Optional[str] = ..., num_dataplane_failures: _Optional[int] = ...) -> None: ...
+    silent_ms: int
+    def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., alive: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_slots: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., dataplane_state: _Optional[str] = ..., num_dataplane_failures: _Optional[int] = ..., silent_ms: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("num_blocks", "used_bytes", "capacity_bytes", "num_live_leases", "num_evictions", "num_match_requests", "requested_tokens", "hit_tokens", "requested_blocks", "hit_blocks", "uptime_s", "nodes", "num_namespaces", "num_reserved_blocks", "num_rereplications", "block_size", "namespaces")
