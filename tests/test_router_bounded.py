@@ -33,7 +33,7 @@ from kvpool.router.http import build_app
 from kvpool.router.model_info import ModelInfo
 from kvpool.router.service import RouterService
 from kvpool.router.tenants import Tenants
-from kvpool.serving.sampling import Sampling
+from kvpool.sampling import SamplingParams
 from tests.test_router_failover import _metric, _Node, _service
 
 BLOCK = 16
@@ -94,7 +94,7 @@ def test_ten_thousand_salts_leave_the_router_state_at_its_caps(master_server: Ma
     cap = 1000
     svc, client = _router(master_server, namespace_cache_size=cap, policy="round-robin")
     try:
-        one = Sampling(max_tokens=1)
+        one = SamplingParams(max_tokens=1)
         for i in range(300):  # warm-up: allocator pools, channels, metric children
             list(svc.generate(_prompt(i), one, cache_salt=f"warm-{i}"))
         before = self_rss()

@@ -32,7 +32,7 @@ from kvpool.router.serve import build
 from kvpool.router.service import RouterService
 from kvpool.router.settings import RouterSettings
 from kvpool.router.tenants import Tenants
-from kvpool.serving.sampling import Sampling
+from kvpool.sampling import SamplingParams
 from kvpool.v1 import kvpool_pb2 as pb
 from tests.test_router_http import FakeMaster
 
@@ -244,7 +244,7 @@ def _service(stubs: dict[str, _Node], **settings: Any) -> RouterService:
 
 
 def _run(svc: RouterService, max_tokens: int = 4) -> list[Any]:
-    return list(svc.generate([1, 2, 3], Sampling(max_tokens=max_tokens)))
+    return list(svc.generate([1, 2, 3], SamplingParams(max_tokens=max_tokens)))
 
 
 def test_a_decode_stream_that_sent_tokens_is_not_retried() -> None:
@@ -252,7 +252,7 @@ def test_a_decode_stream_that_sent_tokens_is_not_retried() -> None:
     svc = _service(stubs)
     out: list[Any] = []
     with pytest.raises(Unavailable, match="decode on d[01]: Socket closed"):
-        for ev in svc.generate([1, 2, 3], Sampling(max_tokens=4)):
+        for ev in svc.generate([1, 2, 3], SamplingParams(max_tokens=4)):
             out.append(ev)
     assert [e.kind for e in out] == ["first", "tokens"]  # one decode token went out: no second decode
     assert stubs["d0"].calls + stubs["d1"].calls == 1

@@ -119,7 +119,7 @@ def run_real(
     from kvpool.router.model_info import ModelInfo
     from kvpool.router.service import RouterService
     from kvpool.router.settings import RouterSettings
-    from kvpool.serving.sampling import Sampling
+    from kvpool.sampling import SamplingParams
 
     model = ModelInfo.load(None, block_size=block_tokens)
     spec = LocalClusterSpec(
@@ -158,7 +158,7 @@ def run_real(
             def one(
                 i: int, t0: float, svc: RouterService = svc, salt: str = salt
             ) -> tuple[float, str, int, int]:
-                ev = next(svc.generate(prompts[i], Sampling(max_tokens=1), cache_salt=salt))
+                ev = next(svc.generate(prompts[i], SamplingParams(max_tokens=1), cache_salt=salt))
                 return time.perf_counter() - t0, ev.prefill_node, ev.prompt_tokens, ev.cached_tokens
 
             try:

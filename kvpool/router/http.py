@@ -56,6 +56,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpool import errors
+from kvpool.prompt import prompt_token_limit
 from kvpool.router.schemas import (
     APIError,
     ChatBody,
@@ -68,9 +69,9 @@ from kvpool.router.schemas import (
     request_salt,
     text_content,
 )
-from kvpool.router.service import Event, RouterService, Sampling
+from kvpool.router.service import Event, RouterService
 from kvpool.router.tenants import Tenants
-from kvpool.serving.common import prompt_token_limit
+from kvpool.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +176,9 @@ class OpenAIApp:
         """The max_tokens of a request that names none: never above the configured limit."""
         return min(max_tokens, self.service.settings.max_tokens_limit)
 
-    def _sampling(self, body: Any, max_tokens: int) -> Sampling:
+    def _sampling(self, body: Any, max_tokens: int) -> SamplingParams:
         eos = self.service.model.eos_token_id
-        return Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                         max_tokens=max_tokens, stop_token_ids=(eos,) if eos is not None else ())  # fmt: skip
 
     # ---- endpoints --------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from kvpool.client.types import NodeLoad
 from kvpool.cost import LinkEstimate, RecomputeModel, decide_reuse
 from kvpool.errors import InvalidArgument, Unavailable
+from kvpool.prompt import max_reusable_blocks
 
 POLICIES = ("cost", "affinity", "least-load", "round-robin")
 
@@ -60,8 +61,8 @@ class RouteRequest:
 
     @property
     def max_reusable_blocks(self) -> int:
-        """The prompt's last token is always computed, so at most `(prompt_len - 1) // block_size`."""
-        return max(0, (self.prompt_len - 1) // self.block_size)
+        """The prompt's last token is always computed (`kvpool.prompt.max_reusable_blocks`)."""
+        return max_reusable_blocks(self.prompt_len, self.block_size)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

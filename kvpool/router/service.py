@@ -32,9 +32,11 @@ from typing import Any
 
 import grpc
 
+from kvpool.client.convert import sampling_pb
 from kvpool.client.types import Match, NodeStatus
 from kvpool.errors import DeadlineExceeded, KVPoolError, ResourceExhausted, Unavailable
 from kvpool.hashing import hash_blocks
+from kvpool.prompt import max_reusable_blocks
 from kvpool.router.affinity import AffinityRecord
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.model_info import ModelInfo
@@ -45,7 +47,7 @@ from kvpool.router.settings import RouterSettings
 from kvpool.router.state import Inflight, node_states
 from kvpool.rpc.server import channel
 from kvpool.rpc.status import raise_from_rpc_error
-from kvpool.serving.sampling import Sampling
+from kvpool.sampling import SamplingParams
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -149,7 +151,7 @@ class RouterService(NodeView):
         if not self.serving("prefill"):
             raise self.no_node("prefill")
         layout = self.model.layout
-        max_blocks = max(0, (len(tokens) - 1) // layout.block_size)
+        max_blocks = max_reusable_blocks(len(tokens), layout.block_size)
         match: Match | None = None
         hashes: Sequence[bytes] = ()
         if len(tokens) >= layout.block_size:
@@ -274,7 +276,7 @@ class RouterService(NodeView):
         m.predicted_cached_tokens.inc(min(choice.prediction.reused_tokens, prompt_tokens))
 
     def generate(
-        self, tokens: Sequence[int], sampling: Sampling, *, cache_salt: str = "", request_id: str = ""
+        self, tokens: Sequence[int], sampling: SamplingParams, *, cache_salt: str = "", request_id: str = ""
     ) -> Generator[Event, None, None]:
         """Serve one admitted request: "first", then "tokens"*, then "done". Raises `KVPoolError`."""
         rid = request_id or uuid.uuid4().hex[:16]
@@ -282,7 +284,7 @@ class RouterService(NodeView):
         t0 = time.perf_counter()
         peeked = self.peek(tokens, cache_salt)
         req = pb.PrefillRequest(
-            request_id=rid, token_ids=tokens, sampling=sampling.to_proto(), cache_salt=cache_salt,
+            request_id=rid, token_ids=tokens, sampling=sampling_pb(sampling), cache_salt=cache_salt,
             publish=True, use_cache=True,
         )  # fmt: skip
         tried: list[str] = []
@@ -324,7 +326,7 @@ class RouterService(NodeView):
         status = published.status if published is not None else "publish_failed"
         dreq = pb.DecodeRequest(
             request_id=rid, token_ids=tokens, first_token=first.token_id, block_hashes=list(first.block_hashes),
-            sampling=sampling.to_proto(), cache_salt=cache_salt, prompt_committed=status == "committed",
+            sampling=sampling_pb(sampling), cache_salt=cache_salt, prompt_committed=status == "committed",
             publish=True, use_cache=True,
         )  # fmt: skip
         n_out = 1

@@ -7,8 +7,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from kvpool.config import KVPoolSettings, check_host_port
+from kvpool.prompt import DEFAULT_MAX_PROMPT_TOKENS
 from kvpool.router.policy import POLICIES
-from kvpool.serving.common import DEFAULT_MAX_PROMPT_TOKENS
 
 
 class RouterSettings(KVPoolSettings):

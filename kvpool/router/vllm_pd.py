@@ -36,6 +36,7 @@ from typing import Any
 from kvpool.client.types import NodeStatus
 from kvpool.errors import DeadlineExceeded, KVPoolError, Unavailable
 from kvpool.hashing import hash_blocks
+from kvpool.prompt import max_reusable_blocks
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.nodes import NodeView
 from kvpool.router.policy import Choice, RouteRequest, RoutingPolicy
@@ -113,7 +114,7 @@ class VllmEngines(NodeView):
         if base is None or not tokens:
             return 0, 0
         layout = KVLayout.from_fingerprint(base.layout_fingerprint)
-        max_blocks = max(0, (len(tokens) - 1) // layout.block_size)
+        max_blocks = max_reusable_blocks(len(tokens), layout.block_size)
         if max_blocks == 0:
             return 0, 0
         digest = base.namespace(cache_salt).digest()

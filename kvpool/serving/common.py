@@ -1,7 +1,6 @@
 """Settings shared by the prefill and decode nodes.
 
-The prompt limits live in `kvpool.prompt` and the model's context length in `kvpool.model.settings`;
-they are re-exported here for the callers that import them from this module.
+The prompt limits live in `kvpool.prompt` and the model's context length in `kvpool.model.settings`.
 """
 
 from __future__ import annotations
@@ -9,16 +8,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from kvpool.config import KVPoolSettings, check_host_port
-from kvpool.model.settings import model_context_len
-from kvpool.prompt import DEFAULT_MAX_PROMPT_TOKENS, prompt_token_limit, validate_tokens
-
-__all__ = [
-    "DEFAULT_MAX_PROMPT_TOKENS",
-    "ServingSettings",
-    "model_context_len",
-    "prompt_token_limit",
-    "validate_tokens",
-]
+from kvpool.prompt import DEFAULT_MAX_PROMPT_TOKENS
 
 
 class ServingSettings(KVPoolSettings):

@@ -1,23 +1,16 @@
 """Sampling on the serving nodes: the seed and generator of each output position, shared by prefill (the
 first token) and decode (the rest), so a seeded request draws the same tokens wherever it runs.
-
-`Sampling` is `kvpool.sampling.SamplingParams` with `to_proto()`, kept for the router's `generate` until it
-converts with `kvpool.client.convert.sampling_pb` itself; everything else uses `SamplingParams`.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpool.client import convert
 from kvpool.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import torch
-
-    from kvpool.v1 import kvpool_pb2 as pb
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -37,11 +30,3 @@ def make_step_generator(params: SamplingParams, step: int) -> torch.Generator | 
 
     seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
     return torch.Generator(device="cpu").manual_seed(step_seed(seed, step))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Sampling(SamplingParams):
-    """`SamplingParams` that converts itself to the wire (the router's `generate` calls `to_proto`)."""
-
-    def to_proto(self) -> pb.SamplingParams:
-        return convert.sampling_pb(self)
