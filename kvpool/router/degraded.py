@@ -64,8 +64,11 @@ class MasterState:
             was, since = self._reason, self._since_unix_s
             self._reason, self._ever_reached = "", True
         if was:
-            log.warning("master %s answers again after %.1f s: peeks and hits resume", self.address,
-                        time.time() - since)  # fmt: skip
+            log.warning(
+                "master %s answers again after %.1f s: peeks and hits resume",
+                self.address,
+                time.time() - since,
+            )
 
     def failed(self, exc: BaseException) -> None:
         """A call to the master failed (`exc` says why); the first of an outage is logged."""

@@ -159,15 +159,24 @@ class OpenAIApp:
         s, m = self.service.settings, self.service.model
         limit = prompt_token_limit(s.max_prompt_tokens, m.max_model_len)  # the nodes' rule
         if len(tokens) > limit:
-            raise APIError(400, f"the prompt has {len(tokens)} tokens; the limit is {limit} tokens",
-                           param="prompt", code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"the prompt has {len(tokens)} tokens; the limit is {limit} tokens",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         if max_tokens > s.max_tokens_limit:
-            raise APIError(400, f"max_tokens is {max_tokens}; the limit is {s.max_tokens_limit}",
-                           param="max_tokens")  # fmt: skip
+            raise APIError(
+                400, f"max_tokens is {max_tokens}; the limit is {s.max_tokens_limit}", param="max_tokens"
+            )
         if len(tokens) + max_tokens > m.max_model_len:
-            raise APIError(400, f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the model's "
-                           f"context of {m.max_model_len} tokens", param="max_tokens",
-                           code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed the model's "
+                f"context of {m.max_model_len} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         bad = next((t for t in tokens if not 0 <= t < m.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary of {m.vocab_size}", param="prompt")
@@ -178,8 +187,14 @@ class OpenAIApp:
 
     def _sampling(self, body: Any, max_tokens: int) -> SamplingParams:
         eos = self.service.model.eos_token_id
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                        max_tokens=max_tokens, stop_token_ids=(eos,) if eos is not None else ())  # fmt: skip
+        return SamplingParams(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            stop_token_ids=(eos,) if eos is not None else (),
+        )
 
     # ---- endpoints --------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -254,25 +269,46 @@ class OpenAIApp:
             choice: dict[str, Any] = {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
             obj = "text_completion"
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                      "finish_reason": reason}  # fmt: skip
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
             obj = "chat.completion"
         if body.return_token_ids:
             choice["token_ids"] = list(text.ids)
         svc.metrics.requests.labels(kind, "200").inc()
-        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
-                             "choices": [choice], "usage": usage})  # fmt: skip
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": obj,
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
 
     @staticmethod
     def _usage(first: Event, n_out: int) -> dict[str, Any]:
-        return {"prompt_tokens": first.prompt_tokens, "completion_tokens": n_out,
-                "total_tokens": first.prompt_tokens + n_out,
-                "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}  # fmt: skip
+        return {
+            "prompt_tokens": first.prompt_tokens,
+            "completion_tokens": n_out,
+            "total_tokens": first.prompt_tokens + n_out,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        }
 
     async def _sse(
-        self, kind: str, rid: str, gen: Generator[Event, None, None], first: Event, text: _TextStream, include_usage: bool,
+        self,
+        kind: str,
+        rid: str,
+        gen: Generator[Event, None, None],
+        first: Event,
+        text: _TextStream,
+        include_usage: bool,
         release: Any,
-    ) -> AsyncIterator[str]:  # fmt: skip
+    ) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "text_completion" if kind == "completions" else "chat.completion.chunk"
 
@@ -284,8 +320,13 @@ class OpenAIApp:
                 if delta is not None:
                     d["content"] = delta
                 choices = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}]
-            payload: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                       "choices": choices if usage is None else []}  # fmt: skip
+            payload: dict[str, Any] = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.model_name,
+                "choices": choices if usage is None else [],
+            }
             if usage is not None:
                 payload["usage"] = usage
             return f"data: {json.dumps(payload)}\n\n"

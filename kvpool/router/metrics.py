@@ -73,9 +73,11 @@ class RouterMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "kvpool_router_requests", "HTTP API requests by endpoint and status code (once per request).",
-            ["endpoint", "code"], registry=r,
-        )  # fmt: skip
+            "kvpool_router_requests",
+            "HTTP API requests by endpoint and status code (once per request).",
+            ["endpoint", "code"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "kvpool_router_prompt_tokens",
             "Prompt tokens of requests that got a first token: the one denominator of the router's token "
@@ -98,35 +100,42 @@ class RouterMetrics:
         self.ttft = Histogram(
             "kvpool_router_ttft_seconds",
             f"Time to first token as the router sees it, from arrival, retries included (s). {_AT_FIRST}",
-            buckets=_TTFT_BUCKETS, registry=r,
-        )  # fmt: skip
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
         self.tpot = Histogram(
-            "kvpool_router_tpot_seconds", "Mean time per output token after the first, per request (s).",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0), registry=r,
-        )  # fmt: skip
+            "kvpool_router_tpot_seconds",
+            "Mean time per output token after the first, per request (s).",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=r,
+        )
         self.decisions = Counter(
             "kvpool_router_routing_decisions",
             "Prefill placements, once per request (retries: kvpool_router_retries_total), by policy, node "
             "and outcome: served (the node that gave the first token) or failed (the last node tried).",
-            ["policy", "node", "outcome"], registry=r,
-        )  # fmt: skip
+            ["policy", "node", "outcome"],
+            registry=r,
+        )
         self.predicted_ttft = Histogram(
             "kvpool_router_predicted_ttft_seconds",
             f"The cost model's predicted TTFT of the node that served the request (s). {_AT_FIRST}",
-            buckets=_TTFT_BUCKETS, registry=r,
-        )  # fmt: skip
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
         self.inflight = Gauge("kvpool_router_inflight_requests", "Requests being served now.", registry=r)
         self.node_failures = Counter(
             "kvpool_router_node_failures",
             "Calls to a prefill/decode node that could not reach it (UNAVAILABLE): the node went into back-off.",
-            ["role", "node"], registry=r,
-        )  # fmt: skip
+            ["role", "node"],
+            registry=r,
+        )
         self.retries = Counter(
             "kvpool_router_retries",
             "Attempts beyond a request's first on a role: retries on another node after a call could not "
             "reach its node (UNAVAILABLE). Attempts = requests + retries.",
-            ["role"], registry=r,
-        )  # fmt: skip
+            ["role"],
+            registry=r,
+        )
         self.rejected = Counter(
             "kvpool_router_rejected", "Requests refused before routing, by reason.", ["reason"], registry=r
         )

@@ -87,8 +87,9 @@ class NamespaceCache:
             log.warning("register_namespace failed (%s); peeks may miss", exc)
             return None
         if active and active != info.weights_version:
-            log.warning("master's active version of %s is %s, ours %s", info.model_id, active,
-                        info.weights_version)  # fmt: skip
+            log.warning(
+                "master's active version of %s is %s, ours %s", info.model_id, active, info.weights_version
+            )
         if bytes(remote) != ns:
             log.warning("master computed another namespace digest: hashing versions differ")
         return ns

@@ -14,8 +14,15 @@ from kvpool import errors
 class APIError(Exception):
     """An HTTP error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with `status`."""
 
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 

@@ -284,9 +284,13 @@ class RouterService(NodeView):
         t0 = time.perf_counter()
         peeked = self.peek(tokens, cache_salt)
         req = pb.PrefillRequest(
-            request_id=rid, token_ids=tokens, sampling=sampling_pb(sampling), cache_salt=cache_salt,
-            publish=True, use_cache=True,
-        )  # fmt: skip
+            request_id=rid,
+            token_ids=tokens,
+            sampling=sampling_pb(sampling),
+            cache_salt=cache_salt,
+            publish=True,
+            use_cache=True,
+        )
         tried: list[str] = []
         failure = ""
         choice: Choice | None = None
@@ -311,11 +315,21 @@ class RouterService(NodeView):
         stats = first.stats
         cached = min(int(stats.num_reused_tokens), len(tokens))  # a node's report never passes the prompt
         self.record_first(choice, ttft_s, len(tokens), cached)
-        log.info("[%s] prefill %s (%s, predicted %.3fs): prompt=%d cached=%d ttft=%.3fs", rid,
-                 pnode.node.node_id, self.policy.policy, choice.prediction.ttft_s, len(tokens),
-                 cached, ttft_s)  # fmt: skip
-        common: dict[str, Any] = {"prompt_tokens": len(tokens), "cached_tokens": cached,
-                  "prefill_node": pnode.node.node_id}  # fmt: skip
+        log.info(
+            "[%s] prefill %s (%s, predicted %.3fs): prompt=%d cached=%d ttft=%.3fs",
+            rid,
+            pnode.node.node_id,
+            self.policy.policy,
+            choice.prediction.ttft_s,
+            len(tokens),
+            cached,
+            ttft_s,
+        )
+        common: dict[str, Any] = {
+            "prompt_tokens": len(tokens),
+            "cached_tokens": cached,
+            "prefill_node": pnode.node.node_id,
+        }
         yield Event("first", token_ids=[first.token_id], ttft_s=ttft_s, **common)
         stop = set(sampling.stop_token_ids)
         if first.token_id in stop or sampling.max_tokens <= 1:
@@ -325,10 +339,16 @@ class RouterService(NodeView):
             return
         status = published.status if published is not None else "publish_failed"
         dreq = pb.DecodeRequest(
-            request_id=rid, token_ids=tokens, first_token=first.token_id, block_hashes=list(first.block_hashes),
-            sampling=sampling_pb(sampling), cache_salt=cache_salt, prompt_committed=status == "committed",
-            publish=True, use_cache=True,
-        )  # fmt: skip
+            request_id=rid,
+            token_ids=tokens,
+            first_token=first.token_id,
+            block_hashes=list(first.block_hashes),
+            sampling=sampling_pb(sampling),
+            cache_salt=cache_salt,
+            prompt_committed=status == "committed",
+            publish=True,
+            use_cache=True,
+        )
         n_out = 1
         t_first = time.perf_counter()
         tried = []
