@@ -10,11 +10,13 @@ knows no node answers 503, saying why.
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 from starlette.testclient import TestClient
 
 from kvpool.client import MasterClient, NodeInfo
@@ -176,3 +178,34 @@ def test_a_router_that_never_reached_a_master_answers_503_saying_why() -> None:
     finally:
         svc.close()
         client.close()
+
+
+def test_fifty_failed_refreshes_log_one_warning_and_the_recovery_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A router whose master is down refreshes its node list every `refresh_interval_s`: one warning per
+    outage, not one per refresh (a day's outage flooded the log), and one line when the master answers
+    again."""
+    model = ModelInfo.load(None, block_size=16)
+    port = _free_port()
+    address = f"127.0.0.1:{port}"  # nothing listens there yet
+    client = MasterClient(address, timeout_s=1.0)
+    svc = RouterService(RouterSettings(master=address), client, model)  # not started: no background refresh
+    caplog.set_level(logging.DEBUG, logger="kvpool.router")
+    master: Proc | None = None
+    try:
+        for _ in range(50):
+            assert not svc.probe_master()
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warned) == 1 and "unreachable" in warned[0] and address in warned[0], warned
+        master = start_master(port=port, layout=model.layout.fingerprint())
+        eventually(svc.probe_master)
+        for _ in range(5):
+            assert svc.probe_master()
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warned) == 2 and "answers again" in warned[1], warned
+    finally:
+        svc.close()
+        client.close()
+        if master is not None:
+            master.kill()

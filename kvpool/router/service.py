@@ -315,7 +315,7 @@ class RouterService(NodeView):
         stats = first.stats
         cached = min(int(stats.num_reused_tokens), len(tokens))  # a node's report never passes the prompt
         self.record_first(choice, ttft_s, len(tokens), cached)
-        log.info(
+        log.debug(
             "[%s] prefill %s (%s, predicted %.3fs): prompt=%d cached=%d ttft=%.3fs",
             rid,
             pnode.node.node_id,
