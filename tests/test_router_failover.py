@@ -238,7 +238,7 @@ def _service(stubs: dict[str, _Node], **settings: Any) -> RouterService:
         for i in sorted(stubs)
     ]  # fmt: skip
     svc = RouterService(RouterSettings(**settings), FakeMaster(nodes), ModelInfo.load(None, block_size=16))
-    svc._stub = lambda address, kind: stubs[address]  # type: ignore[method-assign]
+    svc.node_client._stub = lambda address, kind: stubs[address]  # type: ignore[method-assign]
     svc.refresh()
     return svc
 

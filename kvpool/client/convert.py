@@ -1,10 +1,24 @@
-"""Proto <-> client values (the only place in `kvpool.client` that touches proto messages)."""
+"""Proto <-> client values (the only place in `kvpool.client` that touches proto messages): the master's
+calls (`kvpool.client.types`), sampling parameters, and the serving nodes' hand-off
+(`kvpool.client.node_types`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.client.node_types import (
+    DecodeEvent,
+    DecodeRequest,
+    DecodeStats,
+    DecodeTokens,
+    Finished,
+    FirstToken,
+    PrefillEvent,
+    PrefillRequest,
+    PrefillStats,
+    Published,
+)
 from kvpool.client.types import (
     CommitBlock,
     EngineNamespace,
@@ -229,3 +243,55 @@ def sampling_pb(params: SamplingParams) -> pb.SamplingParams:
         max_tokens=params.max_tokens,
         stop_token_ids=list(params.stop_token_ids),
     )
+
+
+# ---- the serving nodes' hand-off ----------------------------------------------------------------------
+def prefill_request_pb(req: PrefillRequest) -> pb.PrefillRequest:
+    return pb.PrefillRequest(
+        request_id=req.request_id,
+        token_ids=list(req.token_ids),
+        sampling=sampling_pb(req.sampling),
+        cache_salt=req.cache_salt,
+        publish=req.publish,
+        use_cache=req.use_cache,
+    )
+
+
+def decode_request_pb(req: DecodeRequest) -> pb.DecodeRequest:
+    return pb.DecodeRequest(
+        request_id=req.request_id,
+        token_ids=list(req.token_ids),
+        first_token=req.first_token,
+        block_hashes=list(req.block_hashes),
+        sampling=sampling_pb(req.sampling),
+        cache_salt=req.cache_salt,
+        prompt_committed=req.prompt_committed,
+        publish=req.publish,
+        use_cache=req.use_cache,
+    )
+
+
+def _fields(msg: Any) -> dict[str, Any]:
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+
+
+def prefill_event(ev: Any) -> PrefillEvent | None:
+    """A `pb.PrefillEvent` as `FirstToken` or `Published` (None: neither is set, a newer node's event)."""
+    if ev.HasField("first_token"):
+        ft = ev.first_token
+        return FirstToken(
+            int(ft.token_id), tuple(bytes(h) for h in ft.block_hashes), PrefillStats(**_fields(ft.stats))
+        )
+    if ev.HasField("published"):
+        return Published(**_fields(ev.published))
+    return None
+
+
+def decode_events(ev: Any) -> list[DecodeEvent]:
+    """A `pb.DecodeEvent` as its `DecodeTokens` (when it carries tokens), then `Finished` (when final)."""
+    out: list[DecodeEvent] = []
+    if ev.token_ids:
+        out.append(DecodeTokens(tuple(int(t) for t in ev.token_ids)))
+    if ev.finished:
+        out.append(Finished(DecodeStats(**_fields(ev.stats))))
+    return out

@@ -31,15 +31,12 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-import grpc
-
 from kvpool.client.types import NodeStatus
-from kvpool.errors import Unavailable
+from kvpool.errors import KVPoolError, Unavailable
 from kvpool.router.degraded import DegradedPart, MasterState
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.settings import RouterSettings
 from kvpool.router.state import serving_nodes
-from kvpool.rpc.status import raise_from_rpc_error
 
 log = logging.getLogger(__name__)
 
@@ -197,15 +194,15 @@ class NodeView:
         nodes = [n for n in self.serving(role) if n.node.node_id not in exclude]
         return [n for n in nodes if not self.in_backoff(n)] or nodes
 
-    def _call_failed(self, role: str, node: NodeStatus, exc: grpc.RpcError, tried: list[str]) -> str:
-        """A call to `node` failed before anything of it was sent to the client. When it could not reach
-        the node (UNAVAILABLE) and another node is left: the node goes into back-off, the retry is counted
-        and the failure returned (for the log); otherwise raises the call's error as a `KVPoolError`."""
+    def _call_failed(self, role: str, node: NodeStatus, exc: KVPoolError, tried: list[str]) -> str:
+        """A call to `node` failed (`exc`: the `kvpool.client.NodeClient` call's error) before anything of
+        it was sent to the client. When it could not reach the node (`Unavailable`) and another node is
+        left: the node goes into back-off, the retry is counted and the failure returned (for the log);
+        otherwise raises the call's error, naming the node."""
         what = f"{role} on {node.node.node_id}"
-        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-        if code != grpc.StatusCode.UNAVAILABLE:
-            raise_from_rpc_error(exc, what)
-        details = (exc.details() if hasattr(exc, "details") else "") or code.name
+        if not isinstance(exc, Unavailable):
+            raise type(exc)(f"{what}: {exc}") from None
+        details = str(exc)
         self.node_failed(role, node)
         tried.append(node.node.node_id)
         others = self.candidates(role, tried)

@@ -30,9 +30,15 @@ from collections.abc import Collection, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
-from kvpool.client.convert import sampling_pb
+from kvpool.client.node_client import NodeClient
+from kvpool.client.node_types import (
+    DecodeRequest,
+    DecodeTokens,
+    Finished,
+    FirstToken,
+    PrefillRequest,
+    Published,
+)
 from kvpool.client.types import Match, NodeStatus
 from kvpool.errors import DeadlineExceeded, KVPoolError, ResourceExhausted, Unavailable
 from kvpool.hashing import hash_blocks
@@ -45,11 +51,7 @@ from kvpool.router.nodes import NodeView
 from kvpool.router.policy import Choice, RouteRequest, RoutingPolicy
 from kvpool.router.settings import RouterSettings
 from kvpool.router.state import Inflight, node_states
-from kvpool.rpc.server import channel
-from kvpool.rpc.status import raise_from_rpc_error
 from kvpool.sampling import SamplingParams
-from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +107,7 @@ class RouterService(NodeView):
         )
         self.metrics.namespace_entries.set_function(lambda: len(self.namespaces))
         self.affinity = AffinityRecord(settings.affinity_blocks)
-        self._channels: dict[str, grpc.Channel] = {}
-        self._channels_lock = threading.Lock()
+        self.node_client = NodeClient(timeout_s=settings.request_timeout_s)
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> RouterService:
@@ -118,10 +119,7 @@ class RouterService(NodeView):
 
     def close(self) -> None:
         self.stop_refresh()
-        with self._channels_lock:
-            for ch in self._channels.values():
-                ch.close()
-            self._channels.clear()
+        self.node_client.close()
 
     def health(self) -> dict[str, Any]:
         """`/health`'s body (`NodeView.health_report`): the master is asked now (`check_master`: a failed
@@ -208,13 +206,6 @@ class RouterService(NodeView):
         with self._policy_lock:
             return self._decode_rng.choice([n for n in decode if load(n) == best])
 
-    def _stub(self, address: str, kind: str) -> Any:
-        with self._channels_lock:
-            ch = self._channels.get(address)
-            if ch is None:
-                ch = self._channels[address] = channel(address)
-        return pb_grpc.PrefillStub(ch) if kind == "prefill" else pb_grpc.DecodeStub(ch)
-
     # ---- one request ------------------------------------------------------------------------------
     def admit(self) -> None:
         """Count one request in; `ResourceExhausted` when `max_inflight` are being served. Pair with `release`."""
@@ -234,10 +225,10 @@ class RouterService(NodeView):
         self.metrics.inflight.dec()
 
     def _prefill(
-        self, pnode: NodeStatus, service_s: float, req: pb.PrefillRequest, t0: float
-    ) -> tuple[pb.PrefillFirstToken | None, pb.PrefillPublished | None, float]:
+        self, pnode: NodeStatus, service_s: float, req: PrefillRequest, t0: float
+    ) -> tuple[FirstToken | None, Published | None, float]:
         """One Prefill call on `pnode` (in flight until its first token): (first token, published, TTFT
-        from `t0`). Raises the call's `grpc.RpcError`."""
+        from `t0`). Raises the call's `KVPoolError` (its message without the node)."""
         pending = True
 
         def end_prefill() -> None:
@@ -246,20 +237,17 @@ class RouterService(NodeView):
                 pending = False
                 self.inflight.end(pnode.node.node_id, pnode.node.epoch, service_s)
 
-        first: pb.PrefillFirstToken | None = None
-        published: pb.PrefillPublished | None = None
+        first: FirstToken | None = None
+        published: Published | None = None
         ttft_s = 0.0
         try:
-            stream = self._stub(pnode.node.grpc_address, "prefill").Prefill(
-                req, timeout=self.settings.request_timeout_s
-            )
-            for ev in stream:
-                if ev.HasField("first_token"):
+            for ev in self.node_client.prefill(pnode.node.grpc_address, req):
+                if isinstance(ev, FirstToken):
                     ttft_s = time.perf_counter() - t0
-                    first = ev.first_token
+                    first = ev
                     end_prefill()
-                elif ev.HasField("published"):
-                    published = ev.published
+                else:
+                    published = ev
         finally:
             end_prefill()
         return first, published, ttft_s
@@ -283,14 +271,7 @@ class RouterService(NodeView):
         tokens = list(tokens)
         t0 = time.perf_counter()
         peeked = self.peek(tokens, cache_salt)
-        req = pb.PrefillRequest(
-            request_id=rid,
-            token_ids=tokens,
-            sampling=sampling_pb(sampling),
-            cache_salt=cache_salt,
-            publish=True,
-            use_cache=True,
-        )
+        req = PrefillRequest(request_id=rid, token_ids=tokens, sampling=sampling, cache_salt=cache_salt)
         tried: list[str] = []
         failure = ""
         choice: Choice | None = None
@@ -302,7 +283,7 @@ class RouterService(NodeView):
                 try:
                     first, published, ttft_s = self._prefill(pnode, choice.prediction.service_s, req, t0)
                     break
-                except grpc.RpcError as exc:
+                except KVPoolError as exc:
                     failure = self._call_failed("prefill", pnode, exc, tried)
             self.node_answered(pnode)
             self.affinity.record(peeked.hashes, pnode)
@@ -312,8 +293,7 @@ class RouterService(NodeView):
             if choice is not None:  # placed, never served: one decision, under the last node tried
                 self.metrics.decisions.labels(self.policy.policy, choice.node_id, "failed").inc()
             raise
-        stats = first.stats
-        cached = min(int(stats.num_reused_tokens), len(tokens))  # a node's report never passes the prompt
+        cached = min(first.stats.num_reused_tokens, len(tokens))  # a node's report never passes the prompt
         self.record_first(choice, ttft_s, len(tokens), cached)
         log.debug(
             "[%s] prefill %s (%s, predicted %.3fs): prompt=%d cached=%d ttft=%.3fs",
@@ -337,18 +317,7 @@ class RouterService(NodeView):
             reason = "stop" if first.token_id in stop else "length"
             yield Event("done", finish_reason=reason, ttft_s=ttft_s, **common)
             return
-        status = published.status if published is not None else "publish_failed"
-        dreq = pb.DecodeRequest(
-            request_id=rid,
-            token_ids=tokens,
-            first_token=first.token_id,
-            block_hashes=list(first.block_hashes),
-            sampling=sampling_pb(sampling),
-            cache_salt=cache_salt,
-            prompt_committed=status == "committed",
-            publish=True,
-            use_cache=True,
-        )
+        dreq = DecodeRequest.handoff(req, first, published)
         n_out = 1
         t_first = time.perf_counter()
         tried = []
@@ -360,20 +329,18 @@ class RouterService(NodeView):
             reason = "length"
             self.decode_inflight.begin(dnode.node.node_id, dnode.node.epoch)
             try:
-                for dev in self._stub(dnode.node.grpc_address, "decode").Decode(
-                    dreq, timeout=self.settings.request_timeout_s
-                ):
-                    if dev.token_ids:
+                for dev in self.node_client.decode(dnode.node.grpc_address, dreq):
+                    if isinstance(dev, DecodeTokens):
                         n_out += len(dev.token_ids)
                         yield Event("tokens", token_ids=list(dev.token_ids))
-                    if dev.finished:
+                    elif isinstance(dev, Finished):
                         reason = dev.stats.finish_reason or reason
                 break
-            except grpc.RpcError as exc:
+            except KVPoolError as exc:
                 if n_out > 1:  # this node's tokens went out: never retried
-                    if hasattr(exc, "code") and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    if isinstance(exc, Unavailable):
                         self.node_failed("decode", dnode)
-                    raise_from_rpc_error(exc, f"decode on {dnode.node.node_id}")
+                    raise type(exc)(f"decode on {dnode.node.node_id}: {exc}") from None
                 failure = self._call_failed("decode", dnode, exc, tried)
             finally:
                 self.decode_inflight.end(dnode.node.node_id, dnode.node.epoch)
