@@ -189,3 +189,21 @@ def test_decode_refuses_past_the_context_and_drops_cancelled_requests(cluster: L
     while _decode_queue_length(cluster) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _decode_queue_length(cluster) == 0, "a cancelled request kept decoding"
+
+
+def test_the_crossover_benchmarks_prefill_caller_reports_ttft_stats_and_publish(
+    cluster: LocalCluster,
+) -> None:
+    """`kvpool bench crossover`'s prefill-only caller (through `kvpool.client.NodeClient`): TTFT as the
+    caller sees it, the node's PrefillStats fields and how the publish ended."""
+    from kvpool.bench.crossover_measure import PrefillCaller
+
+    call = PrefillCaller(cluster.prefill_addresses[0], timeout_s=120)
+    try:
+        prompt = _prompt(77, 3 * BLOCK + 1)
+        ttft_s, stats = call(prompt, use_cache=False, publish=True, rid="caller-1")
+    finally:
+        call.close()
+    assert ttft_s > 0 and stats["ttft_s"] > 0
+    assert stats["num_prompt_tokens"] == len(prompt) and stats["num_reused_tokens"] == 0
+    assert stats["publish_status"] == "committed"

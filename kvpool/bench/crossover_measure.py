@@ -150,40 +150,39 @@ class PrefillCaller:
     """Prefill-only requests against one node (TTFT = until this caller holds the first token)."""
 
     def __init__(self, address: str, timeout_s: float = 900.0) -> None:
-        from kvpool.rpc.server import channel
-        from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+        from kvpool.client.node_client import NodeClient
 
-        self._ch = channel(address)
-        self._stub = pb_grpc.PrefillStub(self._ch)
+        self.address = address
+        self._nodes = NodeClient(timeout_s=timeout_s)
         self.timeout_s = timeout_s
 
     def close(self) -> None:
-        self._ch.close()
+        self._nodes.close()
 
     def __call__(
         self, tokens: Sequence[int], *, use_cache: bool, publish: bool, rid: str
     ) -> tuple[float, dict[str, Any]]:
         """(TTFT seconds, the node's PrefillStats as a dict); consumes the stream (publish included)."""
-        from kvpool.client import convert
-        from kvpool.sampling import SamplingParams
-        from kvpool.v1 import kvpool_pb2 as pb
+        import dataclasses
 
-        req = pb.PrefillRequest(
+        from kvpool.client.node_types import FirstToken, PrefillRequest
+        from kvpool.sampling import SamplingParams
+
+        req = PrefillRequest(
             request_id=rid,
             token_ids=list(tokens),
-            sampling=convert.sampling_pb(SamplingParams(max_tokens=1)),
+            sampling=SamplingParams(max_tokens=1),
             publish=publish,
             use_cache=use_cache,
         )
         t0 = time.perf_counter()
         ttft, stats = 0.0, {}
-        for event in self._stub.Prefill(req, timeout=self.timeout_s):
-            if event.HasField("first_token"):
+        for event in self._nodes.prefill(self.address, req):
+            if isinstance(event, FirstToken):
                 ttft = time.perf_counter() - t0
-                st = event.first_token.stats
-                stats = {f.name: getattr(st, f.name) for f in st.DESCRIPTOR.fields}
-            elif event.HasField("published"):
-                stats["publish_status"] = event.published.status
+                stats = dataclasses.asdict(event.stats)
+            else:
+                stats["publish_status"] = event.status
         return ttft, stats
 
 
