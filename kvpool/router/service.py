@@ -4,7 +4,8 @@ Per request (DESIGN.md data flow, steps 1, 6 and 7): admit (at most `max_infligh
 `ResourceExhausted`, answered 429) → hash the prompt's full blocks in the tenant's namespace → peek at
 the global index (`count_hit=False, lease_ttl_ms=0`: no counters, no recency, no lease) → place it on a
 prefill node by the policy → Prefill stream: the first token is TTFT → wait for `committed` (or
-`publish_failed`) → hand off to the least-loaded decode node → stream its tokens.
+`publish_failed`) → hand off to the least-loaded decode node → stream its tokens. The nodes are called
+through `kvpool.client.node_client.NodeClient` (typed events; a failed call is its `KVPoolError`).
 
 A failed control plane costs hit rate, never requests: while the master is unreachable there is no peek
 (the prompt is placed on the router's own record of where recent prefixes went, `AffinityRecord`, and
