@@ -5,6 +5,7 @@ kill -9 are in tests/test_up_supervised.py (slow)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -209,6 +210,8 @@ port = 0
     assert "exit code 2: kvpool store: InvalidArgument: segment of 1 B cannot hold one" in gave_up[0], out
     assert out.count("store0 exited (exit code 2); restarting it in") == 2, out
     assert "prefill0" not in out  # the start stopped at the store
+    assert "kvpool up: stopping 1 role…" in out, out  # the master: it runs until the end
+    assert re.search(r"kvpool up: stopped in \d+\.\d s\n", r.stderr), out
     assert "kvpool cluster stopped" in out
 
 
