@@ -71,7 +71,7 @@ def wait_for_master(
             now = clock()
             if now >= deadline:
                 raise Unavailable(
-                    f"master {master.address} unreachable for {now - t0:.0f} s ({attempt} attempts; "
+                    f"master {master.address} unreachable for {now - t0:.0f} s ({attempt} attempt{'s' * (attempt > 1)}; "
                     f"master_wait_s = {wait_s:g}): {str(exc).splitlines()[0]}"
                 ) from None
             if now - said_at >= _SAY_EVERY_S:
