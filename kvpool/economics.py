@@ -1,7 +1,7 @@
 """Hit-rate economics: prefill tokens, FLOP and GPUs a KV pool saves (`kvpool admin economics`, `kvpool
 bench economics`).
 
-Definitions (DESIGN.md, "Why"):
+Definitions (docs/design.md "Why it pays"):
   - λ: requests per second; h: the share of requests that reuse anything (reused tokens > 0);
     s_c: the mean reused tokens of those requests. Then
         saved prefill tokens/s  S = λ · h · s_c            (= λ · mean reused tokens per request)

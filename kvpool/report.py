@@ -1,4 +1,4 @@
-"""The report format of DESIGN.md (benchmarks, the demo): `{"benchmark", "env", "records", "summary"}`."""
+"""The report format of docs/benchmarks.md (benchmarks, the demo): `{"benchmark", "env", "records", "summary"}`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Mooncake-format request trace (`../shared/traces/README.md`, Mooncake FAST'25): its records, the
+"""The Mooncake-format request trace (Mooncake FAST'25, its open-sourced traces): its records, the
 loader, and how a trace's blocks enter a `RadixIndex` (the demo's workload, `kvpool bench trace`, the
 economics replay).
 

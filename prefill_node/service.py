@@ -1,6 +1,6 @@
 """The prefill node's gRPC service: `Prefill(request) → stream (first_token, published)`.
 
-Per request (DESIGN.md data flow, steps 2-5): hash the prompt's full blocks → load the reusable prefix
+Per request (docs/design.md "How a request flows", steps 1-2): hash the prompt's full blocks → load the reusable prefix
 (match with a counted hit and a read lease, node-local tier first, pull when the cost model says so) →
 compute only the rest (at least the last prompt token) → sample the first token and send it at once →
 then publish the new full blocks two-phase and send `committed` (or `publish_failed`).

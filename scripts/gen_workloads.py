@@ -4,7 +4,7 @@
 
 Writes `rag.jsonl`, `agent.jsonl` and `scan.jsonl` (`timestamp` ms, `input_length`, `output_length`,
 `hash_ids`; 512-token blocks, each hash id naming its whole prefix, the last block possibly partial, as
-in `../shared/traces/README.md`). A partial block is a different block from the full block that later
+in Mooncake's traces: the format is in `kvpool/trace.py`). A partial block is a different block from the full block that later
 extends it, as in Mooncake's traces.
 
 - `rag`: a 1-block system prompt, then one or two documents drawn Zipf(1.1) from 2,000 (4-24 blocks

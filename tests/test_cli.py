@@ -96,7 +96,7 @@ def test_serving_roles_fail_to_start_with_one_line() -> None:
     exits 1; a malformed master address or routing policy is a bad setting (exit 2)."""
     out = _kvpool("prefill", "--model", "/nonexistent/model", "--master", "127.0.0.1:1")
     assert out.returncode == 1 and "no config.json" in _one_error_line(out, "kvpool prefill: NotFound")
-    out = _kvpool("decode", "--master", "127.0.0.1:1", "--port", "0")
+    out = _kvpool("decode", "--master", "127.0.0.1:1", "--port", "0", "--master-wait-s", "0")
     assert out.returncode == 1 and "127.0.0.1:1" in _one_error_line(out, "kvpool decode: Unavailable")
     out = _kvpool("prefill", "--master", "nohost")
     assert out.returncode == 2 and "HOST:PORT" in _one_error_line(out, "kvpool: invalid setting master")

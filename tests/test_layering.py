@@ -1,4 +1,4 @@
-"""DESIGN.md's one-way dependencies as import-linter contracts (`[tool.importlinter]` in pyproject.toml): they
+"""The one-way dependencies of docs/design.md ("Roles") as import-linter contracts (`[tool.importlinter]` in pyproject.toml): they
 hold on this tree, every package has a layer, and an import that runs back up breaks them."""
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ kill -9 are in tests/test_up_supervised.py (slow)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.cluster.process import NodeStartFailed
+from kvpool.cluster.process import NodeStartFailed, wait_for
 from kvpool.cluster.spec import load_spec
 from kvpool.cluster.supervise import (
     CrashHistory,
@@ -21,6 +22,7 @@ from kvpool.cluster.supervise import (
     SupervisedRole,
     describe_exit,
     pin_ports,
+    stop_roles,
 )
 from kvpool.errors import InvalidArgument
 
@@ -208,4 +210,41 @@ port = 0
     assert "exit code 2: kvpool store: InvalidArgument: segment of 1 B cannot hold one" in gave_up[0], out
     assert out.count("store0 exited (exit code 2); restarting it in") == 2, out
     assert "prefill0" not in out  # the start stopped at the store
+    assert "kvpool up: stopping 1 role…" in out, out  # the master: it runs until the end
+    assert re.search(r"kvpool up: stopped in \d+\.\d s\n", r.stderr), out
     assert "kvpool cluster stopped" in out
+
+
+def test_stopping_says_what_it_does_and_names_each_role_it_had_to_kill(tmp_path: Path) -> None:
+    """`kvpool up` stopping its roles: one line when it starts, one per role that ignored SIGTERM and was
+    killed (real child processes: one exits on SIGTERM, one ignores it), one when done with the time."""
+    said: list[str] = []
+    polite = [sys.executable, "-c", "import time; time.sleep(60)"]
+    stubborn = [
+        sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+        "time.sleep(60)",
+    ]  # fmt: skip
+    roles = [
+        SupervisedRole(
+            name,
+            [],
+            argv=argv,
+            log_path=tmp_path / f"{name}.log",
+            env={},
+            policy=RestartPolicy(),
+            say=said.append,
+        )  # fmt: skip
+        for name, argv in (("master", polite), ("decode0", stubborn), ("router", polite))
+    ]
+    log = tmp_path / "decode0.log"  # it ignores SIGTERM once it printed 'up'
+    assert wait_for(lambda: log.exists() and "[decode0] up" in log.read_text(), 30.0)
+    stop_roles(roles, said.append, timeout_s=0.5)
+    assert not any(r.proc.alive for r in roles)
+    assert said[0] == "stopping 3 roles…"
+    assert said[1] == "decode0 did not exit within 0.5 s of SIGTERM: killed it (SIGKILL)"
+    assert len(said) == 3 and said[2].startswith("stopped in ") and said[2].endswith(" s")
+    assert roles[1].proc.proc.returncode == -9 and roles[0].proc.proc.returncode == -15
+    said.clear()
+    stop_roles(roles, said.append)  # nothing runs any more: nothing to say
+    assert said == []

@@ -32,6 +32,9 @@ def layout(
 def _register(app: typer.Typer, role: str) -> None:
     def command(
         master: str = typer.Option(None, help="master host:port"),
+        master_wait_s: float = typer.Option(
+            None, help="seconds to retry an unreachable master at start before exiting (default 30)"
+        ),
         listen: str = typer.Option(None, help="address to bind (default 127.0.0.1)"),
         port: int = typer.Option(None, help="gRPC port (0 = ephemeral)"),
         node_id: str = typer.Option(
@@ -54,6 +57,7 @@ def _register(app: typer.Typer, role: str) -> None:
             ServingSettings,
             config,
             master=master,
+            master_wait_s=master_wait_s,
             bind_host=listen,
             port=port,
             node_id=node_id,

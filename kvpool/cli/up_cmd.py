@@ -158,7 +158,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     master and stores share a fresh cluster secret, every other role a fresh join token."""
     from kvpool.capability import SECRET_ROLES
     from kvpool.cluster.spec import ClusterSpec, plan
-    from kvpool.cluster.supervise import GaveUp, RestartPolicy, SupervisedRole
+    from kvpool.cluster.supervise import GaveUp, RestartPolicy, SupervisedRole, stop_roles
     from kvpool.router.model_info import ModelInfo
     from kvpool.rpc.server import wait_healthy
 
@@ -267,8 +267,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
         code = 1
     finally:
         stop.set()
-        for proc in reversed(procs):
-            proc.stop()
+        stop_roles(procs, _say)
         for name in ("cluster_secret", "join_token", "join_tokens.json"):  # logs stay; credentials do not
             (log_dir / name).unlink(missing_ok=True)
         typer.echo("kvpool cluster stopped")

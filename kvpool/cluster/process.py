@@ -170,14 +170,18 @@ class RoleProcess:
             self.proc.kill()
         self.proc.wait()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout_s`."""
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """SIGTERM, then SIGKILL after `timeout_s`; returns whether it had to be killed (it did not exit
+        within `timeout_s` of the SIGTERM)."""
+        killed = False
         if self.alive:
             self.proc.send_signal(signal.SIGTERM)
             if not self._wait_exit(timeout_s):
                 self.proc.kill()
+                killed = True
             self.proc.wait()  # a blocking waitpid: releases the GIL while it waits
         self._pump.join(timeout=2.0)
+        return killed
 
     def _wait_exit(self, timeout_s: float) -> bool:
         """Whether the process exits within `timeout_s`. Waits in one `select` on a pidfd (Linux), not in

@@ -197,6 +197,28 @@ class SupervisedRole:
         self.restarts += 1
         self.proc = self._spawn()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """SIGTERM, SIGKILL after `timeout_s`; returns whether it had to be killed."""
         self.restart_at = None
-        self.proc.stop()
+        return self.proc.stop(timeout_s)
+
+
+def stop_roles(
+    roles: Sequence[SupervisedRole],
+    say: Callable[[str], None],
+    *,
+    timeout_s: float = 10.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Stop `roles` in reverse start order (router first, master last), each with SIGTERM and SIGKILL
+    after `timeout_s`, telling the user as it goes: one line when stopping starts (when any runs), one per
+    role that had to be killed, one when done with the time it took."""
+    running = sum(1 for r in roles if r.proc.alive)
+    if running:
+        say(f"stopping {running} role{'s' if running != 1 else ''}…")
+    t0 = clock()
+    for role in reversed(roles):
+        if role.stop(timeout_s):
+            say(f"{role.name} did not exit within {timeout_s:g} s of SIGTERM: killed it (SIGKILL)")
+    if running:
+        say(f"stopped in {clock() - t0:.1f} s")

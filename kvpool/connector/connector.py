@@ -4,7 +4,7 @@ A load has two halves: `plan_load` decides (steps 1-3 below: match and the cost 
 transfers (step 4's pool part). `load_prefix` runs both for kvpool's own runner; the vLLM connector runs
 the first in vLLM's scheduler and the second in its workers, with the same code.
 
-`load_prefix` (data flow steps 2-3 of DESIGN.md):
+`load_prefix` (docs/design.md "How a request flows", step 1):
   1. The reusable span is at most `(len(tokens) - 1) // block_size` blocks: a fully cached prompt still
      computes its last token (field case B06); the partial tail is never reused.
   2. `MatchPrefix` (counting the hit or not, with a read lease) gives the pool's matched run; the

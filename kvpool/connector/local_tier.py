@@ -2,7 +2,7 @@
 
 Keys are (namespace, block hash), so a block is only ever found under the namespace it was computed in
 (no cross-tenant or cross-version reuse). Each block records its parent (the previous block of its
-chain; None: the namespace root), and the tier obeys the index's rule (DESIGN.md, eviction): a block
+chain; None: the namespace root), and the tier obeys the index's rule (docs/design.md "Eviction"): a block
 never leaves while a resident block depends on it. Eviction takes the least recently used block among
 the leaves (a heap of (last use, key) with lazy deletion, as SGLang's radix cache); a block whose parent
 is not resident is refused, as the index refuses it. Lookups can only use a leading run, and with

@@ -1,4 +1,4 @@
-"""Publish a chain of full blocks to the pool (data flow step 5 of DESIGN.md), off the TTFT path.
+"""Publish a chain of full blocks to the pool (docs/design.md "How a request flows", step 2), off the TTFT path.
 
 The blocks go into the node-local tier first (reported to the master once committed), then reserve →
 write → commit through the pool client. KV the master refuses as such (a namespace fenced by a version

@@ -33,7 +33,7 @@ _REBASE_EXPONENT = 512.0
 
 
 class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
-    """See the module docstring and DESIGN.md "Matching, counting, leases"; leases and locks are in
+    """See the module docstring and docs/design.md "The radix index"; leases and locks are in
     `leases.py` (`LeaseLockMixin`), namespace slots in `ns_slots.py` (`NamespaceSlotsMixin`)."""
 
     def __init__(self, *, clock: Clock, policy: str | EvictionPolicy = DEFAULT_POLICY) -> None:

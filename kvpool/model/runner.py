@@ -42,6 +42,37 @@ def _resolve_dtype(dtype: str | None, config: Any) -> torch.dtype:
     return value
 
 
+def _layout_and_config(path: Path, block_size: int, dtype: str | None) -> tuple[KVLayout, Any]:
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise NotFound(f"no config.json in model directory {path}")
+    config = AutoConfig.from_pretrained(str(path))
+    check_architecture(config)
+    torch_dtype = _resolve_dtype(dtype, config)
+    num_layers, kv_heads, head_dim = kv_dims(config)
+    try:
+        layout = KVLayout(
+            dtype=str(torch_dtype).removeprefix("torch."),
+            block_size=block_size,
+            num_layers=num_layers,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+        )
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    return layout, config
+
+
+def model_layout(model_dir: str | Path | None, *, block_size: int = 64, dtype: str | None = None) -> KVLayout:
+    """The KV layout `ModelRunner.load(model_dir, block_size=..., dtype=...)` will have, from the model
+    directory's `config.json` alone (no weights are read; None = the embedded model, created on first
+    use). Raises what `load` raises before it reads weights: `NotFound`, `FailedPrecondition`,
+    `InvalidArgument`."""
+    path = Path(model_dir) if model_dir is not None else embedded_model_dir()
+    return _layout_and_config(path, block_size, dtype)[0]
+
+
 class ModelRunner:
     """One loaded causal LM with full attention on every layer, and its KV layout.
 
@@ -99,7 +130,7 @@ class ModelRunner:
         Raises `NotFound` (no config.json / weights), `FailedPrecondition` (sliding-window, MLA, hybrid or
         recurrent architecture), `InvalidArgument` (bad dtype or block_size).
         """
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         if torch.device(device).type == "cpu":
             # transformers' SDPA path expands grouped KV heads with `repeat_kv` (a copy of the whole cache
@@ -109,22 +140,8 @@ class ModelRunner:
             os.environ.setdefault(_FORCE_GQA_ENV, "1")
 
         path = Path(model_dir) if model_dir is not None else embedded_model_dir()
-        if not (path / "config.json").is_file():
-            raise NotFound(f"no config.json in model directory {path}")
-        config = AutoConfig.from_pretrained(str(path))
-        check_architecture(config)
-        torch_dtype = _resolve_dtype(dtype, config)
-        num_layers, kv_heads, head_dim = kv_dims(config)
-        try:
-            layout = KVLayout(
-                dtype=str(torch_dtype).removeprefix("torch."),
-                block_size=block_size,
-                num_layers=num_layers,
-                num_kv_heads=kv_heads,
-                head_dim=head_dim,
-            )
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
+        layout, config = _layout_and_config(path, block_size, dtype)
+        torch_dtype = getattr(torch, layout.dtype)
         version = weights_digest(path)
         from transformers.utils import logging as hf_logging
 

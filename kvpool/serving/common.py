@@ -21,6 +21,11 @@ class ServingSettings(KVPoolSettings):
     def _master_address(cls, value: str) -> str:
         return check_host_port(value)
 
+    master_wait_s: float = Field(
+        default=30.0,
+        ge=0.0,
+        description="at start, how long to retry an unreachable master (with back-off) before exiting",
+    )
     port: int = Field(default=0, ge=0, le=65535, description="gRPC port (0 = ephemeral)")
     node_id: str = ""
     model: str | None = Field(default=None, description="HF model directory; None = the embedded model")

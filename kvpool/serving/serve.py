@@ -40,9 +40,18 @@ Registration = tuple[Callable[[Any, grpc.Server], None], Any, str]
 
 def start_node(settings: ServingSettings, *, role: str, latency: LatencyMetric) -> NodeRuntime:
     """A node's runtime (`NodeRuntime.start`: model, calibration, master and pool clients, metrics with
-    the role's `latency` histogram), under `default_node_id` when `settings` name no node id."""
+    the role's `latency` histogram), under `default_node_id` when `settings` name no node id.
+
+    Before the model loads, `kvpool.serving.preflight.check_master` waits for the master (at most
+    `settings.master_wait_s`) and raises what it would refuse: `Unavailable`, `Unauthenticated`,
+    `FailedPrecondition` (layout), `AlreadyExists` (node id)."""
+    from kvpool.model.runner import model_layout
+    from kvpool.serving.preflight import check_master
+
     if not settings.node_id:
         settings = settings.model_copy(update={"node_id": default_node_id(role, settings.port)})
+    layout = model_layout(settings.model, block_size=settings.block_size)
+    check_master(settings.master, settings.master_wait_s, layout, settings.node_id)
     return NodeRuntime.start(settings, role=role, latency=latency)
 
 

@@ -1,4 +1,4 @@
-"""What makes one vLLM engine's KV reusable by another: the namespace of a request (DESIGN.md "Keys").
+"""What makes one vLLM engine's KV reusable by another: the namespace of a request (docs/design.md "Keys and hashing").
 
 A namespace is built from
 - the model: `model_id` (the kvpool marker's id, else the checkpoint directory's name) and

@@ -1,7 +1,7 @@
 """Copy KV between vLLM's paged per-layer blocks and pool blocks, with torch ops (no per-element loops).
 
-A pool block is `[num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]` in the model's dtype (DESIGN.md
-"Block layout"). vLLM keeps one tensor per attention layer, laid out by its attention backend:
+A pool block is `[num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]` in the model's dtype (docs/design.md
+"Keys and hashing", block layout). vLLM keeps one tensor per attention layer, laid out by its attention backend:
 
 - `cpu_vec` (vLLM's CPU backend, "vec" kernel ISA): `[num_blocks, ...]`, one block of one layer holding,
   per KV head, K *transposed* `[head_dim, block_size]` followed by V `[block_size, head_dim]` (measured:

@@ -1,0 +1,141 @@
+"""Before a serving node loads its model: wait for the master, and find out what it would refuse.
+
+Loading a model takes seconds (minutes for a large one), and the master checks a node only when it
+registers, after that. `check_master` runs first (`kvpool.serving.serve.start_node`):
+
+1. it waits for the master with back-off while it is unreachable, at most `master_wait_s` (one log line
+   per attempt, at most one every `_SAY_EVERY_S`), then raises `Unavailable` (one line);
+2. it asks the master's `Stats` with this node's join token: a token the master refuses raises its
+   `Unauthenticated`;
+3. it compares what it can locally: the pool's block size (`Stats.block_size`) and the pool's layout
+   fingerprint (the `GetInfo` of a live registered member, which the master admitted with that layout)
+   against the layout the node will have (`kvpool.model.runner.model_layout`, from the model directory
+   without its weights), and whether a live member answers under this node's id (`AlreadyExists`, the
+   master's own duplicate probe). A mismatch raises `FailedPrecondition` naming both layouts.
+
+The master has no dry-run registration: the protocol version is checked at registration only, and the
+layout only when a live member can be asked (a master with no live member: the block size only).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from kvpool.client import MasterClient
+from kvpool.client.types import PoolStats
+from kvpool.errors import AlreadyExists, FailedPrecondition, Unavailable
+from kvpool.rpc.server import channel
+from kvpool.types import KVLayout, NodeStatus
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_SAY_EVERY_S = 5.0
+"""At most one "master unreachable" line per this many seconds."""
+_BACKOFF_S = (0.25, 2.0)
+"""First and largest pause between attempts (doubling)."""
+_PROBE_TIMEOUT_S = 2.0
+
+_STUBS: dict[str, Callable[[grpc.Channel], object]] = {
+    "store": pb_grpc.StoreStub,
+    "prefill": pb_grpc.PrefillStub,
+    "decode": pb_grpc.DecodeStub,
+}
+
+
+def wait_for_master(
+    master: MasterClient,
+    wait_s: float,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> PoolStats:
+    """The master's `Stats`, retried with back-off while the master is unreachable (`Unavailable` or
+    `DeadlineExceeded`), for at most `wait_s` seconds; then `Unavailable` (one line naming the address and
+    the setting). Other errors (`Unauthenticated`: a refused join token) raise at once."""
+    from kvpool.errors import DeadlineExceeded
+
+    t0 = clock()
+    deadline = t0 + wait_s
+    pause, said_at, attempt = _BACKOFF_S[0], float("-inf"), 0
+    while True:
+        attempt += 1
+        try:
+            return master.stats()
+        except (Unavailable, DeadlineExceeded) as exc:
+            now = clock()
+            if now >= deadline:
+                raise Unavailable(
+                    f"master {master.address} unreachable for {now - t0:.0f} s ({attempt} attempt{'s' * (attempt > 1)}; "
+                    f"master_wait_s = {wait_s:g}): {str(exc).splitlines()[0]}"
+                ) from None
+            if now - said_at >= _SAY_EVERY_S:
+                said_at = now
+                log.warning(
+                    "master %s unreachable (attempt %d); retrying for up to %.0f s more",
+                    master.address,
+                    attempt,
+                    deadline - now,
+                )
+            sleep(min(pause, max(0.0, deadline - now)))
+            pause = min(pause * 2, _BACKOFF_S[1])
+
+
+def _identity(node: NodeStatus) -> pb.GetInfoResponse | None:
+    """A live member's own `GetInfo` (None when it does not answer in time)."""
+    stub_class = _STUBS.get(node.node.role)
+    if stub_class is None or not node.node.grpc_address:
+        return None
+    with channel(node.node.grpc_address) as ch:
+        try:
+            info: pb.GetInfoResponse = stub_class(ch).GetInfo(  # type: ignore[attr-defined]
+                pb.GetInfoRequest(), timeout=_PROBE_TIMEOUT_S
+            )
+        except grpc.RpcError:
+            return None
+    return info
+
+
+def check_refusals(stats: PoolStats, layout: KVLayout, node_id: str) -> None:
+    """Raise what the master would answer this node's registration, as far as `stats` and the live
+    members tell: `FailedPrecondition` (layout) or `AlreadyExists` (node id); see the module docstring."""
+    if stats.block_size and stats.block_size != layout.block_size:
+        raise FailedPrecondition(
+            f"the master refuses this node: its pool's block size is {stats.block_size} tokens, this "
+            f"node's is {layout.block_size} (layout {layout.fingerprint()!r}); start it with "
+            f"--block-size {stats.block_size}, or the master with this node's layout (`kvpool layout`)"
+        )
+    pool_layout = ""
+    for node in stats.nodes:
+        if not node.alive:
+            continue
+        same_id = node.node.node_id == node_id
+        if not same_id and pool_layout:
+            continue
+        info = _identity(node)
+        if info is None:
+            continue
+        if same_id and info.node.node_id == node_id:
+            raise AlreadyExists(
+                f"the master refuses this node: node id {node_id!r} is held by a live {node.node.role} at "
+                f"{node.node.grpc_address}: give every node its own --node-id"
+            )
+        pool_layout = pool_layout or info.layout_fingerprint
+    if pool_layout and pool_layout != layout.fingerprint():
+        raise FailedPrecondition(
+            f"the master refuses this node: layout {layout.fingerprint()!r} does not match the pool's "
+            f"{pool_layout!r} (`kvpool layout --model DIR` prints a model's layout)"
+        )
+
+
+def check_master(address: str, wait_s: float, layout: KVLayout, node_id: str) -> None:
+    """Wait for the master at `address` (at most `wait_s` seconds) and raise what it would refuse
+    (`Unavailable`, `Unauthenticated`, `FailedPrecondition`, `AlreadyExists`); see the module docstring."""
+    with MasterClient(address, timeout_s=2.0) as master:
+        stats = wait_for_master(master, wait_s)
+    check_refusals(stats, layout, node_id)
