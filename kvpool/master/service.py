@@ -103,6 +103,25 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
         )
 
     @rpc_errors
+    def Masters(self, request: pb.MastersRequest, context: grpc.ServicerContext) -> pb.MastersResponse:
+        election = self.m.election
+        if election is None:
+            return pb.MastersResponse(ha=False, role="leader")
+        v = election.view()
+        return pb.MastersResponse(
+            ha=True,
+            address=v.address,
+            role=v.role,
+            leader=v.leader,
+            epoch=v.epoch,
+            standbys=v.standbys,
+            etcd_endpoints=v.endpoints,
+            lease_ttl_s=election.lease_ttl_s,
+            elections=v.elections,
+            failovers=v.failovers,
+        )
+
+    @rpc_errors
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         ld = request.load
         values = [ld.recompute_s_per_token, ld.recompute_s_per_token_ctx, ld.recompute_overhead_s]

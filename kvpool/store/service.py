@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import psutil
 
-from kvpool.errors import InvalidArgument, ResourceExhausted
+from kvpool.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvpool.rpc.status import rpc_errors
 from kvpool.store.slots import Reservation, SlotTable
 from kvpool.v1 import kvpool_pb2 as pb
@@ -23,6 +24,25 @@ INVENTORY_CHUNK = 1024
 CopyFn = Callable[[str, list[tuple[int, int, int, int, int, bytes, int]]], list[tuple[int, int, str]]]
 """(src data address, [(src slot, src gen, dst slot, dst gen, checksum, src read capability, its expiry
 ms)]) -> [(dst slot, dst gen, error)]."""
+
+
+class EpochFence:
+    """The newest master leader epoch this store has taken an order from; an order carrying an older one
+    (a deposed or partitioned leader's) is refused. Epoch 0 (a single master, no HA) is never refused while
+    no epoch above 0 was seen. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.highest = 0
+
+    def check(self, epoch: int) -> None:
+        """Record `epoch`, or raise FailedPrecondition "fenced: epoch N < M" when it is older."""
+        if epoch == self.highest:  # the steady state: one comparison, no lock
+            return
+        with self._lock:
+            if epoch < self.highest:
+                raise FailedPrecondition(f"fenced: epoch {epoch} < {self.highest}")
+            self.highest = epoch
 
 
 class StoreServicer(pb_grpc.StoreServicer):
@@ -45,6 +65,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         self._max = max_batch_slots
         self._inflight = inflight
         self._proc = psutil.Process()
+        self.fence = EpochFence()
 
     def _check_batch(self, n: int) -> None:
         if n > self._max:
@@ -69,6 +90,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         self, request: pb.ReserveSlotsRequest, context: grpc.ServicerContext
     ) -> pb.ReserveSlotsResponse:
         self._check_batch(len(request.slots))
+        self.fence.check(request.leader_epoch)
         self._table.reserve(
             [
                 Reservation(s.slot, s.generation, s.namespace, s.block_hash, s.parent_hash)
@@ -83,6 +105,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         self, request: pb.CommitSlotsRequest, context: grpc.ServicerContext
     ) -> pb.CommitSlotsResponse:
         self._check_batch(len(request.slots))
+        self.fence.check(request.leader_epoch)
         results = self._table.commit((s.slot, s.generation) for s in request.slots)
         return pb.CommitSlotsResponse(
             results=[pb.SlotResult(slot=s, generation=g, ok=not e, error=e) for s, g, e in results]
@@ -94,6 +117,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         for s in request.slots:  # all-or-nothing on malformed input
             if s.slot >= self._table.num_slots:
                 raise InvalidArgument(f"slot {s.slot} out of range [0, {self._table.num_slots})")
+        self.fence.check(request.leader_epoch)
         freed = self._table.free((s.slot, s.generation) for s in request.slots)
         return pb.FreeSlotsResponse(
             slots=[
@@ -134,6 +158,7 @@ class StoreServicer(pb_grpc.StoreServicer):
                 raise InvalidArgument(
                     f"destination slot {b.dst.slot} out of range [0, {self._table.num_slots})"
                 )
+        self.fence.check(request.leader_epoch)
         results = self._copy(
             request.src_data_address,
             [
