@@ -4,6 +4,7 @@ at once, and a single master (no etcd) has no gate."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
@@ -89,3 +90,83 @@ def test_single_master_has_no_election() -> None:
 def test_bad_etcd_setting_is_refused() -> None:
     with pytest.raises(ValueError, match="etcd endpoint must be HOST:PORT"):
         MasterSettings(etcd="localhost")
+
+
+def test_admin_and_metrics_name_the_leader(two_masters: list[MasterServer]) -> None:
+    from prometheus_client import CollectorRegistry
+    from typer.testing import CliRunner
+
+    from kvpool.cli.main import app
+    from kvpool.master.metrics import master_registry
+
+    leader = leader_of(two_masters)
+    standby = next(s for s in two_masters if s is not leader)
+    wait_until(lambda: standby.master.election.view().leader == leader.address, 10, "the leader known")  # type: ignore[union-attr]
+    runner = CliRunner()
+    out = runner.invoke(app, ["admin", "--master", standby.address, "status", "--json"])
+    assert out.exit_code == 0, out.output
+    status = json.loads(out.output)
+    assert status["leader"] == leader.address and status["standbys"] == standby.address
+    assert status["epoch"] == leader.master.stores.leader_epoch and status["master"] == standby.address
+    assert status["etcd"] == leader.master.election.view().endpoints[0]  # type: ignore[union-attr]
+    out = runner.invoke(app, ["admin", "--master", standby.address, "masters", "--json"])
+    assert out.exit_code == 0, out.output
+    listed = json.loads(out.output)
+    assert listed["ha"] and listed["leader"] == leader.address and listed["lease_ttl_s"] == 2
+    roles = {m["address"]: m["role"] for m in listed["masters"]}
+    assert roles == {leader.address: "leader", standby.address: "standby"}
+    out = runner.invoke(app, ["admin", "--master", standby.address, "masters"])
+    assert out.exit_code == 0 and "standby" in out.output and leader.address in out.output
+
+    def sample(registry: CollectorRegistry, name: str) -> float | None:
+        return registry.get_sample_value(name)
+
+    lr, sr = master_registry(leader.master), master_registry(standby.master)
+    assert sample(lr, "kvpool_master_leader") == 1 and sample(sr, "kvpool_master_leader") == 0
+    assert sample(lr, "kvpool_master_elections_total") == 1
+    assert sample(sr, "kvpool_master_elections_total") == 0
+    assert sample(sr, "kvpool_master_leader_epoch") == leader.master.stores.leader_epoch
+    leader.stop()
+    wait_until(lambda: standby.master.election.is_leader, 10, "the standby takes over")  # type: ignore[union-attr]
+    assert sample(sr, "kvpool_master_leader") == 1 and sample(sr, "kvpool_master_failovers_total") == 1
+    assert sample(sr, "kvpool_master_elections_total") == 1
+
+
+def test_single_master_metrics_and_admin() -> None:
+    from typer.testing import CliRunner
+
+    from kvpool.cli.main import app
+    from kvpool.master.metrics import master_registry
+
+    server = serve(MasterSettings(port=0, bind_host="127.0.0.1", layout=LAYOUT, metrics=False))
+    try:
+        reg = master_registry(server.master)
+        assert reg.get_sample_value("kvpool_master_leader") == 1
+        assert reg.get_sample_value("kvpool_master_failovers_total") == 0
+        out = CliRunner().invoke(app, ["admin", "--master", server.address, "status", "--json"])
+        assert out.exit_code == 0 and "leader" not in json.loads(out.output)
+        out = CliRunner().invoke(app, ["admin", "--master", server.address, "masters", "--json"])
+        assert json.loads(out.output) == {
+            "ha": False,
+            "masters": [{"address": server.address, "role": "leader", "epoch": 0}],
+        }
+    finally:
+        server.stop()
+
+
+def test_etcd_gone_the_leader_serves_reads_and_refuses_writes(etcd: EtcdServer) -> None:  # noqa: F811
+    server = ha_master(etcd.endpoint, prefix="/gone")
+    try:
+        wait_until(lambda: server.master.election.is_leader, 10, "it leads")  # type: ignore[union-attr]
+        with MasterClient(server.address) as c:
+            assert c.evict(0.5) == (0, 0)
+            etcd.stop()
+            t0 = time.monotonic()
+            wait_until(lambda: c.masters().role == "deposed", 3, "it steps down")
+            assert time.monotonic() - t0 <= 2.0  # within the 2 s lease TTL
+            with pytest.raises(Unavailable, match=r"not the leader \(leader is unknown\)"):
+                c.evict(0.5)
+            assert c.match(b"\0" * 16, [b"\1" * 16]).num_matched == 0  # reads: still answered
+            assert c.stats().num_blocks == 0
+    finally:
+        server.stop()

@@ -32,12 +32,24 @@ def status(as_json: bool = JSON) -> None:
     """Pool summary: nodes and stores alive (of registered), blocks, fill, hit rate.
 
     `used_bytes`, `capacity_bytes` and `fill` are over the live stores only (the master's Stats), as is
-    `stores_alive`; `nodes` and `stores` also count the dead (heartbeat expired or deregistered) ones."""
+    `stores_alive`; `nodes` and `stores` also count the dead (heartbeat expired or deregistered) ones.
+    With masters in high availability (etcd) it also names the leader, the standbys, the leader's epoch
+    and the etcd endpoints, and the pool figures are the leader's (a standby holds no index)."""
 
     def fn(c: Any) -> dict[str, Any]:
-        s = c.stats()
+        from kvpool.cli.admin_ha import ha_summary
+        from kvpool.client import MasterClient
+
+        ha = ha_summary(c)
+        leader = ha.get("leader", "unknown")
+        if leader not in ("unknown", _Ctx.master):
+            with MasterClient(leader, timeout_s=_Ctx.timeout_s) as lc:
+                s = lc.stats()
+        else:
+            s = c.stats()
         stores = [n for n in s.nodes if n.node.role == "store"]
         return {
+            **ha,
             "master": _Ctx.master,
             "nodes_alive": sum(1 for n in s.nodes if n.alive),
             "nodes": len(s.nodes),
@@ -197,5 +209,5 @@ def economics(
     _run(fn, as_json, lambda r: _kv("economics", {k: "-" if v is None else v for k, v in r.items()}))
 
 
-# register the namespace commands (namespaces, match, set-version, invalidate) and `adapter ...`
-from kvpool.cli import admin_adapter, admin_ns  # noqa: E402, F401
+# register the namespace commands (namespaces, match, set-version, invalidate), `adapter ...` and `masters`
+from kvpool.cli import admin_adapter, admin_ha, admin_ns  # noqa: E402, F401
