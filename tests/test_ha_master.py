@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from typing import Any
 
+import grpc
 import pytest
 
 from kvpool.client import MasterClient
@@ -15,10 +17,21 @@ from kvpool.errors import Unavailable
 from kvpool.master import MasterSettings, serve
 from kvpool.master.procs import LAYOUT
 from kvpool.master.server import MasterServer
+from kvpool.rpc.server import channel
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 from tests.etcd_server import EtcdServer, etcd  # noqa: F401 - the fixture
 from tests.test_ha_election import wait_until
 
 pytestmark = pytest.mark.timeout(90)
+
+
+def refusal(address: str, name: str, request: Any) -> str:
+    """The details of the UNAVAILABLE a master answers a plain call with (no client redirect)."""
+    with channel(address) as ch, pytest.raises(grpc.RpcError) as info:
+        getattr(pb_grpc.MasterStub(ch), name)(request, timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    return str(info.value.details())
 
 
 def ha_master(endpoint: str, prefix: str = "/ha-master") -> MasterServer:
@@ -60,10 +73,11 @@ def test_standby_refuses_writes_naming_the_leader(two_masters: list[MasterServer
         assert lc.masters().role == "leader" and lc.masters().epoch == status.epoch
         assert leader.master.stores.leader_epoch == status.epoch  # store orders carry it
         assert lc.evict(0.5) == (0, 0)  # a write: the leader takes it
-        with pytest.raises(Unavailable, match=f"not the leader \\(leader is {leader.address}\\)"):
-            sc.evict(0.5)
-        with pytest.raises(Unavailable, match="not the leader"):
-            sc.match(b"\0" * 16, [b"\1" * 16])  # a standby's index is empty: no reads either
+        evict = pb.EvictRequest(fraction=0.5)
+        assert refusal(standby.address, "Evict", evict) == f"not the leader (leader is {leader.address})"
+        match = pb.MatchPrefixRequest(namespace=b"\0" * 16, block_hashes=[b"\1" * 16])
+        assert refusal(standby.address, "MatchPrefix", match).startswith("not the leader")  # no reads either
+        assert sc.evict(0.5) == (0, 0) and sc.address == leader.address  # the client follows the leader
         assert sc.stats().num_blocks == 0  # read-only status: answered
         epoch = status.epoch
         t0 = time.monotonic()

@@ -155,6 +155,10 @@ class Election:
         try:
             self._loop.run_until_complete(self._main())
         finally:
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self._loop.close()
 
     def _set(self, **fields: object) -> None:
@@ -262,5 +266,16 @@ class Election:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), interval_s)
             return
-        with contextlib.suppress(aetcd.exceptions.WatchTimeoutError):
-            await client.watch_once(self.leader_key, timeout=interval_s, start_revision=self._watch_from)
+        watch = asyncio.ensure_future(
+            client.watch_once(self.leader_key, timeout=interval_s, start_revision=self._watch_from)
+        )
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait([watch, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            watch.cancel()
+        if watch.done() and not watch.cancelled():
+            exc = watch.exception()
+            if exc is not None and not isinstance(exc, aetcd.exceptions.WatchTimeoutError):
+                raise exc
