@@ -4,6 +4,7 @@ FAILED_PRECONDITION "fenced: epoch N < M", and change nothing; a single master's
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -95,3 +96,38 @@ def test_single_master_epoch_zero_is_not_fenced(store_of: list[Proc]) -> None:
         assert server.master.stores.free(store, [(3, 1)])[0][0] == 3
     finally:
         server.stop()
+
+
+def test_a_master_leading_again_forgets_the_previous_term(etcd: EtcdServer, store_of: list[Proc]) -> None:  # noqa: F811
+    """A leads, the store registers; A stalls and B leads (the store follows B); B stops and A leads again
+    with a newer epoch: A forgot its old node records, so the store re-registers and is adopted afresh."""
+    a = ha_master(etcd.endpoint, prefix="/again")
+    b = None
+    try:
+        ea = a.master.election
+        assert ea is not None
+        wait_until(lambda: ea.is_leader, 10, "a leads")
+        store_of.append(start_store(a.address, "s0"))
+        wait_until(lambda: "s0" in a.master.st.nodes and a.master.st.nodes["s0"].alive, 10, "s0 registers")
+        first = a.master.st.nodes["s0"].registered_ms
+        e1 = a.master.stores.leader_epoch
+        b = ha_master(etcd.endpoint, prefix="/again")
+        eb = b.master.election
+        assert eb is not None
+        wait_until(lambda: eb.view().leader == a.address, 10, "b sees a")
+        ea._loop.call_soon_threadsafe(time.sleep, 3.5)  # a stalls: its lease lapses
+        wait_until(lambda: eb.is_leader, 10, "b takes over")
+        wait_until(lambda: "s0" in b.master.st.nodes and b.master.st.nodes["s0"].alive, 10, "s0 follows b")
+        b.stop()
+        b = None
+        wait_until(lambda: ea.is_leader, 10, "a leads again")
+        assert a.master.stores.leader_epoch > e1
+        wait_until(
+            lambda: a.master.st.nodes["s0"].alive and a.master.st.nodes["s0"].registered_ms > first,
+            10,
+            "s0 re-registers with a",
+        )
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()

@@ -106,6 +106,9 @@ def _elect(master: Master, settings: MasterSettings) -> grpc.aio.ServerIntercept
     from kvpool.master.ha.gate import LeaderGate
 
     def on_lead(epoch: int) -> None:
+        previous = master.stores.leader_epoch
+        if previous not in (0, epoch):
+            forget_previous_term(master, previous, epoch)
         master.stores.leader_epoch = epoch  # set before the role turns leader: every order carries it
 
     master.election = Election(
@@ -115,3 +118,17 @@ def _elect(master: Master, settings: MasterSettings) -> grpc.aio.ServerIntercept
         on_lead=on_lead,
     )
     return LeaderGate(master.election)
+
+
+def forget_previous_term(master: Master, previous: int, epoch: int) -> None:
+    """A master leading again after another one led: what it knew of nodes is stale (they registered with
+    the other leader, which placed and freed blocks). Forget every node, with no free orders: their next
+    heartbeats answer `known=false`, they re-register, and the stores' inventories are adopted afresh."""
+    with master.lock:
+        live = [rec for rec in master.st.nodes.values() if rec.alive]
+        for rec in live:
+            master._forget_node(rec)
+        master.st.free_q.clear()
+    log.warning(
+        "leading again (epoch %d after %d): forgot %d nodes of the previous term", epoch, previous, len(live)
+    )
