@@ -123,6 +123,11 @@ def test_admin_and_metrics_name_the_leader(two_masters: list[MasterServer]) -> N
     assert status["leader"] == leader.address and status["standbys"] == standby.address
     assert status["epoch"] == leader.master.stores.leader_epoch and status["master"] == standby.address
     assert status["etcd"] == leader.master.election.view().endpoints[0]  # type: ignore[union-attr]
+    listed_masters = f"127.0.0.1:1,{standby.address}"  # the first is down: the admin CLI moves on
+    out = runner.invoke(app, ["admin", "--master", listed_masters, "status", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["leader"] == leader.address
+    assert runner.invoke(app, ["admin", "--master", "127.0.0.1:1,nohost", "status"]).exit_code == 2
     out = runner.invoke(app, ["admin", "--master", standby.address, "masters", "--json"])
     assert out.exit_code == 0, out.output
     listed = json.loads(out.output)

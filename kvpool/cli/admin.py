@@ -42,7 +42,7 @@ def status(as_json: bool = JSON) -> None:
 
         ha = ha_summary(c)
         leader = ha.get("leader", "unknown")
-        if leader not in ("unknown", _Ctx.master):
+        if leader not in ("unknown", c.address):
             with MasterClient(leader, timeout_s=_Ctx.timeout_s) as lc:
                 s = lc.stats()
         else:
@@ -50,7 +50,7 @@ def status(as_json: bool = JSON) -> None:
         stores = [n for n in s.nodes if n.node.role == "store"]
         return {
             **ha,
-            "master": _Ctx.master,
+            "master": c.address,
             "nodes_alive": sum(1 for n in s.nodes if n.alive),
             "nodes": len(s.nodes),
             "stores_alive": sum(1 for n in stores if n.alive),

@@ -52,7 +52,7 @@ def masters(as_json: bool = JSON) -> None:
     def fn(c: Any) -> dict[str, Any]:
         m = c.masters()
         if not m.ha:
-            return {"ha": False, "masters": [{"address": _Ctx.master, "role": "leader", "epoch": 0}]}
+            return {"ha": False, "masters": [{"address": c.address, "role": "leader", "epoch": 0}]}
         names = ([m.leader] if m.leader else []) + [s for s in m.standbys if s != m.leader]
         if m.address not in names:
             names.append(m.address)
