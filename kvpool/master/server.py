@@ -101,7 +101,10 @@ def advertised_address(settings: MasterSettings, port: int) -> str:
 
 def _elect(master: Master, settings: MasterSettings) -> grpc.aio.ServerInterceptor:
     """Create `master.election` (not started) and the gate that keeps a non-leader from taking writes."""
-    from kvpool.master.ha.election import Election
+    try:
+        from kvpool.master.ha.election import Election
+    except ImportError as exc:
+        raise RuntimeError(f"--etcd needs the etcd client: pip install 'kvpool[ha]' ({exc})") from None
     from kvpool.master.ha.endpoints import parse_endpoints
     from kvpool.master.ha.gate import LeaderGate
 
