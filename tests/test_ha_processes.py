@@ -65,7 +65,10 @@ def test_kill_the_leader_a_standby_leads_and_the_old_one_rejoins(etcd: EtcdServe
             leader.kill()  # SIGKILL: no revoke, the lease lapses
             t0 = time.monotonic()
             wait_until(lambda: c.masters().role == "leader", TTL_S + 3, "the standby takes over")
-            assert time.monotonic() - t0 <= TTL_S + 1.0
+            took_s = time.monotonic() - t0
+            # the lease lapses within TTL of the last keep-alive, etcd reaps expired leases every 0.5 s, the
+            # standby's watch wakes at once; the margin over TTL + 1 s is for a loaded shared 2-core box
+            assert took_s <= TTL_S + 1.5, f"failover took {took_s:.2f} s"
             assert c.masters().epoch > epoch and c.evict(0.5) == (0, 0)
         procs.remove(leader)
         procs.extend(ha_procs(etcd.endpoint, 1))  # the old leader, restarted (a new port)
