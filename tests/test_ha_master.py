@@ -24,6 +24,8 @@ from tests.etcd_server import EtcdServer, etcd  # noqa: F401 - the fixture
 from tests.test_ha_election import wait_until
 
 pytestmark = pytest.mark.timeout(90)
+TTL_S = 3
+"""The tests' lease TTL (s): short, with room for a loaded shared machine (keep-alives every TTL/3)."""
 
 
 def refusal(address: str, name: str, request: Any) -> str:
@@ -42,7 +44,7 @@ def ha_master(endpoint: str, prefix: str = "/ha-master") -> MasterServer:
         metrics=False,
         etcd=endpoint,
         ha_prefix=prefix,
-        ha_lease_ttl_s=2,
+        ha_lease_ttl_s=TTL_S,
     )
     return serve(settings)
 
@@ -69,7 +71,7 @@ def test_standby_refuses_writes_naming_the_leader(two_masters: list[MasterServer
         wait_until(lambda: sc.masters().leader == leader.address, 10, "the standby knows the leader")
         status = sc.masters()
         assert status.ha and status.role == "standby" and status.address == standby.address
-        assert status.epoch > 0 and status.lease_ttl_s == 2 and status.standbys == (standby.address,)
+        assert status.epoch > 0 and status.lease_ttl_s == TTL_S and status.standbys == (standby.address,)
         assert lc.masters().role == "leader" and lc.masters().epoch == status.epoch
         assert leader.master.stores.leader_epoch == status.epoch  # store orders carry it
         assert lc.evict(0.5) == (0, 0)  # a write: the leader takes it
@@ -77,6 +79,9 @@ def test_standby_refuses_writes_naming_the_leader(two_masters: list[MasterServer
         assert refusal(standby.address, "Evict", evict) == f"not the leader (leader is {leader.address})"
         match = pb.MatchPrefixRequest(namespace=b"\0" * 16, block_hashes=[b"\1" * 16])
         assert refusal(standby.address, "MatchPrefix", match).startswith("not the leader")  # no reads either
+        refused = pytest.raises(Unavailable, match=f"not the leader \\(leader is {leader.address}\\)")
+        with MasterClient(standby.address) as raw, raw.match_stream() as stream, refused:  # streams too
+            stream.match(b"\0" * 16, [b"\1" * 16])
         assert sc.evict(0.5) == (0, 0) and sc.address == leader.address  # the client follows the leader
         assert sc.stats().num_blocks == 0  # read-only status: answered
         epoch = status.epoch
@@ -131,7 +136,7 @@ def test_admin_and_metrics_name_the_leader(two_masters: list[MasterServer]) -> N
     out = runner.invoke(app, ["admin", "--master", standby.address, "masters", "--json"])
     assert out.exit_code == 0, out.output
     listed = json.loads(out.output)
-    assert listed["ha"] and listed["leader"] == leader.address and listed["lease_ttl_s"] == 2
+    assert listed["ha"] and listed["leader"] == leader.address and listed["lease_ttl_s"] == TTL_S
     roles = {m["address"]: m["role"] for m in listed["masters"]}
     assert roles == {leader.address: "leader", standby.address: "standby"}
     out = runner.invoke(app, ["admin", "--master", standby.address, "masters"])
@@ -182,7 +187,7 @@ def test_etcd_gone_the_leader_serves_reads_and_refuses_writes(etcd: EtcdServer) 
             etcd.stop()
             t0 = time.monotonic()
             wait_until(lambda: c.masters().role == "deposed", 3, "it steps down")
-            assert time.monotonic() - t0 <= 2.0  # within the 2 s lease TTL
+            assert time.monotonic() - t0 <= TTL_S  # within the lease TTL
             with pytest.raises(Unavailable, match=r"not the leader \(leader is unknown\)"):
                 c.evict(0.5)
             assert c.match(b"\0" * 16, [b"\1" * 16]).num_matched == 0  # reads: still answered

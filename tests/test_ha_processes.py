@@ -17,7 +17,7 @@ from tests.etcd_server import EtcdServer, etcd  # noqa: F401 - the fixture
 from tests.test_ha_election import wait_until
 from tests.test_ha_master import refusal
 
-TTL_S = 2
+TTL_S = 3
 
 
 def ha_procs(endpoint: str, n: int, ttl_s: int = TTL_S) -> list[Proc]:
