@@ -185,7 +185,14 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
         caps = self.m.capabilities
         grants: tuple[Sequence[bytes], int] = ((), 0)
         if caps is not None and res.lease_id and res.num_matched:
-            grants = match_grants(caps, request.namespace, request.block_hashes, res, request.lease_ttl_ms)
+            grants = match_grants(
+                caps,
+                request.namespace,
+                request.block_hashes,
+                res,
+                request.lease_ttl_ms,
+                self.m.stores.leader_epoch,
+            )
         return match_response(
             res, nodes, request.request_id, request.lease_ttl_ms, request.packed_replicas, grants
         )
@@ -232,7 +239,12 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
         locations = out.locations
         if self.m.capabilities is not None:
             locations = write_grants(
-                self.m.capabilities, request.namespace, out.hashes, locations, out.write_lease_ms
+                self.m.capabilities,
+                request.namespace,
+                out.hashes,
+                locations,
+                out.write_lease_ms,
+                self.m.stores.leader_epoch,
             )
         return pb.ReserveResponse(
             reservation_id=out.rid,

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import psutil
 
-from kvpool.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvpool.errors import InvalidArgument, ResourceExhausted
 from kvpool.rpc.status import rpc_errors
 from kvpool.store.slots import Reservation, SlotTable
 from kvpool.v1 import kvpool_pb2 as pb
@@ -24,25 +23,6 @@ INVENTORY_CHUNK = 1024
 CopyFn = Callable[[str, list[tuple[int, int, int, int, int, bytes, int]]], list[tuple[int, int, str]]]
 """(src data address, [(src slot, src gen, dst slot, dst gen, checksum, src read capability, its expiry
 ms)]) -> [(dst slot, dst gen, error)]."""
-
-
-class EpochFence:
-    """The newest master leader epoch this store has taken an order from; an order carrying an older one
-    (a deposed or partitioned leader's) is refused. Epoch 0 (a single master, no HA) is never refused while
-    no epoch above 0 was seen. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.highest = 0
-
-    def check(self, epoch: int) -> None:
-        """Record `epoch`, or raise FailedPrecondition "fenced: epoch N < M" when it is older."""
-        if epoch == self.highest:  # the steady state: one comparison, no lock
-            return
-        with self._lock:
-            if epoch < self.highest:
-                raise FailedPrecondition(f"fenced: epoch {epoch} < {self.highest}")
-            self.highest = epoch
 
 
 class StoreServicer(pb_grpc.StoreServicer):
@@ -65,7 +45,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         self._max = max_batch_slots
         self._inflight = inflight
         self._proc = psutil.Process()
-        self.fence = EpochFence()
+        self.fence = table.fence
 
     def _check_batch(self, n: int) -> None:
         if n > self._max:
