@@ -107,6 +107,9 @@ class Master(NodeRegistry):
         self.stores = stores or StoreCalls(settings.store_timeout_s, self.capabilities)
         self.election: Election | None = None
         """With etcd (`MasterSettings.etcd`): this master's leader election (`kvpool.master.ha`)."""
+        self.leader_epoch = 0
+        """The epoch this master last won leadership at (0: a single master): on its capabilities (and, via
+        `stores.leader_epoch`, on its store orders)."""
         self.master_epoch = time.time_ns()
         self.fresh_generation = self.master_epoch // 1000
         """Generation given to free slots of an adopted store: above any generation an earlier master

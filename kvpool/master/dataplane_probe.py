@@ -107,7 +107,7 @@ def run(m: Master, probe: Probe) -> None:
             order = SlotOrder(probe.dst.slot, probe.dst.generation, ns, h, probe.parent)
             m.stores.reserve(probe.address, [order], m.settings.default_write_lease_ms)
             src = read_grant(
-                m.capabilities, ns, h, probe.src, m.settings.default_write_lease_ms, m.stores.leader_epoch
+                m.capabilities, ns, h, probe.src, m.settings.default_write_lease_ms, m.leader_epoch
             )
             errs = m.stores.copy(probe.address, probe.src_data_address, [(src, probe.dst, probe.checksum)])
             detail = errs.get((probe.dst.slot, probe.dst.generation), "")

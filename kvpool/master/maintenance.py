@@ -291,7 +291,7 @@ class Maintenance:
             order = SlotOrder(job.dst.slot, job.dst.generation, ns, h, job.parent)
             m.stores.reserve(job.dst_address, [order], m.settings.default_write_lease_ms)
             src = read_grant(
-                m.capabilities, ns, h, job.src, m.settings.default_write_lease_ms, m.stores.leader_epoch
+                m.capabilities, ns, h, job.src, m.settings.default_write_lease_ms, m.leader_epoch
             )
             errs = m.stores.copy(job.dst_address, job.src_data_address, [(src, job.dst, job.checksum)])
             err = errs.get((job.dst.slot, job.dst.generation), "")

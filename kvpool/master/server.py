@@ -109,10 +109,11 @@ def _elect(master: Master, settings: MasterSettings) -> grpc.aio.ServerIntercept
     from kvpool.master.ha.gate import LeaderGate
 
     def on_lead(epoch: int) -> None:
-        previous = master.stores.leader_epoch
+        previous = master.leader_epoch
         if previous not in (0, epoch):
             forget_previous_term(master, previous, epoch)
-        master.stores.leader_epoch = epoch  # set before the role turns leader: every order carries it
+        # set before the role turns leader: every store order and capability carries it
+        master.stores.leader_epoch = master.leader_epoch = epoch
 
     master.election = Election(
         parse_endpoints(settings.etcd),

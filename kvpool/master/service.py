@@ -191,7 +191,7 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
                 request.block_hashes,
                 res,
                 request.lease_ttl_ms,
-                self.m.stores.leader_epoch,
+                self.m.leader_epoch,
             )
         return match_response(
             res, nodes, request.request_id, request.lease_ttl_ms, request.packed_replicas, grants
@@ -244,7 +244,7 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
                 out.hashes,
                 locations,
                 out.write_lease_ms,
-                self.m.stores.leader_epoch,
+                self.m.leader_epoch,
             )
         return pb.ReserveResponse(
             reservation_id=out.rid,
