@@ -93,3 +93,20 @@ def test_lapsed_lease_hands_over_and_dead_etcd_deposes(etcd) -> None:  # noqa: F
     assert a.role != LEADER
     a.stop()
     b.stop()
+
+
+def test_a_deposed_leader_ends_its_own_stale_key_and_campaigns_again(etcd) -> None:  # noqa: F811
+    """Keep-alives past due (as after a stall shorter than etcd's TTL): the master stops leading at once;
+    its old key, still alive at etcd under the old lease, is revoked instead of waited out (TTL 6 s)."""
+    a = Election(parse_endpoints(etcd.endpoint), prefix="/t3", lease_ttl_s=6)
+    a.start("a:1")
+    try:
+        wait_until(lambda: a.is_leader, 10, "a leads")
+        e1 = a.view().epoch
+        a._loop.call_soon_threadsafe(setattr, a, "_deadline", 0.0)  # no keep-alive answered in time
+        wait_until(lambda: a.role != LEADER, 1, "a stops leading at once")
+        t0 = time.monotonic()
+        wait_until(lambda: a.is_leader and a.view().epoch > e1, 4, "a leads again under a new key")
+        assert time.monotonic() - t0 < 4 and a.view().elections == 2  # well before the old lease's 6 s
+    finally:
+        a.stop()

@@ -81,6 +81,7 @@ class Election:
         self._address = ""
         self._role = STANDBY
         self._leader = ""
+        self._last_leader = ""  # the last leader known (failovers count changes of it)
         self._epoch = 0
         self._members: tuple[str, ...] = ()
         self._elections = 0
@@ -164,8 +165,10 @@ class Election:
     def _set(self, **fields: object) -> None:
         with self._lock:
             leader = fields.get("leader")
-            if isinstance(leader, str) and leader and self._leader and leader != self._leader:
-                self._failovers += 1
+            if isinstance(leader, str) and leader:
+                if self._last_leader and leader != self._last_leader:
+                    self._failovers += 1
+                self._last_leader = leader
             for name, value in fields.items():
                 setattr(self, "_" + name, value)
 
@@ -255,8 +258,13 @@ class Election:
                 log.info("master %s leads (epoch %d)", self._address, epoch)
             return
         self._step_down(f"the leader key holds {current.value.decode()!r}")
-        self._set(role=STANDBY, leader=current.value.decode(), epoch=current.create_revision)
         self._watch_from = current.mod_revision + 1
+        if current.value == me:  # under a lease of ours that lapsed here: end it now, campaign afresh
+            self._set(role=STANDBY, leader="", epoch=0)
+            with contextlib.suppress(Exception):
+                await client.revoke_lease(current.lease)
+            return
+        self._set(role=STANDBY, leader=current.value.decode(), epoch=current.create_revision)
 
     async def _wait_round(self, client: aetcd.Client) -> None:
         """A leader sleeps a keep-alive interval; a standby watches the leader key as long (wakes on a change)."""
