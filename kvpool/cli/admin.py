@@ -58,16 +58,28 @@ def status(as_json: bool = JSON) -> None:
     `stores_alive`; `nodes` and `stores` also count the dead (heartbeat expired or deregistered) ones.
     `status` is "ok", or "degraded" with `degraded` listing each dead node (since the master last heard
     from it) and each store whose data plane is suspect, failed or on trial. A master that does not
-    answer is one line on stderr and exit status 1."""
+    answer is one line on stderr and exit status 1. With masters in high availability (etcd) it also
+    names the leader, the standbys, the leader's epoch and the etcd endpoints, and the pool figures are
+    the leader's (a standby holds no index)."""
 
     def fn(c: Any) -> dict[str, Any]:
         import time
 
-        s = c.stats()
+        from kvpool.cli.admin_ha import ha_summary
+        from kvpool.client import MasterClient
+
+        ha = ha_summary(c)
+        leader = ha.get("leader", "unknown")
+        if leader not in ("unknown", c.address):
+            with MasterClient(leader, timeout_s=_Ctx.timeout_s) as lc:
+                s = lc.stats()
+        else:
+            s = c.stats()
         stores = [n for n in s.nodes if n.node.role == "store"]
         parts = degraded_parts(s.nodes, time.time())
         return {
-            "master": _Ctx.master,
+            **ha,
+            "master": c.address,
             "status": "degraded" if parts else "ok",
             "nodes_alive": sum(1 for n in s.nodes if n.alive),
             "nodes": len(s.nodes),
@@ -254,5 +266,5 @@ def economics(
     _run(fn, as_json, lambda r: _kv("economics", {k: "-" if v is None else v for k, v in r.items()}))
 
 
-# register the namespace commands (namespaces, match, set-version, invalidate) and `adapter ...`
-from kvpool.cli import admin_adapter, admin_ns  # noqa: E402, F401
+# register the namespace commands (namespaces, match, set-version, invalidate), `adapter ...` and `masters`
+from kvpool.cli import admin_adapter, admin_ha, admin_ns  # noqa: E402, F401

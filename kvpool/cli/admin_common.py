@@ -72,13 +72,16 @@ class _Ctx:
 
 @admin_app.callback()
 def _admin(
-    master: str = typer.Option("127.0.0.1:50051", "--master", help="Master HOST:PORT."),
+    master: str = typer.Option(
+        "127.0.0.1:50051", "--master", help="Master HOST:PORT (HOST:PORT,HOST:PORT...: masters in HA)."
+    ),
     timeout_s: float = typer.Option(5.0, "--timeout", help="Deadline per call (s), > 0.", callback=POSITIVE),
 ) -> None:
     from kvpool.config import check_host_port
 
     try:
-        check_host_port(master)
+        for address in master.split(","):
+            check_host_port(address.strip())
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--master") from None
     _Ctx.master, _Ctx.timeout_s = master, timeout_s

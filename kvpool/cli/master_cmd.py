@@ -37,6 +37,16 @@ def register_master_command(app: typer.Typer) -> None:
             None, "--metrics/--no-metrics", help="Serve Prometheus /metrics."
         ),
         metrics_port: int | None = typer.Option(None, help="/metrics port on the bind host (0: ephemeral)."),
+        etcd: str | None = typer.Option(
+            None, help="etcd endpoints HOST:PORT[,...]: elect one leader among masters (HA)."
+        ),
+        ha_lease_ttl_s: int | None = typer.Option(
+            None, help="HA: etcd lease TTL in seconds (failover time)."
+        ),
+        ha_prefix: str | None = typer.Option(None, help="HA: etcd key prefix shared by the pool's masters."),
+        advertise_address: str | None = typer.Option(
+            None, help="HA: HOST:PORT other masters and clients reach this master at."
+        ),
         config: Path | None = typer.Option(None, help="TOML config file."),
     ) -> None:
         """Run the master (index, placement, leases, node registry)."""
@@ -60,6 +70,10 @@ def register_master_command(app: typer.Typer) -> None:
                 rebuild_grace_ms=rebuild_grace_ms,
                 metrics=metrics,
                 metrics_port=metrics_port,
+                etcd=etcd,
+                ha_lease_ttl_s=ha_lease_ttl_s,
+                ha_prefix=ha_prefix,
+                advertise_address=advertise_address,
             )
             server = serve(settings)
         except ValidationError:

@@ -6,19 +6,22 @@ repetition would change state twice (reserve, counted matches, evict, drain, rem
 
 from __future__ import annotations
 
-import queue
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
 from kvpool.client import convert as cv
+from kvpool.client.errors import raise_refined
+from kvpool.client.leader import Masters, never_sent, not_leader_redirect
+from kvpool.client.match_stream import MatchStream
 from kvpool.client.types import (
     AdapterStatus,
     CommitBlock,
     CommitResult,
     HeartbeatAnswer,
+    MastersStatus,
     Match,
     NodeInfo,
     NodeLoad,
@@ -27,52 +30,39 @@ from kvpool.client.types import (
     Registration,
     Reservation,
 )
-from kvpool.errors import (
-    DeadlineExceeded,
-    FailedPrecondition,
-    LeaseExpired,
-    StaleGeneration,
-    Unavailable,
-    VersionFenced,
-)
-from kvpool.rpc.server import channel
-from kvpool.rpc.status import raise_from_rpc_error
 from kvpool.types import Location
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 _RETRIES = 3
-
-
-_REFINED: list[tuple[str, type[FailedPrecondition]]] = [
-    ("fenced", VersionFenced),
-    ("expired", LeaseExpired),
-    ("generation", StaleGeneration),
-]
-
-
-def _raise(exc: grpc.RpcError, what: str) -> NoReturn:
-    """Like `raise_from_rpc_error`, recovering the FAILED_PRECONDITION subclasses from the message."""
-    try:
-        raise_from_rpc_error(exc, what)
-    except FailedPrecondition as err:
-        text = str(err).lower()
-        for word, cls in _REFINED:
-            if word in text:
-                raise cls(str(err)) from None
-        raise
+_MAX_MOVES = 2
+"""Moves to another master per call after a refusal that did not run it (not the leader, no connection)."""
 
 
 class MasterClient:
-    """A channel to the master at `address` ("host:port"); thread-safe; `close()` when done."""
+    """A channel to the master at `address` ("host:port"); thread-safe; `close()` when done.
+
+    `address` may list several masters in high availability ("a:1,b:2,c:3"; the first is tried first).
+    A call that did not run, refused by a master that does not lead (UNAVAILABLE "not the leader (leader is
+    X)") or not connected at all, is sent again to X (or, with no leader named, to the next master of the
+    list), at most `_MAX_MOVES` times; later calls go there too. Idempotent calls retried on UNAVAILABLE
+    also move on to the next master of the list. `address` is the master in use."""
 
     def __init__(self, address: str, *, timeout_s: float = 5.0) -> None:
-        self.address = address
+        self._masters = Masters(address)
+        self.addresses = self._masters.addresses
         self.timeout_s = timeout_s
-        self._channel = channel(address)
-        self._stub = pb_grpc.MasterStub(self._channel)
         self._sessions: dict[str, bytes] = {}  # node id -> its registration's session (secured master)
+
+    @property
+    def address(self) -> str:
+        """The master in use ("host:port")."""
+        return self._masters.address
+
+    @property
+    def _stub(self) -> pb_grpc.MasterStub:
+        return self._masters.stub
 
     def __enter__(self) -> MasterClient:
         return self
@@ -81,21 +71,37 @@ class MasterClient:
         self.close()
 
     def close(self) -> None:
-        self._channel.close()
+        self._masters.close()
 
     def _call(self, name: str, request: Any, *, retry: bool = False, timeout_s: float | None = None) -> Any:
-        method: Callable[..., Any] = getattr(self._stub, name)
         attempts = _RETRIES if retry else 1
-        for attempt in range(attempts):
+        attempt = moves = 0
+        while True:
+            ms = self._masters
+            address, stub = ms.address, ms.stub
+            method: Callable[..., Any] = getattr(stub, name)
             try:
                 return method(request, timeout=timeout_s or self.timeout_s)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
-                if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < attempts:
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise_refined(exc, f"{name} at master {address}")
+                details = exc.details() if hasattr(exc, "details") else ""
+                leader = not_leader_redirect(details)
+                if (leader is not None or never_sent(details)) and moves < _MAX_MOVES:
+                    # the call did not run there: send it once more, to the leader named or the next master
+                    target = leader if leader and leader != address else ms.next_after(address)
+                    if target and target != address:
+                        moves += 1
+                        ms.use(target)
+                        continue
+                if attempt + 1 < attempts:
                     time.sleep(0.05 * 2**attempt)
+                    attempt += 1
+                    if leader is None and (following := ms.next_after(address)):
+                        ms.use(following)  # that master is down: try the next one
                     continue
-                _raise(exc, f"{name} at master {self.address}")
-        raise Unavailable(f"{name} at master {self.address}: no answer")  # pragma: no cover
+                raise_refined(exc, f"{name} at master {address}")
 
     # ---- nodes ------------------------------------------------------------------------------------
     def register_node(
@@ -326,78 +332,23 @@ class MasterClient:
     def stats(self) -> PoolStats:
         return cv.stats(self._call("Stats", pb.StatsRequest(), retry=True))
 
+    def masters(self) -> MastersStatus:
+        """Who leads (high availability on etcd); answered by standbys too."""
+        r = self._call("Masters", pb.MastersRequest(), retry=True)
+        return MastersStatus(
+            ha=r.ha,
+            address=r.address,
+            role=r.role,
+            leader=r.leader,
+            epoch=r.epoch,
+            standbys=tuple(r.standbys),
+            etcd_endpoints=tuple(r.etcd_endpoints),
+            lease_ttl_s=r.lease_ttl_s,
+            elections=r.elections,
+            failovers=r.failovers,
+        )
+
     def evict(self, fraction: float, node_id: str = "") -> tuple[int, int]:
         """Returns (evicted, shortfall)."""
         resp = self._call("Evict", pb.EvictRequest(fraction=fraction, node_id=node_id))
         return int(resp.num_evicted), int(resp.shortfall)
-
-
-class MatchStream:
-    """Matches over one `MatchPrefixStream` call, answered in order: `match` (one in flight) or
-    `send`/`receive` (pipelined). One caller thread; `close()` when done."""
-
-    def __init__(self, stub: pb_grpc.MasterStub, address: str) -> None:
-        self._address = address
-        self._requests: queue.SimpleQueue[pb.MatchPrefixRequest | None] = queue.SimpleQueue()
-        self._responses: Iterator[pb.MatchPrefixResponse] = stub.MatchPrefixStream(self._iter())
-
-    def _iter(self) -> Iterator[pb.MatchPrefixRequest]:
-        while True:
-            item = self._requests.get()
-            if item is None:
-                return
-            yield item
-
-    def match(
-        self,
-        namespace: bytes,
-        block_hashes: Sequence[bytes],
-        *,
-        count_hit: bool = False,
-        lease_ttl_ms: int = 0,
-        num_prompt_tokens: int = 0,
-    ) -> Match:
-        self.send(
-            namespace,
-            block_hashes,
-            count_hit=count_hit,
-            lease_ttl_ms=lease_ttl_ms,
-            num_prompt_tokens=num_prompt_tokens,
-        )
-        return self.receive()
-
-    def send(
-        self,
-        namespace: bytes,
-        block_hashes: Sequence[bytes],
-        *,
-        count_hit: bool = False,
-        lease_ttl_ms: int = 0,
-        num_prompt_tokens: int = 0,
-    ) -> None:
-        """Queue one match (one prompt) without waiting: pipelining, several in flight on the stream.
-        Each `receive()` returns the answer to the oldest one sent and not yet received."""
-        self._requests.put(
-            cv.match_pb(namespace, block_hashes, count_hit, lease_ttl_ms, num_prompt_tokens, "")
-        )
-
-    def receive(self) -> Match:
-        """The answer to the oldest match sent and not yet received (blocks until it arrives)."""
-        try:
-            return cv.match(next(self._responses))
-        except grpc.RpcError as exc:
-            _raise(exc, f"MatchPrefixStream at master {self._address}")
-        except StopIteration:
-            raise DeadlineExceeded("match stream ended") from None
-
-    def close(self) -> None:
-        self._requests.put(None)
-        cancel = getattr(self._responses, "cancel", None)
-        if cancel is not None:
-            cancel()
-
-    def __enter__(self) -> MatchStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

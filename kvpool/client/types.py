@@ -150,3 +150,20 @@ class PutResult:
     num_existing: int
     num_failed: int
     num_replicas_placed: int
+
+
+@dataclass(frozen=True, slots=True)
+class MastersStatus:
+    """`Masters` as answered by one master. `ha` False: a single master without etcd (the rest is empty).
+    `role` is the answering master's ("leader" | "standby" | "deposed"); `leader` "" while unknown."""
+
+    ha: bool
+    address: str
+    role: str
+    leader: str
+    epoch: int
+    standbys: tuple[str, ...]
+    etcd_endpoints: tuple[str, ...]
+    lease_ttl_s: int
+    elections: int
+    failovers: int

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpool.capability import Capabilities, process_capabilities
 from kvpool.errors import FailedPrecondition, InvalidArgument
@@ -25,6 +26,9 @@ from kvpool.master.registry import NodeRegistry
 from kvpool.master.settings import MasterSettings
 from kvpool.master.stores import StoreCalls
 from kvpool.types import HASH_NBYTES, BlockHash, Clock, Location, MonotonicClock, NamespaceId
+
+if TYPE_CHECKING:
+    from kvpool.master.ha.election import Election
 
 log = logging.getLogger(__name__)
 MAX_PROMPT_TOKENS = (1 << 32) - 1
@@ -101,6 +105,11 @@ class Master(NodeRegistry):
         self.counters = Counters()
         self.dataplane_policy = dataplane.DataPlanePolicy.from_settings(settings)
         self.stores = stores or StoreCalls(settings.store_timeout_s, self.capabilities)
+        self.election: Election | None = None
+        """With etcd (`MasterSettings.etcd`): this master's leader election (`kvpool.master.ha`)."""
+        self.leader_epoch = 0
+        """The epoch this master last won leadership at (0: a single master): on its capabilities (and, via
+        `stores.leader_epoch`, on its store orders)."""
         self.master_epoch = time.time_ns()
         self.fresh_generation = self.master_epoch // 1000
         """Generation given to free slots of an adopted store: above any generation an earlier master

@@ -111,6 +111,7 @@ def run(m: Master, probe: Probe) -> None:
             probe.dst,
             probe.checksum,
             m.settings.default_write_lease_ms,
+            m.leader_epoch,
         )
         ok = not detail
         if not ok and any(marker in detail for marker in INCONCLUSIVE):

@@ -18,12 +18,18 @@ from kvpool.types import Location
 
 
 def match_grants(
-    caps: Capabilities, ns: bytes, hashes: Sequence[bytes], res: MatchResult, lease_ttl_ms: int
+    caps: Capabilities,
+    ns: bytes,
+    hashes: Sequence[bytes],
+    res: MatchResult,
+    lease_ttl_ms: int,
+    epoch: int = 0,
 ) -> tuple[list[bytes], int]:
     """Read capabilities, one per replica in the packed order (block by block, each block's replicas in
-    order; b"" for node-local copies), and their common expiry (wall-clock ms)."""
+    order; b"" for node-local copies), and their common expiry (wall-clock ms). `epoch`: the leader epoch
+    they are bound to (0: a single master; kvpool.capability.EPOCH_NBYTES)."""
     expiry = caps.expiry(lease_ttl_ms)
-    sign = caps.signer(READ, ns, expiry)
+    sign = caps.signer(READ, ns, expiry, epoch)
     if res.extra:
         flat = [
             (hashes[i], loc.node_id, loc.slot, loc.generation, loc.local)
@@ -49,10 +55,12 @@ def write_grants(
     hashes: Sequence[bytes],
     locations: Sequence[Sequence[Location]],
     ttl_ms: int,
+    epoch: int = 0,
 ) -> list[list[Location]]:
-    """`locations[i]` (the slots reserved for `hashes[i]`) with a write capability each."""
+    """`locations[i]` (the slots reserved for `hashes[i]`) with a write capability each (bound to the
+    leader `epoch`, 0 for a single master)."""
     expiry = caps.expiry(ttl_ms)
-    sign = caps.signer(WRITE, ns, expiry)
+    sign = caps.signer(WRITE, ns, expiry, epoch)
     return [
         [
             Location(
@@ -65,11 +73,12 @@ def write_grants(
 
 
 def read_grant(
-    caps: Capabilities | None, ns: bytes, block_hash: bytes, loc: Location, ttl_ms: int
+    caps: Capabilities | None, ns: bytes, block_hash: bytes, loc: Location, ttl_ms: int, epoch: int = 0
 ) -> Location:
-    """`loc` with a read capability for `ttl_ms` (unchanged when capabilities are off)."""
+    """`loc` with a read capability for `ttl_ms` bound to the leader `epoch` (unchanged when capabilities
+    are off)."""
     if caps is None:
         return loc
     expiry = caps.expiry(ttl_ms)
-    cap = caps.sign(READ, ns, block_hash, loc.node_id, loc.slot, loc.generation, expiry)
+    cap = caps.sign(READ, ns, block_hash, loc.node_id, loc.slot, loc.generation, expiry, epoch)
     return Location(loc.node_id, loc.slot, loc.generation, loc.local, cap, expiry)

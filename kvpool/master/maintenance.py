@@ -68,6 +68,9 @@ class Maintenance:
         while not self._stop.is_set():
             self.m.wake.wait(self.m.settings.tick_ms / 1000)
             self.m.wake.clear()
+            election = self.m.election
+            if election is not None and not election.is_leader:
+                continue  # only the leader orders stores about
             try:
                 self.tick()
             except Exception:  # noqa: BLE001 - the loop must survive anything
@@ -294,6 +297,7 @@ class Maintenance:
             job.dst,
             job.checksum,
             m.settings.default_write_lease_ms,
+            m.leader_epoch,
         )
         with m.lock:
             present = m.index.lookup(NamespaceId(ns), BlockHash(h)) is not None

@@ -116,6 +116,30 @@ class MasterCollector(Collector):
         )
         yield GaugeMetricFamily(P + "namespaces", "Registered namespaces.", value=num_namespaces)
         yield from _tenant_metrics(m, tenants)
+        yield from _ha_metrics(m)
+
+
+def _ha_metrics(m: Master) -> Iterator[Metric]:
+    """Leadership (`kvpool.master.ha`): a single master without etcd always leads, at epoch 0."""
+    election = m.election
+    view = election.view() if election is not None else None
+    leads = view is None or view.role == "leader"
+    yield GaugeMetricFamily(
+        P + "leader", "1 while this master leads (takes writes); 0 on a standby or deposed one.", value=leads
+    )
+    yield GaugeMetricFamily(
+        P + "leader_epoch",
+        "The leader's epoch as this master knows it (etcd create revision; 0 without HA).",
+        value=view.epoch if view is not None else 0,
+    )
+    yield CounterMetricFamily(
+        P + "elections", "Elections this master won.", value=view.elections if view is not None else 0
+    )
+    yield CounterMetricFamily(
+        P + "failovers",
+        "Changes of leader this master saw (a new leader after another one).",
+        value=view.failovers if view is not None else 0,
+    )
 
 
 def _tenant_metrics(m: Master, tenants: dict[str, tuple[int, int]]) -> Iterator[Metric]:

@@ -103,6 +103,25 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
         )
 
     @rpc_errors
+    def Masters(self, request: pb.MastersRequest, context: grpc.ServicerContext) -> pb.MastersResponse:
+        election = self.m.election
+        if election is None:
+            return pb.MastersResponse(ha=False, role="leader")
+        v = election.view()
+        return pb.MastersResponse(
+            ha=True,
+            address=v.address,
+            role=v.role,
+            leader=v.leader,
+            epoch=v.epoch,
+            standbys=v.standbys,
+            etcd_endpoints=v.endpoints,
+            lease_ttl_s=election.lease_ttl_s,
+            elections=v.elections,
+            failovers=v.failovers,
+        )
+
+    @rpc_errors
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         ld = request.load
         values = [ld.recompute_s_per_token, ld.recompute_s_per_token_ctx, ld.recompute_overhead_s]
@@ -166,7 +185,14 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
         caps = self.m.capabilities
         grants: tuple[Sequence[bytes], int] = ((), 0)
         if caps is not None and res.lease_id and res.num_matched:
-            grants = match_grants(caps, request.namespace, request.block_hashes, res, request.lease_ttl_ms)
+            grants = match_grants(
+                caps,
+                request.namespace,
+                request.block_hashes,
+                res,
+                request.lease_ttl_ms,
+                self.m.leader_epoch,
+            )
         return match_response(
             res, nodes, request.request_id, request.lease_ttl_ms, request.packed_replicas, grants
         )
@@ -213,7 +239,12 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
         locations = out.locations
         if self.m.capabilities is not None:
             locations = write_grants(
-                self.m.capabilities, request.namespace, out.hashes, locations, out.write_lease_ms
+                self.m.capabilities,
+                request.namespace,
+                out.hashes,
+                locations,
+                out.write_lease_ms,
+                self.m.leader_epoch,
             )
         return pb.ReserveResponse(
             reservation_id=out.rid,

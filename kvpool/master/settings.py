@@ -122,6 +122,40 @@ class MasterSettings(KVPoolSettings):
         description="live write leases (open reservations) per writer_node_id of Reserve",
     )
 
+    # ---- high availability (kvpool.master.ha): several masters, one leader elected through etcd ------
+    etcd: str = Field(
+        default="",
+        description="etcd endpoints HOST:PORT[,HOST:PORT...]: campaign for leadership there (HA); empty: a "
+        "single master, no etcd",
+    )
+    ha_prefix: str = Field(
+        default="/kvpool/master",
+        min_length=2,
+        description="etcd key prefix of the election: masters sharing a pool share it",
+    )
+    ha_lease_ttl_s: int = Field(
+        default=5,
+        ge=2,
+        le=60,
+        description="etcd lease TTL (s): a dead leader is replaced about this long after its last keep-alive "
+        "(sent every TTL/3); a leader with no keep-alive answered for TTL - max(0.5, TTL/5) s stops taking "
+        "writes",
+    )
+    advertise_address: str = Field(
+        default="",
+        description="HOST:PORT other masters and clients reach this master at (named as the leader); empty: "
+        "the bind host (127.0.0.1 for a wildcard bind) and the bound port",
+    )
+
+    @field_validator("etcd")
+    @classmethod
+    def _etcd(cls, value: str) -> str:
+        if value:
+            from kvpool.master.ha.endpoints import parse_endpoints
+
+            parse_endpoints(value)
+        return value
+
     @field_validator("policy")
     @classmethod
     def _policy(cls, value: str) -> str:

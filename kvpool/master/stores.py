@@ -36,10 +36,13 @@ class SlotOrder:
 
 class StoreCalls:
     """One channel per store gRPC address, reused; thread-safe. With `capabilities` (a secured cluster),
-    every call carries the master's credential (`kvpool.membership.master_call_credential`)."""
+    every call carries the master's credential (`kvpool.membership.master_call_credential`). Every order
+    (reserve, commit, free, copy) carries `leader_epoch`: 0 for a single master, else the epoch this master
+    won its leadership with (`kvpool.master.ha`); stores refuse one older than the newest they have seen."""
 
     def __init__(self, timeout_s: float, capabilities: Capabilities | None = None) -> None:
         self.timeout_s = timeout_s
+        self.leader_epoch = 0
         self._caps = capabilities
         self._clock = WallClock()
         self._lock = threading.Lock()
@@ -96,6 +99,7 @@ class StoreCalls:
                 for o in orders
             ],
             write_lease_ms=write_lease_ms,
+            leader_epoch=self.leader_epoch,
         )
         try:
             self._stub(address).ReserveSlots(req, timeout=self.timeout_s)
@@ -104,7 +108,10 @@ class StoreCalls:
 
     def commit(self, address: str, slots: Sequence[Location]) -> dict[tuple[int, int], str]:
         """Commit slots; returns {(slot, generation): error} for the ones that failed ("" = ok)."""
-        req = pb.CommitSlotsRequest(slots=[pb.SlotRef(slot=s.slot, generation=s.generation) for s in slots])
+        req = pb.CommitSlotsRequest(
+            slots=[pb.SlotRef(slot=s.slot, generation=s.generation) for s in slots],
+            leader_epoch=self.leader_epoch,
+        )
         try:
             resp = self._stub(address).CommitSlots(req, timeout=self.timeout_s)
         except grpc.RpcError as exc:
@@ -116,7 +123,9 @@ class StoreCalls:
 
     def free(self, address: str, slots: Sequence[tuple[int, int]]) -> list[tuple[int, int, bool]]:
         """Order slots freed; returns (slot, new_generation, deferred) per slot the store answered."""
-        req = pb.FreeSlotsRequest(slots=[pb.SlotRef(slot=s, generation=g) for s, g in slots])
+        req = pb.FreeSlotsRequest(
+            slots=[pb.SlotRef(slot=s, generation=g) for s, g in slots], leader_epoch=self.leader_epoch
+        )
         try:
             resp = self._stub(address).FreeSlots(req, timeout=self.timeout_s)
         except grpc.RpcError as exc:
@@ -156,6 +165,7 @@ class StoreCalls:
                 )
                 for s, d, c in blocks
             ],
+            leader_epoch=self.leader_epoch,
         )
         try:
             resp = self._stub(address).CopyBlocks(req, timeout=self.timeout_s * 2)
@@ -178,16 +188,17 @@ def copy_into(
     dst: Location,
     checksum: int,
     write_lease_ms: int,
+    epoch: int = 0,
 ) -> str:
     """Copy block `key` (namespace, hash; `parent` its parent hash) from replica `src` (on the store at
     `src_data_address`) into slot `dst` of the store at `address`: reserve `dst`, have that store pull `src`
-    with a read capability granted for `write_lease_ms`, commit. "" on success, else the error
+    with a read capability granted for `write_lease_ms` (bound to the leader `epoch`), commit. "" on success, else the error
     ("ChecksumMismatch: ...", "Unavailable: ...", a store's refusal). Outside the master's lock."""
     ns, h = key
     ref = (dst.slot, dst.generation)
     try:
         stores.reserve(address, [SlotOrder(dst.slot, dst.generation, ns, h, parent)], write_lease_ms)
-        grant = read_grant(caps, ns, h, src, write_lease_ms)
+        grant = read_grant(caps, ns, h, src, write_lease_ms, epoch)
         err = stores.copy(address, src_data_address, [(grant, dst, checksum)]).get(ref, "")
         if not err:
             err = stores.commit(address, [dst]).get(ref, "")

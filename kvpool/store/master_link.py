@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import grpc
 
+from kvpool.client.leader import Masters, never_sent, not_leader_redirect
 from kvpool.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -15,6 +16,7 @@ from kvpool.errors import (
     KVPoolError,
     PermissionDenied,
     Unauthenticated,
+    Unavailable,
 )
 from kvpool.membership import store_proof
 from kvpool.rpc import PROTOCOL_VERSION
@@ -41,7 +43,10 @@ class MasterLink:
     (`freed_slots`, put back when the heartbeat fails) and the used-slot count. A `known=false` answer
     re-registers. A registration the master refuses for good (layout or protocol mismatch, a node id held
     by a live store, a missing or wrong auth token, a failed membership proof) calls `on_fatal(message)`. With `master_address` empty, `start()` does nothing
-    (standalone mode).
+    (standalone mode). `master_address` may list masters in high availability ("a:1,b:2"): a call a
+    master did not run (a standby naming the leader, or no connection) moves the link to the leader named
+    or the next master at once, where a heartbeat answered `known=false` re-registers (the new leader
+    adopts the store's inventory). `address` is the master in use.
 
     `wait_first_answer()` blocks until the first registration attempt is over: accepted, refused (raised),
     or the master could not be reached (a store may start before its master: it keeps retrying).
@@ -123,42 +128,71 @@ class MasterLink:
             self._first_answer.set()
 
     def _loop(self) -> None:
-        with channel(self.address) as ch:
-            stub = pb_grpc.MasterStub(ch)
-            backoff_s = 0.1
-            failing = False
-            while not self._stop.is_set():
-                try:
-                    if not self.registered.is_set():
-                        self._register(stub)
-                    else:
-                        self._heartbeat(stub)
-                    backoff_s = 0.1
-                    wait_s = self.interval_ms / 1000
-                    if failing:
-                        log.warning("master %s answers again", self.address)
-                        failing = False
-                except (
-                    FailedPrecondition,
-                    InvalidArgument,
-                    AlreadyExists,
-                    Unauthenticated,
-                    PermissionDenied,
-                ) as exc:
-                    self.refusal = exc
-                    if self._first_answer.is_set():  # else `wait_first_answer()` raises it to the starter
-                        log.error("the master refused this store node: %s", exc)
-                    if self._on_fatal is not None:
-                        self._on_fatal(str(exc))
-                    return
-                except Exception as exc:  # noqa: BLE001 - keep trying: the master may come back
-                    level = logging.DEBUG if failing else logging.WARNING
-                    log.log(level, "master %s: %s (retrying every %.1f s at most; quiet until it answers)",
-                            self.address, exc, MAX_RETRY_S)  # fmt: skip
-                    failing = True
-                    wait_s, backoff_s = backoff_s, min(backoff_s * 2, MAX_RETRY_S)
-                self._first_answer.set()
-                self._stop.wait(wait_s)
+        masters = Masters(self.address)
+        self.address = masters.address
+        try:
+            self._rounds(masters)
+        finally:
+            masters.close()
+
+    def _follow(self, masters: Masters, exc: Exception) -> bool:
+        """After a call that did not run (a standby's "not the leader (leader is X)", or no connection):
+        move to X or the next master of the list; True when it moved (masters in HA, kvpool.master.ha)."""
+        if not isinstance(exc, Unavailable):
+            return False
+        leader = not_leader_redirect(str(exc))
+        if leader is None and not never_sent(str(exc)):
+            return False
+        target = leader if leader and leader != masters.address else masters.next_after(masters.address)
+        if not target or target == masters.address:
+            return False
+        log.warning("master %s: %s; moving to %s", masters.address, exc, target)
+        masters.use(target)
+        self.address = target
+        return True
+
+    def _rounds(self, masters: Masters) -> None:
+        backoff_s, moves = 0.1, 0
+        failing = False
+        while not self._stop.is_set():
+            stub = masters.stub
+            try:
+                if not self.registered.is_set():
+                    self._register(stub)
+                else:
+                    self._heartbeat(stub)
+                backoff_s, moves = 0.1, 0
+                wait_s = self.interval_ms / 1000
+                if failing:
+                    log.warning("master %s answers again", self.address)
+                    failing = False
+            except (
+                FailedPrecondition,
+                InvalidArgument,
+                AlreadyExists,
+                Unauthenticated,
+                PermissionDenied,
+            ) as exc:
+                self.refusal = exc
+                if self._first_answer.is_set():  # else `wait_first_answer()` raises it to the starter
+                    log.error("the master refused this store node: %s", exc)
+                if self._on_fatal is not None:
+                    self._on_fatal(str(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - keep trying: the master may come back
+                if moves < len(masters.addresses) + 1 and self._follow(masters, exc):
+                    moves += 1
+                    continue  # at once: the leader (or the next master) may answer
+                level = logging.DEBUG if failing else logging.WARNING
+                log.log(
+                    level,
+                    "master %s: %s (retrying every %.1f s at most; quiet until it answers)",
+                    *(self.address, exc, MAX_RETRY_S),
+                )
+                failing = True
+                wait_s, backoff_s = backoff_s, min(backoff_s * 2, MAX_RETRY_S)
+            self._first_answer.set()
+            self._stop.wait(wait_s)
 
     def _register(self, stub: pb_grpc.MasterStub) -> None:
         node = self._endpoint()

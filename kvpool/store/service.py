@@ -45,6 +45,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         self._max = max_batch_slots
         self._inflight = inflight
         self._proc = psutil.Process()
+        self.fence = table.fence
 
     def _check_batch(self, n: int) -> None:
         if n > self._max:
@@ -69,6 +70,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         self, request: pb.ReserveSlotsRequest, context: grpc.ServicerContext
     ) -> pb.ReserveSlotsResponse:
         self._check_batch(len(request.slots))
+        self.fence.check(request.leader_epoch)
         self._table.reserve(
             [
                 Reservation(s.slot, s.generation, s.namespace, s.block_hash, s.parent_hash)
@@ -83,6 +85,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         self, request: pb.CommitSlotsRequest, context: grpc.ServicerContext
     ) -> pb.CommitSlotsResponse:
         self._check_batch(len(request.slots))
+        self.fence.check(request.leader_epoch)
         results = self._table.commit((s.slot, s.generation) for s in request.slots)
         return pb.CommitSlotsResponse(
             results=[pb.SlotResult(slot=s, generation=g, ok=not e, error=e) for s, g, e in results]
@@ -94,6 +97,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         for s in request.slots:  # all-or-nothing on malformed input
             if s.slot >= self._table.num_slots:
                 raise InvalidArgument(f"slot {s.slot} out of range [0, {self._table.num_slots})")
+        self.fence.check(request.leader_epoch)
         freed = self._table.free((s.slot, s.generation) for s in request.slots)
         return pb.FreeSlotsResponse(
             slots=[
@@ -134,6 +138,7 @@ class StoreServicer(pb_grpc.StoreServicer):
                 raise InvalidArgument(
                     f"destination slot {b.dst.slot} out of range [0, {self._table.num_slots})"
                 )
+        self.fence.check(request.leader_epoch)
         results = self._copy(
             request.src_data_address,
             [

@@ -32,7 +32,7 @@ class StoreSettings(KVPoolSettings):
     """Everything `kvpool store` can be told. Times in ms unless named `_s`."""
 
     node_id: str = ""  # empty: store-<host>-<pid>
-    master: str = ""  # HOST:PORT of the master; empty: standalone
+    master: str = ""  # HOST:PORT of the master (HOST:PORT,HOST:PORT... for masters in HA); empty: standalone
     grpc_port: int = Field(default=0, ge=0, le=65535)  # 0 = ephemeral
     data_port: int = Field(default=0, ge=0, le=65535)  # 0 = ephemeral
     advertise_host: str = ""  # the host put in grpc/data addresses; empty: bind_host
@@ -53,7 +53,9 @@ class StoreSettings(KVPoolSettings):
     @field_validator("master")
     @classmethod
     def _master(cls, value: str) -> str:
-        return check_host_port(value) if value else value
+        for address in value.split(",") if value else ():  # several: masters in HA (kvpool.master.ha)
+            check_host_port(address.strip())
+        return value
 
     @field_validator("layout")
     @classmethod

@@ -35,6 +35,7 @@ from kvpool.errors import (
     LeaseExpired,
     StaleGeneration,
 )
+from kvpool.store.fence import EpochFence
 from kvpool.store.segment import Segment
 from kvpool.store.slot_types import (  # noqa: F401 - FIRST_GENERATION, Reservation: this module's API
     _COMMITTED,
@@ -80,6 +81,8 @@ class SlotTable:
     ) -> None:
         self.segment = segment
         self.capabilities = capabilities
+        self.fence = EpochFence()
+        """The newest master leader epoch seen (`kvpool.store.fence`): older orders and capabilities fail."""
         self.node_id = node_id
         self.block_nbytes = segment.block_nbytes
         self.num_slots = segment.num_slots
@@ -128,7 +131,15 @@ class SlotTable:
         if self.capabilities is None or meta is None:  # a FREE slot refuses every transfer anyway
             return
         self.capabilities.check(
-            op, meta.namespace, meta.block_hash, self.node_id, slot, generation, expiry_ms, capability
+            op,
+            meta.namespace,
+            meta.block_hash,
+            self.node_id,
+            slot,
+            generation,
+            expiry_ms,
+            capability,
+            self.fence.highest,
         )
 
     def _in_flight(self, slot: int) -> bool:

@@ -651,6 +651,34 @@ class ListAdaptersResponse(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
     def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
 
+class MastersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MastersResponse(_message.Message):
+    __slots__ = ("ha", "address", "role", "leader", "epoch", "standbys", "etcd_endpoints", "lease_ttl_s", "elections", "failovers")
+    HA_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STANDBYS_FIELD_NUMBER: _ClassVar[int]
+    ETCD_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ELECTIONS_FIELD_NUMBER: _ClassVar[int]
+    FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    ha: bool
+    address: str
+    role: str
+    leader: str
+    epoch: int
+    standbys: _containers.RepeatedScalarFieldContainer[str]
+    etcd_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    lease_ttl_s: int
+    elections: int
+    failovers: int
+    def __init__(self, ha: _Optional[bool] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., leader: _Optional[str] = ..., epoch: _Optional[int] = ..., standbys: _Optional[_Iterable[str]] = ..., etcd_endpoints: _Optional[_Iterable[str]] = ..., lease_ttl_s: _Optional[int] = ..., elections: _Optional[int] = ..., failovers: _Optional[int] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -690,22 +718,26 @@ class SlotReservation(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., namespace: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
 
 class ReserveSlotsRequest(_message.Message):
-    __slots__ = ("slots", "write_lease_ms")
+    __slots__ = ("slots", "write_lease_ms", "leader_epoch")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     WRITE_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     slots: _containers.RepeatedCompositeFieldContainer[SlotReservation]
     write_lease_ms: int
-    def __init__(self, slots: _Optional[_Iterable[_Union[SlotReservation, _Mapping]]] = ..., write_lease_ms: _Optional[int] = ...) -> None: ...
+    leader_epoch: int
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotReservation, _Mapping]]] = ..., write_lease_ms: _Optional[int] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class ReserveSlotsResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class CommitSlotsRequest(_message.Message):
-    __slots__ = ("slots",)
+    __slots__ = ("slots", "leader_epoch")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
-    def __init__(self, slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ...) -> None: ...
+    leader_epoch: int
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class SlotResult(_message.Message):
     __slots__ = ("slot", "generation", "ok", "error")
@@ -726,10 +758,12 @@ class CommitSlotsResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[SlotResult, _Mapping]]] = ...) -> None: ...
 
 class FreeSlotsRequest(_message.Message):
-    __slots__ = ("slots",)
+    __slots__ = ("slots", "leader_epoch")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
-    def __init__(self, slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ...) -> None: ...
+    leader_epoch: int
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class FreedSlot(_message.Message):
     __slots__ = ("slot", "new_generation", "deferred")
@@ -792,12 +826,14 @@ class CopyBlock(_message.Message):
     def __init__(self, src: _Optional[_Union[SlotRef, _Mapping]] = ..., dst: _Optional[_Union[SlotRef, _Mapping]] = ..., checksum: _Optional[int] = ..., src_capability: _Optional[bytes] = ..., src_capability_expiry_ms: _Optional[int] = ...) -> None: ...
 
 class CopyBlocksRequest(_message.Message):
-    __slots__ = ("src_data_address", "blocks")
+    __slots__ = ("src_data_address", "blocks", "leader_epoch")
     SRC_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     src_data_address: str
     blocks: _containers.RepeatedCompositeFieldContainer[CopyBlock]
-    def __init__(self, src_data_address: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CopyBlock, _Mapping]]] = ...) -> None: ...
+    leader_epoch: int
+    def __init__(self, src_data_address: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CopyBlock, _Mapping]]] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class CopyBlocksResponse(_message.Message):
     __slots__ = ("results",)

@@ -164,6 +164,11 @@ class MasterStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ListAdaptersRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
+        self.Masters = channel.unary_unary(
+                '/kvpool.v1.Master/Masters',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.MastersRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.MastersResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -326,6 +331,14 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Masters(self, request, context):
+        """High availability: who leads. Answered by standbys too (every other call there is UNAVAILABLE
+        "not the leader (leader is HOST:PORT)").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -458,6 +471,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ListAdapters,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ListAdaptersRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'Masters': grpc.unary_unary_rpc_method_handler(
+                    servicer.Masters,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.MastersRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.MastersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1162,6 +1180,33 @@ class Master:
             '/kvpool.v1.Master/ListAdapters',
             kvpool_dot_v1_dot_kvpool__pb2.ListAdaptersRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Masters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/Masters',
+            kvpool_dot_v1_dot_kvpool__pb2.MastersRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.MastersResponse.FromString,
             options,
             channel_credentials,
             insecure,
