@@ -206,14 +206,15 @@ class Capabilities:
         min_epoch: int = 0,
     ) -> None:
         """Raise `PermissionDenied` ("capability missing/invalid/expired", or "fenced" for one minted at a
-        leader epoch below `min_epoch`) unless `capability` is what the master signed for exactly these
+        leader epoch above 0 but below `min_epoch`; epoch 0, a single master's, is never fenced:
+        `kvpool.store.fence`) unless `capability` is what the master signed for exactly these
         fields and has not expired (constant-time comparison)."""
         if not capability:
             raise PermissionDenied(f"capability missing for {op} of slot {slot}")
         epoch = 0
         if len(capability) == CAPABILITY_NBYTES + EPOCH_NBYTES:
             epoch = _U64.unpack(bytes(capability[CAPABILITY_NBYTES:]))[0]
-        if epoch < min_epoch:
+        if 0 < epoch < min_epoch:
             raise PermissionDenied(f"capability fenced: epoch {epoch} < {min_epoch} ({op} of slot {slot})")
         try:
             want = self.sign(op, namespace, block_hash, node_id, slot, generation, expiry_ms, epoch)

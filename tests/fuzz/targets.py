@@ -34,7 +34,7 @@ EXPECTED = {
     "Master": {"JoinChallenge", "RegisterNode", "Heartbeat", "DeregisterNode", "RegisterNamespace", "SetModelVersion",
                "MatchPrefix", "MatchPrefixStream", "RenewLease", "ReleaseLease", "Reserve", "Commit", "Abort",
                "RemoveBlocks", "ReportBadReplica", "ReportDataPlaneFailure", "ReportLocal", "Stats", "ListNodes", "Drain", "Evict",
-               "InvalidateNamespace", "RegisterAdapter", "ReloadAdapter", "UnloadAdapter", "ListAdapters"},
+               "InvalidateNamespace", "RegisterAdapter", "ReloadAdapter", "UnloadAdapter", "ListAdapters", "Masters"},
     "Store": {"GetInfo", "ReserveSlots", "CommitSlots", "FreeSlots", "Inventory", "CopyBlocks"},
     "Prefill": {"Prefill", "GetInfo"},
     "Decode": {"Decode", "GetInfo"},
