@@ -36,7 +36,7 @@ def test_each_install_phase_prints_one_line_before_its_quiet_pip(tmp_path: Path)
     assert out == [
         "kvpool: installing torch 2.13.0 (CPU)...",
         "PIP install -q torch==2.13.0",
-        "kvpool: installing kvpool and its dependencies (.[dev,bench]), building its C kernels...",
-        "PIP install -q -e .[dev,bench]",
+        "kvpool: installing kvpool and its dependencies (.[dev,bench,ha]), building its C kernels...",
+        "PIP install -q -e .[dev,bench,ha]",
         "kvpool: installed in .venv",
     ]
