@@ -14,10 +14,11 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from kvpool.client import MasterClient
-from kvpool.errors import ResourceExhausted
+from kvpool.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from kvpool.hashing import hash_blocks
 from kvpool.master.core import Master
 from kvpool.master.maintenance import Maintenance
+from kvpool.master.placement import ReserveOutcome
 from kvpool.master.server import MasterServer, serve
 from kvpool.master.settings import MasterSettings
 from kvpool.rpc import PROTOCOL_VERSION
@@ -186,3 +187,36 @@ def test_open_reservations_are_capped_per_writer(clock: FakeClock) -> None:
     Maintenance(m).tick()  # write leases past their expiry are dropped
     assert m.publisher.num_open("w1") == m.publisher.num_open("w2") == 0
     assert not m.publisher.reservations
+
+
+class RefusingStores(StubStores):
+    """A store that refuses the next reservation (a slot an earlier master reserved before it died)."""
+
+    def __init__(self) -> None:
+        self.refuse = 1
+
+    def reserve(self, address: str, orders: object, write_lease_ms: int) -> None:
+        if self.refuse:
+            self.refuse -= 1
+            raise FailedPrecondition("slot 3 is not free")
+
+
+def test_a_store_that_refuses_a_reservation_keeps_taking_blocks(clock: FakeClock) -> None:
+    """Found in CI: after a master restart a store refused one slot the dead master had reserved, and the
+    master then placed nothing on it for `unreachable_backoff_ms` (5 s of lost hits). A refusal is about
+    those slots; only a store that does not answer is backed off."""
+    m = master_with_store(clock)
+    m.stores = RefusingStores()  # type: ignore[assignment]
+    ns, _ = m.register_namespace(
+        model_id="m", weights_version="v1", layout_fingerprint=FP, cache_salt="", adapter_digest="", extra={}
+    )
+    hashes = chain(ns, 0, 2)
+
+    def reserve(i: int) -> ReserveOutcome:
+        return m.publisher.reserve(
+            ns, b"", [hashes[i]], num_replicas=1, block_nbytes=0, costs=[], write_lease_ms=0, writer="w"
+        )
+
+    with pytest.raises(Unavailable, match="refused the reservation"):
+        reserve(0)
+    assert [loc.node_id for locs in reserve(1).locations for loc in locs] == ["s1"]  # at once, no back-off

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvpool.errors import (
+    DeadlineExceeded,
     InvalidArgument,
     KVPoolError,
     LeaseExpired,
@@ -293,8 +294,12 @@ class Publisher:
                 address = m.st.nodes[node_id].grpc_address
             try:
                 m.stores.reserve(address, orders, write_lease_ms)
-            except KVPoolError as exc:
+            except (Unavailable, DeadlineExceeded) as exc:  # it did not answer: no placements there a while
                 m.mark_unreachable(node_id, exc)
+                failed.append(node_id)
+            except KVPoolError as exc:  # it answered and refused these slots (say one an earlier master
+                # reserved before it died): this reservation goes elsewhere, the store keeps taking blocks
+                log.warning("store %s refused a reservation: %s", node_id, exc)
                 failed.append(node_id)
         if not failed:
             return
