@@ -24,8 +24,20 @@ def print_ready(info: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _resolve_prctl() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
+    except OSError:
+        return None
+
+
+_PRCTL = _resolve_prctl()
+"""libc's prctl, resolved here in the parent: a dlopen in the child of a threaded parent can deadlock on the
+loader's lock held by another thread at fork time (seen as a role that never started under `kvpool up`)."""
+
+
 def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     """In a child before exec: receive SIGTERM when the parent dies (Linux `PR_SET_PDEATHSIG`)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _PRCTL is not None:
+        with contextlib.suppress(Exception):
+            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
