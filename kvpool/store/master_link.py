@@ -190,6 +190,7 @@ class MasterLink:
                     *(self.address, exc, MAX_RETRY_S),
                 )
                 failing = True
+                moves = 0  # after the wait, follow again: a standby names the new leader once elected
                 wait_s, backoff_s = backoff_s, min(backoff_s * 2, MAX_RETRY_S)
             self._first_answer.set()
             self._stop.wait(wait_s)
