@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +139,9 @@ class Traffic:
         self._thread.join(30)
 
 
-def _publish(rt: Any, ns: bytes, hashes: list[bytes], full: Any, loaded: Any, rid: str) -> tuple[str, str]:
+def _publish(
+    rt: Any, ns: bytes, hashes: Sequence[bytes], full: Any, loaded: Any, rid: str
+) -> tuple[str, str]:
     """Publish the full blocks the pool lacks, as the prefill node does: ("committed" | "publish_failed",
     the error or "")."""
     start = loaded.stats.num_pool_blocks
@@ -155,7 +157,9 @@ def _publish(rt: Any, ns: bytes, hashes: list[bytes], full: Any, loaded: Any, ri
     return "committed", ""
 
 
-def probe_failover(addresses: str, ns: bytes, hashes: list[bytes], t_kill: float, give_up_s: float) -> float:
+def probe_failover(
+    addresses: str, ns: bytes, hashes: Sequence[bytes], t_kill: float, give_up_s: float
+) -> float:
     """Seconds from `t_kill` to the first match answered OK through a client on `addresses` (-1.0: none
     within `give_up_s`)."""
     from kvpool.client import MasterClient

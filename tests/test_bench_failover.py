@@ -1,0 +1,86 @@
+"""`kvpool bench failover`: the hits-back and window figures on made-up timelines (fast), and a short real
+run (slow: etcd, three `kvpool master --etcd`, a store, the command as a subprocess): kill -9 the leader,
+0 failed requests, 0 wrong tokens, one failover, the hits come back, the JSON keys and the PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool.bench.failover import hits_back, summarize
+
+
+def rec(t_s: float, hit: float, *, ttft_s: float = 0.01, right: bool = True) -> dict[str, object]:
+    return {"t_s": t_s, "hit": hit, "ttft_s": ttft_s, "right": right, "publish": "committed"}
+
+
+def test_hits_back_is_the_first_run_of_full_hits_after_the_dip() -> None:
+    before = [rec(t / 10, 0.9) for t in range(50)]  # 0.0 .. 4.9 s
+    after = [rec(5.0, 0.9), rec(5.1, 0.0), rec(5.5, 0.0), rec(6.0, 0.9), rec(6.1, 0.0)]
+    after += [rec(7.0 + k / 10, 0.9) for k in range(5)]
+    assert hits_back([*before, *after], 5.0, 0.9) == pytest.approx(2.0)  # 7.0 - 5.0: 6.0 was one hit alone
+    assert hits_back([*before, *after[:5]], 5.0, 0.9) is None  # never back
+    assert hits_back(before + [rec(5.2, 0.9)] * 4, 5.0, 0.9) == 0.0  # never dipped
+
+
+def test_summary_windows_failures_and_wrong_tokens() -> None:
+    records = [rec(t / 10, 0.9, ttft_s=0.01) for t in range(100)]  # 0.0 .. 9.9 s
+    records += [rec(10.0 + k / 10, 0.0, ttft_s=0.05) for k in range(30)]  # misses for 3 s after the kill
+    records += [{"t_s": 10.05, "error": "Unavailable: boom"}, rec(10.1, 0.0, right=False)]
+    records += [rec(13.0 + k / 10, 0.9, ttft_s=0.01) for k in range(20)]
+    s = summarize(sorted(records, key=lambda r: float(r["t_s"])), 10.0, 1.5)  # type: ignore[arg-type]
+    assert s["failed_requests"] == 1 and s["wrong_tokens"] == 1
+    assert s["hit_rate_before"] == pytest.approx(0.9)
+    assert s["hits_back_s"] == pytest.approx(3.0)
+    assert s["ttft_p99_before_s"] == pytest.approx(0.01)
+    assert s["ttft_p99_during_s"] > 0.04  # the misses' TTFT, not the hits' before
+    soak = summarize(records[:100], None, None)
+    assert "hits_back_s" not in soak and soak["failed_requests"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_killing_the_leader_under_traffic_fails_no_request(tmp_path: Path) -> None:
+    from kvpool.bench.failover_cluster import etcd_binary
+
+    if etcd_binary() is None:
+        pytest.skip("no etcd binary: `make etcd`")
+    if (why := pytest.importorskip("transfer").ucx_available()) is not None:
+        pytest.skip(f"UCX unavailable: {why}")
+    pytest.importorskip("matplotlib")
+    out, png, ttl_s = tmp_path / "failover.json", tmp_path / "failover.png", 3
+    args = ["bench", "failover", "--lease-ttl-s", str(ttl_s), "--warmup-s", "8", "--after-s", "10"]
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli.main", *args, "--json", str(out), "--png", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        env=os.environ.copy(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    s = json.loads(out.read_text())["summary"]
+    for key in (
+        "failed_requests",
+        "wrong_tokens",
+        "failover_s",
+        "hits_back_s",
+        "masters",
+        "lease_ttl_s",
+        "ttft_p99_before_s",
+        "ttft_p99_during_s",
+    ):
+        assert key in s, key
+    assert s["masters"] == 3 and s["lease_ttl_s"] == ttl_s
+    assert s["failed_requests"] == 0 and s["wrong_tokens"] == 0
+    assert s["failovers"] == 1 and len(s["epochs"]) == 2 and s["epochs"][1] > s["epochs"][0]
+    assert s["hit_rate_before"] > 0.9  # 256 of 272 tokens reused
+    # a loaded 2-core box gets a margin over the targets (TTL + 1 s; failover + 3 s)
+    assert s["failover_s"] is not None and s["failover_s"] <= ttl_s + 2.5
+    assert s["hits_back_s"] is not None and s["hits_back_s"] <= s["failover_s"] + 5
+    assert png.stat().st_size > 10_000
+    assert "failover_s" in done.stdout and "hits_back_s" in done.stdout
