@@ -5,9 +5,11 @@ FAILED_PRECONDITION "fenced: epoch N < M", and change nothing; a single master's
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.errors import FailedPrecondition
 from kvpool.master import MasterSettings, serve
@@ -34,6 +36,12 @@ def used_slots(store: str) -> int:
     """The store's own count of reserved or held slots (its GetInfo)."""
     with channel(store) as ch:
         return int(pb_grpc.StoreStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5).num_used_slots)
+
+
+def store_metrics(address: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 @pytest.fixture
@@ -79,6 +87,8 @@ def test_old_leader_orders_are_fenced_by_a_real_store(etcd: EtcdServer, store_of
         with pytest.raises(FailedPrecondition, match=fenced):
             old.master.stores.copy(store, "127.0.0.1:1", [])
         assert used_slots(store) == 0  # the refused reservation took no slot
+        seen = store_metrics(str(store_of[0].ready["metrics_address"]))  # the store's own record
+        assert seen["kvpool_store_fenced_orders_total"] == 4 and seen["kvpool_store_leader_epoch"] == e2
         new.master.stores.reserve(store, order(6), 30_000)  # the new epoch still is
         assert used_slots(store) == 1
     finally:

@@ -26,6 +26,10 @@ class EpochFence:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.highest = 0
+        self.epochs: list[int] = []
+        """The epochs this store took orders from, in the order first taken (each newer than the last)."""
+        self.num_refused = 0
+        """Orders refused as fenced (an older epoch's)."""
 
     def check(self, epoch: int) -> None:
         """Record `epoch`, or raise FailedPrecondition "fenced: epoch N < M" when it is older."""
@@ -33,5 +37,8 @@ class EpochFence:
             return
         with self._lock:
             if epoch < self.highest:
+                self.num_refused += 1
                 raise FailedPrecondition(f"fenced: epoch {epoch} < {self.highest}")
-            self.highest = epoch
+            if epoch > self.highest:  # another thread may have taken the same new epoch first
+                self.epochs.append(epoch)
+                self.highest = epoch

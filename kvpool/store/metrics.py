@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvpool.store.slots import SlotTable
@@ -41,6 +41,17 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily(P + "used_bytes", "Bytes of used slots.", value=used * t.block_nbytes)
         yield GaugeMetricFamily(
             P + "inflight_transfers", "Block reads and writes in flight.", value=t.num_inflight
+        )
+        yield GaugeMetricFamily(
+            P + "leader_epoch",
+            "The newest master leader epoch this store took an order from (0: a single master).",
+            value=t.fence.highest,
+        )
+        yield CounterMetricFamily(
+            P + "fenced_orders",
+            "Orders refused because they carried an older leader epoch than one already taken (a deposed "
+            "or partitioned master's).",
+            value=t.fence.num_refused,
         )
 
 
