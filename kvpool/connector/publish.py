@@ -16,7 +16,14 @@ from kvpool.client.types import PutResult
 from kvpool.connector.breaker import PoolBreaker
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.ports import PoolPort
-from kvpool.errors import DeadlineExceeded, FailedPrecondition, TransferError, Unavailable, VersionFenced
+from kvpool.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    KVPoolError,
+    TransferError,
+    Unavailable,
+    VersionFenced,
+)
 
 
 def refuses_the_kv(exc: FailedPrecondition) -> bool:
@@ -110,6 +117,11 @@ def _put(
         )
     except (Unavailable, DeadlineExceeded):
         breaker.record(False)
+        raise
+    except TransferError:
+        raise
+    except KVPoolError:  # the master answered with a refusal (a new leader that has no store yet): reachable
+        breaker.record(True)
         raise
     breaker.record(True)
     return result
