@@ -21,7 +21,7 @@ def failover_cmd(
     question_tokens: int = typer.Option(16, min=1, help="question length (tokens)"),
     block_size: int = typer.Option(64, min=1, help="tokens per block"),
     json_out: Path = typer.Option(None, "--json", help="write the report JSON here"),
-    png: Path = typer.Option(None, "--png", help="write a PNG of hit rate and TTFT over time here"),
+    png: Path = typer.Option(None, "--png", "--plot", help="write a PNG of hit rate and TTFT over time here"),
 ) -> None:
     """Kill -9 the leading master under steady load: failed requests, wrong tokens, failover and hits-back
     time beside their targets (`--soak S`: no kill, spurious failovers)."""
