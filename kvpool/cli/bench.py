@@ -473,4 +473,6 @@ def vllm_replay_cmd(
         )
     except InvalidArgument as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
 bench_app.command("failover")(importlib.import_module("kvpool.cli.bench_failover").failover_cmd)
