@@ -426,7 +426,7 @@ def run_job_in_netns(job: Job, pair: Any, log: Callable[[str], None]) -> list[di
             str(op),
         ]
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent
+            die_with_parent(cmd), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )
         assert proc.stderr is not None
         tail: list[str] = []

@@ -167,11 +167,6 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     launches = plan(spec, layout.fingerprint())
     log_dir = Path(tempfile.mkdtemp(prefix="kvpool-up-"))
     secret_env, master_env, member_env = _membership_env(log_dir, secured)
-    # This process checks the roles' gRPC health and forks roles (again on each restart): gRPC's fork
-    # handlers can deadlock a fork that follows a health check (a hung `kvpool up`), and none is needed
-    # here (the roles exec at once). The roles keep gRPC's default.
-    own_fork_setting = "GRPC_ENABLE_FORK_SUPPORT" not in os.environ
-    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     policy = RestartPolicy.of(spec.cluster)
     procs: list[SupervisedRole] = []
     stop = threading.Event()
@@ -204,8 +199,6 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
             if launch.role == "master":
                 role_env = role_env | master_env
             env = dict(os.environ) | role_env | launch.env
-            if own_fork_setting:
-                env.pop("GRPC_ENABLE_FORK_SUPPORT")
             if launch.argv:  # a vLLM engine: started now, waited for with the others (they load in parallel)
                 if not model_dir:
                     model_dir = _vllm_model_dir(spec, log_dir)
