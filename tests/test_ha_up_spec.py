@@ -69,6 +69,8 @@ def test_one_master_has_no_etcd_and_more_need_one(tmp_path: Path) -> None:
         load_spec(_spec(tmp_path, "[cluster]\nmasters = 0\n"))
     with pytest.raises(InvalidArgument, match="master.host must be local"):
         load_spec(_spec(tmp_path, '[cluster]\nmasters = 2\n[master]\nhost = "10.9.9.9"\n'))
+    with pytest.raises(InvalidArgument, match=r"master.port \+ cluster.masters - 1 must be <= 65535"):
+        load_spec(_spec(tmp_path, "[cluster]\nmasters = 2\n[master]\nport = 65535\n"))
     example = load_spec(EXAMPLE)
     assert example.cluster.masters == 3 and example.master.etcd_port == 2379
 

@@ -227,6 +227,10 @@ class ClusterSpec(_Section):
             raise ValueError("master.port must be fixed (not 0) when roles run on other hosts")
         if self.prefill.count < 1 or self.decode.count < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
+        if self.master.port and self.master.port + self.cluster.masters - 1 > 65535:
+            raise ValueError(
+                "master.port + cluster.masters - 1 must be <= 65535 (master i listens on port + i)"
+            )
         if self.cluster.masters > 1 and not is_local(self.master.host):
             raise ValueError(
                 "cluster.masters > 1: the masters and their embedded etcd run on this host "
