@@ -11,12 +11,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from kvpool.client import MasterClient
 from kvpool.cluster.etcd import NO_ETCD, EtcdPlan, etcd_binary
+from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 from kvpool.cluster.process import RoleProcess
 from kvpool.cluster.spec import load_spec, master_addresses, plan
 from kvpool.errors import InvalidArgument, KVPoolError
@@ -135,3 +137,47 @@ def test_every_client_takes_a_list_of_masters() -> None:
         for settings in (RouterSettings, ServingSettings, ConnectorSettings):
             with pytest.raises(ValidationError, match="HOST:PORT"):
                 settings(master=bad)
+
+
+def test_local_cluster_with_two_masters_follows_the_leader(tmp_path: Path) -> None:
+    """`LocalCluster(masters=2)` (the benchmarks' launcher): an etcd, two masters, a store given their list;
+    kill -9 the leader: the other leads and the store registers with it; the old one, restarted on its
+    port, stands by."""
+    if etcd_binary() is None:
+        pytest.skip(NO_ETCD)
+    spec = LocalClusterSpec(layout=LAYOUT, num_stores=1, num_prefill=0, num_decode=0, segment_size="16MiB",
+                            masters=2)  # fmt: skip
+    with LocalCluster(spec, log_dir=tmp_path) as cluster, MasterClient(cluster.master_address) as client:
+        assert cluster.etcd is not None and cluster.master_address == ",".join(cluster.master_addresses)
+
+        def leader() -> str:
+            try:
+                return client.masters().leader
+            except KVPoolError:
+                return ""
+
+        def store_at(address: str) -> bool:
+            with MasterClient(address, timeout_s=1.0) as c:
+                try:
+                    return any(n.alive and n.node.node_id == "store0" for n in c.list_nodes())
+                except KVPoolError:
+                    return False
+
+        def wait(predicate: Any, timeout_s: float, what: str) -> None:
+            deadline = time.monotonic() + timeout_s
+            while not predicate():
+                assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}\n{cluster.logs()}"
+                time.sleep(0.1)
+
+        wait(lambda: leader() in cluster.master_addresses, 15, "a leader")
+        first = leader()
+        wait(lambda: store_at(first), 10, "the store registers with the leader")
+        index = cluster.master_addresses.index(first)
+        other = cluster.master_addresses[1 - index]
+        cluster.masters[index].kill()
+        wait(lambda: leader() == other, 5 + 4, "the other master leads")
+        wait(lambda: store_at(other), 10, "the store registers with the new leader")
+        cluster.restart_master(kill=False, index=index)  # (dead already) a fresh one on its port
+        with MasterClient(first, timeout_s=1.0) as back:
+            wait(lambda: back.masters().role == "standby", 10, "the restarted master stands by")
+        assert cluster.master_addresses[index] == first and leader() == other
