@@ -191,6 +191,7 @@ class MasterLink:
                 )
                 failing = True
                 wait_s, backoff_s = backoff_s, min(backoff_s * 2, MAX_RETRY_S)
+                moves = 0  # the next round may follow again: a standby elected meanwhile leads now
             self._first_answer.set()
             self._stop.wait(wait_s)
 
