@@ -14,7 +14,8 @@ the first in vLLM's scheduler and the second in its workers, with the same code.
      checksum and generation verified. A failed block is retried once on another replica (or the same);
      if it fails again only the blocks before it are reused, the bad replica is reported to the master
      (so the next lookup does not offer it: B18), and the rest is recomputed.
-  5. The lease is released in every case (B13).
+  5. The lease is released in every case (B13), off the request path: queued to the connector's
+     `LeaseReleaser`, which sends many ids per `ReleaseLeases` call from its own thread.
 `publish` (step 5): reserve → write → commit through the pool client, off the TTFT path
 (`kvpool.connector.publish`).
 """
@@ -35,6 +36,7 @@ from kvpool.connector.plan import LoadedPrefix, LoadPlan, LoadStats
 from kvpool.connector.ports import MasterPort, PoolPort, TransportPort
 from kvpool.connector.publish import publish_chain
 from kvpool.connector.pull import pull_blocks
+from kvpool.connector.releaser import LeaseReleaser
 from kvpool.cost import LOCAL_LINK, LinkLike, PullLedger, RecomputeModel, decide_reuse, t_transfer_s
 from kvpool.cost.online import OnlineCalibration
 from kvpool.prompt import max_reusable_blocks, reusable_tokens
@@ -102,6 +104,7 @@ class KVConnector:
         self.breaker = breaker or PoolBreaker()
         self.pulls = PullLedger()  # pulls decided and not yet ended, per store: their queue (B39)
         self.flush_epoch: int | None = None  # the master's, from the last heartbeat (None: not heard yet)
+        self.releaser = LeaseReleaser(lambda ids: self.master.release_leases(ids))  # read leases, batched
 
     @property
     def recompute(self) -> RecomputeModel:
@@ -333,16 +336,17 @@ class KVConnector:
 
     def release(self, plan: LoadPlan, *, request_id: str = "") -> None:
         """Drop the plan's read lease, if it holds one (idempotent; B13), and end its pull in the ledger
-        (once: B39). Never raises: an unreleased lease expires on its own."""
+        (once: B39). Never blocks on the master: the lease id is queued to `releaser`, which sends it in a
+        batch (a failed batch is logged and its leases expire on their own). Never raises."""
         ticket, plan.pull_ticket = plan.pull_ticket, None
         self.pulls.release(ticket, elapsed_s=plan.stats.pull_s or None)
         lease_id, plan.lease_id = plan.lease_id, None
-        if not lease_id:
-            return
-        try:
-            self.master.release_lease(lease_id)
-        except Exception as exc:  # noqa: BLE001 - the lease expires on its own
-            log.warning("[%s] release_lease failed: %s", request_id, exc)
+        if lease_id:
+            self.releaser.release(lease_id)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send the read leases still queued (bounded by `timeout_s`); call before closing the master link."""
+        self.releaser.close(timeout_s)
 
     def keep_pulled(self, ns: bytes, loaded: LoadedPrefix) -> None:
         """Copy a load's pulled blocks into the node-local tier (called once the first token is out, so

@@ -25,7 +25,8 @@ STATUS_METHODS = frozenset(
     f"/kvpool.v1.Master/{name}" for name in ("Stats", "ListNodes", "ListAdapters", "Masters")
 )
 READ_METHODS = STATUS_METHODS | frozenset(
-    f"/kvpool.v1.Master/{name}" for name in ("MatchPrefix", "MatchPrefixStream", "RenewLease", "ReleaseLease")
+    f"/kvpool.v1.Master/{name}"
+    for name in ("MatchPrefix", "MatchPrefixStream", "RenewLease", "ReleaseLease", "ReleaseLeases")
 )
 
 
