@@ -20,6 +20,7 @@ from kvpool.client import MasterClient
 from kvpool.connector.connector import FORCE_DECISION_ENV, KVConnector
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.plan import LoadPlan
+from kvpool.connector.recent import RecentMatches
 from kvpool.cost import RecomputeModel
 from kvpool.master.server import MasterServer, serve
 from kvpool.rpc.server import channel
@@ -105,6 +106,7 @@ def test_the_recompute_path_releases_through_the_releaser(
     """A match answered and then recomputed (most of a burst) releases its lease in `plan_load`."""
     with MasterClient(server.address) as c:
         conn = connector(c)
+        conn.recent = RecentMatches(ttl_s=0)  # every request asks the master (none shares an answer)
         ns, _ = c.register_namespace("m", "v1", FP)
         hashes = chain(ns, 0, NUM_BLOCKS)
         put(server.master, ns, hashes)
