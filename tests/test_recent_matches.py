@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -185,3 +186,54 @@ def test_a_publish_by_this_node_drops_the_answers_it_changes(server: MasterServe
         assert plan.stats.num_pool_blocks == NUM_BLOCKS and not plan.stats.shared_match
         conn.release(plan)
         conn.close()
+
+
+def test_a_burst_asks_the_master_once_per_pull_it_makes() -> None:
+    """The cost model on a burst (test_cost_convoy's link and frozen ledger): the followers of one match
+    decide on its answer, each pull they choose stays registered while that request asks for its own
+    lease, so the requests after it see it coming; every recompute is decided without a call."""
+    from tests.test_cost_convoy import HASHES, PEER, TOKENS, _connector, _Master
+
+    class Gated(_Master):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls, self.gate, self.lock = 0, threading.Event(), threading.Lock()
+
+        def match(self, ns: bytes, hashes: list[bytes], **kwargs: object) -> object:
+            with self.lock:
+                self.calls += 1
+            self.gate.wait(10.0)
+            time.sleep(0.02)  # a round trip: the requests woken together decide while calls are out
+            return super().match(ns, hashes, **kwargs)
+
+    conn = _connector()
+    master = Gated()
+    conn.master = master  # type: ignore[assignment]
+    conn.recent = RecentMatches(wait_s=30.0)
+    n = 40
+    plans: list[LoadPlan | None] = [None] * n
+
+    def one(i: int) -> None:
+        plans[i] = conn.plan_load(b"n" * 16, TOKENS, HASHES, count_hit=True)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: master.calls == 1)
+    time.sleep(0.2)
+    assert master.calls == 1  # the others wait for the leader's answer
+    master.gate.set()
+    for t in threads:
+        t.join(10.0)
+    done = [p for p in plans if p is not None]
+    assert len(done) == n
+    n_pull = sum(p.stats.decision == "pull" for p in done)
+    n_shared = sum(p.stats.shared_match for p in done)
+    assert 5 <= n_pull < n and master.calls + n_shared == n  # each request asked, or shared an answer
+    assert master.calls <= n_pull + 2  # the leader's and about one per pull
+    assert conn.pulls.in_flight(PEER).num_pulls == n_pull == conn.pulls.num_registered
+    for p in done:
+        assert (p.pull_ticket is not None) == (p.stats.decision == "pull")
+        conn.release(p)
+    assert conn.pulls.in_flight(PEER).num_pulls == 0 and conn.pulls.num_released == n_pull
+    conn.close()

@@ -202,6 +202,7 @@ class KVConnector:
             if shared is not None and self._no_pull_on(plan, shared):
                 stats.match_s = time.perf_counter() - t0
                 return plan  # decided on another request's answer: no call, no lease
+            held, plan.pull_ticket = plan.pull_ticket, None  # that answer's pull: seen by others meanwhile
             try:
                 match = self.master.match(
                     ns,
@@ -218,6 +219,7 @@ class KVConnector:
             finally:
                 if claim is not None:
                     self.recent.publish(claim, match)
+                self.pulls.withdraw(held)  # the decision below registers the pull it makes
         stats.match_s = time.perf_counter() - t0
         plan.take(match, self.block_size)
         try:
@@ -229,19 +231,22 @@ class KVConnector:
 
     def _no_pull_on(self, plan: LoadPlan, shared: Match) -> bool:
         """Decide on a shared recent answer (`RecentMatches`): True when the plan pulls nothing (final, no
-        lease); False when it would pull (the plan's pool side is cleared: the caller asks the master)."""
+        lease); False when it would pull: the plan's pool side is cleared (the caller asks the master) and
+        its pull stays registered meanwhile, so that the requests deciding next see it coming."""
         plan.take(shared, self.block_size)
         plan.lease_id = None  # the leader's, released by the leader
-        self._decide(plan, register=False)
+        self._decide(plan)
         if plan.pull_end > plan.pull_start:
             plan.take(None, self.block_size)
+            plan.num_load_blocks = 0
+            plan.stats.reset()
             return False
         plan.stats.shared_match = True
         return True
 
-    def _decide(self, plan: LoadPlan, *, register: bool = True) -> None:
+    def _decide(self, plan: LoadPlan) -> None:
         """Fill `plan.num_load_blocks`, its deadline and its predictions (the cost model, or the forced
-        decision of a benchmark); a pull is entered in the ledger when `register`."""
+        decision of a benchmark), and enter a pull in the ledger."""
         stats = plan.stats
         num_pool, num_local = plan.num_pool_blocks, plan.num_local_blocks
         num_hit = max(num_pool, num_local)
@@ -289,7 +294,7 @@ class KVConnector:
             self.pull_timeout_s if force == "pull" else self.pull_deadline_s(decision.load_deadline_s)
         )
         stats.decision = "recompute" if k == 0 else ("pull" if plan.pull_end > plan.pull_start else "local")
-        if register and plan.pull_end > plan.pull_start:  # last: released by `release`, which callers run
+        if plan.pull_end > plan.pull_start:  # last: released by `release`, which every caller runs
             plan.pull_ticket = self.pulls.register(
                 peer_bytes(plan, self.block_nbytes, plan.pull_start, plan.pull_end),
                 ttl_s=TTL_FACTOR * plan.pull_timeout_s,

@@ -8,7 +8,7 @@ in its scheduler process and the second in its worker processes, so a plan is a 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,12 @@ class LoadStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def reset(self) -> None:
+        """Back to a load that decided nothing yet (the prompt's size kept)."""
+        fresh = LoadStats(num_prompt_tokens=self.num_prompt_tokens)
+        for f in fields(self):
+            setattr(self, f.name, getattr(fresh, f.name))
 
 
 @dataclass(slots=True)
