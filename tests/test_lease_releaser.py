@@ -93,7 +93,9 @@ def test_a_release_never_waits_for_a_paused_master_and_goes_out_batched(
             elapsed_s = time.perf_counter() - t0
             time.sleep(0.3)  # the releaser is blocked on the master meanwhile
             assert m.index.num_live_leases == n
-        assert elapsed_s < 0.1, f"{n} releases took {elapsed_s:.3f} s on the request path"
+        assert elapsed_s < 0.5, (
+            f"{n} releases took {elapsed_s:.3f} s on the request path"
+        )  # sync: >= 1 s each
         assert wait_until(lambda: c.stats().num_live_leases == 0), "the leases were never released"
         assert conn.releaser.num_sent == n and conn.releaser.num_failed == 0
         assert conn.releaser.num_batches <= 2  # the first id alone, the rest queued behind it: one call

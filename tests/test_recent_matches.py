@@ -230,7 +230,7 @@ def test_a_burst_asks_the_master_once_per_pull_it_makes() -> None:
     n_pull = sum(p.stats.decision == "pull" for p in done)
     n_shared = sum(p.stats.shared_match for p in done)
     assert 5 <= n_pull < n and master.calls + n_shared == n  # each request asked, or shared an answer
-    assert master.calls <= n_pull + 2  # the leader's and about one per pull
+    assert master.calls <= n_pull + 5  # the leader's and about one per pull (without: one per request)
     assert conn.pulls.in_flight(PEER).num_pulls == n_pull == conn.pulls.num_registered
     for p in done:
         assert (p.pull_ticket is not None) == (p.stats.decision == "pull")
