@@ -146,6 +146,29 @@ def test_close_flushes_the_queued_releases_and_later_ones_go_out_at_once(
         assert conn.releaser.num_sent == 11
 
 
+def test_close_gives_up_at_its_timeout_and_starts_no_call_after(
+    server: MasterServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A master that does not answer cannot hold a node's shutdown: what is still queued at the timeout is
+    left to expire, and no call starts after `close` returned (the master link may then be closed)."""
+    with MasterClient(server.address, timeout_s=5.0) as c:
+        conn = connector(c)
+        plans = leased_plans(server, c, conn, 6, monkeypatch)
+        m = server.master
+        with m.lock:
+            conn.release(plans[0])
+            time.sleep(0.2)  # its call is out, waiting on the master
+            for p in plans[1:]:
+                conn.release(p)
+            t0 = time.perf_counter()
+            conn.close(timeout_s=0.3)
+            assert time.perf_counter() - t0 < 1.0
+            assert conn.releaser.num_failed == 5
+        assert wait_until(lambda: conn.releaser.num_sent == 1)  # the call in flight completes
+        time.sleep(0.2)
+        assert conn.releaser.num_batches == 1 and c.stats().num_live_leases == 5  # and no other started
+
+
 def test_a_failed_release_is_logged_once_and_the_lease_expires(
     server: MasterServer, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -182,6 +205,7 @@ def test_release_leases_rpc_validates_and_counts(
         assert c.release_leases([*ids[:2], 987_654]) == (2, 1)  # an unknown id is counted, the others end
         assert c.release_leases([ids[0], ids[2]]) == (1, 1)  # released before: counted, not an error
         assert c.stats().num_live_leases == 0
+        conn.close()
     ch = channel(server.address)
     try:
         stub = pb_grpc.MasterStub(ch)

@@ -42,6 +42,7 @@ class LeaseReleaser:
         self._queue: list[int] = []
         self._sending = 0  # ids taken by the thread and not yet answered
         self._closed = False
+        self._close_by_s = float("inf")  # monotonic: past it a closed releaser starts no more calls
         self._thread: threading.Thread | None = None  # started by the first release
         self.num_sent = 0
         """Lease ids the master answered for (released, expired or unknown to it)."""
@@ -82,15 +83,20 @@ class LeaseReleaser:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send what is queued (waiting at most `timeout_s`) and stop the thread. Idempotent. Ids still
-        queued at the timeout are logged and left to expire."""
+        queued at the timeout are logged and left to expire; no call starts after it, so the master link
+        may be closed once this returns."""
         with self._cond:
             self._closed = True
+            self._close_by_s = min(self._close_by_s, time.monotonic() + timeout_s)
             self._cond.notify_all()
             thread = self._thread
         if thread is not None:
             thread.join(timeout_s)
         with self._cond:
             left = len(self._queue) + self._sending
+            if thread is not None and thread.is_alive():  # stuck in a call: what is queued stays unsent
+                self.num_failed += len(self._queue)
+                self._queue.clear()
         if left:
             log.warning("lease releaser closed with %d leases unsent: they expire at their TTL", left)
 
@@ -100,6 +106,11 @@ class LeaseReleaser:
                 while not self._queue and not self._closed:
                     self._cond.wait()
                 if not self._queue:  # closed and drained
+                    return
+                if self._closed and time.monotonic() >= self._close_by_s:  # close gave up waiting
+                    self.num_failed += len(self._queue)
+                    self._queue.clear()
+                    self._cond.notify_all()
                     return
                 batch = self._queue[: self._max_batch]
                 del self._queue[: self._max_batch]
