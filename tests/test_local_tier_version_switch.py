@@ -118,3 +118,4 @@ def test_a_namespace_made_unreachable_is_never_served_from_the_local_tier(
             assert local_tokens(conn, live, tokens, live_hashes) == NUM_BLOCKS * LAY.block_size
         finally:
             agent.stop()
+            conn.close()  # the queued lease releases, before the master link closes

@@ -252,6 +252,12 @@ class MasterClient:
     def release_lease(self, lease_id: int) -> None:
         self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
 
+    def release_leases(self, lease_ids: Sequence[int]) -> tuple[int, int]:
+        """End 1..1024 read leases in one call. Returns (released or already expired, not found). Retried
+        on UNAVAILABLE: a repeat only counts the ids the first call ended as not found."""
+        r = self._call("ReleaseLeases", pb.ReleaseLeasesRequest(lease_ids=list(lease_ids)), retry=True)
+        return int(r.num_released), int(r.num_not_found)
+
     # ---- publish ----------------------------------------------------------------------------------
     def reserve(
         self,

@@ -167,6 +167,7 @@ class NodeRuntime:
     def close(self) -> None:
         if self.agent is not None:
             self.agent.stop()
+        self.connector.close()  # the queued lease releases, while the master link is open
         try:
             self.transport.close()
         finally:

@@ -388,4 +388,5 @@ class SchedulerHalf:
             elif st.future is not None:
                 st.future.add_done_callback(self._release_late)
         self._reqs.clear()
+        self.connector.close()  # sends the queued lease releases (a late match's goes out at once)
         self.agent.stop()  # deregisters: `kvpool admin nodes` drops the engine at once

@@ -26,7 +26,14 @@ _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 STATUS_METHODS = frozenset(f"/kvpool.v1.Master/{name}" for name in ("Stats", "ListAdapters", "Masters"))
 READ_METHODS = STATUS_METHODS | frozenset(
     f"/kvpool.v1.Master/{name}"
-    for name in ("ListNodes", "MatchPrefix", "MatchPrefixStream", "RenewLease", "ReleaseLease")
+    for name in (
+        "ListNodes",
+        "MatchPrefix",
+        "MatchPrefixStream",
+        "RenewLease",
+        "ReleaseLease",
+        "ReleaseLeases",
+    )
 )
 
 
