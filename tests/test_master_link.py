@@ -1,7 +1,8 @@
 """`kvpool.client.MasterLink`, the one link every role keeps to the master: against real masters on
 127.0.0.1 (in-process gRPC servers), a master restarted from nothing on its address hears the node register
 again with its namespaces; with "a,b" and `a` down the link joins `b`; a heartbeat that failed gives its
-report back; a graceful stop deregisters."""
+report back; a graceful stop deregisters; a link started before its master registers when it answers, and
+a registration refused for good stops it (`on_fatal`)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ import threading
 import time
 from collections.abc import Callable
 
+import pytest
+
 from kvpool.client import HeartbeatReport, MasterClient, MasterLink, NodeInfo
 from kvpool.client.master_link import new_epoch
+from kvpool.errors import FailedPrecondition, Unavailable
 from kvpool.hashing import Namespace
 from kvpool.master.server import MasterServer, serve
 from kvpool.master.settings import MasterSettings
 from kvpool.types import DEFAULT_LAYOUT, KVLayout
+
+OTHER_LAYOUT = "kv1:float32:b16:l2:h2:d16"
 
 
 def _master(port: int = 0) -> MasterServer:
@@ -38,8 +44,12 @@ def _wait(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 
 def _alive(address: str) -> dict[str, bool]:
-    with MasterClient(address) as mc:
-        return {n.node.node_id: n.alive for n in mc.list_nodes()}
+    """Node id -> alive, as the master at `address` lists them ({} while it cannot be reached)."""
+    try:
+        with MasterClient(address) as mc:
+            return {n.node.node_id: n.alive for n in mc.list_nodes()}
+    except Unavailable:  # a master just started: the channel may still be backing off
+        return {}
 
 
 def test_a_restarted_master_hears_the_node_and_its_namespaces_again() -> None:
@@ -93,3 +103,31 @@ def test_a_link_to_masters_a_and_b_joins_b_when_a_is_down_and_gives_back_unsent_
     finally:
         link.stop()
         client.close()
+
+
+def test_a_link_started_before_its_master_registers_when_it_answers_and_a_refusal_is_fatal() -> None:
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    fatal: list[str] = []
+    client = MasterClient(address, timeout_s=2.0)
+    node = NodeInfo("e-link", "vllm", "", "", new_epoch(), "http://127.0.0.1:8100")
+    early = MasterLink(client, node, layout_fingerprint=DEFAULT_LAYOUT)
+    with pytest.raises(Unavailable):  # a serving node needs its master at start
+        early.start()
+    link = MasterLink(client, node, layout_fingerprint=DEFAULT_LAYOUT, on_fatal=fatal.append)
+    master = None
+    try:
+        link.start(require_master=False)  # an engine or a store starts first and registers later
+        assert not link.registered
+        master = _master(port)
+        assert _wait(lambda: _alive(address).get("e-link", False)) and link.registered
+        master.stop()  # a master of another layout: registering again is refused for good
+        master = serve(MasterSettings(port=port, bind_host="127.0.0.1", metrics=False, layout=OTHER_LAYOUT))
+        assert _wait(lambda: bool(fatal)), "a refused registration never reached on_fatal"
+        assert fatal[0].startswith("FailedPrecondition") and isinstance(link.refusal, FailedPrecondition)
+        assert "e-link" not in _alive(address)
+    finally:
+        link.stop()
+        client.close()
+        if master is not None:
+            master.stop()

@@ -238,7 +238,7 @@ class MasterLink:
 
     def _run(self) -> None:
         backoff_s, failing = FIRST_RETRY_S, False
-        wait_s = self.heartbeat_interval_s
+        wait_s = FIRST_RETRY_S if self._to_register else self.heartbeat_interval_s  # not yet registered: soon
         while not self._stop.wait(wait_s):
             try:
                 anew = self._to_register
