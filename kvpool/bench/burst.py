@@ -180,7 +180,7 @@ def run_burst(
         )
         rt = NodeRuntime.start(settings, role="prefill")
         try:
-            rt.attach_agent("127.0.0.1:1", None)  # never called back: this node serves no RPCs
+            rt.attach_link("127.0.0.1:1", None)  # never called back: this node serves no RPCs
             ns = rt.namespace("")
             warm = prompts()[0]
             hashes = hash_blocks(ns, warm, block_size)
