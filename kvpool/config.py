@@ -30,6 +30,18 @@ def check_host_port(value: str) -> str:
     return value
 
 
+def check_masters(value: str) -> str:
+    """`value` if it is one master `HOST:PORT` or a list of masters in high availability
+    (`HOST:PORT,HOST:PORT,...`, kvpool.master.ha), each checked by `check_host_port`; else `ValueError`
+    naming the bad entry. The result has no blanks around the commas."""
+    parts = [part.strip() for part in value.split(",")]
+    for part in parts:
+        if not part:
+            raise ValueError(f"expected HOST:PORT[,HOST:PORT...], got an empty entry in {value!r}")
+        check_host_port(part)
+    return ",".join(parts)
+
+
 _TOML_FILE: ContextVar[Path | None] = ContextVar("kvpool_toml_file", default=None)
 
 S = TypeVar("S", bound="KVPoolSettings")

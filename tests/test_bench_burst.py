@@ -49,7 +49,8 @@ def test_a_small_burst_runs_both_arms_and_reports_the_summary_keys(tmp_path: Pat
     summary = run_burst(
         burst=6, prefix_tokens=128, question_tokens=8, warmup_bursts=1, rounds=2, json_out=out
     )
-    for key in ("pull_ttft_p50_s", "recompute_ttft_p50_s", "pull_over_recompute", "contended_bytes_per_s"):
+    keys = ("pull_ttft_p50_s", "recompute_ttft_p50_s", "pull_over_recompute", "contended_bytes_per_s")
+    for key in (*keys, "pull_load_p50_s", "pull_compute_mean_s", "pull_shared_matches"):
         assert key in summary
     assert summary["recompute_ttft_p50_s"] > 0 and summary["pull_ttft_p50_s"] > 0
     assert summary["pull_num_errors"] == summary["recompute_num_errors"] == 0

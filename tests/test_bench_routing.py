@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 
 from kvpool.bench.routing import BUNDLED_TRACE, run_real, run_sim_grid, summarize
-from kvpool.bench.routing_sim import EMBEDDED_CPU, SimConfig, build_workload, simulate, spread_arrivals_s
+from kvpool.bench.routing_sim import SimConfig, simulate
+from kvpool.bench.routing_workload import EMBEDDED_CPU, build_workload, spread_arrivals_s
 from kvpool.errors import InvalidArgument
 from kvpool.router.policy import POLICIES
 from kvpool.trace import Trace, TraceRequest, load_trace

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench.vllm_replay import engine_command, parse_decisions, split_events
+from kvpool.bench.vllm_replay import engine_command, parse_decisions
+from kvpool.bench.vllm_replay_client import split_events
 from kvpool.bench.vllm_replay_report import SETUPS, summarize
 from kvpool.bench.vllm_replay_trace import (
     TRACE_BLOCK_TOKENS,

@@ -453,6 +453,7 @@ def test_connector_recomputes_when_the_capability_is_refused(
     ns, hashes, _ = _publish(cluster, ucx, 4, seed=4)
     monkeypatch.setenv("KVPOOL_FORCE_DECISION", "pull")
     forger = RecordingMaster(cluster.master_address, forge=True)
+    conn = None
     try:
         conn = KVConnector(
             master=forger, pool=None, transport=ucx, node_id="p0", block_size=lay.block_size,
@@ -465,4 +466,6 @@ def test_connector_recomputes_when_the_capability_is_refused(
         assert loaded.blocks == [] and loaded.stats.num_reused_tokens == 0  # → recompute everything
         assert loaded.stats.num_failed_blocks >= 4 and forger.reports == []
     finally:
+        if conn is not None:
+            conn.close()  # its lease release goes out before the master link closes
         forger.inner.close()

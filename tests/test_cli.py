@@ -411,7 +411,8 @@ def test_help_shows_flags_as_flags_and_no_stray_markup() -> None:
     assert "--insecure" in up and "--quiet" in up and "<bool>" not in up, up
     assert "<float>" in up and "<path>" in up  # options that take a value keep their type
     router = CliRunner().invoke(app, ["router", "--help"], env={"COLUMNS": "200"}).output
-    assert "Master HOST:PORT. [default: 127.0.0.1:50051]" in router and " ." not in router, router
+    assert "Master HOST:PORT (HOST:PORT,HOST:PORT...: masters in HA). [default: 127.0.0.1:50051]" in router
+    assert " ." not in router, router
 
 
 def test_router_and_demo_refuse_an_unknown_engine_alike() -> None:

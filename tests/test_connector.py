@@ -73,7 +73,7 @@ def test_pool_down_degrades_then_probe_restores_b19() -> None:
 
 
 def test_the_master_back_lets_the_next_request_probe_at_once() -> None:
-    """A heartbeat that reaches the master again (`NodeAgent.on_reconnect`) ends the wait for the next
+    """A heartbeat that reaches the master again (`MasterLink.on_reconnect`) ends the wait for the next
     probe: the pool's hits come back within a heartbeat, not a probe interval, of the master's return."""
     clock = Clock()
     master = DownMaster()

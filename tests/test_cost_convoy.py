@@ -225,6 +225,10 @@ class _Master:
     def release_lease(self, lease_id: int) -> None:
         self.released.append(lease_id)
 
+    def release_leases(self, lease_ids: list[int]) -> tuple[int, int]:
+        self.released += lease_ids
+        return len(lease_ids), 0
+
     def report_bad_replica(self, *args: Any) -> None:
         pass
 

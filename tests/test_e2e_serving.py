@@ -196,7 +196,7 @@ def test_the_crossover_benchmarks_prefill_caller_reports_ttft_stats_and_publish(
 ) -> None:
     """`kvpool bench crossover`'s prefill-only caller (through `kvpool.client.NodeClient`): TTFT as the
     caller sees it, the node's PrefillStats fields and how the publish ended."""
-    from kvpool.bench.crossover_measure import PrefillCaller
+    from kvpool.bench.crossover_cluster import PrefillCaller
 
     call = PrefillCaller(cluster.prefill_addresses[0], timeout_s=120)
     try:

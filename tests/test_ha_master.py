@@ -79,6 +79,11 @@ def test_standby_refuses_writes_naming_the_leader(two_masters: list[MasterServer
         assert refusal(standby.address, "Evict", evict) == f"not the leader (leader is {leader.address})"
         match = pb.MatchPrefixRequest(namespace=b"\0" * 16, block_hashes=[b"\1" * 16])
         assert refusal(standby.address, "MatchPrefix", match).startswith("not the leader")  # no reads either
+        # no node registers with a standby: its node list is the leader's to give (routers, engines)
+        nodes = pb.ListNodesRequest()
+        assert refusal(standby.address, "ListNodes", nodes) == f"not the leader (leader is {leader.address})"
+        with MasterClient(f"{standby.address},{leader.address}") as listed:
+            assert listed.list_nodes() == [] and listed.address == leader.address
         refused = pytest.raises(Unavailable, match=f"not the leader \\(leader is {leader.address}\\)")
         with MasterClient(standby.address) as raw, raw.match_stream() as stream, refused:  # streams too
             stream.match(b"\0" * 16, [b"\1" * 16])

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench.failover_cluster import etcd_binary
 from kvpool.bench.netns import NamespaceGroup
+from kvpool.cluster.etcd import etcd_binary
 from tests.test_netns_cluster import _unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]

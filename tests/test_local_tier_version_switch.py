@@ -2,7 +2,7 @@
 serves its blocks again (issue #26 item 5: a new user saw `cached_tokens` from node-local tiers after
 `admin set-version` said nothing would match).
 
-A real master in-process, a real `NodeAgent` heartbeating into a real `KVConnector` (as a serving node
+A real master in-process, a real `MasterLink` heartbeating into a real `KVConnector` (as a serving node
 wires them): the heartbeat's flush epoch moves on the switch and the tier is dropped; a node still on the
 old version that publishes is refused by the master, and the refused KV leaves its tier too.
 """
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvpool.client import MasterClient, PoolClient
-from kvpool.connector.agent import NodeAgent
+from kvpool.client import MasterClient, NodeInfo, PoolClient
+from kvpool.client.master_link import MasterLink, new_epoch
 from kvpool.connector.connector import KVConnector
 from kvpool.connector.local_tier import LocalTier
 from kvpool.cost import RecomputeModel
@@ -81,11 +81,9 @@ def test_a_namespace_made_unreachable_is_never_served_from_the_local_tier(
             local_tier=LocalTier(64 * LAY.block_nbytes),
             recompute=RecomputeModel(overhead_s=0.001, per_token_s=1e-3, per_pair_s=0.0),
         )
-        agent = NodeAgent(
+        agent = MasterLink(
             c,
-            node_id="p1",
-            role="prefill",
-            grpc_address="127.0.0.1:9",
+            NodeInfo("p1", "prefill", "127.0.0.1:9", "", new_epoch()),
             layout_fingerprint=SETTINGS.layout,
             on_heartbeat=conn.report_local_events,
             on_flush_epoch=conn.note_flush_epoch,
@@ -118,3 +116,4 @@ def test_a_namespace_made_unreachable_is_never_served_from_the_local_tier(
             assert local_tokens(conn, live, tokens, live_hashes) == NUM_BLOCKS * LAY.block_size
         finally:
             agent.stop()
+            conn.close()  # the queued lease releases, before the master link closes

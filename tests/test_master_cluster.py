@@ -296,7 +296,8 @@ def test_a_serving_node_drops_its_local_tier_when_a_namespace_is_invalidated(clu
     a new user's requests still got them from there after `admin invalidate`)."""
     import threading
 
-    from kvpool.connector.agent import NodeAgent
+    from kvpool.client import NodeInfo
+    from kvpool.client.master_link import MasterLink, new_epoch
 
     master, _ = cluster
     epochs: list[int] = []
@@ -309,10 +310,8 @@ def test_a_serving_node_drops_its_local_tier_when_a_namespace_is_invalidated(clu
 
     with MasterClient(master.grpc_address) as c:
         ns, _ = c.register_namespace("tier-flush", "v1", LAYOUT)
-        agent = NodeAgent(
-            c, node_id="flush-watcher", role="prefill", grpc_address="127.0.0.1:9", layout_fingerprint=LAYOUT,
-            on_flush_epoch=note,
-        )  # fmt: skip
+        node = NodeInfo("flush-watcher", "prefill", "127.0.0.1:9", "", new_epoch())
+        agent = MasterLink(c, node, layout_fingerprint=LAYOUT, on_flush_epoch=note)
         agent.start()
         try:
             time.sleep(3 * agent.heartbeat_interval_s)  # heartbeats without a flush: the epoch holds

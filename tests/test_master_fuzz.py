@@ -82,6 +82,13 @@ CALLS = st.one_of(
     st.tuples(st.just("RenewLease"), st.builds(pb.RenewLeaseRequest, lease_id=u64, ttl_ms=u64)),
     st.tuples(st.just("ReleaseLease"), st.builds(pb.ReleaseLeaseRequest, lease_id=u64)),
     st.tuples(
+        st.just("ReleaseLeases"),
+        st.builds(
+            pb.ReleaseLeasesRequest,
+            lease_ids=st.lists(u64, max_size=3) | st.lists(st.just(1), min_size=1025, max_size=1025),
+        ),
+    ),
+    st.tuples(
         st.just("Reserve"),
         st.builds(
             pb.ReserveRequest,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.client import MasterClient, NodeInfo, NodeLoad
-from kvpool.connector.agent import NodeAgent
+from kvpool.client.master_link import HeartbeatReport, MasterLink, new_epoch
 from kvpool.errors import InvalidArgument
 from kvpool.master.server import MasterServer, serve
 from kvpool.master.settings import MasterSettings
@@ -33,17 +33,14 @@ def _nodes(address: str) -> dict[str, object]:
 
 
 def test_an_engine_registers_its_role_url_and_load_and_leaves(master: MasterServer) -> None:
-    load = {"queue_len": 3, "kv_usage": 0.25}
+    load = HeartbeatReport(load=NodeLoad(queue_len=3, kv_usage=0.25))
     with MasterClient(master.address) as mc:
         agents = [
-            NodeAgent(
+            MasterLink(
                 mc,
-                node_id=f"e-{role}",
-                role=role,
-                grpc_address="",
+                NodeInfo(f"e-{role}", role, "", "", new_epoch(), f"http://127.0.0.1:{8100 + i}/"),
                 layout_fingerprint=DEFAULT_LAYOUT,
-                url=f"http://127.0.0.1:{8100 + i}/",
-                load_fn=lambda: load,
+                report=lambda: load,
             )
             for i, role in enumerate(("vllm-prefill", "vllm-decode", "vllm"))
         ]

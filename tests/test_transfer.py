@@ -371,18 +371,18 @@ def test_in_process_server_round_trip_and_flipped_byte(transport: UcxTransport) 
         assert [i for i, r in enumerate(res) if not r.ok] == [5]
         assert "checksum mismatch" in res[5].error
         # a single small block is verified on the loop thread (no hop to a hashing thread), just as strictly
-        import transfer.ucx_client as ucx_client
+        import transfer.ucx_messages as ucx_messages
 
         hops: list[object] = []
-        pool = ucx_client.HASH_POOL
-        ucx_client.HASH_POOL = types.SimpleNamespace(submit=lambda *a: hops.append(a) or pool.submit(*a))  # type: ignore[assignment]
+        pool = ucx_messages.HASH_POOL
+        ucx_messages.HASH_POOL = types.SimpleNamespace(submit=lambda *a: hops.append(a) or pool.submit(*a))  # type: ignore[assignment]
         try:
             res = transport.read_blocks(peer, [BlockRead(5, 1, nb)], [memoryview(out[5])], timeout_s=10)
             assert not res[0].ok and "checksum mismatch" in res[0].error
             res = transport.read_blocks(peer, [BlockRead(6, 1, nb)], [memoryview(out[6])], timeout_s=10)
             assert res[0].ok and np.array_equal(out[6], data[6])
         finally:
-            ucx_client.HASH_POOL = pool
+            ucx_messages.HASH_POOL = pool
         assert hops == []
         est = transport.link(peer)
         assert est.alpha_s > 0 and est.beta_bytes_per_s > 0 and est.predict_s(MIB) > est.alpha_s

@@ -117,7 +117,7 @@ def _case_large_runs_are_verified_as_they_land(_unused: UcxTransport) -> None:
     """Messages of >= 1 MiB are hashed as soon as they land (reads on the client, writes on the store):
     one corrupted block inside such a run is still caught, and only that block fails."""
     from kvpool.store.slots import Reservation
-    from transfer.ucx_client import _VERIFY_EARLY_BYTES
+    from transfer.ucx_messages import _VERIFY_EARLY_BYTES
     from transfer.ucx_server import _HASH_EARLY_BYTES
 
     nb = 256 << 10

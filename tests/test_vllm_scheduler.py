@@ -17,9 +17,9 @@ import grpc
 import numpy as np
 import pytest
 
-from kvpool.client import MasterClient, PoolClient
+from kvpool.client import MasterClient, NodeInfo, PoolClient
+from kvpool.client.master_link import MasterLink, new_epoch
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec
-from kvpool.connector.agent import NodeAgent
 from kvpool.connector.connector import KVConnector
 from kvpool.connector.local_tier import LocalTier
 from kvpool.cost import RecomputeModel
@@ -102,18 +102,16 @@ def built(address: str, *, match_wait_s: float = 5.0, timeout_s: float = 2.0) ->
         block_size=BS, block_nbytes=LAYOUT.block_nbytes,
         recompute=RecomputeModel(overhead_s=0.001, per_token_s=1e-4, per_pair_s=0.0), local_tier=LocalTier(0),
     )  # fmt: skip
-    agent = NodeAgent(
-        master, node_id=connector.node_id, role="vllm", grpc_address="", layout_fingerprint=FP,
-        on_flush_epoch=connector.note_flush_epoch,
-    )  # fmt: skip
-    agent.start(require_master=False)
+    node = NodeInfo(connector.node_id, "vllm", "", "", new_epoch())
+    link = MasterLink(master, node, layout_fingerprint=FP, on_flush_epoch=connector.note_flush_epoch)
+    link.start(require_master=False)
     ns = Namespaces(model_id="m", weights_version="w1", layout=LAYOUT, engine="vllm-test-cpu-vec")
-    half = SchedulerHalf(connector=connector, agent=agent, namespaces=ns, match_wait_s=match_wait_s)
+    half = SchedulerHalf(connector=connector, link=link, namespaces=ns, match_wait_s=match_wait_s)
     try:
         yield half
     finally:
         half.shutdown()
-        agent.stop()
+        link.stop()
         master.close()
 
 
@@ -142,7 +140,9 @@ def half(cluster: LocalCluster) -> Iterator[SchedulerHalf]:
 
 def put(half: SchedulerHalf, pool: PoolClient, tokens: list[int], n: int) -> None:
     """Put the first `n` blocks of `tokens` into the pool under the half's namespace."""
-    ns = half.agent.namespace(half.namespaces.namespace(cache_salt=None, lora_path=None))  # registers it
+    ns = half.link.namespaces.namespace(
+        half.namespaces.namespace(cache_salt=None, lora_path=None)
+    )  # registers it
     hashes = hash_blocks(ns, tokens, BS)[:n]
     data = np.random.default_rng(n).integers(0, 256, (n, LAYOUT.block_nbytes), dtype=np.uint8)
     res = pool.put_blocks(ns, None, hashes, list(data))
@@ -208,7 +208,7 @@ def test_leases_b13(half, pool) -> None:
     assert answer(half, a, 0) == 5 * BS
     assert live(pool) == base + 1
     half.update_state_after_alloc(a, blocks(range(7)), 0)
-    assert live(pool) == base
+    assert wait_until(lambda: live(pool) == base)  # released in the background (`LeaseReleaser`)
     b = Req("b", tokens)  # a load: the lease travels to the worker with the LoadSpec
     assert answer(half, b, BS) == 4 * BS
     assert live(pool) == base + 1
@@ -222,7 +222,7 @@ def test_leases_b13(half, pool) -> None:
     assert params["kvpool"]["decision"] == "pull" and params["kvpool"]["num_loaded_tokens"] == 4 * BS
     assert live(pool) == base + 1  # the worker's now, not the scheduler's
     half.connector.release(load.plan)  # what the worker does once its pull ended
-    assert live(pool) == base
+    assert wait_until(lambda: live(pool) == base)
     c = Req("c", tokens)  # finished (aborted) while its match is in flight
     half.connector.master.gate.clear()
     assert call(half, c, 0) == (None, False)
@@ -391,6 +391,8 @@ def test_a_finished_requests_last_full_block_is_saved_before_its_blocks_are_free
 def test_decode_blocks_of_a_short_first_prompt_are_saved(half) -> None:
     req = Req("short", prompt(10, seed=11))
     saves = prefill(half, req, [5, 6]) + decode(half, req, until=BS - 1)
-    wait_until(lambda: half.agent.known(digest(half)), timeout_s=10.0)  # a fix may register in the background
+    wait_until(
+        lambda: half.link.namespaces.known(digest(half)), timeout_s=10.0
+    )  # a fix may register in the background
     [save] = saves + decode(half, req, until=BS + 3)
     assert (save.start_block, save.block_ids) == (0, [5])

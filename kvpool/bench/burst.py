@@ -21,7 +21,8 @@ drains under contention (`InFlight.bytes_per_s`), which the measured burst's dec
 
 Forwards run one at a time (one model, `model_lock`). TTFT of a request = burst start -> its first token
 (load + wait for the model + forward). Summary keys: `pull_ttft_p50_s`, `recompute_ttft_p50_s`,
-`pull_over_recompute` (target <= 1), p90s, the decisions and the most pulls a decision saw in flight.
+`pull_over_recompute` (target <= 1), p90s, the loads' p50 and the forwards' mean per arm, the decisions,
+the most pulls a decision saw in flight and how many requests decided on a shared match answer.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def _burst(
             "pull_s": s.pull_s,
             "pulls_in_flight_seen": s.num_pulls_in_flight,
             "queued_bytes_seen": s.queued_bytes,
+            "shared_match": s.shared_match,
             "predicted_pull_s": s.predicted_pull_s,
             "predicted_recompute_s": s.predicted_recompute_s,
         }
@@ -126,6 +128,8 @@ def _arm_summary(records: list[dict[str, Any]], arm: str) -> dict[str, Any]:
         f"{arm}_ttft_p50_s": statistics.median(ttft) if ttft else 0.0,
         f"{arm}_ttft_p90_s": _quantile(ttft, 0.9),
         f"{arm}_ttft_max_s": max(ttft, default=0.0),
+        f"{arm}_load_p50_s": statistics.median(r["load_s"] for r in ok) if ok else 0.0,
+        f"{arm}_compute_mean_s": statistics.mean(r["compute_s"] for r in ok) if ok else 0.0,
         f"{arm}_num_errors": sum(1 for r in records if r["arm"] == arm and "error" in r),
         f"{arm}_decisions": dict(Counter(r["decision"] for r in ok)),
     }
@@ -176,7 +180,7 @@ def run_burst(
         )
         rt = NodeRuntime.start(settings, role="prefill")
         try:
-            rt.attach_agent("127.0.0.1:1", None)  # never called back: this node serves no RPCs
+            rt.attach_link("127.0.0.1:1", None)  # never called back: this node serves no RPCs
             ns = rt.namespace("")
             warm = prompts()[0]
             hashes = hash_blocks(ns, warm, block_size)
@@ -214,6 +218,7 @@ def run_burst(
     pulls = [r for r in records if r["arm"] == "pull" and "ttft_s" in r]
     summary["max_pulls_in_flight_seen"] = max((r["pulls_in_flight_seen"] for r in pulls), default=0)
     summary["pulled_bytes_total"] = sum(r["pulled_bytes"] for r in pulls)
+    summary["pull_shared_matches"] = sum(1 for r in pulls if r["shared_match"])  # decided with no call
     _print(console, summary)
     write_report(json_out, "burst", records, summary)
     return summary
@@ -236,5 +241,7 @@ def _print(console: Console, s: dict[str, Any]) -> None:
     console.print(table)
     console.print(
         f"pull/recompute p50 = {s['pull_over_recompute']:.3f} (target <= 1); most pulls a decision saw in "
-        f"flight: {s['max_pulls_in_flight_seen']}; pulled {s['pulled_bytes_total'] / 2**20:.1f} MiB"
+        f"flight: {s['max_pulls_in_flight_seen']}; pulled {s['pulled_bytes_total'] / 2**20:.1f} MiB; "
+        f"{s['pull_shared_matches']} decided on a shared match answer; load p50 "
+        f"{s['pull_load_p50_s'] * 1e3:.1f} ms (recompute arm {s['recompute_load_p50_s'] * 1e3:.1f} ms)"
     )

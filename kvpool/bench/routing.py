@@ -24,15 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bench.routing_sim import (
-    EMBEDDED_CPU,
-    PROFILES,
-    SimConfig,
-    SimProfile,
-    build_workload,
-    simulate,
-    ttft_record,
-)
+from kvpool.bench.routing_sim import SimConfig, simulate, ttft_record
+from kvpool.bench.routing_workload import EMBEDDED_CPU, PROFILES, SimProfile, build_workload
 from kvpool.errors import InvalidArgument
 from kvpool.router.policy import DEFAULT_LINK, POLICIES
 from kvpool.trace import Trace, load_trace

@@ -78,7 +78,7 @@ def run_ttft_sweep(
     from rich.console import Console
     from rich.table import Table
 
-    from kvpool.bench.crossover_measure import BenchCluster, PrefillCaller
+    from kvpool.bench.crossover_cluster import BenchCluster, PrefillCaller
     from kvpool.bench.procs import pool_only_spec
     from kvpool.model import ModelRunner, embedded_model_dir
     from kvpool.report import write_report

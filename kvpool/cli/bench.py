@@ -1,39 +1,22 @@
 """`kvpool bench …`: each benchmark lives in `kvpool.bench.<name>` and is imported on use.
 
-Progress bars (tqdm) and plots (matplotlib) come with the `bench` extra (`pip install 'kvpool[bench]'`); a
-command that needs a missing one says so before it starts."""
+Progress bars (tqdm) and plots (matplotlib) come with the `bench` extra (`kvpool.cli.bench_extra`); a
+command that needs a missing one says so before it starts. The benchmarks of the pool's own parts are
+defined in `kvpool.cli.bench_pool` and registered here."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 
 import typer
 
+from kvpool.cli.bench_extra import need_bench_extra
+from kvpool.cli.bench_failover import failover_cmd
+from kvpool.cli.bench_pool import index_cmd, master_churn_cmd, master_cmd, transfer_cmd
 from kvpool.cli.checks import device_option
 
 bench_app = typer.Typer(no_args_is_help=True)
-
-BENCH_EXTRA = "pip install 'kvpool[bench]'"
-
-
-def need_bench_extra(command: str, *, progress: bool = False, plot: Path | None = None) -> None:
-    """Exit 1 with one line naming the `bench` extra when `command` needs tqdm (`progress`) or matplotlib
-    (`plot` given) and it is not installed; nothing has started yet."""
-    wanted = [m for m, needed in (("tqdm", progress), ("matplotlib", plot is not None)) if needed]
-    missing = []
-    for module in wanted:
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            missing.append(module)
-    if missing:
-        typer.echo(
-            f"kvpool bench {command}: needs {' and '.join(missing)} from the 'bench' extra: {BENCH_EXTRA}",
-            err=True,
-        )
-        raise typer.Exit(1)
 
 
 @bench_app.command("ttft")
@@ -273,120 +256,11 @@ def trace_cmd(
         raise typer.BadParameter(str(exc)) from None
 
 
-@bench_app.command("index")
-def index_cmd(
-    num_blocks: int = typer.Option(1_000_000, help="Resident blocks to build."),
-    chain_len: int = typer.Option(64, help="Blocks per inserted / matched chain."),
-    num_matches: int = typer.Option(20_000, help="Full-chain matches to time."),
-    json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
-) -> None:
-    """In-process radix index match/insert throughput and memory per block."""
-    from kvpool.bench.index_bench import run_index_bench
-    from kvpool.errors import InvalidArgument
-
-    try:
-        run_index_bench(num_blocks, chain_len, num_matches, json_out)
-    except InvalidArgument as exc:
-        raise typer.BadParameter(str(exc)) from None
-
-
-@bench_app.command("master")
-def master_cmd(
-    clients: int = typer.Option(8, help="Concurrent match clients."),
-    blocks: int = typer.Option(64, help="Blocks per prompt."),
-    prompts: int = typer.Option(32, help="Prompts published (and matched round-robin)."),
-    duration_s: float = typer.Option(5.0, "--duration", help="Seconds of matching."),
-    unary: bool = typer.Option(False, help="One unary call per match instead of a stream message."),
-    depth: int = typer.Option(
-        1, min=1, max=64, help="Stream messages in flight per client (pipelined; each one prompt)."
-    ),
-    client: str = typer.Option(
-        "lean", help="lean: pre-serialized requests (a load tool); api: the library's MasterClient."
-    ),
-    json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
-) -> None:
-    """Master match throughput and latency from concurrent clients, and publish rate."""
-    from kvpool.bench.master_bench import run_master_bench
-
-    if client not in ("lean", "api"):
-        raise typer.BadParameter("--client must be lean or api")
-
-    run_master_bench(
-        clients=clients,
-        blocks=blocks,
-        prompts=prompts,
-        duration_s=duration_s,
-        unary=unary,
-        json_out=json_out,
-        depth=depth,
-        client=client,
-    )
-
-
-@bench_app.command("master-churn")
-def master_churn_cmd(
-    cycles: int = typer.Option(
-        1000, min=0, help="Flush/re-register cycles (InvalidateNamespace + RegisterNamespace)."
-    ),
-    salts: int = typer.Option(
-        10_000, min=0, help="RegisterNamespace calls, each with a distinct cache salt."
-    ),
-    matches: int = typer.Option(2000, min=100, help="Matches per measuring round."),
-    reps: int = typer.Option(3, min=1, help="Measuring rounds before and after the churn."),
-    blocks: int = typer.Option(64, min=1, help="Blocks per prompt."),
-    prompts: int = typer.Option(32, min=1, help="Prompts published (and matched round-robin)."),
-    churn_blocks: int = typer.Option(1, min=0, help="Blocks published into the flushed namespace per cycle."),
-    json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
-) -> None:
-    """Match p50/p99, master RSS and namespace count before vs after flush cycles and distinct salts."""
-    from kvpool.bench.master_churn import run_master_churn
-
-    run_master_churn(
-        cycles=cycles,
-        salts=salts,
-        matches=matches,
-        reps=reps,
-        blocks=blocks,
-        prompts=prompts,
-        churn_blocks=churn_blocks,
-        json_out=json_out,
-    )
-
-
-@bench_app.command("transfer")
-def transfer_cmd(
-    json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
-    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG: GB/s per block size and transport."),
-    quick: bool = typer.Option(False, help="Tiny sizes and batches, no Mooncake: a smoke test."),
-    reps: int | None = typer.Option(
-        None, min=1, help="Repeats per measurement (default 3; --quick 2; medians reported)."
-    ),
-    batch: int | None = typer.Option(None, min=1, help="Blocks per batch (default 256; --quick 8)."),
-    endpoints: int | None = typer.Option(
-        None, min=1, help="UCX endpoints per peer, pool and raw UCX alike (default 4)."
-    ),
-    blocks_per_message: int | None = typer.Option(
-        None,
-        min=1,
-        max=4096,
-        help="Blocks per UCX message, pool and raw alike (default min(64, batch / endpoints)).",
-    ),
-    mooncake: bool = typer.Option(True, help="Measure Mooncake's store when its wheel is installed."),
-) -> None:
-    """Data-plane GB/s: pool get/put vs raw UCX, ucx_perftest, memcpy and Mooncake, over tcp and shm."""
-    need_bench_extra("transfer", progress=True, plot=plot)
-    from kvpool.bench.transfer_bench import run_transfer_bench
-
-    run_transfer_bench(
-        json_out=json_out,
-        plot_out=plot,
-        quick=quick,
-        reps=reps,
-        batch=batch,
-        endpoints=endpoints,
-        blocks_per_message=blocks_per_message,
-        mooncake=mooncake,
-    )
+bench_app.command("index")(index_cmd)
+bench_app.command("master")(master_cmd)
+bench_app.command("failover")(failover_cmd)
+bench_app.command("master-churn")(master_churn_cmd)
+bench_app.command("transfer")(transfer_cmd)
 
 
 @bench_app.command("routing")
@@ -473,6 +347,3 @@ def vllm_replay_cmd(
         )
     except InvalidArgument as exc:
         raise typer.BadParameter(str(exc)) from None
-
-
-bench_app.command("failover")(importlib.import_module("kvpool.cli.bench_failover").failover_cmd)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from kvpool.cli.bench_extra import need_bench_extra
+
 
 def failover_cmd(
     masters: int = typer.Option(3, min=2, max=7, help="masters on the one etcd"),
@@ -27,8 +29,7 @@ def failover_cmd(
     time beside their targets (`--soak S`: no kill, spurious failovers)."""
     from kvpool.bench.failover import run_failover
     from kvpool.bench.ttft import check_prompt_fits
-    from kvpool.cli.bench import need_bench_extra
-    from kvpool.errors import InvalidArgument
+    from kvpool.errors import FailedPrecondition, InvalidArgument
 
     try:
         check_prompt_fits(prefix_tokens + question_tokens, None)
@@ -51,6 +52,6 @@ def failover_cmd(
             json_out=json_out,
             png_out=png,
         )
-    except RuntimeError as exc:  # the pool did not start (no etcd binary, a master that did not lead)
+    except (RuntimeError, FailedPrecondition) as exc:  # the pool did not start (no etcd binary, no leader)
         typer.echo(f"kvpool bench failover: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -14,7 +14,9 @@ def register_router_command(app: typer.Typer) -> None:
     # Options default to None (unset: TOML/env apply); --help shows RouterSettings' defaults.
     @app.command(cls=settings_command("kvpool.router.settings:RouterSettings", {"listen": "bind_host"}))
     def router(
-        master: str | None = typer.Option(None, help="Master HOST:PORT."),
+        master: str | None = typer.Option(
+            None, help="Master HOST:PORT (HOST:PORT,HOST:PORT...: masters in HA)."
+        ),
         listen: str | None = typer.Option(None, help="Bind host."),
         port: int | None = typer.Option(None, help="HTTP port (0: ephemeral)."),
         policy: str | None = typer.Option(None, help="cost | affinity | least-load | round-robin."),

@@ -31,7 +31,7 @@ def layout(
 
 def _register(app: typer.Typer, role: str) -> None:
     def command(
-        master: str = typer.Option(None, help="master host:port"),
+        master: str = typer.Option(None, help="master host:port (host:port,host:port...: masters in HA)"),
         master_wait_s: float = typer.Option(
             None, help="seconds to retry an unreachable master at start before exiting (default 30)"
         ),

@@ -1,6 +1,7 @@
 """`kvpool up -c cluster.toml`: start this host's processes of a cluster spec and keep them running.
 
-Starts master → stores → prefill/decode → router (those whose host is this machine), waits until each
+Starts master → stores → prefill/decode → router (those whose host is this machine; with `[cluster]
+masters > 1` an embedded etcd and that many masters, every other role given their list), waits until each
 announced itself and passes its health check (gRPC health for the gRPC roles, `GET /health` for the
 router), prints the endpoints (each with its Prometheus `/metrics`) and, for roles on other hosts, the
 command to run there. Each role's output is echoed with a `[name]` prefix. A role that exits is
@@ -46,6 +47,14 @@ def register_up_command(app: typer.Typer) -> None:
         except InvalidArgument as exc:
             typer.echo(f"kvpool up: {exc}", err=True)
             raise typer.Exit(2) from None
+        if spec.cluster.masters > 1:
+            from kvpool.cluster.etcd import NO_ETCD, etcd_binary
+
+            if etcd_binary() is None:
+                typer.echo(
+                    f"kvpool up: {config}: cluster.masters = {spec.cluster.masters}: {NO_ETCD}", err=True
+                )
+                raise typer.Exit(2)
         if all(is_local(h) for h in (*spec.prefill.hosts, *spec.decode.hosts)):  # the nodes' device is here
             from kvpool.model.settings import check_device
 
@@ -157,21 +166,20 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     """Start and supervise; returns the exit code (0 on a clean stop, 1 when a role failed). `secured`:
     master and stores share a fresh cluster secret, every other role a fresh join token."""
     from kvpool.capability import SECRET_ROLES
-    from kvpool.cluster.spec import ClusterSpec, plan
+    from kvpool.cluster.etcd import EtcdPlan
+    from kvpool.cluster.spec import ClusterSpec, master_addresses, plan
     from kvpool.cluster.supervise import GaveUp, RestartPolicy, SupervisedRole, stop_roles
     from kvpool.router.model_info import ModelInfo
     from kvpool.rpc.server import wait_healthy
 
     assert isinstance(spec, ClusterSpec)
     layout = ModelInfo.load(spec.cluster.model or None, block_size=spec.cluster.block_size).layout
-    launches = plan(spec, layout.fingerprint())
     log_dir = Path(tempfile.mkdtemp(prefix="kvpool-up-"))
+    etcd = None
+    if spec.cluster.masters > 1:  # masters in HA: they elect their leader on an embedded etcd
+        etcd = EtcdPlan.on(log_dir / "etcd", client_port=spec.master.etcd_port)
+    launches = plan(spec, layout.fingerprint(), etcd=etcd)
     secret_env, master_env, member_env = _membership_env(log_dir, secured)
-    # This process checks the roles' gRPC health and forks roles (again on each restart): gRPC's fork
-    # handlers can deadlock a fork that follows a health check (a hung `kvpool up`), and none is needed
-    # here (the roles exec at once). The roles keep gRPC's default.
-    own_fork_setting = "GRPC_ENABLE_FORK_SUPPORT" not in os.environ
-    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     policy = RestartPolicy.of(spec.cluster)
     procs: list[SupervisedRole] = []
     stop = threading.Event()
@@ -180,7 +188,8 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     logs: list[Path] = []
     if echo:
         threading.Thread(target=_echo_logs, args=(logs, stop), name="up-logs", daemon=True).start()
-    master = f"{spec.master.host}:{spec.master.port}"
+    master = ",".join(master_addresses(spec))
+    masters: list[str] = []  # the addresses the local masters bound (their READY lines)
     endpoints: list[str] = []
     remote: list[str] = []
     engines: list[SupervisedRole] = []  # vLLM engines started and not yet waited for
@@ -204,8 +213,16 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
             if launch.role == "master":
                 role_env = role_env | master_env
             env = dict(os.environ) | role_env | launch.env
-            if own_fork_setting:
-                env.pop("GRPC_ENABLE_FORK_SUPPORT")
+            if launch.role == "etcd":  # the masters' etcd: it serves before they start
+                proc = SupervisedRole(launch.name, [], log_path=log_dir / "etcd.log", env=env, argv=launch.argv,
+                                      ready_url=launch.ready_url, policy=policy, say=_say)  # fmt: skip
+                procs.append(proc)
+                logs.append(proc.log_path)
+                _ready(proc, timeout_s, stop)
+                endpoints.append(
+                    f"  {launch.name:<8} {etcd.endpoint if etcd else ''}  (data: {log_dir / 'etcd'})"
+                )
+                continue
             if launch.argv:  # a vLLM engine: started now, waited for with the others (they load in parallel)
                 if not model_dir:
                     model_dir = _vllm_model_dir(spec, log_dir)
@@ -235,7 +252,8 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                 if address:
                     wait_healthy(address, timeout_s)
                 if launch.role == "master":
-                    master = address
+                    masters.append(address)
+                    master = ",".join(masters)
                 metrics = info.get("metrics_address", "")
                 endpoints.append(
                     f"  {launch.name:<8} {address}"

@@ -112,17 +112,31 @@ class MasterClient:
         layout_fingerprint: str,
         num_slots: int = 0,
         block_nbytes: int = 0,
+        challenge: bytes = b"",
+        proof: bytes = b"",
     ) -> Registration:
+        """Join the pool (again). A store offers `num_slots` of `block_nbytes` and, in a secured cluster,
+        answers a `join_challenge` with a `proof` of the cluster secret (`kvpool.membership.store_proof`).
+        Refusals: `FailedPrecondition` (protocol or layout mismatch), `AlreadyExists` (a live node holds
+        the id), `InvalidArgument`, `Unauthenticated` / `PermissionDenied` (secured cluster)."""
         req = pb.RegisterNodeRequest(
             node=cv.endpoint_pb(node),
             protocol_version=protocol_version,
             layout_fingerprint=layout_fingerprint,
             num_slots=num_slots,
             block_nbytes=block_nbytes,
+            challenge=challenge,
+            proof=proof,
         )
         resp = self._call("RegisterNode", req, retry=True)
         self._sessions[node.node_id] = bytes(resp.session)  # our heartbeats and deregistration carry it
         return Registration(resp.heartbeat_interval_ms, resp.master_epoch, resp.layout_fingerprint)
+
+    def join_challenge(self, node_id: str) -> bytes:
+        """A fresh challenge a store answers with its registration's proof; b"" when the master runs
+        unsecured (no cluster secret)."""
+        req = pb.JoinChallengeRequest(node_id=node_id)
+        return bytes(self._call("JoinChallenge", req, retry=True).challenge)
 
     def heartbeat(
         self,
@@ -251,6 +265,12 @@ class MasterClient:
 
     def release_lease(self, lease_id: int) -> None:
         self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
+
+    def release_leases(self, lease_ids: Sequence[int]) -> tuple[int, int]:
+        """End 1..1024 read leases in one call. Returns (released or already expired, not found). Retried
+        on UNAVAILABLE: a repeat only counts the ids the first call ended as not found."""
+        r = self._call("ReleaseLeases", pb.ReleaseLeasesRequest(lease_ids=list(lease_ids)), retry=True)
+        return int(r.num_released), int(r.num_not_found)
 
     # ---- publish ----------------------------------------------------------------------------------
     def reserve(

@@ -1,4 +1,5 @@
-"""A local cluster of real processes on 127.0.0.1: master, store nodes, prefill and decode nodes.
+"""A local cluster of real processes on 127.0.0.1: master, store nodes, prefill and decode nodes; with
+`masters > 1`, an etcd and that many masters in high availability (kvpool.master.ha).
 
 Used by `kvpool demo`, the end-to-end tests and the benchmarks. Every process is stopped on exit, on
 Ctrl-C and on SIGTERM (and dies with its parent on Linux): no orphans, ports freed.
@@ -38,10 +39,12 @@ class LocalClusterSpec:
     heartbeat_timeout_ms: int = 10_000
     extra_env: dict[str, str] = field(default_factory=dict)
     capabilities: bool = True  # master and stores share a fresh cluster secret (kvpool.capability)
+    masters: int = 1  # > 1: an etcd (kvpool.cluster.etcd) and that many masters electing a leader on it
 
 
 class LocalCluster:
-    """Start with `with LocalCluster(spec) as cluster:`; addresses in `master_address`, `prefill`, …"""
+    """Start with `with LocalCluster(spec) as cluster:`; addresses in `master_address` (with several masters:
+    their comma list, as clients take it), `prefill`, …"""
 
     def __init__(self, spec: LocalClusterSpec, *, log_dir: Path | None = None) -> None:
         self.spec = spec
@@ -57,6 +60,9 @@ class LocalCluster:
             self.join_token, self._master_env, self._member_env = new_cluster_tokens(self.log_dir)
         self.processes: list[RoleProcess] = []
         self.master_address = ""
+        self.masters: list[RoleProcess] = []  # `master` is the first
+        self.etcd: RoleProcess | None = None  # masters > 1: their etcd, at `etcd_endpoint`
+        self.etcd_endpoint = ""
         self.stores: list[RoleProcess] = []
         self.prefill: list[RoleProcess] = []
         self.decode: list[RoleProcess] = []
@@ -85,8 +91,11 @@ class LocalCluster:
         if self._member_env:  # this process and its children are members too (tests, benchmarks)
             self._saved_env = {k: os.environ.get(k) for k in self._member_env}
             os.environ.update(self._member_env)
-        self.master = self._start_master(0)
-        self.master_address = self.master.wait_ready(timeout_s)["grpc_address"]
+        if s.masters > 1:
+            self._start_etcd(timeout_s)
+        self.masters = [self._start_master(0, i) for i in range(s.masters)]
+        self.master = self.masters[0]
+        self.master_address = ",".join(m.wait_ready(timeout_s)["grpc_address"] for m in self.masters)
         for i in range(s.num_stores):
             self.stores.append(self.start_store(f"store{i}", wait=False))
         for proc in self.stores:
@@ -102,25 +111,44 @@ class LocalCluster:
             proc.wait_ready(timeout_s)
         log.info("local cluster up: master %s, logs in %s", self.master_address, self.log_dir)
 
-    def _start_master(self, port: int) -> RoleProcess:
+    def _start_etcd(self, timeout_s: float) -> None:
+        from kvpool.cluster.etcd import EtcdPlan
+
+        etcd = EtcdPlan.on(self.log_dir / "etcd", host="127.0.0.1")  # FailedPrecondition without a binary
+        self.etcd = RoleProcess("etcd", [], log_path=self.log_dir / "etcd.log", argv=etcd.argv,
+                                ready_url=etcd.health_url)  # fmt: skip
+        self.processes.append(self.etcd)
+        self.etcd.wait_ready(timeout_s)
+        self.etcd_endpoint = etcd.endpoint
+
+    def _start_master(self, port: int, index: int = 0) -> RoleProcess:
         s = self.spec
         return self._spawn(
-            "master",
+            f"master{index}" if s.masters > 1 else "master",
             ["master", "--listen", s.host, "--port", str(port), "--layout", s.layout, "--replicas", str(s.num_replicas),
-             "--heartbeat-timeout-ms", str(s.heartbeat_timeout_ms)],
+             "--heartbeat-timeout-ms", str(s.heartbeat_timeout_ms),
+             *(["--etcd", self.etcd_endpoint] if self.etcd_endpoint else [])],
         )  # fmt: skip
 
-    def restart_master(self, *, kill: bool = True, timeout_s: float = 60.0) -> None:
-        """kill -9 (or stop) the master and start a fresh one on the same address: it starts from nothing
-        and rebuilds its index from the store nodes' inventories and the nodes' re-registrations."""
-        port = int(self.master_address.rsplit(":", 1)[1])
+    @property
+    def master_addresses(self) -> list[str]:
+        """Each master's address, in start order (`masters[i]`'s)."""
+        return [m.info["grpc_address"] for m in self.masters]
+
+    def restart_master(self, *, kill: bool = True, timeout_s: float = 60.0, index: int = 0) -> None:
+        """kill -9 (or stop) master `index` and start a fresh one on the same address: it starts from
+        nothing and rebuilds its index from the store nodes' inventories and the nodes' re-registrations
+        (in high availability it joins as a standby while another master leads)."""
+        old = self.masters[index]
+        port = int(old.info["grpc_address"].rsplit(":", 1)[1])
         if kill:
-            self.master.kill()
+            old.kill()
         else:
-            self.master.stop()
-        self.processes.remove(self.master)
-        self.master = self._start_master(port)
-        self.master.wait_ready(timeout_s)
+            old.stop()
+        self.processes.remove(old)
+        self.masters[index] = self._start_master(port, index)
+        self.master = self.masters[0]
+        self.masters[index].wait_ready(timeout_s)
 
     def start_store(self, node_id: str, *, wait: bool = True, timeout_s: float = 60.0) -> RoleProcess:
         """Start (or restart) a store node; with `wait`, block until it serves."""

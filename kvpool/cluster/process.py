@@ -58,7 +58,7 @@ class RoleProcess:
         self.log_path = log_path
         self.ready_url = ready_url
         self.info: dict[str, Any] = {}
-        cmd = list(argv) or [sys.executable, "-m", "kvpool.cli.main", *self.args]
+        cmd = die_with_parent(list(argv) or [sys.executable, "-m", "kvpool.cli.main", *self.args])
         child_env = dict(os.environ if env is None else env)
         child_env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(
@@ -68,7 +68,6 @@ class RoleProcess:
             stdin=subprocess.DEVNULL,
             text=True,
             env=child_env,
-            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
         self._ready: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._pump = threading.Thread(target=self._pump_output, name=f"log-{name}", daemon=True)

@@ -8,10 +8,12 @@
     restart_backoff_max_s = 30.0
     max_restarts = 5            # restarts allowed within restart_window_s; one more crash: kvpool up stops
     restart_window_s = 60.0
+    masters = 1             # > 1: masters in HA on an embedded etcd (docs/ha.md)
 
     [master]
     host = "127.0.0.1"
-    port = 50051            # 0 = ephemeral (single host only: other hosts need a fixed port)
+    port = 50051            # 0 = ephemeral (single host only: other hosts need a fixed port); master i: port + i
+    etcd_port = 0           # masters > 1: the embedded etcd's client port on 127.0.0.1 (0: a free one)
     replicas = 1
     eviction_policy = "tail"
     high_watermark = 0.9
@@ -34,8 +36,9 @@
     tenants = ""            # tenants TOML file; "" = single tenant
 
 Every error names the file, the line (when the key is in the file) and the field. `plan()` turns a spec
-into the role commands (`kvpool master|store|prefill|decode|router …`): `kvpool up` starts those whose
-host is this machine and prints the others' command lines for their hosts.
+into the role commands (`kvpool master|store|prefill|decode|router …`, and with `masters > 1` an etcd
+first, then the masters with `--etcd`): `kvpool up` starts those whose host is this machine and prints the
+others' command lines for their hosts, every one given the list of masters.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvpool.cluster.etcd import EtcdPlan
 from kvpool.errors import InvalidArgument
 from kvpool.index import DEFAULT_POLICY, POLICY_NAMES
 
@@ -85,6 +89,12 @@ class ClusterSection(_Section):
     restart_window_s: float = Field(
         default=60.0, gt=0.0, description="window that counts a role's crashes (s)"
     )
+    masters: int = Field(
+        default=1,
+        ge=1,
+        le=7,
+        description="masters; > 1: high availability on an embedded single-node etcd (docs/ha.md)",
+    )
 
     @model_validator(mode="after")
     def _backoff(self) -> ClusterSection:
@@ -103,6 +113,12 @@ class MasterSection(_Section):
     heartbeat_timeout_ms: int = Field(default=10_000, gt=0)
     metrics_port: int = Field(
         default=0, ge=0, le=65535, description="Prometheus /metrics port (0: ephemeral)"
+    )
+    etcd_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="[cluster] masters > 1: the embedded etcd's client port on 127.0.0.1 (0: a free one)",
     )
 
     @field_validator("eviction_policy")
@@ -211,6 +227,15 @@ class ClusterSpec(_Section):
             raise ValueError("master.port must be fixed (not 0) when roles run on other hosts")
         if self.prefill.count < 1 or self.decode.count < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
+        if self.master.port and self.master.port + self.cluster.masters - 1 > 65535:
+            raise ValueError(
+                "master.port + cluster.masters - 1 must be <= 65535 (master i listens on port + i)"
+            )
+        if self.cluster.masters > 1 and not is_local(self.master.host):
+            raise ValueError(
+                "cluster.masters > 1: the masters and their embedded etcd run on this host "
+                "(master.host must be local)"
+            )
         if self.router.enabled and self.prefill.engine != self.decode.engine:
             raise ValueError(
                 "the router routes prefill and decode to one kind of engine: set prefill.engine and "
@@ -290,7 +315,8 @@ def load_spec(path: str | Path) -> ClusterSpec:
 @dataclass(frozen=True, slots=True)
 class Launch:
     """One role process: `kvpool <args>` on `host`, or `argv` (a vLLM engine) ready when `ready_url`
-    answers 200. `{master}` in args and argv is the master's address, `{model}` the model directory."""
+    answers 200. `{master}` in args and argv is the master's address (masters in HA: their comma list),
+    `{model}` the model directory."""
 
     name: str
     role: str
@@ -314,36 +340,38 @@ class Launch:
         return (f"{env} " if env else "") + ("" if self.argv else "kvpool ") + words
 
 
-def plan(spec: ClusterSpec, layout: str) -> list[Launch]:
-    """Every process of the cluster, in start order (master, stores, serving nodes, router)."""
+def master_addresses(spec: ClusterSpec) -> list[str]:
+    """The masters' configured addresses ("host:port", master i on port + i; "host:0" when ephemeral)."""
+    m = spec.master
+    return [f"{m.host}:{m.port + i if m.port else 0}" for i in range(spec.cluster.masters)]
+
+
+def plan(spec: ClusterSpec, layout: str, *, etcd: EtcdPlan | None = None) -> list[Launch]:
+    """Every process of the cluster, in start order (etcd, masters, stores, serving nodes, router).
+    `cluster.masters > 1` needs `etcd` (the embedded etcd the masters elect their leader on); `{master}`
+    in the other roles' args then stands for the masters' comma list."""
     m, c = spec.master, spec.cluster
-    out = [
-        Launch(
-            "master",
+    out: list[Launch] = []
+    elect: list[str] = []  # the masters' --etcd
+    if c.masters > 1:
+        if etcd is None:
+            raise ValueError("cluster.masters > 1 needs an etcd (EtcdPlan)")
+        out.append(Launch("etcd", "etcd", etcd.host, argv=etcd.argv, ready_url=etcd.health_url))
+        elect = ["--etcd", etcd.endpoint]
+    for i in range(c.masters):
+        out.append(Launch(
+            f"master{i}" if c.masters > 1 else "master",
             "master",
             m.host,
             [
-                "master",
-                "--listen",
-                m.host,
-                "--port",
-                str(m.port),
-                "--layout",
-                layout,
-                "--replicas",
-                str(m.replicas),
-                "--policy",
-                m.eviction_policy,
-                "--high-watermark",
-                str(m.high_watermark),
-                "--low-watermark",
-                str(m.low_watermark),
-                "--heartbeat-timeout-ms",
-                str(m.heartbeat_timeout_ms),
-                *(["--metrics-port", str(m.metrics_port)] if m.metrics_port else []),
+                "master", "--listen", m.host, "--port", str(m.port + i if m.port else 0), "--layout", layout,
+                "--replicas", str(m.replicas), "--policy", m.eviction_policy,
+                "--high-watermark", str(m.high_watermark), "--low-watermark", str(m.low_watermark),
+                "--heartbeat-timeout-ms", str(m.heartbeat_timeout_ms),
+                *(["--metrics-port", str(m.metrics_port + i)] if m.metrics_port else []),
+                *elect,
             ],
-        )  # fmt: skip
-    ]
+        ))  # fmt: skip
 
     def port(section: RoleSection, i: int) -> str:
         return str(section.port + i) if section.port else "0"

@@ -7,14 +7,17 @@ the first in vLLM's scheduler and the second in its workers, with the same code.
 `load_prefix` (docs/design.md "How a request flows", step 1):
   1. The reusable span is at most `(len(tokens) - 1) // block_size` blocks: a fully cached prompt still
      computes its last token (field case B06); the partial tail is never reused.
-  2. `MatchPrefix` (counting the hit or not, with a read lease) gives the pool's matched run; the
-     node-local tier gives its own leading run.
+  2. The node-local tier gives its own leading run (all of it: no call); `MatchPrefix` (counting the
+     hit or not, with a read lease) gives the pool's matched run. Requests on one prefix share one call
+     in flight, and a recent answer on which the decision is not to pull decides without a call
+     (`kvpool.connector.recent`).
   3. The cost model picks k leading blocks to reuse (local ones cost ~0; pool ones `α + bytes/β`).
   4. Local blocks are copied from the tier; pool blocks are pulled over the transport from a replica,
      checksum and generation verified. A failed block is retried once on another replica (or the same);
      if it fails again only the blocks before it are reused, the bad replica is reported to the master
      (so the next lookup does not offer it: B18), and the rest is recomputed.
-  5. The lease is released in every case (B13).
+  5. The lease is released in every case (B13), off the request path: queued to the connector's
+     `LeaseReleaser`, which sends many ids per `ReleaseLeases` call from its own thread.
 `publish` (step 5): reserve → write → commit through the pool client, off the TTFT path
 (`kvpool.connector.publish`).
 """
@@ -22,38 +25,31 @@ the first in vLLM's scheduler and the second in its workers, with the same code.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvpool.connector.breaker import PoolBreaker
-from kvpool.connector.convoy import TTL_FACTOR, busiest, contended, peer_bytes
+from kvpool.connector.convoy import TTL_FACTOR, busiest, contended, peer_bytes, slowest_link
 from kvpool.connector.local_tier import LocalTier
-from kvpool.connector.plan import LoadedPrefix, LoadPlan, LoadStats
+from kvpool.connector.plan import FORCE_DECISION_ENV, LoadedPrefix, LoadPlan, LoadStats, forced_decision
 from kvpool.connector.ports import MasterPort, PoolPort, TransportPort
 from kvpool.connector.publish import publish_chain
 from kvpool.connector.pull import pull_blocks
+from kvpool.connector.recent import RecentMatches, prefix_key
+from kvpool.connector.releaser import LeaseReleaser
 from kvpool.cost import LOCAL_LINK, LinkLike, PullLedger, RecomputeModel, decide_reuse, t_transfer_s
 from kvpool.cost.online import OnlineCalibration
 from kvpool.prompt import max_reusable_blocks, reusable_tokens
+from kvpool.types import Match
+
+__all__ = ["FORCE_DECISION_ENV", "KVConnector", "forced_decision"]
 
 log = logging.getLogger(__name__)
 
 MIN_PULL_DEADLINE_S = 0.25
 """Floor of a pull's deadline: below it, scheduling noise on a busy host would abandon healthy pulls."""
-
-FORCE_DECISION_ENV = "KVPOOL_FORCE_DECISION"
-"""Benchmarks only: `pull` (load every hit block) | `recompute` (load none) | `auto` (default, the cost
-model). Forced loads still report the cost model's predictions: `predicted_pull_s` is then the predicted
-load of every hit block, and `reason` says what `auto` would have done."""
-
-
-def forced_decision() -> str:
-    """The value of `KVPOOL_FORCE_DECISION` (read per load), "auto" when unset or unknown."""
-    value = os.environ.get(FORCE_DECISION_ENV, "auto").strip().lower()
-    return value if value in ("pull", "recompute") else "auto"
 
 
 class KVConnector:
@@ -102,6 +98,8 @@ class KVConnector:
         self.breaker = breaker or PoolBreaker()
         self.pulls = PullLedger()  # pulls decided and not yet ended, per store: their queue (B39)
         self.flush_epoch: int | None = None  # the master's, from the last heartbeat (None: not heard yet)
+        self.releaser = LeaseReleaser(lambda ids: self.master.release_leases(ids))  # read leases, batched
+        self.recent = RecentMatches()  # one match in flight per prefix; a fresh answer may decide alone
 
     @property
     def recompute(self) -> RecomputeModel:
@@ -119,19 +117,8 @@ class KVConnector:
         return max_reusable_blocks(num_tokens, self.block_size)
 
     def link_to_pool(self, addresses: Sequence[str]) -> LinkLike | None:
-        """The slowest calibrated link among the stores we would pull from (conservative)."""
-        links = []
-        for address in set(addresses):
-            try:
-                link = self.transport.link(address)
-            except Exception as exc:  # noqa: BLE001 - an unreachable store: no link estimate
-                log.debug("no link estimate for %s: %s", address, exc)
-                continue
-            if link.beta_bytes_per_s > 0:  # 0: the probe measured no bandwidth (e.g. probe_bytes=0)
-                links.append(link)
-        if not links:
-            return None
-        return min(links, key=lambda lk: lk.beta_bytes_per_s)
+        """The slowest calibrated link among the stores we would pull from (conservative); None: none."""
+        return slowest_link(self.transport, addresses)
 
     def load_prefix(
         self,
@@ -200,9 +187,22 @@ class KVConnector:
         if not use_cache or max_blocks == 0:
             return plan
         plan.hashes = list(hashes[:max_blocks])
+        if num_local_blocks is None:
+            plan.num_local_blocks = self.local_tier.leading_run(ns, plan.hashes)
+        else:
+            plan.num_local_blocks = max(0, min(num_local_blocks, max_blocks))
         t0 = time.perf_counter()
         match = None
-        if self.breaker.allow():
+        if plan.num_local_blocks >= max_blocks:
+            pass  # every reusable block is at hand: the pool has nothing to add, no call
+        elif not self.breaker.allow():
+            stats.decision = "degraded"
+        else:
+            shared, claim = self.recent.claim(prefix_key(ns, plan.hashes))
+            if shared is not None and self._no_pull_on(plan, shared):
+                stats.match_s = time.perf_counter() - t0
+                return plan  # decided on another request's answer: no call, no lease
+            held, plan.pull_ticket = plan.pull_ticket, None  # that answer's pull: seen by others meanwhile
             try:
                 match = self.master.match(
                     ns,
@@ -216,20 +216,12 @@ class KVConnector:
             except Exception as exc:  # noqa: BLE001 - the master being down means recompute, not failure
                 self.breaker.record(False)
                 log.warning("[%s] match failed, recomputing: %s", request_id, exc)
-        else:
-            stats.decision = "degraded"
+            finally:
+                if claim is not None:
+                    self.recent.publish(claim, match)
+                self.pulls.withdraw(held)  # the decision below registers the pull it makes
         stats.match_s = time.perf_counter() - t0
-        if match is not None:
-            plan.lease_id = match.lease_id
-            plan.num_pool_blocks = min(match.num_matched, max_blocks)
-            plan.replicas = list(match.replicas[: plan.num_pool_blocks])
-            plan.addresses = {n: info.data_address for n, info in match.nodes.items() if info.data_address}
-        if num_local_blocks is None:
-            plan.num_local_blocks = self.local_tier.leading_run(ns, plan.hashes)
-        else:
-            plan.num_local_blocks = max(0, min(num_local_blocks, max_blocks))
-        stats.num_pool_blocks = plan.num_pool_blocks
-        stats.num_matched_tokens = max(plan.num_pool_blocks, plan.num_local_blocks) * self.block_size
+        plan.take(match, self.block_size)
         try:
             self._decide(plan)
         finally:
@@ -237,9 +229,24 @@ class KVConnector:
                 self.release(plan, request_id=request_id)
         return plan
 
+    def _no_pull_on(self, plan: LoadPlan, shared: Match) -> bool:
+        """Decide on a shared recent answer (`RecentMatches`): True when the plan pulls nothing (final, no
+        lease); False when it would pull: the plan's pool side is cleared (the caller asks the master) and
+        its pull stays registered meanwhile, so that the requests deciding next see it coming."""
+        plan.take(shared, self.block_size)
+        plan.lease_id = None  # the leader's, released by the leader
+        self._decide(plan)
+        if plan.pull_end > plan.pull_start:
+            plan.take(None, self.block_size)
+            plan.num_load_blocks = 0
+            plan.stats.reset()
+            return False
+        plan.stats.shared_match = True
+        return True
+
     def _decide(self, plan: LoadPlan) -> None:
         """Fill `plan.num_load_blocks`, its deadline and its predictions (the cost model, or the forced
-        decision of a benchmark)."""
+        decision of a benchmark), and enter a pull in the ledger."""
         stats = plan.stats
         num_pool, num_local = plan.num_pool_blocks, plan.num_local_blocks
         num_hit = max(num_pool, num_local)
@@ -333,16 +340,17 @@ class KVConnector:
 
     def release(self, plan: LoadPlan, *, request_id: str = "") -> None:
         """Drop the plan's read lease, if it holds one (idempotent; B13), and end its pull in the ledger
-        (once: B39). Never raises: an unreleased lease expires on its own."""
+        (once: B39). Never blocks on the master: the lease id is queued to `releaser`, which sends it in a
+        batch (a failed batch is logged and its leases expire on their own). Never raises."""
         ticket, plan.pull_ticket = plan.pull_ticket, None
         self.pulls.release(ticket, elapsed_s=plan.stats.pull_s or None)
         lease_id, plan.lease_id = plan.lease_id, None
-        if not lease_id:
-            return
-        try:
-            self.master.release_lease(lease_id)
-        except Exception as exc:  # noqa: BLE001 - the lease expires on its own
-            log.warning("[%s] release_lease failed: %s", request_id, exc)
+        if lease_id:
+            self.releaser.release(lease_id)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send the read leases still queued (bounded by `timeout_s`); call before closing the master link."""
+        self.releaser.close(timeout_s)
 
     def keep_pulled(self, ns: bytes, loaded: LoadedPrefix) -> None:
         """Copy a load's pulled blocks into the node-local tier (called once the first token is out, so
@@ -367,19 +375,22 @@ class KVConnector:
         `flush_epoch` of the load they were computed from (None: unchecked); see
         `kvpool.connector.publish.publish_chain`. Returns (num committed, num already present); raises a
         `KVPoolError` on failure (the caller reports `publish_failed`)."""
-        return publish_chain(
-            self.pool,
-            self.local_tier,
-            self.breaker,
-            ns,
-            hashes,
-            blocks,
-            start_block=start_block,
-            num_replicas=self.num_replicas,
-            writer_node_id=self.node_id,
-            recompute_cost_s=recompute_cost_s,
-            flush_epoch=flush_epoch,
-        )
+        try:
+            return publish_chain(
+                self.pool,
+                self.local_tier,
+                self.breaker,
+                ns,
+                hashes,
+                blocks,
+                start_block=start_block,
+                num_replicas=self.num_replicas,
+                writer_node_id=self.node_id,
+                recompute_cost_s=recompute_cost_s,
+                flush_epoch=flush_epoch,
+            )
+        finally:  # the pool's answer for these prefixes changed: the next request asks again
+            self.recent.forget(ns, hashes[: start_block + len(blocks)])
 
     def note_flush_epoch(self, flush_epoch: int) -> None:
         """A heartbeat answer's flush epoch: when it moved (a namespace was invalidated, or the master

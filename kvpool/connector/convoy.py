@@ -8,11 +8,16 @@ release live in `KVConnector` (`_decide` registers the chosen pull; `release` en
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
+from collections.abc import Sequence
 
 from kvpool.connector.plan import LoadPlan
+from kvpool.connector.ports import TransportPort
 from kvpool.cost.inflight import InFlight, PullLedger
 from kvpool.cost.link import LinkEstimate, LinkLike
+
+log = logging.getLogger(__name__)
 
 TTL_FACTOR = 2.0
 """A registration outlives its pull's deadline by this factor: a pull may start later than decided (a vLLM
@@ -41,3 +46,18 @@ def contended(link: LinkLike, queue: InFlight) -> LinkLike:
     if queue.nbytes > 0 and 0.0 < queue.bytes_per_s < link.beta_bytes_per_s:
         return LinkEstimate(alpha_s=link.alpha_s, beta_bytes_per_s=queue.bytes_per_s)
     return link
+
+
+def slowest_link(transport: TransportPort, addresses: Sequence[str]) -> LinkLike | None:
+    """The slowest calibrated link among the stores at `addresses` (conservative); None when no store
+    has an estimate (unreachable, or its probe measured no bandwidth)."""
+    links = []
+    for address in set(addresses):
+        try:
+            link = transport.link(address)
+        except Exception as exc:  # noqa: BLE001 - an unreachable store: no link estimate
+            log.debug("no link estimate for %s: %s", address, exc)
+            continue
+        if link.beta_bytes_per_s > 0:  # 0: the probe measured no bandwidth (e.g. probe_bytes=0)
+            links.append(link)
+    return min(links, key=lambda lk: lk.beta_bytes_per_s) if links else None

@@ -7,13 +7,25 @@ in its scheduler process and the second in its worker processes, so a plan is a 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import os
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
 from kvpool.cost import LinkLike
-from kvpool.types import Location
+from kvpool.types import Location, Match
+
+FORCE_DECISION_ENV = "KVPOOL_FORCE_DECISION"
+"""Benchmarks only: `pull` (load every hit block) | `recompute` (load none) | `auto` (default, the cost
+model). Forced loads still report the cost model's predictions: `predicted_pull_s` is then the predicted
+load of every hit block, and `reason` says what `auto` would have done."""
+
+
+def forced_decision() -> str:
+    """The value of `KVPOOL_FORCE_DECISION` (read per load), "auto" when unset or unknown."""
+    value = os.environ.get(FORCE_DECISION_ENV, "auto").strip().lower()
+    return value if value in ("pull", "recompute") else "auto"
 
 
 @dataclass(slots=True)
@@ -37,9 +49,16 @@ class LoadStats:
     reason: str = ""
     num_pulls_in_flight: int = 0
     queued_bytes: int = 0
+    shared_match: bool = False  # decided on another request's recent answer, no MatchPrefix sent
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def reset(self) -> None:
+        """Back to a load that decided nothing yet (the prompt's size kept)."""
+        fresh = LoadStats(num_prompt_tokens=self.num_prompt_tokens)
+        for f in fields(self):
+            setattr(self, f.name, getattr(fresh, f.name))
 
 
 @dataclass(slots=True)
@@ -74,6 +93,18 @@ class LoadPlan:
     link: LinkLike | None = None
     flush_epoch: int | None = None
     pull_ticket: str | None = None
+
+    def take(self, match: Match | None, block_size: int) -> None:
+        """Fill the pool's side (and the stats' matched counts) from a match answer, its lease included
+        (None: nothing from the pool). `num_local_blocks` is set before."""
+        self.lease_id, self.num_pool_blocks, self.replicas, self.addresses = None, 0, [], {}
+        if match is not None:
+            self.lease_id = match.lease_id
+            self.num_pool_blocks = min(match.num_matched, len(self.hashes))
+            self.replicas = list(match.replicas[: self.num_pool_blocks])
+            self.addresses = {n: info.data_address for n, info in match.nodes.items() if info.data_address}
+        self.stats.num_pool_blocks = self.num_pool_blocks
+        self.stats.num_matched_tokens = max(self.num_pool_blocks, self.num_local_blocks) * block_size
 
     @property
     def pull_start(self) -> int:

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 
 class MasterPort(Protocol):
-    """The master link: match with a read lease, release and renew it, report bad replicas and the
-    node-local tier's events. `list_nodes` and `close` serve the vLLM halves that share the link."""
+    """The master link: match with a read lease, release it (one or a batch) and renew it, report bad
+    replicas and the node-local tier's events. `list_nodes` and `close` serve the vLLM halves that share the link."""
 
     def match(
         self,
@@ -35,6 +35,8 @@ class MasterPort(Protocol):
     ) -> Match: ...
 
     def release_lease(self, lease_id: int) -> None: ...
+
+    def release_leases(self, lease_ids: Sequence[int]) -> tuple[int, int]: ...
 
     def renew_lease(self, lease_id: int, ttl_ms: int) -> int: ...
 

@@ -56,7 +56,7 @@ class _Entry:
     queued_before: tuple[int, ...]  # per peer, the bytes in flight when this pull registered
     expires_at: float
     crowded: bool  # another pull (any peer) was in flight when this one registered
-    seq: int  # `num_registered` right after this one registered
+    seq: int  # this registration's sequence number (`_last_seq` right after it registered)
 
 
 RATE_WEIGHT = 0.3
@@ -96,6 +96,7 @@ class PullLedger:
         self._rates: dict[str, float] = {}  # peer -> contended throughput (B/s), insertion-ordered
         self._prefix = uuid.uuid4().hex[:12]  # ids unique across processes: another ledger ignores them
         self._seq = itertools.count(1)
+        self._last_seq = 0
         self.num_registered = 0
         self.num_released = 0
         self.num_expired = 0
@@ -125,7 +126,8 @@ class PullLedger:
         if any(n < 0 for n in peer_bytes.values()):
             raise InvalidArgument("pull bytes must be >= 0")
         items = tuple((peer, int(n)) for peer, n in peer_bytes.items() if n > 0)
-        ticket_id = f"{self._prefix}-{next(self._seq)}"
+        seq = next(self._seq)
+        ticket_id = f"{self._prefix}-{seq}"
         with self._lock:
             now = self._clock()
             self._expire(now)
@@ -137,7 +139,8 @@ class PullLedger:
                 p.nbytes += n
             crowded = bool(self._entries)
             self.num_registered += 1
-            self._entries[ticket_id] = _Entry(items, tuple(before), now + ttl_s, crowded, self.num_registered)
+            self._last_seq = seq
+            self._entries[ticket_id] = _Entry(items, tuple(before), now + ttl_s, crowded, seq)
         return PullTicket(self, ticket_id)
 
     def overlapped(self, ticket_id: str | None) -> bool:
@@ -148,7 +151,7 @@ class PullLedger:
             return False
         with self._lock:
             e = self._entries.get(ticket_id)
-            return e is not None and (e.crowded or self.num_registered > e.seq)
+            return e is not None and (e.crowded or self._last_seq > e.seq)
 
     def release(self, ticket_id: str | None, *, elapsed_s: float | None = None) -> bool:
         """End a pull by id (None or unknown: nothing, False). Exactly once: True the first time.
@@ -166,6 +169,20 @@ class PullLedger:
                 for (peer, n), queued in zip(entry.peers, entry.queued_before, strict=True):
                     if queued > 0:
                         self._learn(peer, (queued + n) / elapsed_s)
+        return True
+
+    def withdraw(self, ticket_id: str | None) -> bool:
+        """Undo a registration that stood for a decision about to be made again (a pull decided on a shared
+        match answer, held while the request asks the master): as if never registered, it teaches nothing
+        and counts neither as registered nor as released. None or unknown: nothing, False."""
+        if ticket_id is None:
+            return False
+        with self._lock:
+            entry = self._entries.pop(ticket_id, None)
+            if entry is None:
+                return False
+            self._remove(entry)
+            self.num_registered -= 1
         return True
 
     def _learn(self, peer: str, bytes_per_s: float) -> None:

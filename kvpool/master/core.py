@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpool.capability import Capabilities, process_capabilities
-from kvpool.errors import FailedPrecondition, InvalidArgument
+from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvpool.index.radix import RadixIndex
 from kvpool.index.results import DroppedBlock, MatchResult
 from kvpool.master import bounds, dataplane
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_PROMPT_TOKENS = (1 << 32) - 1
+MAX_RELEASE_BATCH = 1024
+"""Most lease ids one `ReleaseLeases` call may end."""
 """The most prompt tokens one match may report (the hit-rate denominator; keeps counters in uint64)."""
 
 BlockKey = tuple[bytes, bytes]  # (namespace, block hash)
@@ -344,5 +346,21 @@ class Master(NodeRegistry):
             raise InvalidArgument("lease_id must be > 0")
         with self.lock:
             self.index.release_lease(lease_id)
+
+    def release_leases(self, lease_ids: Sequence[int]) -> tuple[int, int]:
+        """End many read leases under one lock hold. Returns (ended or already expired, not found: never
+        granted or already released). `InvalidArgument`: no ids, more than `MAX_RELEASE_BATCH`, or an id 0."""
+        if not 0 < len(lease_ids) <= MAX_RELEASE_BATCH:
+            raise InvalidArgument(f"lease_ids must hold 1..{MAX_RELEASE_BATCH} ids, got {len(lease_ids)}")
+        if min(lease_ids) <= 0:
+            raise InvalidArgument("every lease id must be > 0")
+        not_found = 0
+        with self.lock:
+            for lease_id in lease_ids:
+                try:
+                    self.index.release_lease(lease_id)
+                except NotFound:
+                    not_found += 1
+        return len(lease_ids) - not_found, not_found
 
     # ---- replicas reported by readers and local tiers ---------------------------------------------

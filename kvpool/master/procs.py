@@ -47,12 +47,11 @@ def _kvpool() -> list[str]:
 def start(args: list[str], timeout_s: float = 60.0, env: dict[str, str] | None = None) -> Proc:
     """Run `kvpool ARGS`, wait for `KVPOOL_READY {json}` on stdout; raise `RuntimeError` otherwise."""
     popen = subprocess.Popen(
-        [*_kvpool(), *args],
+        die_with_parent([*_kvpool(), *args]),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL if not os.environ.get("KVPOOL_TEST_LOGS") else None,
         text=True,
         env={**os.environ, **(env or {})},
-        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
     )
     proc = Proc(popen)
     deadline = time.monotonic() + timeout_s

@@ -4,12 +4,12 @@ Placement (`kvpool.master.placement`): each new block gets `num_replicas` distin
 the ones with the most free slots first, in runs of consecutive blocks (capacity-aware spread); fewer only
 when fewer nodes exist; stores silent or failing calls only as a last resort. When the nodes are full, the
 master evicts on them (and waits for the stores' free acknowledgements) before answering
-`ResourceExhausted`. A block becomes visible only after `Store.CommitSlots` succeeded for a replica.
+`ResourceExhausted`. A block becomes visible only after `Store.CommitSlots` succeeded for a replica
+(the commit phase: `kvpool.master.commit`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -21,25 +21,23 @@ from kvpool.errors import (
     DeadlineExceeded,
     InvalidArgument,
     KVPoolError,
-    LeaseExpired,
     NotFound,
     ResourceExhausted,
     Unavailable,
     VersionFenced,
 )
 from kvpool.master import dataplane
-from kvpool.master.core import BlockMeta, check_hash
+from kvpool.master.commit import CommitPhase
+from kvpool.master.core import check_hash
 from kvpool.master.nodes import NodeRecord
 from kvpool.master.placement import (
-    CommitBlock,
     Placed,
     Reservation,
     ReserveOutcome,
-    new_replicas,
     place_runs,
 )
 from kvpool.master.stores import SlotOrder
-from kvpool.types import BlockHash, Location, NamespaceId
+from kvpool.types import BlockHash, NamespaceId
 
 if TYPE_CHECKING:
     from kvpool.master.core import Master
@@ -49,10 +47,9 @@ ADOPTION_WAIT_S = 2.0
 """How long a Reserve waits for a just-registered store's inventory to be adopted (see `_await_adoption`)."""
 
 MAX_REPLICAS = 8
-_DONE_KEEP = 4096
 
 
-class Publisher:
+class Publisher(CommitPhase):
     def __init__(self, master: Master) -> None:
         self.m = master
         self.reservations: dict[int, Reservation] = {}
@@ -211,13 +208,6 @@ class Publisher:
         self.m.index.lock(NamespaceId(ns), [BlockHash(parent)])
         return True
 
-    def _unlock_parent(self, ns: bytes, parent: bytes | None, locked: bool) -> None:
-        if not locked or not parent:
-            return
-        # the parent may have been dropped meanwhile (its node died): then there is nothing to unpin
-        with contextlib.suppress(KVPoolError):
-            self.m.index.unlock(NamespaceId(ns), [BlockHash(parent)])
-
     def _check_ns(self, ns: bytes) -> None:
         if not self.m.namespaces.is_known(ns):
             raise NotFound(f"unknown namespace {ns.hex()}: register it first")
@@ -274,12 +264,6 @@ class Publisher:
         r.quota_tenant = self.m.quotas.group(self.m.namespaces.tenant_of(r.ns))
         self._requota(r)
 
-    def _requota(self, r: Reservation) -> None:
-        """Under the lock: recount the reservation's new blocks that still hold a slot (its quota usage)."""
-        n = sum(1 for locs in r.locations if locs) if r.rid in self.reservations else 0
-        self.m.quotas.note_reserved(r.quota_tenant, n - r.quota_blocks)
-        r.quota_blocks = n
-
     def _send_reservations(self, r: Reservation, write_lease_ms: int) -> None:
         m = self.m
         by_node: dict[str, list[SlotOrder]] = {}
@@ -317,158 +301,6 @@ class Publisher:
 
     def _present(self, r: Reservation, h: bytes) -> bool:
         return self.m.index.lookup(NamespaceId(r.ns), BlockHash(h)) is not None
-
-    def _drop(self, r: Reservation) -> None:
-        """Under the lock: forget a reservation and free every slot it holds."""
-        self._drop_quiet(r)
-        for locs in r.locations:
-            for loc in locs:
-                self.m.queue_free(loc)
-        self.m.wake.set()
-
-    def flush(self, ns: bytes) -> None:
-        """Namespace `ns` was invalidated: its open reservations will be refused at commit. Lock held."""
-        for r in self.reservations.values():
-            if r.ns == ns:
-                r.flushed = True
-
-    # ---- commit / abort ---------------------------------------------------------------------------
-    def commit(self, rid: int, blocks: Sequence[CommitBlock]) -> tuple[int, int]:
-        """Make the written blocks visible; idempotent (a repeat returns the first answer)."""
-        m = self.m
-        if rid <= 0:
-            raise InvalidArgument("reservation_id must be > 0")
-        with m.lock:
-            if rid in self.done:
-                return self.done[rid]
-            r = self.reservations.get(rid)
-            if r is None:
-                raise NotFound(f"no reservation {rid} (expired, aborted or never made)")
-            if r.committing:
-                raise InvalidArgument(f"reservation {rid} is being committed")
-            written: dict[bytes, tuple[int, set[Location]]] = {}
-            index_of = {h: i for i, h in enumerate(r.hashes)}
-            for b in blocks:
-                i = index_of.get(b.block_hash)
-                if i is None:
-                    raise InvalidArgument(f"block {b.block_hash.hex()} is not in reservation {rid}")
-                bad = [loc for loc in b.written if loc not in r.locations[i]]
-                if bad:
-                    raise InvalidArgument(f"block {b.block_hash.hex()}: {bad[0]} was not reserved for it")
-                written[b.block_hash] = (b.checksum, set(b.written))
-            if not m.namespaces.is_active(r.ns) or r.flushed:
-                self._drop(r)
-                why = "invalidated after this reservation" if r.flushed else "fenced"
-                raise VersionFenced(f"namespace {r.ns.hex()} was {why}: commit refused")
-            if m.clock.now_ms() > r.expiry_ms:
-                self._drop(r)
-                raise LeaseExpired(f"write lease of reservation {rid} expired")
-            r.committing = True
-            by_node: dict[str, list[Location]] = {}
-            for _, wlocs in written.values():
-                for loc in wlocs:
-                    by_node.setdefault(loc.node_id, []).append(loc)
-            addresses = {n: m.st.nodes[n].grpc_address for n in by_node if n in m.st.nodes}
-        ok: set[Location] = set()
-        for node_id, node_locs in by_node.items():
-            try:
-                errs = m.stores.commit(addresses[node_id], node_locs)
-            except (KVPoolError, KeyError) as exc:
-                m.mark_unreachable(node_id, exc)
-                continue
-            ok.update(loc for loc in node_locs if not errs.get((loc.slot, loc.generation)))
-        with m.lock:
-            return self._finish(r, written, ok)
-
-    def _finish(
-        self, r: Reservation, written: dict[bytes, tuple[int, set[Location]]], ok: set[Location]
-    ) -> tuple[int, int]:
-        m = self.m
-        self._drop_quiet(r)
-        if r.aborted or r.flushed or not m.namespaces.is_active(r.ns):
-            self._free_all(r)
-            raise VersionFenced(f"namespace {r.ns.hex()} was fenced or invalidated during the commit")
-        ns = NamespaceId(r.ns)
-        chain: list[BlockHash] = []
-        chain_locs: list[list[Location]] = []
-        for i, h in enumerate(r.hashes):
-            got = [loc for loc in r.locations[i] if loc in ok and loc in written.get(h, (0, set()))[1]]
-            info = m.index.lookup(ns, BlockHash(h))
-            if info is not None:  # committed meanwhile by another writer: only replicas it still lacks
-                got = new_replicas(info.locations, got, r.target)
-            elif not got:
-                break
-            chain.append(BlockHash(h))
-            chain_locs.append(got)
-        used = {loc for locs in chain_locs for loc in locs}
-        for locs in r.locations:
-            for loc in locs:
-                if loc not in used:
-                    m.queue_free(loc)
-        if not chain:
-            result = (0, 0)
-        else:
-            try:
-                res = m.index.insert(
-                    ns,
-                    chain,
-                    parent=BlockHash(r.parent) if r.parent else None,
-                    locations=chain_locs,
-                    size_bytes=m.layout.block_nbytes,
-                    recompute_cost_s=r.costs[: len(chain)],
-                )
-            except KVPoolError:
-                for loc in used:
-                    m.queue_free(loc)
-                m.wake.set()
-                raise
-            for h, locs in zip(chain, chain_locs, strict=True):
-                key = (r.ns, bytes(h))
-                m.note_replicas(r.ns, bytes(h), locs)
-                if key not in m.st.meta and locs:
-                    m.st.meta[key] = BlockMeta(written[bytes(h)][0], r.target)
-                info = m.index.lookup(ns, h)
-                if info is not None and r.target > 1 and len(info.locations) < r.target:
-                    m.st.under_replicated.add(key)
-            result = (res.num_inserted, res.num_existing)
-        self.done[r.rid] = result
-        while len(self.done) > _DONE_KEEP:
-            self.done.popitem(last=False)
-        m.wake.set()
-        return result
-
-    def _drop_quiet(self, r: Reservation) -> None:
-        if self.reservations.pop(r.rid, None) is not None:
-            self._requota(r)  # gives its blocks back to its tenant's quota
-            n = self._by_writer[r.writer] - 1
-            if n:
-                self._by_writer[r.writer] = n
-            else:
-                del self._by_writer[r.writer]
-        self._unlock_parent(r.ns, r.parent, r.parent_locked)
-        r.parent_locked = False
-
-    def _free_all(self, r: Reservation) -> None:
-        for locs in r.locations:
-            for loc in locs:
-                self.m.queue_free(loc)
-        self.m.wake.set()
-
-    def abort(self, rid: int) -> None:
-        """Free a reservation's slots; idempotent for reservations already finished."""
-        if rid <= 0:
-            raise InvalidArgument("reservation_id must be > 0")
-        with self.m.lock:
-            if rid >= self.next_rid:
-                raise NotFound(f"no reservation {rid}")
-            r = self.reservations.get(rid)
-            if r is None:
-                return
-            if r.committing:
-                r.aborted = True
-                return
-            self._drop(r)
-            self.done[rid] = (0, 0)
 
     def expire(self, now_ms: int) -> int:
         """Under the lock: drop reservations past their write lease (their slots are freed)."""

@@ -224,6 +224,13 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
         return pb.ReleaseLeaseResponse()
 
     @rpc_errors
+    def ReleaseLeases(
+        self, request: pb.ReleaseLeasesRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseLeasesResponse:
+        released, not_found = self.m.release_leases(list(request.lease_ids))
+        return pb.ReleaseLeasesResponse(num_released=released, num_not_found=not_found)
+
+    @rpc_errors
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         out = self.m.publisher.reserve(
             request.namespace,

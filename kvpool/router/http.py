@@ -71,53 +71,10 @@ from kvpool.router.schemas import (
 )
 from kvpool.router.service import Event, RouterService
 from kvpool.router.tenants import Tenants
+from kvpool.router.text_stream import TextStream
 from kvpool.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class _TextStream:
-    """Incremental detokenisation: deltas of the decoded text, holding back a split UTF-8 tail and stops."""
-
-    def __init__(self, model: Any, eos: set[int], stops: list[str]) -> None:
-        self.model, self.eos, self.stops = model, eos, stops
-        self.ids: list[int] = []
-        self.sent = 0
-        self.stopped = False
-
-    def _text(self) -> str:
-        return str(self.model.decode([t for t in self.ids if t not in self.eos]))
-
-    def push(self, ids: list[int]) -> str:
-        if self.stopped:
-            return ""
-        self.ids.extend(ids)
-        text = self._text()
-        for s in self.stops:
-            at = text.find(s)
-            if at >= 0:
-                text, self.stopped = text[:at], True
-        end = len(text)
-        if not self.stopped:
-            while end > self.sent and text[end - 1] == "\ufffd":
-                end -= 1
-            hold = max((len(s) - 1 for s in self.stops), default=0)
-            end = max(self.sent, end - hold)
-        delta = text[self.sent : end]
-        self.sent = end
-        return delta
-
-    def finish(self) -> str:
-        if self.stopped:
-            return ""
-        text = self._text()
-        for s in self.stops:
-            at = text.find(s)
-            if at >= 0:
-                text = text[:at]
-        delta = text[self.sent :]
-        self.sent = len(text)
-        return delta
 
 
 class OpenAIApp:
@@ -246,7 +203,7 @@ class OpenAIApp:
             raise
         eos = {svc.model.eos_token_id} if svc.model.eos_token_id is not None else set()
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        text = _TextStream(svc.model, eos, stops)
+        text = TextStream(svc.model, eos, stops)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             chunks = self._sse(kind, rid, gen, first, text, include_usage, release)
@@ -305,7 +262,7 @@ class OpenAIApp:
         rid: str,
         gen: Generator[Event, None, None],
         first: Event,
-        text: _TextStream,
+        text: TextStream,
         include_usage: bool,
         release: Any,
     ) -> AsyncIterator[str]:

@@ -6,18 +6,21 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from kvpool.config import KVPoolSettings, check_host_port
+from kvpool.config import KVPoolSettings, check_masters
 from kvpool.prompt import DEFAULT_MAX_PROMPT_TOKENS
 from kvpool.router.policy import POLICIES
 
 
 class RouterSettings(KVPoolSettings):
-    master: str = Field(default="127.0.0.1:50051", description="master host:port")
+    master: str = Field(
+        default="127.0.0.1:50051",
+        description="master host:port (host:port,host:port...: masters in HA, the leader followed)",
+    )
 
     @field_validator("master")
     @classmethod
     def _master_address(cls, value: str) -> str:
-        return check_host_port(value)
+        return check_masters(value)
 
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (0 = ephemeral)")
     policy: str = Field(default="cost", description="cost | affinity | least-load | round-robin")

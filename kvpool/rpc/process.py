@@ -7,15 +7,13 @@ with their parent on Linux (`PR_SET_PDEATHSIG`), so a killed launcher leaves no 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
-import signal
+import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 READY_PREFIX = "KVPOOL_READY "
-_PR_SET_PDEATHSIG = 1
 
 
 def print_ready(info: dict[str, Any]) -> None:
@@ -24,20 +22,10 @@ def print_ready(info: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _resolve_prctl() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
-    except OSError:
-        return None
-
-
-_PRCTL = _resolve_prctl()
-"""libc's prctl, resolved here in the parent: a dlopen in the child of a threaded parent can deadlock on the
-loader's lock held by another thread at fork time (seen as a role that never started under `kvpool up`)."""
-
-
-def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """In a child before exec: receive SIGTERM when the parent dies (Linux `PR_SET_PDEATHSIG`)."""
-    if _PRCTL is not None:
-        with contextlib.suppress(Exception):
-            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent(argv: Sequence[str]) -> list[str]:
+    """`argv` wrapped so that the child it starts receives SIGTERM when this process dies (Linux
+    `PR_SET_PDEATHSIG`, armed by `kvpool.rpc.deathsig` before it execs `argv`); `argv` unchanged elsewhere.
+    Start it without a `preexec_fn` (see `kvpool.rpc.deathsig`)."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-m", "kvpool.rpc.deathsig", str(os.getpid()), "--", *argv]

@@ -7,19 +7,22 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from kvpool.config import KVPoolSettings, check_host_port
+from kvpool.config import KVPoolSettings, check_masters
 from kvpool.prompt import DEFAULT_MAX_PROMPT_TOKENS
 
 
 class ServingSettings(KVPoolSettings):
     """Settings of a serving node (env `KVPOOL_<FIELD>`, or a TOML file, or CLI flags)."""
 
-    master: str = Field(default="127.0.0.1:50051", description="master host:port")
+    master: str = Field(
+        default="127.0.0.1:50051",
+        description="master host:port (host:port,host:port...: masters in HA, the leader followed)",
+    )
 
     @field_validator("master")
     @classmethod
     def _master_address(cls, value: str) -> str:
-        return check_host_port(value)
+        return check_masters(value)
 
     master_wait_s: float = Field(
         default=30.0,

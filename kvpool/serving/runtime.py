@@ -1,4 +1,4 @@
-"""What a serving node holds: the model runner, its calibration, pool clients, the connector, the agent.
+"""What a serving node holds: the model runner, its calibration, pool clients, the connector, the master link.
 
 Built once at node start-up by `NodeRuntime.start`; shared by the prefill and decode servicers.
 """
@@ -10,15 +10,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kvpool.connector.agent import NodeAgent
+from kvpool.client.master_link import HeartbeatReport, MasterLink, new_epoch
 from kvpool.connector.connector import KVConnector
 from kvpool.connector.local_tier import LocalTier
 from kvpool.prompt import reusable_tokens
 from kvpool.serving.common import ServingSettings
 from kvpool.serving.metrics import LatencyMetric, MeteredTransport, ServingMetrics
-from kvpool.types import NamespaceId
+from kvpool.types import NamespaceId, NodeInfo
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ class NodeRuntime:
     pool: PoolClient
     transport: MeteredTransport
     connector: KVConnector
-    agent: NodeAgent | None
+    link: MasterLink | None
     model_lock: threading.Lock
     role: str
     metrics: ServingMetrics
@@ -50,7 +50,7 @@ class NodeRuntime:
     def start(
         cls, settings: ServingSettings, *, role: str, latency: LatencyMetric | None = None
     ) -> NodeRuntime:
-        """Load the model, calibrate, connect to the master and the pool. `agent` starts later (`attach`).
+        """Load the model, calibrate, connect to the master and the pool. `link` starts later (`attach_link`).
         `latency`: the role's latency histogram in its metrics (None: none)."""
         from kvpool.client import MasterClient, PoolClient
         from kvpool.model import ModelRunner, calibrate_recompute
@@ -99,48 +99,48 @@ class NodeRuntime:
             metrics,
         )
 
-    def attach_agent(
+    def attach_link(
         self,
         grpc_address: str,
-        load_fn: Callable[[], dict[str, Any]] | None,
+        report: Callable[[], HeartbeatReport] | None,
         on_fatal: Callable[[str], None] | None = None,
     ) -> None:
-        """Register with the master and start heartbeating; raises the master's refusal (e.g. `AlreadyExists`:
-        a live node holds this node id). `on_fatal(message)`: a later re-registration was refused."""
-        agent = NodeAgent(
+        """Register with the master and start heartbeating (each carries `report()`); raises the master's
+        refusal (e.g. `AlreadyExists`: a live node holds this node id) or that it cannot be reached.
+        `on_fatal(message)`: a later re-registration was refused."""
+        node = NodeInfo(self.settings.node_id, self.role, grpc_address, "", new_epoch())
+        link = MasterLink(
             self.master,
-            node_id=self.settings.node_id,
-            role=self.role,
-            grpc_address=grpc_address,
+            node,
             layout_fingerprint=self.runner.layout.fingerprint(),
-            load_fn=load_fn,
+            report=report,
             on_heartbeat=self.connector.report_local_events,
             on_reconnect=self.connector.breaker.probe_soon,  # the master is back: probe the pool now
             on_fatal=on_fatal,
             on_flush_epoch=self.connector.note_flush_epoch,  # moved: a namespace was invalidated
         )
-        self.agent = agent  # GetInfo answers with this epoch from the registration on
-        agent.start()
+        self.link = link  # GetInfo answers with this epoch from the registration on
+        link.start()
 
     def info(self) -> pb.GetInfoResponse:
-        """`kvpool.v1.GetInfoResponse` for this node (epoch 0 and no address until the agent registered)."""
+        """`kvpool.v1.GetInfoResponse` for this node (epoch 0 and no address until the link registered)."""
         from kvpool.v1 import kvpool_pb2 as pb
 
-        agent = self.agent
+        me = self.link.node if self.link is not None else None
         node = pb.NodeEndpoint(
             node_id=self.settings.node_id,
             role=self.role,
-            grpc_address=agent.grpc_address if agent is not None else "",
-            epoch=agent.epoch if agent is not None else 0,
+            grpc_address=me.grpc_address if me is not None else "",
+            epoch=me.epoch if me is not None else 0,
         )
         return pb.GetInfoResponse(node=node, layout_fingerprint=self.runner.layout.fingerprint())
 
     def namespace(self, cache_salt: str) -> NamespaceId:
         """The namespace digest for this model and tenant salt (registered with the master once)."""
         ns = self.runner.namespace(cache_salt=cache_salt)
-        if self.agent is None:
+        if self.link is None:
             return ns.digest()
-        return self.agent.namespace(ns)
+        return self.link.namespaces.namespace(ns)
 
     def compute_prompt(self, tokens: Sequence[int], loaded: LoadedPrefix) -> tuple[torch.Tensor, KVPrefix]:
         """Scatter a load's blocks and prefill the rest of `tokens` (>= the last token) on them.
@@ -165,8 +165,9 @@ class NodeRuntime:
         }
 
     def close(self) -> None:
-        if self.agent is not None:
-            self.agent.stop()
+        if self.link is not None:
+            self.link.stop()
+        self.connector.close()  # the queued lease releases, while the master client is open
         try:
             self.transport.close()
         finally:

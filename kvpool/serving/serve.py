@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from kvpool.client.master_link import HeartbeatReport
 from kvpool.errors import KVPoolError
 from kvpool.metrics import address_of, maybe_start
 from kvpool.rpc.process import print_ready
@@ -18,6 +19,7 @@ from kvpool.rpc.server import start_server
 from kvpool.serving.common import ServingSettings
 from kvpool.serving.metrics import LatencyMetric
 from kvpool.serving.runtime import NodeRuntime
+from kvpool.types import NodeLoad
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +77,12 @@ def serve_node(
         rt.metrics.registry, enabled=settings.metrics, host=settings.bind_host, port=settings.metrics_port
     )
 
-    def load() -> dict[str, Any]:
-        return {"queue_len": queue_len(), **rt.load_info()}
+    def report() -> HeartbeatReport:
+        return HeartbeatReport(load=NodeLoad(queue_len=queue_len(), **rt.load_info()))
 
     def shutdown() -> None:
-        if rt.agent is not None:
-            rt.agent.stop()  # deregister first: the router stops sending new requests here
+        if rt.link is not None:
+            rt.link.stop()  # deregister first: the router stops sending new requests here
         server.stop(1.0)
         if metrics is not None:
             metrics.stop()
@@ -95,7 +97,7 @@ def serve_node(
         stop.set()
 
     try:
-        rt.attach_agent(address, load, on_fatal=on_fatal)
+        rt.attach_link(address, report, on_fatal=on_fatal)
     except BaseException:
         shutdown()  # refused (or no master): release the port and threads before the caller hears why
         raise

@@ -12,18 +12,19 @@ import threading
 from typing import Any
 
 from kvpool.capability import Capabilities, WallClock, process_capabilities
+from kvpool.client import MasterClient
+from kvpool.client.master_link import HeartbeatReport, MasterLink
 from kvpool.errors import KVPoolError, Unauthenticated
-from kvpool.membership import MASTER_CALL_METADATA, check_master_call
+from kvpool.membership import MASTER_CALL_METADATA, check_master_call, store_proof
 from kvpool.metrics import MetricsServer, address_of, maybe_start
 from kvpool.rpc.guards import MetadataGuard
 from kvpool.rpc.server import GrpcServer, start_server
-from kvpool.store.master_link import MasterLink
 from kvpool.store.metrics import MeteredHandler, StoreMetrics
 from kvpool.store.segment import Segment
 from kvpool.store.service import StoreServicer
 from kvpool.store.settings import StoreSettings
 from kvpool.store.slots import SlotTable
-from kvpool.types import Clock
+from kvpool.types import Clock, NodeInfo
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -53,14 +54,20 @@ class StoreNode:
         self._stop = threading.Event()
         self.fatal: str | None = None
         self._reaper = threading.Thread(target=self._reap, name="kvpool-store-reaper", daemon=True)
-        self.master = MasterLink(
-            settings.master,
-            endpoint=self.endpoint,
-            layout_fingerprint=self.layout.fingerprint(),
-            table=self.table,
-            heartbeat_interval_ms=settings.heartbeat_interval_ms,
-            on_fatal=self._on_fatal,
-        )
+        self.master: MasterLink | None = None  # standalone without a master
+        if settings.master:
+            self.master = MasterLink(
+                MasterClient(settings.master),
+                self.node_info,
+                layout_fingerprint=self.layout.fingerprint(),
+                num_slots=self.table.num_slots,
+                block_nbytes=self.table.block_nbytes,
+                prove=self._prove if self.table.capabilities is not None else None,
+                report=self._report,
+                on_unsent=lambda report: self.table.requeue_freed(report.freed_slots),
+                on_fatal=self._on_fatal,
+                heartbeat_interval_ms=settings.heartbeat_interval_ms,
+            )
 
     @property
     def grpc_address(self) -> str:
@@ -78,6 +85,28 @@ class StoreNode:
             data_address=self.data_address,
             epoch=self.epoch,
         )
+
+    def node_info(self) -> NodeInfo:
+        """The store as it registers with the master."""
+        return NodeInfo(self.node_id, "store", self.grpc_address, self.data_address, self.epoch)
+
+    def _prove(self, node: NodeInfo, challenge: bytes) -> bytes:
+        """The membership proof answering the master's join challenge (`kvpool.membership`)."""
+        caps = self.table.capabilities
+        assert caps is not None  # only asked when the store holds the cluster secret
+        return store_proof(
+            caps,
+            challenge,
+            node_id=node.node_id,
+            role=node.role,
+            epoch=node.epoch,
+            grpc_address=node.grpc_address,
+            data_address=node.data_address,
+        )
+
+    def _report(self) -> HeartbeatReport:
+        """A heartbeat's frees since the last one (put back when it fails) and the used-slot count."""
+        return HeartbeatReport(freed_slots=self.table.drain_freed(), num_used_slots=self.table.num_used)
 
     def start(self) -> None:
         from transfer import UcxBlockServer
@@ -117,15 +146,17 @@ class StoreNode:
             advertise_host=self.host,
         )
         self._reaper.start()
-        self.master.start()
         # Ready only once the master has answered the first registration: a refusal (a layout mismatch, a
         # node id held by a live store) raises here; an unreachable master does not (retried in the
         # background: a pool may start its stores first).
-        try:
-            self.master.wait_first_answer()
-        except BaseException:
-            self.stop()  # refused: release the ports and threads before the caller hears why
-            raise
+        if self.master is None:
+            log.info("no master configured: standalone store")
+        else:
+            try:
+                self.master.start(require_master=False)
+            except BaseException:
+                self.stop()  # refused: release the ports and threads before the caller hears why
+                raise
         log.info("store %s: grpc %s, data %s", self.node_id, self.grpc_address, self.data_address)
 
     def ready_info(self) -> dict[str, Any]:
@@ -147,7 +178,9 @@ class StoreNode:
 
     def stop(self) -> None:
         self._stop.set()
-        self.master.stop()
+        if self.master is not None:
+            self.master.stop()
+            self.master.master.close()
         if self._grpc is not None:
             self._grpc.stop(0.5)
         if self._data is not None:

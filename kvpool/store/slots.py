@@ -14,7 +14,7 @@ that operation, not yet expired; without one the block is refused with `Permissi
 With a shared segment and without capabilities, each slot's generation, checksum and readable flag
 (COMMITTED, no free pending) live in `shared_state`, which same-host readers map to copy without asking
 first (transfer/slot_state.py): a release clears the flag and bumps the generation before the slot can be
-written again. Implements `transfer.BlockHandler`. Thread-safe (one lock; the checksum of a write is
+written again. Implements `transfer.BlockHandler` (its reads and writes: kvpool/store/slot_io.py). Thread-safe (one lock; the checksum of a write is
 computed outside it).
 """
 
@@ -26,17 +26,15 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from kvpool.capability import READ, WRITE, Capabilities
+from kvpool.capability import Capabilities
 from kvpool.errors import (
-    AlreadyExists,
-    ChecksumMismatch,
     FailedPrecondition,
     InvalidArgument,
-    LeaseExpired,
     StaleGeneration,
 )
 from kvpool.store.fence import EpochFence
 from kvpool.store.segment import Segment
+from kvpool.store.slot_io import SlotDataPlane
 from kvpool.store.slot_types import (  # noqa: F401 - FIRST_GENERATION, Reservation: this module's API
     _COMMITTED,
     _FREE,
@@ -50,7 +48,6 @@ from kvpool.store.slot_types import (  # noqa: F401 - FIRST_GENERATION, Reservat
 )
 from kvpool.types import HASH_NBYTES, Clock, InventoryItem, MonotonicClock
 from transfer.slot_state import SharedSlotState
-from transfer.xxh3 import checksum as block_checksum
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +64,7 @@ def _shared_state(segment: Segment, capabilities: Capabilities | None) -> Shared
         return None
 
 
-class SlotTable:
+class SlotTable(SlotDataPlane):
     """The store's slots over one `Segment`; `clock` decides write-lease expiry; `capabilities` (None:
     off) check the capability of every read and write for store node `node_id`."""
 
@@ -287,163 +284,3 @@ class SlotTable:
         with self._lock:
             self._check_slot(slot)
             return SlotState(int(self._state[slot])), int(self._gen[slot])
-
-    # ---------------------------------------------------------------- data plane (transfer.BlockHandler)
-
-    def begin_read(
-        self, slot: int, generation: int, nbytes: int, capability: bytes = b"", expiry_ms: int = 0
-    ) -> tuple[memoryview, int]:
-        with self._lock:
-            return self._begin_read(slot, generation, nbytes, capability, expiry_ms)
-
-    def begin_reads(
-        self, reads: Sequence[tuple[int, int, int, bytes, int]]
-    ) -> list[tuple[memoryview, int] | Exception]:
-        """`begin_read` of each (slot, generation, nbytes, capability, expiry_ms) under one lock: per read,
-        its (bytes, stored checksum) or the exception `begin_read` would raise. Each success needs its
-        `end_read` (or one `end_reads`)."""
-        out: list[tuple[memoryview, int] | Exception] = []
-        with self._lock:
-            if (fast := self._begin_reads_at_once(reads)) is not None:
-                return fast
-            for slot, generation, nbytes, capability, expiry_ms in reads:
-                try:
-                    out.append(self._begin_read(slot, generation, nbytes, capability, expiry_ms))
-                except Exception as exc:  # noqa: BLE001 - a per-read result, as from begin_read
-                    out.append(exc)
-        return out
-
-    def begin_reads_array(self, reads: np.ndarray) -> tuple[memoryview, np.ndarray, np.ndarray] | None:
-        """`begin_reads` of a batch as one integer array (n, 3) of (slot, generation, nbytes), without
-        capabilities (the same-host `mread` path, transfer/mread_wire.py): when every read passes every
-        check, all are begun and returned as (the segment's buffer, each block's start in it in bytes,
-        stored checksums), both uint64 (n,); else None and nothing is begun (`begin_reads` then names each
-        failure). A few array operations instead of ~1.5 us of Python a block."""
-        with self._lock:
-            return self._begin_reads_array(reads)
-
-    def _begin_reads_at_once(
-        self, reads: Sequence[tuple[int, int, int, bytes, int]]
-    ) -> list[tuple[memoryview, int] | Exception] | None:
-        """`begin_reads` through `_begin_reads_array` when capabilities are off and there are enough reads
-        to gain from it; None when it does not apply or any read would fail. Lock held."""
-        if self.capabilities is not None or len(reads) < 8 or not all(type(r[0]) is int for r in reads):
-            return None
-        try:
-            req = np.array([r[:3] for r in reads])
-        except (ValueError, OverflowError):  # ragged or huge: the per-read path says what is wrong
-            return None
-        if (got := self._begin_reads_array(req)) is None:
-            return None
-        buf, nb = got[0], self.block_nbytes
-        return [(buf[s : s + nb], c) for s, c in zip(got[1].tolist(), got[2].tolist(), strict=True)]
-
-    def _begin_reads_array(self, req: np.ndarray) -> tuple[memoryview, np.ndarray, np.ndarray] | None:
-        if self.capabilities is not None or req.dtype.kind not in "iu" or req.ndim != 2 or req.shape[1] != 3:
-            return None
-        if not len(req) or req.min() < 0:
-            return None
-        slots = req[:, 0]
-        if slots.max() >= self.num_slots or (req[:, 2] != self.block_nbytes).any():
-            return None
-        if (self._gen[slots] != req[:, 1].astype(np.uint64)).any() or (
-            self._state[slots] != _COMMITTED
-        ).any():
-            return None
-        listed = slots.tolist()
-        if self._free_pending and not self._free_pending.isdisjoint(listed):
-            return None
-        np.add.at(self._readers, slots, 1)
-        self.num_inflight += len(listed)
-        starts = slots.astype(np.uint64) * np.uint64(self.block_nbytes)
-        return self.segment.buffer, starts, self._checksum[slots]
-
-    def _begin_read(
-        self, slot: int, generation: int, nbytes: int, capability: bytes, expiry_ms: int
-    ) -> tuple[memoryview, int]:
-        self._check_slot(slot)
-        self._check_nbytes(nbytes)
-        self._check_gen(slot, generation)
-        self._check_capability(READ, slot, generation, capability, expiry_ms)
-        if slot in self._free_pending:
-            raise StaleGeneration(f"slot {slot} generation {generation} is being freed")
-        if int(self._state[slot]) != _COMMITTED:
-            raise FailedPrecondition(
-                f"slot {slot} is {SlotState(int(self._state[slot])).name}, not committed"
-            )
-        self._readers[slot] += 1
-        self.num_inflight += 1
-        return self.segment.slot_view(slot), int(self._checksum[slot])
-
-    def end_read(self, slot: int) -> None:
-        self.end_reads((slot,))
-
-    def end_reads(self, slots: Iterable[int]) -> None:
-        """`end_read` of each slot, under one lock."""
-        with self._lock:
-            for slot in slots:
-                if self._readers[slot] <= 0:
-                    continue
-                self._readers[slot] -= 1
-                self.num_inflight -= 1
-                self._maybe_finish_free(slot)
-
-    def begin_write(
-        self, slot: int, generation: int, nbytes: int, capability: bytes = b"", expiry_ms: int = 0
-    ) -> memoryview:
-        return self._begin_write(slot, generation, nbytes, (capability, expiry_ms))
-
-    def begin_copy_write(self, slot: int, generation: int, nbytes: int) -> memoryview:
-        """`begin_write` for this store's own copy of a block it pulls on a master's `CopyBlocks` order
-        (re-replication): the order came over the control plane, so no data-plane capability applies."""
-        return self._begin_write(slot, generation, nbytes, None)
-
-    def _begin_write(
-        self, slot: int, generation: int, nbytes: int, grant: tuple[bytes, int] | None
-    ) -> memoryview:
-        with self._lock:
-            self._check_slot(slot)
-            self._check_nbytes(nbytes)
-            self._check_gen(slot, generation)
-            if grant is not None:
-                self._check_capability(WRITE, slot, generation, *grant)
-            state = int(self._state[slot])
-            if state in (_WRITTEN, _COMMITTED):
-                raise AlreadyExists(
-                    f"slot {slot} generation {generation} is {SlotState(int(state)).name} already"
-                )
-            if state != _RESERVED or slot in self._free_pending:
-                raise FailedPrecondition(f"slot {slot} is not reserved")
-            if self._writing[slot]:
-                raise FailedPrecondition(f"slot {slot} is being written by another transfer")
-            if self._meta[slot].lease_expiry_ms <= self._clock.now_ms():
-                raise LeaseExpired(f"the write lease of slot {slot} expired")
-            self._writing[slot] = True
-            self.num_inflight += 1
-            return self.segment.slot_view(slot)
-
-    def end_write(
-        self, slot: int, generation: int, checksum: int, ok: bool, landed_checksum: int | None = None
-    ) -> None:
-        if not ok:
-            got = 0
-        elif landed_checksum is not None:  # hashed by the transport once the bytes landed
-            got = landed_checksum
-        else:
-            got = block_checksum(self.segment.slot_view(slot))
-        with self._lock:
-            if not self._writing[slot]:
-                return
-            self._writing[slot] = False
-            self.num_inflight -= 1
-            try:
-                if slot in self._free_pending or int(self._gen[slot]) != generation:
-                    raise StaleGeneration(f"slot {slot} was freed during the write")
-                if not ok:
-                    return  # stays RESERVED: the writer may retry within its lease
-                if got != checksum:
-                    raise ChecksumMismatch(f"slot {slot}: bytes hash to {got:#x}, writer said {checksum:#x}")
-                self._state[slot] = _WRITTEN
-                self._checksum[slot] = checksum
-            finally:
-                self._maybe_finish_free(slot)

@@ -297,6 +297,20 @@ class ReleaseLeaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ReleaseLeasesRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseLeasesResponse(_message.Message):
+    __slots__ = ("num_released", "num_not_found")
+    NUM_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    NUM_NOT_FOUND_FIELD_NUMBER: _ClassVar[int]
+    num_released: int
+    num_not_found: int
+    def __init__(self, num_released: _Optional[int] = ..., num_not_found: _Optional[int] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
     __slots__ = ("namespace", "parent_hash", "block_hashes", "num_replicas", "block_nbytes", "recompute_cost_s", "write_lease_ms", "request_id", "writer_node_id", "flush_epoch")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

@@ -84,6 +84,11 @@ class MasterStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ReleaseLeaseRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
+        self.ReleaseLeases = channel.unary_unary(
+                '/kvpool.v1.Master/ReleaseLeases',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ReleaseLeasesRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ReleaseLeasesResponse.FromString,
+                _registered_method=True)
         self.Reserve = channel.unary_unary(
                 '/kvpool.v1.Master/Reserve',
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ReserveRequest.SerializeToString,
@@ -230,6 +235,12 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseLease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLeases(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -391,6 +402,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ReleaseLease,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ReleaseLeaseRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'ReleaseLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLeases,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ReleaseLeasesRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.ReleaseLeasesResponse.SerializeToString,
             ),
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
@@ -748,6 +764,33 @@ class Master:
             '/kvpool.v1.Master/ReleaseLease',
             kvpool_dot_v1_dot_kvpool__pb2.ReleaseLeaseRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/ReleaseLeases',
+            kvpool_dot_v1_dot_kvpool__pb2.ReleaseLeasesRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.ReleaseLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,

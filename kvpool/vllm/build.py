@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from kvpool.connector.agent import REFUSALS, NodeAgent
+from kvpool.client.master_link import REFUSALS, HeartbeatReport, MasterLink, new_epoch
 from kvpool.connector.connector import KVConnector
 from kvpool.connector.local_tier import LocalTier
 from kvpool.cost import RecomputeModel
 from kvpool.errors import FailedPrecondition
-from kvpool.types import KVLayout
+from kvpool.types import KVLayout, NodeInfo, NodeLoad
 from kvpool.vllm.identity import Namespaces, engine_identity, model_identity, resolve_model_dir
 from kvpool.vllm.layout import CPU_VEC, NHD, PagedLayout
 from kvpool.vllm.publisher import Publisher
@@ -126,18 +126,13 @@ def build_scheduler(
         margin=settings.cost_margin,
     )
     namespaces = Namespaces(model_id=model_id, weights_version=weights_version, layout=layout, engine=engine)
-    agent = NodeAgent(
-        master,
-        node_id=node_id,
-        role=settings.master_role,
-        grpc_address="",
-        layout_fingerprint=layout.fingerprint(),
-        on_flush_epoch=connector.note_flush_epoch,
-        url=settings.url,
-        engine_namespace=namespaces.base,  # a router rebuilds this engine's namespaces from it
+    # a router rebuilds this engine's namespaces from `engine_namespace`
+    node = NodeInfo(node_id, settings.master_role, "", "", new_epoch(), settings.url, namespaces.base)
+    link = MasterLink(
+        master, node, layout_fingerprint=layout.fingerprint(), on_flush_epoch=connector.note_flush_epoch
     )
     try:
-        agent.start(require_master=False)
+        link.start(require_master=False)
     except REFUSALS as exc:
         master.close()
         raise FailedPrecondition(
@@ -154,14 +149,15 @@ def build_scheduler(
     )
     half = SchedulerHalf(
         connector=connector,
-        agent=agent,
+        link=link,
         namespaces=namespaces,
         match_wait_s=settings.match_wait_s,
         load_async=settings.load_async,
         save_decode_blocks=settings.save_decode_blocks,
         pd_wait_s=settings.pd_wait_s,
     )
-    agent.load_fn = half.load  # heartbeats carry the engine's requests in flight and KV usage
+    # heartbeats carry the engine's requests in flight and KV usage
+    link.report = lambda: HeartbeatReport(load=NodeLoad(**half.load()))
     return half
 
 

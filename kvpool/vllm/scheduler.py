@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from kvpool.connector.agent import NodeAgent
+from kvpool.client.master_link import MasterLink
 from kvpool.connector.connector import KVConnector
 from kvpool.connector.plan import LoadPlan
 from kvpool.errors import DeadlineExceeded, Unavailable
@@ -47,14 +47,14 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerHalf:
-    """Owns the master link (an agent registered as role `vllm`, `vllm-prefill` or `vllm-decode`), the decision
+    """Owns the master link (registered as role `vllm`, `vllm-prefill` or `vllm-decode`), the decision
     connector and request states."""
 
     def __init__(
         self,
         *,
         connector: KVConnector,
-        agent: NodeAgent,
+        link: MasterLink,
         namespaces: Namespaces,
         match_wait_s: float,
         load_async: bool = False,
@@ -63,7 +63,7 @@ class SchedulerHalf:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.connector = connector
-        self.agent = agent
+        self.link = link
         self.namespaces = namespaces
         self.block_size = connector.block_size
         self.match_wait_s = match_wait_s
@@ -147,7 +147,9 @@ class SchedulerHalf:
             # vLLM holds every reusable block itself: nothing to ask. Its blocks came from this engine's
             # earlier requests, which published them (or loaded them from the pool): saves start after them.
             st.num_saved_blocks = max(st.num_saved_blocks, num_computed_tokens // self.block_size)
-            if not self.agent.known(st.digest):  # a new namespace still needs registering for the saves
+            if not self.link.namespaces.known(
+                st.digest
+            ):  # a new namespace still needs registering for the saves
                 self._matcher.submit(self._register, st.ns)
             return st
         tokens = list(request.all_token_ids)
@@ -172,7 +174,7 @@ class SchedulerHalf:
 
     def _register(self, ns: Namespace) -> None:
         try:
-            self.agent.namespace(ns)
+            self.link.namespaces.namespace(ns)
         except Exception as exc:  # noqa: BLE001 - the master is down: this request's blocks go unsaved
             log.debug("namespace registration failed: %s", exc)
 
@@ -186,7 +188,9 @@ class SchedulerHalf:
         count_hit: bool,
         wait_blocks: int = 0,
     ) -> LoadPlan:
-        digest = self.agent.namespace(ns)  # registered once with the master (raises when it is down)
+        digest = self.link.namespaces.namespace(
+            ns
+        )  # registered once with the master (raises when it is down)
         if wait_blocks:  # P/D decode: its prefill engine's last blocks may still be on their way
             got = wait_committed(self.connector.master, digest, hashes[:wait_blocks], self.pd_wait_s)
             if got < wait_blocks:
@@ -211,7 +215,7 @@ class SchedulerHalf:
         try:
             st.plan = st.future.result()
         except Exception as exc:  # noqa: BLE001 - a failed match is a miss
-            # an unreachable master is reported once per outage by the agent's heartbeats, not per request
+            # an unreachable master is reported once per outage by the link's heartbeats, not per request
             down = isinstance(exc, (Unavailable, DeadlineExceeded))
             log.log(
                 logging.DEBUG if down else logging.WARNING,
@@ -306,7 +310,7 @@ class SchedulerHalf:
 
     def _save_spec(self, st: RequestState, num_done_tokens: int, block_ids: list[int]) -> SaveSpec | None:
         """The blocks of `st` that became full (KV computed, tokens known) and are not saved yet."""
-        if st.ns is None or not self.agent.known(st.digest):
+        if st.ns is None or not self.link.namespaces.known(st.digest):
             return None  # the master never accepted the namespace: publishing would be refused
         req = st.request
         limit = min(num_done_tokens, req.num_tokens)
@@ -388,4 +392,5 @@ class SchedulerHalf:
             elif st.future is not None:
                 st.future.add_done_callback(self._release_late)
         self._reqs.clear()
-        self.agent.stop()  # deregisters: `kvpool admin nodes` drops the engine at once
+        self.connector.close()  # sends the queued lease releases (a late match's goes out at once)
+        self.link.stop()  # deregisters: `kvpool admin nodes` drops the engine at once

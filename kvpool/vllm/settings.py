@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvpool.config import check_host_port
+from kvpool.config import check_host_port, check_masters
 from kvpool.errors import InvalidArgument
 
 
@@ -22,7 +22,9 @@ class ConnectorSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    master: str = Field(description="the kvpool master's host:port (required)")
+    master: str = Field(
+        description="the kvpool master's host:port (required); host:port,host:port...: masters in HA"
+    )
     node_id: str = Field(default="", description="this engine's id at the master (default: vllm-<engine_id>)")
     lease_ttl_ms: int = Field(
         default=10_000, gt=0, description="read lease a request holds until its load ends"
@@ -74,7 +76,7 @@ class ConnectorSettings(BaseModel):
     @field_validator("master")
     @classmethod
     def _master(cls, value: str) -> str:
-        return check_host_port(value)
+        return check_masters(value)
 
     @field_validator("url")
     @classmethod

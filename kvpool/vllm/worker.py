@@ -276,6 +276,7 @@ class WorkerHalf:
             c.num_failed_jobs,
             c.num_dropped_jobs,
         )
+        self.connector.close()  # the queued lease releases, before the master link closes
         self.connector.transport.close()
         if self.connector.pool is not None:  # the worker's connector always publishes (build_worker)
             self.connector.pool.close()

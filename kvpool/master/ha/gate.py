@@ -5,10 +5,12 @@ and pays nothing. Per call it reads the election's role (a clock comparison, no 
 
 - the leader answers everything;
 - a standby answers only read-only status (`STATUS_METHODS`, health, reflection), so `kvpool admin` can
-  ask any master who leads; every other call is refused, naming the leader for the client to redirect;
+  ask any master who leads; every other call is refused, naming the leader for the client to redirect.
+  `ListNodes` is refused too: no node registers with a standby, and a router or engine given a list of
+  masters must get the leader's node list (or, in a failover, keep its last one), never an empty one;
 - a deposed leader (its lease lost or etcd out of reach) also serves reads of its index (`READ_METHODS`:
-  matches and their read leases, which stores still honour until a newer leader's epoch fences them) and
-  refuses every write (registration, heartbeats, reservations, commits, evictions, drains...).
+  its node list, matches and their read leases, which stores still honour until a newer leader's epoch
+  fences them) and refuses every write (registration, heartbeats, reservations, commits, evictions...).
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ import grpc
 from kvpool.master.ha.election import DEPOSED, LEADER, Election
 
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-STATUS_METHODS = frozenset(
-    f"/kvpool.v1.Master/{name}" for name in ("Stats", "ListNodes", "ListAdapters", "Masters")
-)
+STATUS_METHODS = frozenset(f"/kvpool.v1.Master/{name}" for name in ("Stats", "ListAdapters", "Masters"))
 READ_METHODS = STATUS_METHODS | frozenset(
-    f"/kvpool.v1.Master/{name}" for name in ("MatchPrefix", "MatchPrefixStream", "RenewLease", "ReleaseLease")
+    f"/kvpool.v1.Master/{name}"
+    for name in (
+        "ListNodes",
+        "MatchPrefix",
+        "MatchPrefixStream",
+        "RenewLease",
+        "ReleaseLease",
+        "ReleaseLeases",
+    )
 )
 
 
