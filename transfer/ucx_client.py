@@ -52,8 +52,8 @@ class UcxTransport:
     connection to a peer probes the link (`probe_pings` tiny round trips for alpha, `probe_bytes` for beta).
 
     A read that misses its deadline while the peer answers is slow (`TransferTimedOut` per block): what
-    has not started moving is withdrawn and drained, what moves may land for up to another `timeout_s`
-    (so a read returns within twice its deadline), the peer is not backed off and the connections stay
+    has not started moving is withdrawn and drained, what moves may land while the peer is heard, for up
+    to max(`timeout_s`, `peer_stall_s`) more, the peer is not backed off and the connections stay
     (`transfer.ucx_deadline`). The peer is lost (`PeerLost`; backed off for `peer_backoff_s`, doubling)
     only on a connection failure or when nothing was heard from it for `peer_stall_s` while a transfer
     waited.
@@ -183,7 +183,7 @@ class UcxTransport:
             coro.close()
             return [(False, 0, "transport closed")] * n
         try:
-            return self._rt.run(coro, 2 * timeout_s + 5.0)  # bytes moving at the deadline may land
+            return self._rt.run(coro, 2 * timeout_s + self._stall_s + 5.0)  # moving bytes may land late
         except Exception as exc:  # noqa: BLE001 - per-block results, never a raise
             return [(False, 0, _err(exc))] * n
 
@@ -268,9 +268,10 @@ class UcxTransport:
         polling (a polling loop thread would hold the GIL and a core the copying threads need).
 
         At the deadline: with `late` (reads over UCX) its expiry fires and each chunk withdraws what has
-        not started moving (`transfer.ucx_deadline`); bytes already moving may land for up to another
-        `timeout_s`. A chunk still running then is cancelled, and a write's or a late read's connection
-        aborted (bytes may still move from or into the caller's buffers); a mapped read stops its copies.
+        not started moving (`transfer.ucx_deadline`); bytes already moving may land while the peer is
+        heard, for up to max(`timeout_s`, `stall_s`) more (`_let_land`). A chunk still running then is
+        cancelled, and a write's or a late read's connection aborted (bytes may still move from or into
+        the caller's buffers); a mapped read stops its copies and keeps its connection.
         The peer is backed off only when lost: a connection failed, or nothing heard for `stall_s`."""
         results: list[tuple[bool, int, str]] = [(False, 0, "deadline passed")] * n
         per_msg = MAX_BLOCKS_PER_MESSAGE if mapped else self._per_msg
@@ -305,7 +306,7 @@ class UcxTransport:
                 for k, task in enumerate(tasks):
                     if used[k] is None:
                         task.cancel()  # still connecting: nothing to wait for
-                _, pending = await asyncio.wait(pending, timeout=timeout_s)
+                pending = await self._let_land(peer, pending, t0, max(timeout_s, self._stall_s))
             for task in pending:
                 task.cancel()
             if pending:
@@ -339,6 +340,17 @@ class UcxTransport:
             for i in idxs:
                 results[i] = (False, 0, f"transfer to {peer} failed: {why}")
         return results
+
+    async def _let_land(self, peer: str, pending: set[Any], since_s: float, limit_s: float) -> set[Any]:
+        """Wait for `pending` (chunks whose bytes already move) while the peer is heard, at most `limit_s`;
+        the ones still running."""
+        end = time.monotonic() + limit_s
+        while pending and (left := end - time.monotonic()) > 0:
+            _, pending = await asyncio.wait(pending, timeout=min(left, self._stall_s / 4))
+            p = self._peers.get(peer)
+            if pending and (p is None or p.silent_s(since_s) >= self._stall_s):
+                break
+        return pending
 
     async def _read(
         self, peer: str, reads: Sequence[BlockRead], views: Sequence[memoryview], timeout_s: float
