@@ -28,7 +28,7 @@ from transfer.base import (
 )
 from transfer.shared_segment import StopFlag
 from transfer.ucx_conn import Conn, PeerConns, PeerRefused
-from transfer.ucx_deadline import DEFAULT_STALL_S, Expiry
+from transfer.ucx_deadline import DEFAULT_STALL_S, Expiry, let_land
 from transfer.ucx_mapped import mapped_read, optimistic_read
 from transfer.ucx_messages import Late, read_message, write_message
 from transfer.ucx_runtime import (
@@ -269,7 +269,7 @@ class UcxTransport:
 
         At the deadline: with `late` (reads over UCX) its expiry fires and each chunk withdraws what has
         not started moving (`transfer.ucx_deadline`); bytes already moving may land while the peer is
-        heard, for up to max(`timeout_s`, `stall_s`) more (`_let_land`). A chunk still running then is
+        heard, for up to max(`timeout_s`, `stall_s`) more (`ucx_deadline.let_land`). A chunk still running then is
         cancelled, and a write's or a late read's connection aborted (bytes may still move from or into
         the caller's buffers); a mapped read stops its copies and keeps its connection.
         The peer is backed off only when lost: a connection failed, or nothing heard for `stall_s`."""
@@ -306,7 +306,8 @@ class UcxTransport:
                 for k, task in enumerate(tasks):
                     if used[k] is None:
                         task.cancel()  # still connecting: nothing to wait for
-                pending = await self._let_land(peer, pending, t0, max(timeout_s, self._stall_s))
+                silent = lambda: (q := self._peers.get(peer)) is None or q.silent_s(t0) >= self._stall_s  # noqa: E731
+                pending = await let_land(pending, silent, self._stall_s, max(timeout_s, self._stall_s))
             for task in pending:
                 task.cancel()
             if pending:
@@ -340,17 +341,6 @@ class UcxTransport:
             for i in idxs:
                 results[i] = (False, 0, f"transfer to {peer} failed: {why}")
         return results
-
-    async def _let_land(self, peer: str, pending: set[Any], since_s: float, limit_s: float) -> set[Any]:
-        """Wait for `pending` (chunks whose bytes already move) while the peer is heard, at most `limit_s`;
-        the ones still running."""
-        end = time.monotonic() + limit_s
-        while pending and (left := end - time.monotonic()) > 0:
-            _, pending = await asyncio.wait(pending, timeout=min(left, self._stall_s / 4))
-            p = self._peers.get(peer)
-            if pending and (p is None or p.silent_s(since_s) >= self._stall_s):
-                break
-        return pending
 
     async def _read(
         self, peer: str, reads: Sequence[BlockRead], views: Sequence[memoryview], timeout_s: float

@@ -50,6 +50,17 @@ class Expiry:
             callback()
 
 
+async def let_land(pending: set[Any], silent: Callable[[], bool], stall_s: float, limit_s: float) -> set[Any]:
+    """Wait for the tasks `pending` (transfers whose bytes already move) for at most `limit_s`, stopping
+    early once `silent()` (nothing heard from the peer for `stall_s`); returns the ones still running."""
+    end = time.monotonic() + limit_s
+    while pending and (left := end - time.monotonic()) > 0:
+        _, pending = await asyncio.wait(pending, timeout=min(left, stall_s / 4))
+        if pending and silent():
+            break
+    return pending
+
+
 async def until(fut: asyncio.Future[Any], expiry: Expiry) -> tuple[bool, Any]:
     """(True, `fut`'s result) once it is done, or (False, None) when `expiry` fires first (`fut` is left
     as it is). Raises what `fut` raises."""
