@@ -51,12 +51,9 @@ class UcxTransport:
     messages of `blocks_per_message` blocks spread over them, all in flight at once. The first
     connection to a peer probes the link (`probe_pings` tiny round trips for alpha, `probe_bytes` for beta).
 
-    A read that misses its deadline while the peer answers is slow (`TransferTimedOut` per block): what
-    has not started moving is withdrawn and drained, what moves may land while the peer is heard, for up
-    to max(`timeout_s`, `peer_stall_s`) more, the peer is not backed off and the connections stay
-    (`transfer.ucx_deadline`). The peer is lost (`PeerLost`; backed off for `peer_backoff_s`, doubling)
-    only on a connection failure or when nothing was heard from it for `peer_stall_s` while a transfer
-    waited.
+    A read that misses its deadline while the peer answers is slow (`TransferTimedOut`: no back-off, the
+    connections stay); the peer is lost (`PeerLost`: backed off) only on a connection failure or when
+    nothing was heard from it for `peer_stall_s` while a transfer waited (`transfer.ucx_deadline`).
 
     `map_local_segments`: read from a same-host store that shares its segment by copying from a read-only
     mapping of it (`transfer.shared_segment`): on the calling thread without a message where the store
@@ -269,10 +266,10 @@ class UcxTransport:
 
         At the deadline: with `late` (reads over UCX) its expiry fires and each chunk withdraws what has
         not started moving (`transfer.ucx_deadline`); bytes already moving may land while the peer is
-        heard, for up to max(`timeout_s`, `stall_s`) more (`ucx_deadline.let_land`). A chunk still running then is
+        heard, for up to max(`timeout_s`, `stall_s`) more (`let_land`). A chunk still running then is
         cancelled, and a write's or a late read's connection aborted (bytes may still move from or into
-        the caller's buffers); a mapped read stops its copies and keeps its connection.
-        The peer is backed off only when lost: a connection failed, or nothing heard for `stall_s`."""
+        the caller's buffers); a mapped read stops its copies and keeps its connection. The peer is
+        backed off only when lost: a connection failed, or nothing heard from it for `stall_s`."""
         results: list[tuple[bool, int, str]] = [(False, 0, "deadline passed")] * n
         per_msg = MAX_BLOCKS_PER_MESSAGE if mapped else self._per_msg
         chunks = [list(range(s, min(s + per_msg, n))) for s in range(0, n, per_msg)]
@@ -306,8 +303,9 @@ class UcxTransport:
                 for k, task in enumerate(tasks):
                     if used[k] is None:
                         task.cancel()  # still connecting: nothing to wait for
-                silent = lambda: (q := self._peers.get(peer)) is None or q.silent_s(t0) >= self._stall_s  # noqa: E731
-                pending = await let_land(pending, silent, self._stall_s, max(timeout_s, self._stall_s))
+                pending = await let_land(
+                    pending, lambda: self._silent(peer, t0), self._stall_s, max(timeout_s, self._stall_s)
+                )
             for task in pending:
                 task.cancel()
             if pending:
@@ -316,7 +314,7 @@ class UcxTransport:
         p = self._peers.get(peer)
         waited_s = time.monotonic() - t0
         stalled = bool(unfinished) and (
-            (p is not None and p.silent_s(t0) >= self._stall_s)  # connected, nothing heard
+            self._silent(peer, t0)  # connected, nothing heard
             or (waited_s >= self._stall_s and any(used[k] is None for k in unfinished))  # connecting
         )
         if any(lost) or stalled:
@@ -341,6 +339,11 @@ class UcxTransport:
             for i in idxs:
                 results[i] = (False, 0, f"transfer to {peer} failed: {why}")
         return results
+
+    def _silent(self, peer: str, since_s: float) -> bool:
+        """Nothing heard from `peer` for `stall_s` (counted from `since_s` at the earliest)."""
+        p = self._peers.get(peer)
+        return p is not None and p.silent_s(since_s) >= self._stall_s
 
     async def _read(
         self, peer: str, reads: Sequence[BlockRead], views: Sequence[memoryview], timeout_s: float
