@@ -10,7 +10,9 @@ from transfer.base import (
     BlockServer,
     BlockWrite,
     LinkEstimate,
+    PeerLost,
     TransferError,
+    TransferTimedOut,
     Transport,
 )
 from transfer.loopback import LoopbackBlockServer, LoopbackTransport
@@ -27,7 +29,9 @@ __all__ = [
     "LinkEstimate",
     "LoopbackBlockServer",
     "LoopbackTransport",
+    "PeerLost",
     "TransferError",
+    "TransferTimedOut",
     "Transport",
     "UcxBlockServer",
     "UcxTransport",

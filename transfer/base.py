@@ -18,6 +18,18 @@ class TransferError(Exception):
     """Moving a block's bytes failed (peer died, deadline passed, refused, checksum mismatch)."""
 
 
+class PeerLost(TransferError):
+    """The connection to the peer failed: an endpoint error, the peer closed it, no connection within the
+    connect timeout, or nothing heard from the peer for the transport's stall bound while a transfer
+    waited. The transport backs off from the peer (`transfer.backoff`)."""
+
+
+class TransferTimedOut(TransferError):
+    """A transfer missed its own deadline while the peer was answering (a slow transfer, e.g. one of a
+    convoy sharing the link): its unfinished blocks fail, the peer is not backed off and the connection
+    the other transfers share stays open."""
+
+
 @dataclass(frozen=True, slots=True)
 class BlockRead:
     """Read `nbytes` from `slot`, valid only while the slot is at `generation`.

@@ -21,13 +21,16 @@ from transfer.base import (
     LinkEstimate,
     LinkTracker,
     Overlap,
+    PeerLost,
     TransferError,
+    TransferTimedOut,
     validate_batch,
 )
 from transfer.shared_segment import StopFlag
 from transfer.ucx_conn import Conn, PeerConns, PeerRefused
+from transfer.ucx_deadline import DEFAULT_STALL_S, Expiry, let_land
 from transfer.ucx_mapped import mapped_read, optimistic_read
-from transfer.ucx_messages import read_message, write_message
+from transfer.ucx_messages import Late, read_message, write_message
 from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
     _err,
@@ -48,6 +51,10 @@ class UcxTransport:
     messages of `blocks_per_message` blocks spread over them, all in flight at once. The first
     connection to a peer probes the link (`probe_pings` tiny round trips for alpha, `probe_bytes` for beta).
 
+    A read that misses its deadline while the peer answers is slow (`TransferTimedOut`: no back-off, the
+    connections stay); the peer is lost (`PeerLost`: backed off) only on a connection failure or when
+    nothing was heard from it for `peer_stall_s` while a transfer waited (`transfer.ucx_deadline`).
+
     `map_local_segments`: read from a same-host store that shares its segment by copying from a read-only
     mapping of it (`transfer.shared_segment`): on the calling thread without a message where the store
     shares its slot state too (`transfer.slot_state`), else under the store's checks and pins; else over
@@ -63,6 +70,7 @@ class UcxTransport:
         probe_pings: int = 5,
         connect_timeout_s: float = 5.0,
         peer_backoff_s: float = 1.0,
+        peer_stall_s: float = DEFAULT_STALL_S,
         map_local_segments: bool = True,
     ) -> None:
         if endpoints_per_peer < 1 or not 1 <= blocks_per_message <= MAX_BLOCKS_PER_MESSAGE:
@@ -79,6 +87,7 @@ class UcxTransport:
         self._overlap = Overlap()  # only transfers that ran alone measure the link
         self._closed = False
         self._map_local = map_local_segments
+        self._stall_s = peer_stall_s
         self.backoff = PeerBackoff(first_s=peer_backoff_s)
         """Peers that could not be reached are skipped for a while (`transfer.backoff`)."""
 
@@ -171,7 +180,7 @@ class UcxTransport:
             coro.close()
             return [(False, 0, "transport closed")] * n
         try:
-            return self._rt.run(coro, timeout_s + 5.0)
+            return self._rt.run(coro, 2 * timeout_s + self._stall_s + 5.0)  # moving bytes may land late
         except Exception as exc:  # noqa: BLE001 - per-block results, never a raise
             return [(False, 0, _err(exc))] * n
 
@@ -245,7 +254,7 @@ class UcxTransport:
         )
 
     async def _batch(
-        self, peer: str, n: int, timeout_s: float, one: Any, *, mapped: bool = False
+        self, peer: str, n: int, timeout_s: float, one: Any, *, mapped: bool = False, late: Late | None = None
     ) -> list[tuple[bool, int, str]]:
         """Run `one(conn, indices, results)` per message chunk, all concurrently, under one deadline.
 
@@ -253,16 +262,23 @@ class UcxTransport:
         `mapped` (a read from a mapped segment): messages carry only slots and offsets, so one chunk of up
         to `MAX_BLOCKS_PER_MESSAGE` (the store grants a batch at ~2 us a block, a round trip costs ~0.4 ms
         here, and the copying threads need the cores more than the store needs more messages), and no
-        polling (a polling loop thread would hold the GIL and a core the copying threads need)."""
+        polling (a polling loop thread would hold the GIL and a core the copying threads need).
+
+        At the deadline: with `late` (reads over UCX) its expiry fires and each chunk withdraws what has
+        not started moving (`transfer.ucx_deadline`); bytes already moving may land while the peer is
+        heard, for up to max(`timeout_s`, `stall_s`) more (`let_land`). A chunk still running then is
+        cancelled, and a write's or a late read's connection aborted (bytes may still move from or into
+        the caller's buffers); a mapped read stops its copies and keeps its connection. The peer is
+        backed off only when lost: a connection failed, or nothing heard from it for `stall_s`."""
         results: list[tuple[bool, int, str]] = [(False, 0, "deadline passed")] * n
         per_msg = MAX_BLOCKS_PER_MESSAGE if mapped else self._per_msg
         chunks = [list(range(s, min(s + per_msg, n))) for s in range(0, n, per_msg)]
         done = [False] * len(chunks)
         used: list[Conn | None] = [None] * len(chunks)
         errors: list[str] = [""] * len(chunks)
-
-        refused = [False] * len(chunks)
-        keep = [False] * len(chunks)  # refused before anything moved: the connection stays
+        lost = [False] * len(chunks)  # the connection failed
+        keep = [False] * len(chunks)  # failed, but nothing can still move on its connection
+        t0 = time.monotonic()
 
         async def run(k: int) -> None:
             try:
@@ -270,17 +286,43 @@ class UcxTransport:
                 await one(conn, chunks[k], results)
                 done[k] = True
             except PeerRefused as exc:  # it answered: the link is fine
-                errors[k], refused[k], keep[k] = _err(exc), True, not exc.in_flight
-            except Exception as exc:  # noqa: BLE001 - the chunk fails as a whole
-                errors[k] = _err(exc)
+                errors[k], keep[k] = _err(exc), not exc.in_flight
+            except TransferTimedOut as exc:  # it answered, slowly: what it sends is drained
+                errors[k], keep[k] = _err(exc), True
+            except PeerLost as exc:
+                errors[k], lost[k] = _err(exc), True
+            except Exception as exc:  # noqa: BLE001 - the chunk fails as a whole, typed
+                errors[k], lost[k] = _err(PeerLost(f"connection lost: {_err(exc)}")), True
 
         polling = contextlib.nullcontext() if mapped else self._rt.waker.busy()
-        with contextlib.suppress(TimeoutError), polling:
-            await asyncio.wait_for(asyncio.gather(*(run(k) for k in range(len(chunks)))), timeout_s)
-        lost = [k for k in range(len(chunks)) if not done[k] and not refused[k]]
-        if lost:
-            self.backoff.failed(peer, errors[lost[0]] or f"deadline of {timeout_s:.3g} s passed")
-            if (p := self._peers.get(peer)) is not None:
+        with polling:
+            tasks = [asyncio.ensure_future(run(k)) for k in range(len(chunks))]
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s) if tasks else (set(), set())
+            if pending and late is not None:
+                late.expiry.fire()
+                for k, task in enumerate(tasks):
+                    if used[k] is None:
+                        task.cancel()  # still connecting: nothing to wait for
+                pending = await let_land(
+                    pending, lambda: self._silent(peer, t0), self._stall_s, max(timeout_s, self._stall_s)
+                )
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        unfinished = [k for k in range(len(chunks)) if not done[k]]
+        p = self._peers.get(peer)
+        waited_s = time.monotonic() - t0
+        stalled = bool(unfinished) and (
+            self._silent(peer, t0)  # connected, nothing heard
+            or (waited_s >= self._stall_s and any(used[k] is None for k in unfinished))  # connecting
+        )
+        if any(lost) or stalled:
+            why = (
+                next((errors[k] for k in unfinished if lost[k]), "") or f"nothing heard for {waited_s:.3g} s"
+            )
+            self.backoff.failed(peer, why)
+            if p is not None:
                 p.conn_died()  # a store that cannot be reached: release its segment once no conn lives
         elif chunks:
             self.backoff.ok(peer)
@@ -288,17 +330,26 @@ class UcxTransport:
             if done[k]:
                 continue
             conn = used[k]
-            if conn is not None and not keep[k]:
+            # cancelled (no error) while bytes may still move from or into the caller's buffers (a mapped
+            # read's copies stopped), lost, or refused with its bytes in flight: no other use is safe
+            unsafe = not mapped if not errors[k] else not keep[k]
+            if conn is not None and (unsafe or stalled):
                 conn.abort()  # cancels its posted receives before the caller sees the result
-            why = errors[k] or f"deadline of {timeout_s:.3g} s passed"
+            why = errors[k] or _err(TransferTimedOut(f"deadline of {timeout_s:.3g} s passed"))
             for i in idxs:
                 results[i] = (False, 0, f"transfer to {peer} failed: {why}")
         return results
+
+    def _silent(self, peer: str, since_s: float) -> bool:
+        """Nothing heard from `peer` for `stall_s` (counted from `since_s` at the earliest)."""
+        p = self._peers.get(peer)
+        return p is not None and p.silent_s(since_s) >= self._stall_s
 
     async def _read(
         self, peer: str, reads: Sequence[BlockRead], views: Sequence[memoryview], timeout_s: float
     ) -> list[tuple[bool, int, str]]:
         stop = StopFlag()
+        late = Late(Expiry(), self._stall_s, lambda why: self.backoff.failed(peer, why))
 
         async def one(conn: Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
             p = self._peers.get(peer)
@@ -314,14 +365,16 @@ class UcxTransport:
                     stop,
                 )
                 return
-            await read_message(conn, next(self._ids), reads, views, idxs, results, self._rt.waker)
+            await read_message(conn, next(self._ids), reads, views, idxs, results, self._rt.waker, late)
 
         t0 = time.perf_counter()
         p = self._peers.get(peer)
         mapped = p is not None and p.mapping is not None
         token = self._overlap.begin()
         try:
-            res = await self._batch(peer, len(reads), timeout_s, one, mapped=mapped)
+            res = await self._batch(
+                peer, len(reads), timeout_s, one, mapped=mapped, late=None if mapped else late
+            )
         finally:
             solo = self._overlap.end(token)
         if solo:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
-from transfer.base import TransferError
+from transfer.base import PeerLost, TransferError
 from transfer.mread_wire import MREAD_VERSION
 from transfer.shared_segment import SegmentDescriptor, SegmentMapping
 from transfer.slot_state import SlotStateMapping
@@ -35,6 +36,8 @@ class Conn:
     def __init__(self, ep: Any, on_dead: Callable[[], None] | None = None) -> None:
         self.ep = ep
         self.dead = False
+        self.heard_s = time.monotonic()
+        """When the peer was last heard on this connection (monotonic s): a reply or a tagged message."""
         self._on_dead = on_dead
         self._pending: dict[tuple[int, int], asyncio.Future[Any]] = {}
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
@@ -43,11 +46,12 @@ class Conn:
         try:
             while True:
                 msg = _unpack(await am_recv(self.ep, _Runtime.get().waker))
+                self.heard()
                 fut = self._pending.pop((int(msg["id"]), int(msg.get("ph", 0))), None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
         except Exception as exc:  # noqa: BLE001 - the endpoint failed: fail every waiter
-            self._fail(TransferError(f"connection lost: {_err(exc)}"))
+            self._fail(PeerLost(f"connection lost: {_err(exc)}"))
             abort_ep(self.ep, recv_pending=False)  # release it now; its am_recv has ended
 
     def _fail(self, exc: Exception) -> None:
@@ -60,9 +64,13 @@ class Conn:
         if first and self._on_dead is not None:
             self._on_dead()
 
+    def heard(self) -> None:
+        """The peer was just heard on this connection (a message of it landed)."""
+        self.heard_s = time.monotonic()
+
     def expect(self, rid: int, phase: int) -> asyncio.Future[Any]:
         if self.dead:
-            raise TransferError("connection lost")
+            raise PeerLost("connection lost")
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[(rid, phase)] = fut
         return fut
@@ -83,7 +91,7 @@ class Conn:
 
     def abort(self) -> None:
         """Close at once: cancels every posted receive (no late bytes land in a caller's buffer)."""
-        self._fail(TransferError("connection aborted"))
+        self._fail(PeerLost("connection aborted"))
         if not self._reader.done():
             self._reader.cancel()
             abort_ep(self.ep, recv_pending=True)  # its am_recv stays queued in ucxx: count it
@@ -129,6 +137,12 @@ class PeerConns:
         self.lock = asyncio.Lock()
         self.mapping: SegmentMapping | None = None
         self.state: SlotStateMapping | None = None
+
+    def silent_s(self, since_s: float) -> float:
+        """Seconds the peer has not been heard on any live connection, counted from `since_s` at the
+        earliest (monotonic s: the start of the transfer that asks)."""
+        heard = max([c.heard_s for c in self.conns if c is not None and not c.dead], default=0.0)
+        return time.monotonic() - max(heard, since_s)
 
     def conn_died(self) -> None:
         """A connection failed or was aborted: once none is alive, drop the segment mapping (a dead store's

@@ -125,7 +125,15 @@ async def mapped_read(
     msg: dict[str, Any] = {"op": "mread", "id": rid, "b": encode_request(rows)}
     if any(r.capability for r in reads):
         msg["c"] = [[r.expiry_ms, bytes(r.capability)] for r in reads]
-    reply = await conn.request(msg)
+    fut = conn.expect(rid, 0)
+    await conn.ep.am_send(_pack(msg))
+    try:
+        reply = await asyncio.shield(fut)
+    except asyncio.CancelledError:  # abandoned (deadline): once the store answers, it unpins at once
+        fut.add_done_callback(lambda f: _unpin_late(conn, rid, f))
+        raise
+    if "error" in reply:
+        raise PeerRefused(f"peer refused the request: {reply['error']}")
     try:
         try:
             ok, stored, offsets, errors = decode_reply(reply, len(reads))
@@ -146,6 +154,12 @@ async def mapped_read(
 
 
 _sending: set[asyncio.Task[None]] = set()
+
+
+def _unpin_late(conn: Conn, rid: int, reply: asyncio.Future[Any]) -> None:
+    """The answer to an abandoned `mread` came: say `mdone` so the store unpins its blocks now."""
+    if not reply.cancelled() and reply.exception() is None and not conn.dead:
+        _send_soon(conn, {"op": "mdone", "id": rid})
 
 
 def _send_soon(conn: Conn, msg: dict[str, Any]) -> None:

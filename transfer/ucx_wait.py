@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -213,10 +214,15 @@ def _ucxx_tag(ep: Any, key: str, tag: int) -> Any:
 
 
 def _check_open(ep: Any) -> None:
-    ep._ep.raise_on_error()  # noqa: SLF001
-    if ep.closed:
-        from ucxx.exceptions import UCXCloseError
+    """Raise `UCXCloseError` on an endpoint closed or aborted (ucxx drops its handle then: reading it would
+    raise AttributeError), else the endpoint's own error if it has one."""
+    from ucxx.exceptions import UCXCloseError
 
+    raw = getattr(ep, "_ep", None)
+    if raw is None:
+        raise UCXCloseError("Endpoint closed")
+    raw.raise_on_error()
+    if ep.closed:
         raise UCXCloseError("Endpoint closed")
 
 
@@ -242,11 +248,57 @@ async def tag_recv(ep: Any, buf: Any, tag: int, waker: ProgressWaker) -> None:
     if not waker.installed:
         await ep.recv(buf, tag=tag)
         return
+    req = post_tag_recv(ep, buf, tag)
+    try:
+        await waker.wait(req)
+    finally:
+        ep._finished_recv_count += 1  # noqa: SLF001
+
+
+def post_tag_recv(ep: Any, buf: Any, tag: int) -> Any:
+    """Post `ep.recv(buf, tag=tag)` (same wire tag) and return its ucxx request: wait for it with
+    `ProgressWaker.wait`, withdraw it with `cancel_recv`; count its end in `ep._finished_recv_count`.
+    Only where the waker is installed. Raises `UCXCloseError` on a closed endpoint."""
     from ucxx._lib.arr import Array
     from ucxx.types import TagMaskFull
 
     _check_open(ep)
     req = ep._ep.tag_recv(Array(buf), _ucxx_tag(ep, "msg_recv", tag), TagMaskFull)  # noqa: SLF001
     ep._recv_count += 1  # noqa: SLF001
-    await waker.wait(req)
-    ep._finished_recv_count += 1  # noqa: SLF001
+    return req
+
+
+UCS_ERR_CANCELED = -16
+_cancel_fn: Any = None
+
+
+def _request_cancel() -> Any:
+    """ucxx's `Request::cancel` (C++, not exposed to Python) from the loaded libucxx; None if not found."""
+    global _cancel_fn
+    if _cancel_fn is None:
+        _cancel_fn = False
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "libucxx.so" in line}
+            for path in sorted(paths):
+                fn = getattr(ctypes.CDLL(path), "_ZN4ucxx7Request6cancelEv", None)
+                if fn is not None:
+                    fn.argtypes, fn.restype = [ctypes.c_void_p], None
+                    _cancel_fn = fn
+                    break
+        except OSError as exc:
+            log.info("UCX receives cannot be withdrawn (%s): a late read's connection is aborted", exc)
+    return _cancel_fn or None
+
+
+def cancel_recv(req: Any) -> bool:
+    """Withdraw a tag receive (from `post_tag_recv`) that no message has matched yet: True when withdrawn
+    (it completed as cancelled; no byte will land in its buffer, and the message it was for stays queued
+    at this worker until another receive takes it). False when it already completed or a message matched
+    it (UCX then moves the bytes to the end: `ucp_request_cancel` withdraws only unmatched receives), or
+    withdrawing is unavailable. Call on the loop thread."""
+    fn = _request_cancel()
+    if fn is None or req.completed:
+        return False
+    fn(req.ucxx_ptr)
+    return bool(req.completed) and int(req.status) == UCS_ERR_CANCELED

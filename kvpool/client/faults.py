@@ -22,6 +22,12 @@ def is_replica_fault(error: str) -> bool:
     return any(marker in error for marker in _REPLICA_FAULTS)
 
 
+def is_slow_transfer(error: str) -> bool:
+    """True when a failed read only missed its own deadline while the store answered (the transport's
+    `TransferTimedOut`, e.g. one pull of a convoy on a shared link, B39): the pool is reachable."""
+    return "TransferTimedOut" in error
+
+
 # Failed writes that are not the store's data plane failing: this writer was late (its lease or
 # capability expired, the slot moved on), sent something invalid, or the peer is already being skipped
 # after a failure that was reported when it happened.

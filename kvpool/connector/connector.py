@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpool.client.faults import is_slow_transfer
 from kvpool.connector.breaker import PoolBreaker
 from kvpool.connector.convoy import TTL_FACTOR, busiest, contended, peer_bytes, slowest_link
 from kvpool.connector.local_tier import LocalTier
@@ -315,6 +316,7 @@ class KVConnector:
             return []
         stats.decision = "pull"
         t0 = time.perf_counter()
+        errors: list[str] = []
         pulled, failed = pull_blocks(
             self.transport,
             self.master,
@@ -327,10 +329,12 @@ class KVConnector:
             block_nbytes=self.block_nbytes,
             timeout_s=plan.pull_timeout_s,
             request_id=request_id,
+            errors=errors,
         )
         stats.pull_s = time.perf_counter() - t0
         stats.num_failed_blocks = failed
-        self.breaker.record(bool(pulled) or failed == 0)
+        # a pull that only ran past its deadline while the store answered (B39) is no pool failure
+        self.breaker.record(bool(pulled) or failed == 0 or all(map(is_slow_transfer, errors)))
         stats.num_pulled_tokens = len(pulled) * self.block_size
         stats.pulled_bytes = sum(b.nbytes for b in pulled)
         solo = not self.pulls.overlapped(plan.pull_ticket)  # a convoy's time is the ledger's to learn

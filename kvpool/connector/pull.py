@@ -2,7 +2,8 @@
 
 Rules (field cases B17, B18): every read names the slot generation from the match, so a slot reused
 after a lease expired answers an error, never someone else's bytes; a failed block is retried once on
-another replica (the same one if there is no other); the result is the leading run of blocks that
+another replica (the same one if there is no other, unless it only ran past its deadline while the
+store answered: B39); the result is the leading run of blocks that
 arrived intact, and blocks after the first failure are discarded even if they arrived. A replica proven
 bad (checksum, generation, slot state) is reported to the master so no lookup offers it again; an
 unreachable one is not (see `is_replica_fault`).
@@ -18,19 +19,21 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.client.faults import is_replica_fault
+from kvpool.client.faults import is_replica_fault, is_slow_transfer
 from kvpool.connector.ports import MasterPort, TransportPort
 from kvpool.types import Location
 
 log = logging.getLogger(__name__)
 
 
-def _pick(replicas: Sequence[Location], addresses: dict[str, str], skip: set[Location]) -> Location | None:
+def _pick(
+    replicas: Sequence[Location], addresses: dict[str, str], skip: set[Location], *, fresh_only: bool = False
+) -> Location | None:
     usable = [loc for loc in replicas if not loc.local and loc.node_id in addresses]
     fresh = [loc for loc in usable if loc not in skip]
     if fresh:
         return fresh[0]
-    return usable[0] if usable else None
+    return usable[0] if usable and not fresh_only else None
 
 
 def pull_blocks(
@@ -46,10 +49,12 @@ def pull_blocks(
     block_nbytes: int,
     timeout_s: float,
     request_id: str = "",
+    errors: list[str] | None = None,
 ) -> tuple[list[np.ndarray], int]:
     """Read blocks `start..end` of a match. Returns (leading run of intact blocks, num failed reads).
 
-    `transport` reads the blocks; bad replicas are reported to `master`.
+    `transport` reads the blocks; bad replicas are reported to `master`; `errors` (when given) gets each
+    failed read's reason.
     """
     from transfer import BlockRead
 
@@ -61,12 +66,13 @@ def pull_blocks(
     buffers = {i: run_buffer[i - start] for i in range(start, end)}
     done: dict[int, bool] = {}
     tried: dict[int, set[Location]] = defaultdict(set)
+    slow: set[int] = set()  # missed its deadline while the store answered: retried on another replica only
     num_failed = 0
     pending = list(range(start, end))
     for _attempt in range(2):
         by_peer: dict[str, list[tuple[int, Location]]] = defaultdict(list)
         for i in pending:
-            loc = _pick(replicas[i], addresses, tried[i])
+            loc = _pick(replicas[i], addresses, tried[i], fresh_only=i in slow)
             if loc is None:
                 continue
             tried[i].add(loc)
@@ -96,6 +102,10 @@ def pull_blocks(
                 num_failed += 1
                 pending.append(i)
                 reason = res.error if res is not None else "transfer failed"
+                if errors is not None:
+                    errors.append(reason)
+                if is_slow_transfer(reason):  # the same store again would join the same convoy
+                    slow.add(i)
                 log.debug("[%s] block %d from %s failed: %s", request_id, i, loc.node_id, reason)
                 if not is_replica_fault(reason):
                     continue
