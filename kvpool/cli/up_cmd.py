@@ -24,12 +24,16 @@ from typing import Any
 
 import typer
 
+from kvpool.cli.admin_common import POSITIVE
+
 
 def register_up_command(app: typer.Typer) -> None:
     @app.command()
     def up(
         config: Path = typer.Option(..., "--config", "-c", help="Cluster spec (TOML)."),
-        timeout_s: float = typer.Option(180.0, help="Seconds to wait for each role to become healthy."),
+        timeout_s: float = typer.Option(
+            180.0, help="Seconds to wait for each role to become healthy.", callback=POSITIVE
+        ),
         quiet: bool = typer.Option(False, help="Do not echo the roles' logs."),
         insecure: bool = typer.Option(
             False,
