@@ -95,7 +95,7 @@ class OpenAIApp:
             raise APIError(400, f"{where}: not valid Unicode text (a lone surrogate code point)", param=where)
         raw = refuse_unsupported(raw, cls)
         try:
-            body = cls.model_validate(raw)
+            body = cls.model_validate(raw, strict=True)  # "5", true, "yes": refused, never coerced (B32)
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(x) for x in first["loc"]) or None
