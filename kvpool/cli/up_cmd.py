@@ -67,6 +67,14 @@ def register_up_command(app: typer.Typer) -> None:
             except ValueError as exc:
                 typer.echo(f"kvpool up: {config}: cluster.device: {exc}", err=True)
                 raise typer.Exit(2) from None
+        if spec.router.enabled and spec.router.tenants and is_local(spec.router.host):
+            from kvpool.tenants import Tenants  # a file the router would refuse at every start: say so now
+
+            try:
+                Tenants.load(spec.router.tenants)
+            except InvalidArgument as exc:
+                typer.echo(f"kvpool up: {config}: router.tenants: {exc}", err=True)
+                raise typer.Exit(2) from None
         raise typer.Exit(run_up(spec, timeout_s=timeout_s, echo=not quiet, secured=not insecure))
 
 
