@@ -206,3 +206,35 @@ def test_get_model_by_served_name_or_id(model: ModelInfo) -> None:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert err["code"] == "model_not_found" and err["param"] == "model"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", "5"),
+        ("max_tokens", True),
+        ("max_tokens", 5.5),
+        ("stream", "yes"),
+        ("stream", 1),
+        ("temperature", "0.7"),
+        ("top_k", "3"),
+        ("seed", True),
+        ("return_token_ids", "true"),
+    ],
+)
+def test_a_value_of_another_type_is_refused_not_coerced(
+    client: TestClient, model: ModelInfo, path: str, field: str, value: Any
+) -> None:
+    """Found by a new-user pass: `"max_tokens": true` answered 1 token, `"max_tokens": "5"` five, and
+    `"stream": "yes"` streamed (pydantic's lax coercion). OpenAI refuses a value of another type; so does
+    the router now, naming the field (a JSON integer where a number is expected stays accepted)."""
+    r = _post(client, model, path, {field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["message"].startswith(f"{field}: "), err
+
+
+def test_an_integer_where_a_number_is_expected_is_accepted(client: TestClient, model: ModelInfo) -> None:
+    r = _post(client, model, "/v1/completions", {"temperature": 1, "top_p": 1})
+    assert r.status_code == 200, r.text

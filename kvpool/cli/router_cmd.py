@@ -36,6 +36,7 @@ def register_router_command(app: typer.Typer) -> None:
         seed: int | None = typer.Option(None, help="Seed of the tie-breaking random choice."),
         max_inflight: int | None = typer.Option(None, help="Concurrent requests; more get 429."),
         max_prompt_tokens: int | None = typer.Option(None, help="Longest prompt accepted (400 above)."),
+        max_request_bytes: int | None = typer.Option(None, help="Largest request body in bytes (413 above)."),
         config: Path | None = typer.Option(None, help="TOML config file."),
     ) -> None:
         """Run the router: OpenAI-compatible API, prefix-affinity vs load placement, /metrics."""
@@ -62,6 +63,7 @@ def register_router_command(app: typer.Typer) -> None:
                 seed=seed,
                 max_inflight=max_inflight,
                 max_prompt_tokens=max_prompt_tokens,
+                max_request_bytes=max_request_bytes,
             )
         except ValidationError:
             raise  # a bad setting: `kvpool.cli.main` prints one line per field

@@ -24,12 +24,16 @@ from typing import Any
 
 import typer
 
+from kvpool.cli.admin_common import POSITIVE
+
 
 def register_up_command(app: typer.Typer) -> None:
     @app.command()
     def up(
         config: Path = typer.Option(..., "--config", "-c", help="Cluster spec (TOML)."),
-        timeout_s: float = typer.Option(180.0, help="Seconds to wait for each role to become healthy."),
+        timeout_s: float = typer.Option(
+            180.0, help="Seconds to wait for each role to become healthy.", callback=POSITIVE
+        ),
         quiet: bool = typer.Option(False, help="Do not echo the roles' logs."),
         insecure: bool = typer.Option(
             False,
@@ -62,6 +66,14 @@ def register_up_command(app: typer.Typer) -> None:
                 check_device(spec.cluster.device)
             except ValueError as exc:
                 typer.echo(f"kvpool up: {config}: cluster.device: {exc}", err=True)
+                raise typer.Exit(2) from None
+        if spec.router.enabled and spec.router.tenants and is_local(spec.router.host):
+            from kvpool.tenants import Tenants  # a file the router would refuse at every start: say so now
+
+            try:
+                Tenants.load(spec.router.tenants)
+            except InvalidArgument as exc:
+                typer.echo(f"kvpool up: {config}: router.tenants: {exc}", err=True)
                 raise typer.Exit(2) from None
         raise typer.Exit(run_up(spec, timeout_s=timeout_s, echo=not quiet, secured=not insecure))
 

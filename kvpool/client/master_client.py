@@ -40,6 +40,13 @@ _MAX_MOVES = 2
 """Moves to another master per call after a refusal that did not run it (not the leader, no connection)."""
 
 
+def _none_answered(tried: list[str], details: str | None) -> str:
+    """ " (none of a:1, b:2 answered)" when a call that reached no master was tried on several."""
+    if len(set(tried)) < 2 or not never_sent(details):
+        return ""
+    return f" (none of {', '.join(dict.fromkeys(tried))} answered)"
+
+
 class MasterClient:
     """A channel to the master at `address` ("host:port"); thread-safe; `close()` when done.
 
@@ -76,10 +83,12 @@ class MasterClient:
     def _call(self, name: str, request: Any, *, retry: bool = False, timeout_s: float | None = None) -> Any:
         attempts = _RETRIES if retry else 1
         attempt = moves = 0
+        tried: list[str] = []
         while True:
             ms = self._masters
             address, stub = ms.address, ms.stub
             method: Callable[..., Any] = getattr(stub, name)
+            tried.append(address)
             try:
                 return method(request, timeout=timeout_s or self.timeout_s)
             except grpc.RpcError as exc:
@@ -101,7 +110,7 @@ class MasterClient:
                     if leader is None and (following := ms.next_after(address)):
                         ms.use(following)  # that master is down: try the next one
                     continue
-                raise_refined(exc, f"{name} at master {address}")
+                raise_refined(exc, f"{name} at master {address}{_none_answered(tried, details)}")
 
     # ---- nodes ------------------------------------------------------------------------------------
     def register_node(

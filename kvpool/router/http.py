@@ -7,7 +7,7 @@
   `GET /metrics` (Prometheus).
 - Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad input (an
   oversized prompt states the limit), 401 unknown API key (when a tenants file is configured), 404
-  unknown model, 429 overload (too many requests in flight, or a node's queue full), 503 no live
+  unknown model, 413 a body over `max_request_bytes` (`request_too_large`), 429 overload (too many requests in flight, or a node's queue full), 503 no live
   prefill or decode node known (the message says why, e.g. a master never reached), 500 otherwise. A
   master that does not answer is no error: requests are routed on the last known nodes without hits.
 - `GET /health`: 200 `{"status": "ok" | "degraded", "prefill", "decode", "inflight", "degraded": [{"part",
@@ -65,6 +65,7 @@ from kvpool.router.schemas import (
     first_invalid_text,
     from_kvpool,
     health_response,
+    read_json_object,
     refuse_unsupported,
     request_salt,
     text_content,
@@ -89,17 +90,12 @@ class OpenAIApp:
         return request_salt(self.tenants, request.headers.get("authorization", ""), client_salt)
 
     async def _body(self, request: Request, cls: type[CommonBody]) -> Any:
-        try:
-            raw = await request.json()
-        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError; nesting too deep
-            raise APIError(400, "the request body is not valid JSON (or nests too deeply)") from None
-        if not isinstance(raw, dict):
-            raise APIError(400, "the request body must be a JSON object")
+        raw = await read_json_object(request, self.service.settings.max_request_bytes)
         if (where := first_invalid_text(raw)) is not None:
             raise APIError(400, f"{where}: not valid Unicode text (a lone surrogate code point)", param=where)
         raw = refuse_unsupported(raw, cls)
         try:
-            body = cls.model_validate(raw)
+            body = cls.model_validate(raw, strict=True)  # "5", true, "yes": refused, never coerced (B32)
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(x) for x in first["loc"]) or None

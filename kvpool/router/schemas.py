@@ -6,6 +6,7 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from kvpool import errors
@@ -42,6 +43,42 @@ def from_kvpool(exc: errors.KVPoolError) -> APIError:
     if isinstance(exc, errors.DeadlineExceeded):
         return APIError(504, str(exc), type_="timeout", code="timeout")
     return APIError(500, str(exc), type_="server_error", code="internal_error")
+
+
+async def read_json_object(request: Request, limit_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object, reading at most `limit_bytes` bytes of it: 413 `APIError` for a
+    longer body (a `Content-Length` above the limit before anything is read), 400 for one that is not a
+    JSON object or that the client stopped sending (nobody reads that answer; nothing is logged)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit_bytes:
+        raise _too_large(int(declared), limit_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit_bytes:
+                raise _too_large(None, limit_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "the client closed the connection before the request body ended") from None
+    try:
+        raw = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError; nesting too deep
+        raise APIError(400, "the request body is not valid JSON (or nests too deeply)") from None
+    if not isinstance(raw, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return raw
+
+
+def _too_large(size: int | None, limit_bytes: int) -> APIError:
+    """`size`: the declared length, None for a streamed body cut off past the limit."""
+    what = f"more than {limit_bytes}" if size is None else str(size)
+    return APIError(
+        413,
+        f"the request body is {what} bytes; the limit is {limit_bytes} bytes (the router's max_request_bytes)",
+        code="request_too_large",
+    )
 
 
 def request_salt(tenants: Any, authorization: str, client_salt: str) -> str:

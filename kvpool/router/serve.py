@@ -30,12 +30,26 @@ def build(settings: RouterSettings) -> tuple[object, object]:
 
         engines = VllmEngines(settings, master).start()
         return build_vllm_app(engines, tenants), engines
-    block_size = settings.block_size or master.stats().block_size
+    block_size = settings.block_size or _pool_block_size(master, settings.master)
     model = ModelInfo.load(settings.model, block_size=block_size)
     _check_layout(master, model)
     service = RouterService(settings, master, model).start()
     app = build_app(service, tenants, model_name=settings.served_model_name)
     return app, service
+
+
+def _pool_block_size(master: Any, address: str) -> int:
+    """The pool's block size, asked of the master: `Unavailable` saying what to do when it does not
+    answer (a router given `--block-size` starts without it and answers 503 until it is back)."""
+    from kvpool.errors import Unavailable
+
+    try:
+        return int(master.stats().block_size)
+    except Unavailable as exc:
+        raise Unavailable(
+            f"master {address} unreachable, and the router takes the pool's block size from it: start the "
+            f"master first, or give --block-size to start without it ({str(exc).splitlines()[0]})"
+        ) from None
 
 
 def _check_layout(master: Any, model: Any) -> None:

@@ -37,6 +37,11 @@ class RouterSettings(KVPoolSettings):
     max_prompt_tokens: int = Field(default=DEFAULT_MAX_PROMPT_TOKENS, gt=0)
     max_tokens_limit: int = Field(default=4096, gt=0, description="largest max_tokens a request may ask")
     max_inflight: int = Field(default=64, gt=0, description="concurrent requests; more are answered 429")
+    max_request_bytes: int = Field(
+        default=16 * 2**20,
+        gt=0,
+        description="largest request body (bytes); a longer one is answered 413 before it is parsed",
+    )
     refresh_interval_s: float = Field(default=0.25, gt=0, description="node list refresh period")
     request_timeout_s: float = Field(default=300.0, gt=0)
     node_backoff_s: float = Field(

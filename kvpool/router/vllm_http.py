@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from kvpool import errors
 from kvpool.client.types import NodeStatus
-from kvpool.router.schemas import APIError, from_kvpool, health_response, request_salt
+from kvpool.router.schemas import APIError, from_kvpool, health_response, read_json_object, request_salt
 from kvpool.router.tenants import Tenants
 from kvpool.router.vllm_pd import (
     DECODE_ROLES,
@@ -141,12 +141,7 @@ class VllmProxy:
                 self._failed("decode", node, exc, tried)
 
     async def serve(self, request: Request, kind: str) -> Response:
-        try:
-            body = await request.json()
-        except (ValueError, RecursionError):
-            raise APIError(400, "the request body is not valid JSON (or nests too deeply)") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
+        body = await read_json_object(request, self.engines.settings.max_request_bytes)
         salt = self._salt(request, body.get("cache_salt"))
         body.pop("cache_salt", None)
         if salt:
