@@ -126,6 +126,18 @@ class InventoryItem:
     size_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class SlotOrder:
+    """One slot the master reserves on a store node for a block: the slot and its generation, and the block
+    (namespace, hash, parent hash: b"" for the first block of a chain) it will hold."""
+
+    slot: int
+    generation: int
+    namespace: bytes
+    block_hash: bytes
+    parent_hash: bytes
+
+
 class Clock(Protocol):
     """Injected time source (milliseconds, monotonic)."""
 

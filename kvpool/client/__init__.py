@@ -4,6 +4,8 @@
 - `MasterLink`: a process's membership of the pool (registration, heartbeats, deregistration, registering
   again with a restarted master or a new leader), for stores, serving nodes and vLLM engines alike.
 - `PoolClient`: whole-block reads and publishes over a `transfer.Transport`.
+- `StoreClient` (`kvpool.client.store_client`): the master's orders to store nodes (reserve, commit, free,
+  copy, inventory); `node_identity`: a node's `GetInfo`.
 """
 
 from kvpool.client.master_client import MasterClient, MatchStream

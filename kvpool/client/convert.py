@@ -1,6 +1,6 @@
 """Proto <-> client values (the only place in `kvpool.client` that touches proto messages): the master's
-calls (`kvpool.client.types`), sampling parameters, and the serving nodes' hand-off
-(`kvpool.client.node_types`)."""
+calls (`kvpool.client.types`), sampling parameters, the serving nodes' hand-off (`kvpool.client.node_types`),
+and the master's orders to store nodes (`kvpool.client.store_client`)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from kvpool.client.types import (
     EngineNamespace,
     Match,
     NamespaceStatus,
+    NodeIdentity,
     NodeInfo,
     NodeLoad,
     NodeStatus,
@@ -32,7 +33,7 @@ from kvpool.client.types import (
     ReservedBlock,
 )
 from kvpool.sampling import SamplingParams
-from kvpool.types import Location
+from kvpool.types import InventoryItem, Location, SlotOrder
 from kvpool.v1 import kvpool_pb2 as pb
 
 
@@ -295,3 +296,48 @@ def decode_events(ev: Any) -> list[DecodeEvent]:
     if ev.finished:
         out.append(Finished(DecodeStats(**_fields(ev.stats))))
     return out
+
+
+# ---- the master's orders to store nodes, and any node's GetInfo ------------------------------------------
+def slot_reservation_pb(o: SlotOrder) -> pb.SlotReservation:
+    return pb.SlotReservation(
+        slot=o.slot,
+        generation=o.generation,
+        namespace=o.namespace,
+        block_hash=o.block_hash,
+        parent_hash=o.parent_hash,
+    )
+
+
+def slot_ref_pb(slot: int, generation: int) -> pb.SlotRef:
+    return pb.SlotRef(slot=slot, generation=generation)
+
+
+def copy_block_pb(src: Location, dst: Location, checksum: int) -> pb.CopyBlock:
+    """Copy replica `src` (with the read capability it carries) into slot `dst`; `checksum`: xxh3_64."""
+    return pb.CopyBlock(
+        src=slot_ref_pb(src.slot, src.generation),
+        dst=slot_ref_pb(dst.slot, dst.generation),
+        checksum=checksum,
+        src_capability=src.capability,
+        src_capability_expiry_ms=src.capability_expiry_ms,
+    )
+
+
+def slot_results(asked: Sequence[tuple[int, int]], results: Any) -> dict[tuple[int, int], str]:
+    """{(slot, generation): error} of a store's per-slot results ("" = ok; "no result" for a slot of
+    `asked` it did not answer; "refused" for a failure without a message)."""
+    out = {ref: "no result" for ref in asked}
+    for r in results:
+        out[(r.slot, r.generation)] = "" if r.ok else (r.error or "refused")
+    return out
+
+
+def inventory_item(e: Any) -> InventoryItem:
+    return InventoryItem(
+        e.namespace, e.block_hash, e.parent_hash, e.slot, e.generation, e.checksum, e.size_bytes
+    )
+
+
+def node_identity(info: Any) -> NodeIdentity:
+    return NodeIdentity(info.node.node_id, info.node.epoch, info.layout_fingerprint)

@@ -49,6 +49,16 @@ class HeartbeatAnswer:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeIdentity:
+    """What a store, prefill or decode node answers `GetInfo` with: its id, its process's epoch, and the
+    fingerprint of its KV layout (`kvpool.types.KVLayout.fingerprint`)."""
+
+    node_id: str
+    epoch: int
+    layout_fingerprint: str
+
+
+@dataclass(frozen=True, slots=True)
 class Registration:
     heartbeat_interval_ms: int
     master_epoch: int

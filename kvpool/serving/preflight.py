@@ -23,15 +23,11 @@ import logging
 import time
 from collections.abc import Callable
 
-import grpc
-
 from kvpool.client import MasterClient
+from kvpool.client.store_client import node_identity
 from kvpool.client.types import PoolStats
 from kvpool.errors import AlreadyExists, FailedPrecondition, Unavailable
-from kvpool.rpc.server import channel
-from kvpool.types import KVLayout, NodeStatus
-from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from kvpool.types import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +36,6 @@ _SAY_EVERY_S = 5.0
 _BACKOFF_S = (0.25, 2.0)
 """First and largest pause between attempts (doubling)."""
 _PROBE_TIMEOUT_S = 2.0
-
-_STUBS: dict[str, Callable[[grpc.Channel], object]] = {
-    "store": pb_grpc.StoreStub,
-    "prefill": pb_grpc.PrefillStub,
-    "decode": pb_grpc.DecodeStub,
-}
 
 
 def wait_for_master(
@@ -86,21 +76,6 @@ def wait_for_master(
             pause = min(pause * 2, _BACKOFF_S[1])
 
 
-def _identity(node: NodeStatus) -> pb.GetInfoResponse | None:
-    """A live member's own `GetInfo` (None when it does not answer in time)."""
-    stub_class = _STUBS.get(node.node.role)
-    if stub_class is None or not node.node.grpc_address:
-        return None
-    with channel(node.node.grpc_address) as ch:
-        try:
-            info: pb.GetInfoResponse = stub_class(ch).GetInfo(  # type: ignore[attr-defined]
-                pb.GetInfoRequest(), timeout=_PROBE_TIMEOUT_S
-            )
-        except grpc.RpcError:
-            return None
-    return info
-
-
 def check_refusals(stats: PoolStats, layout: KVLayout, node_id: str) -> None:
     """Raise what the master would answer this node's registration, as far as `stats` and the live
     members tell: `FailedPrecondition` (layout) or `AlreadyExists` (node id); see the module docstring."""
@@ -117,10 +92,10 @@ def check_refusals(stats: PoolStats, layout: KVLayout, node_id: str) -> None:
         same_id = node.node.node_id == node_id
         if not same_id and pool_layout:
             continue
-        info = _identity(node)
+        info = node_identity(node.node.grpc_address, node.node.role, timeout_s=_PROBE_TIMEOUT_S)
         if info is None:
             continue
-        if same_id and info.node.node_id == node_id:
+        if same_id and info.node_id == node_id:
             raise AlreadyExists(
                 f"the master refuses this node: node id {node_id!r} is held by a live {node.node.role} at "
                 f"{node.node.grpc_address}: give every node its own --node-id"
