@@ -1,6 +1,6 @@
 """Supervised roles of `kvpool up`: the restart policy (back-off, give-up window) on an injected clock, the
-ports a restarted role keeps, and `kvpool up` ending with one line naming a role that crashes on every
-start (a real cluster spec whose store cannot start). The restarts of a real cluster's roles after
+ports a restarted role keeps, a role refused at its first start (exit 2) given up on at once, and `kvpool up`
+ending with one line naming it (a real cluster spec whose store cannot start). The restarts of a real cluster's roles after
 kill -9 are in tests/test_up_supervised.py (slow)."""
 
 from __future__ import annotations
@@ -163,6 +163,43 @@ def test_a_role_that_serves_then_keeps_crashing_is_restarted_then_given_up_on(tm
     assert role.restarts == 2 and role.log_path.read_text().count("KVPOOL_READY") == 3
 
 
+def test_a_role_refused_at_its_first_start_is_not_restarted(tmp_path: Path) -> None:
+    """Exit 2 before it ever served (a bad setting, a port in use, the master's refusal): `GaveUp` at once,
+    one line with its last log line, no restart (a restart would be refused the same way)."""
+    said: list[str] = []
+    refused = [sys.executable, "-c", "import sys; print('port 50051 is in use'); sys.exit(2)"]
+    role = SupervisedRole("master", [], argv=refused, log_path=tmp_path / "master.log", env={},
+                          policy=RestartPolicy(backoff_s=0.05), say=said.append)  # fmt: skip
+    with pytest.raises(GaveUp) as caught:
+        role.wait_ready(30.0, threading.Event())
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("master refused to start (exit code 2): port 50051 is in use (log: ")
+    assert message.endswith("not restarted: the same settings would be refused again")
+    assert said == [] and role.restarts == 0
+
+
+def test_a_role_that_served_is_restarted_after_exit_2(tmp_path: Path) -> None:
+    """Exit 2 after a role served once (its old process may still hold its port): restarted as a crash."""
+    from kvpool.cli.up_cmd import _supervise
+
+    marker = tmp_path / "served"
+    once = [sys.executable, "-c",
+            f"import pathlib, sys, time; m = pathlib.Path({str(marker)!r})\n"
+            "if m.exists(): print('port in use'); sys.exit(2)\n"
+            "m.touch(); print('KVPOOL_READY {}', flush=True); time.sleep(0.3); sys.exit(2)"]  # fmt: skip
+    said: list[str] = []
+    policy = RestartPolicy(backoff_s=0.05, backoff_max_s=0.05, max_restarts=1, window_s=60.0)
+    role = SupervisedRole("store0", [], argv=once, log_path=tmp_path / "store0.log", env={}, policy=policy,
+                          say=said.append)  # fmt: skip
+    stop = threading.Event()
+    role.wait_ready(30.0, stop)
+    with pytest.raises(GaveUp, match=r"^giving up on store0: it crashed 2 times .* last: exit code 2"):
+        _supervise([role], 30.0, stop)
+    assert said == ["store0 exited (exit code 2); restarting it in 0.05 s on the same ports"]
+    assert role.restarts == 1
+
+
 def test_a_start_timeout_is_not_a_crash(tmp_path: Path) -> None:
     silent = [sys.executable, "-c", "import time; time.sleep(60)"]
     role = SupervisedRole("mute0", [], argv=silent, log_path=tmp_path / "mute0.log", env={},
@@ -183,9 +220,9 @@ def test_spec_restart_settings(tmp_path: Path) -> None:
         load_spec(p)
 
 
-def test_up_ends_with_one_line_naming_a_role_that_crashes_on_every_start(tmp_path: Path) -> None:
-    """A store whose segment cannot hold one block exits 2 on every start: `kvpool up` restarts it
-    `max_restarts` times, then stops the cluster and exits 1 with one line naming it and why."""
+def test_up_ends_with_one_line_naming_a_role_refused_at_its_first_start(tmp_path: Path) -> None:
+    """A store whose segment cannot hold one block exits 2 at its first start: `kvpool up` does not restart
+    it; it stops the cluster and exits 1 with one line naming it and why."""
     spec = tmp_path / "cluster.toml"
     spec.write_text("""
 [cluster]
@@ -204,11 +241,13 @@ port = 0
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     out = r.stdout + r.stderr
     assert r.returncode == 1, out
-    gave_up = [line for line in out.splitlines() if "giving up" in line]
-    assert len(gave_up) == 1, out
-    assert gave_up[0].startswith("kvpool up: giving up on store0: it crashed 3 times within 60 s"), out
-    assert "exit code 2: kvpool store: InvalidArgument: segment of 1 B cannot hold one" in gave_up[0], out
-    assert out.count("store0 exited (exit code 2); restarting it in") == 2, out
+    refused = [line for line in out.splitlines() if "refused to start" in line]
+    assert len(refused) == 1, out
+    assert refused[0].startswith(
+        "kvpool up: store0 refused to start (exit code 2): kvpool store: InvalidArgument: segment of 1 B cannot "
+        "hold one"
+    ), out
+    assert "restarting" not in out, out
     assert "prefill0" not in out  # the start stopped at the store
     assert "kvpool up: stopping 1 role…" in out, out  # the master: it runs until the end
     assert re.search(r"kvpool up: stopped in \d+\.\d s\n", r.stderr), out

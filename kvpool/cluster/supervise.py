@@ -1,5 +1,6 @@
 """Supervised roles of `kvpool up`: a crashed role restarts after a back-off on the same ports and node id,
-and repeated crashes within a window give up.
+and repeated crashes within a window give up; a role that refuses to start (exit 2) before it ever served
+is not restarted.
 
 `RestartPolicy` is the rule (the `[cluster] restart_*` / `max_restarts` keys of the cluster spec),
 `CrashHistory` applies it to one role's crashes (clock injected for tests), `SupervisedRole` is one role
@@ -111,6 +112,11 @@ def last_words(log_tail: str, name: str, limit: int = 160) -> str:
     return last if len(last) <= limit else last[: limit - 1] + "…"
 
 
+REFUSED_EXIT = 2
+"""The exit status of a role command that refuses to start: a bad setting, a port in use, a refusal by the
+master (the house's usage-error status)."""
+
+
 class GaveUp(RuntimeError):
     """A role crashed more often than its restart policy allows; the message is one line naming it."""
 
@@ -137,6 +143,8 @@ class SupervisedRole:
         self.history = CrashHistory(policy, clock)
         self._say = say
         self.restarts = 0
+        self.served = False
+        """It has served at least once (a refusal after that may be passing: a port its old process holds)."""
         self.restart_at: float | None = None
         """When a crashed role is due to restart (`time.monotonic()`); None while it runs."""
         self.proc = self._spawn()
@@ -164,6 +172,8 @@ class SupervisedRole:
             except NodeStartFailed as exc:
                 if exc.exit_code is None:  # no answer in time, or cancelled: not a crash
                     raise
+                if exc.exit_code == REFUSED_EXIT and not self.served:
+                    raise GaveUp(self._refused()) from None
                 self.schedule_restart(exc.exit_code)
                 assert self.restart_at is not None
                 if cancel.wait(max(0.0, self.restart_at - time.monotonic())):
@@ -172,7 +182,18 @@ class SupervisedRole:
                 continue
             if not self.argv:
                 self.args = pin_ports(self.args, info)
+            self.served = True
             return info
+
+    def _refused(self) -> str:
+        """The one line for a role that exited 2 (refused: a bad setting, a port in use, the master's
+        refusal) before it ever served: a restart would only repeat it."""
+        why = last_words(self.proc.log_tail(20), self.name)
+        return (
+            f"{self.name} refused to start (exit code {REFUSED_EXIT})"
+            + (f": {why}" if why else "")
+            + f" (log: {self.log_path}); not restarted: the same settings would be refused again"
+        )
 
     def schedule_restart(self, returncode: int | None, *, how: str = "") -> None:
         """Its process exited with `returncode` (`how`: another reason it ended): say so in one line and
