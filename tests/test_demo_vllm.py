@@ -13,7 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvpool.cli.main import app
-from kvpool.cluster.spec import load_spec, plan
+from kvpool.cluster.launch import plan
+from kvpool.cluster.spec import load_spec
 from kvpool.demo.vllm_run import MAX_MODEL_LEN, demo_spec, summarize_by_scenario, summarize_records
 from kvpool.demo.workload import chat_requests, default_chat_trace, rag_requests
 from kvpool.router.model_info import ModelInfo

@@ -18,9 +18,10 @@ from pydantic import ValidationError
 
 from kvpool.client import MasterClient
 from kvpool.cluster.etcd import NO_ETCD, EtcdPlan, etcd_binary
+from kvpool.cluster.launch import master_addresses, plan
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 from kvpool.cluster.process import RoleProcess
-from kvpool.cluster.spec import load_spec, master_addresses, plan
+from kvpool.cluster.spec import load_spec
 from kvpool.errors import InvalidArgument, KVPoolError
 from kvpool.router.settings import RouterSettings
 from kvpool.serving.common import ServingSettings

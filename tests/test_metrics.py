@@ -14,9 +14,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.cluster.launch import plan
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 from kvpool.cluster.process import RoleProcess
-from kvpool.cluster.spec import ClusterSpec, plan
+from kvpool.cluster.spec import ClusterSpec
 from kvpool.master import MasterSettings, serve
 
 BLOCK = 16

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.cluster.spec import load_spec, parse_size, plan
+from kvpool.cluster.launch import plan
+from kvpool.cluster.spec import load_spec, parse_size
 from kvpool.errors import InvalidArgument
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cluster.toml"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.cluster.spec import load_spec, plan
+from kvpool.cluster.launch import plan
+from kvpool.cluster.spec import load_spec
 from kvpool.errors import InvalidArgument
 
 LAYOUT = "kv1:bfloat16:b64:l4:h4:d32"

@@ -179,7 +179,8 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     master and stores share a fresh cluster secret, every other role a fresh join token."""
     from kvpool.capability import SECRET_ROLES
     from kvpool.cluster.etcd import EtcdPlan
-    from kvpool.cluster.spec import ClusterSpec, master_addresses, plan
+    from kvpool.cluster.launch import master_addresses, plan
+    from kvpool.cluster.spec import ClusterSpec
     from kvpool.cluster.supervise import GaveUp, RestartPolicy, SupervisedRole, stop_roles
     from kvpool.router.model_info import ModelInfo
     from kvpool.rpc.server import wait_healthy

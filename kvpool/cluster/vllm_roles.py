@@ -6,7 +6,8 @@ import json
 import socket
 from pathlib import Path
 
-from kvpool.cluster.spec import Launch, ServingSection
+from kvpool.cluster.launch import Launch
+from kvpool.cluster.spec import ServingSection
 
 
 def vllm_launch(
