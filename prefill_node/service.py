@@ -66,11 +66,12 @@ class PrefillService(pb_grpc.PrefillServicer):
         with self._queue_lock:
             self._queue_len += 1
         try:
+            # the load runs outside the model lock: a pull overlaps the forwards of the requests ahead
+            loaded = rt.connector.load_prefix(
+                ns, tokens, hashes, count_hit=True, request_id=rid, use_cache=request.use_cache
+            )
+            stats = loaded.stats
             with rt.model_lock:
-                loaded = rt.connector.load_prefix(
-                    ns, tokens, hashes, count_hit=True, request_id=rid, use_cache=request.use_cache
-                )
-                stats = loaded.stats
                 t_compute = time.perf_counter()
                 logits, full = rt.compute_prompt(tokens, loaded)
                 first = _sample(logits, params)

@@ -32,7 +32,8 @@ import numpy as np
 
 from kvpool.client.faults import is_slow_transfer
 from kvpool.connector.breaker import PoolBreaker
-from kvpool.connector.convoy import TTL_FACTOR, busiest, contended, peer_bytes, slowest_link
+from kvpool.connector.convoy import TTL_FACTOR, peer_bytes, pool_addresses, slowest_link
+from kvpool.connector.decide import decide_plan, forward_s
 from kvpool.connector.local_tier import LocalTier
 from kvpool.connector.plan import FORCE_DECISION_ENV, LoadedPrefix, LoadPlan, LoadStats, forced_decision
 from kvpool.connector.ports import MasterPort, PoolPort, TransportPort
@@ -40,9 +41,10 @@ from kvpool.connector.publish import publish_chain
 from kvpool.connector.pull import pull_blocks
 from kvpool.connector.recent import RecentMatches, prefix_key
 from kvpool.connector.releaser import LeaseReleaser
-from kvpool.cost import LOCAL_LINK, LinkLike, PullLedger, RecomputeModel, decide_reuse, t_transfer_s
+from kvpool.cost import LinkLike, PullLedger, RecomputeModel
+from kvpool.cost.compute_queue import ComputeQueue
 from kvpool.cost.online import OnlineCalibration
-from kvpool.prompt import max_reusable_blocks, reusable_tokens
+from kvpool.prompt import max_reusable_blocks
 from kvpool.types import Match
 
 __all__ = ["FORCE_DECISION_ENV", "KVConnector", "forced_decision"]
@@ -65,6 +67,9 @@ class KVConnector:
             `calibration` from the forwards and pulls this node runs; see kvpool.cost.online).
         local_tier: the node-local tier (may have capacity 0).
         lease_ttl_ms: read lease for pulls; pull_timeout_s: deadline per pull batch.
+        forwards: the forwards queued on this node's model (`kvpool.cost.compute_queue`), for a runner
+            whose loads overlap other requests' forwards: decisions count the wait, `load_prefix`
+            registers each request's forward. None: decisions see no compute queue.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class KVConnector:
         pull_timeout_s: float = 10.0,
         margin: float = 0.1,
         breaker: PoolBreaker | None = None,
+        forwards: ComputeQueue | None = None,
     ) -> None:
         self.master = master
         self.pool = pool
@@ -98,6 +104,7 @@ class KVConnector:
         self.margin = margin
         self.breaker = breaker or PoolBreaker()
         self.pulls = PullLedger()  # pulls decided and not yet ended, per store: their queue (B39)
+        self.forwards = forwards  # forwards decided and not yet run on the model: the wait a load overlaps
         self.flush_epoch: int | None = None  # the master's, from the last heartbeat (None: not heard yet)
         self.releaser = LeaseReleaser(lambda ids: self.master.release_leases(ids))  # read leases, batched
         self.recent = RecentMatches()  # one match in flight per prefix; a fresh answer may decide alone
@@ -133,11 +140,13 @@ class KVConnector:
     ) -> LoadedPrefix:
         """Fetch the reusable leading blocks of a prompt (see the module docstring): `plan_load`, the
         node-local tier's blocks, `pull`, `release`. Never raises for a pool failure: a failed load falls
-        back to recompute of exactly the missing span."""
+        back to recompute of exactly the missing span. With `forwards`, the request's forward is queued
+        (`LoadedPrefix.forward_id`): the caller runs it (`NodeRuntime.compute_prompt`) or releases it."""
         plan = self.plan_load(
             ns, tokens, hashes, count_hit=count_hit, request_id=request_id, use_cache=use_cache
         )
-        out = LoadedPrefix(stats=plan.stats, flush_epoch=plan.flush_epoch)
+        forward_id = self._queue_forward(plan)
+        out = LoadedPrefix(stats=plan.stats, flush_epoch=plan.flush_epoch, forward_id=forward_id)
         try:
             for h in plan.hashes[: plan.pull_start]:
                 block = self.local_tier.get(ns, h)
@@ -246,60 +255,40 @@ class KVConnector:
         return True
 
     def _decide(self, plan: LoadPlan) -> None:
-        """Fill `plan.num_load_blocks`, its deadline and its predictions (the cost model, or the forced
-        decision of a benchmark), and enter a pull in the ledger."""
-        stats = plan.stats
+        """Fill `plan.num_load_blocks`, its deadline and its predictions (`kvpool.connector.decide`), and
+        enter a pull in the ledger."""
         num_pool, num_local = plan.num_pool_blocks, plan.num_local_blocks
         num_hit = max(num_pool, num_local)
         if num_hit == 0:
             return
-        addresses = [
-            plan.addresses[loc.node_id]
-            for reps in plan.replicas
-            for loc in reps
-            if not loc.local and loc.node_id in plan.addresses
-        ]
-        link = self.link_to_pool(addresses) if num_pool > num_local else None
-        cal = self.calibration
-        queue = busiest(self.pulls, peer_bytes(plan, self.block_nbytes, min(num_local, num_pool), num_pool))
-        eff_link: LinkLike = contended(cal.link(link), queue) if link is not None else LOCAL_LINK
-        decision = decide_reuse(
-            num_hit,
-            self.block_size,
-            stats.num_prompt_tokens,
-            self.block_nbytes,
-            eff_link,
-            cal.recompute,
-            num_local_blocks=num_local,
+        link = self.link_to_pool(pool_addresses(plan)) if num_pool > num_local else None
+        decision, force = decide_plan(
+            plan,
+            link,
+            pulls=self.pulls,
+            forwards=self.forwards,
+            calibration=self.calibration,
+            block_size=self.block_size,
+            block_nbytes=self.block_nbytes,
             margin=self.margin,
-            queued_bytes=queue.nbytes if link is not None else 0,
         )
-        stats.predicted_pull_s = decision.predicted_load_s
-        stats.predicted_recompute_s = decision.predicted_recompute_all_s
-        n_prompt = stats.num_prompt_tokens
-        n_rest = n_prompt - reusable_tokens(num_hit * self.block_size, n_prompt)  # every hit block loaded
-        stats.predicted_compute_s = cal.recompute.t_recompute_s(n_rest, n_prompt - n_rest)
-        stats.reason = decision.reason
-        stats.num_pulls_in_flight, stats.queued_bytes = queue.num_pulls, decision.queued_bytes
-        k = decision.num_load_blocks
-        force = forced_decision()
-        if force != "auto":
-            k = num_hit if force == "pull" else 0
-            n_local = min(k, num_local)
-            own = (k - n_local) * self.block_nbytes
-            stats.predicted_pull_s = t_transfer_s(own + decision.queued_bytes if own else 0, eff_link)
-            stats.reason = f"forced_{force} (auto: {decision.reason})"
-        plan.num_load_blocks = k
-        plan.link = link
         plan.pull_timeout_s = (
             self.pull_timeout_s if force == "pull" else self.pull_deadline_s(decision.load_deadline_s)
         )
-        stats.decision = "recompute" if k == 0 else ("pull" if plan.pull_end > plan.pull_start else "local")
         if plan.pull_end > plan.pull_start:  # last: released by `release`, which every caller runs
             plan.pull_ticket = self.pulls.register(
                 peer_bytes(plan, self.block_nbytes, plan.pull_start, plan.pull_end),
                 ttl_s=TTL_FACTOR * plan.pull_timeout_s,
             ).id
+
+    def _queue_forward(self, plan: LoadPlan) -> int | None:
+        """Register the plan's forward (the tokens it will not reuse) in `forwards`; None without one."""
+        if self.forwards is None:
+            return None
+        n_prompt = plan.stats.num_prompt_tokens
+        return self.forwards.register(
+            forward_s(plan.num_load_blocks, n_prompt, self.block_size, self.recompute)
+        )
 
     def pull(self, plan: LoadPlan, *, start: int | None = None, request_id: str = "") -> list[np.ndarray]:
         """The transfer half of a load: read blocks `[start, plan.pull_end)` from the pool (default start:

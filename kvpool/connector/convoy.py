@@ -34,6 +34,16 @@ def peer_bytes(plan: LoadPlan, block_nbytes: int, start: int, end: int) -> dict[
     return dict(out)
 
 
+def pool_addresses(plan: LoadPlan) -> list[str]:
+    """The data addresses of the stores holding the plan's pool replicas (with repeats)."""
+    return [
+        plan.addresses[loc.node_id]
+        for reps in plan.replicas
+        for loc in reps
+        if not loc.local and loc.node_id in plan.addresses
+    ]
+
+
 def busiest(ledger: PullLedger, peers: dict[str, int]) -> InFlight:
     """The most loaded of `peers`' queues (by bytes in flight): what a load over them waits behind."""
     queues = [ledger.in_flight(peer) for peer in peers]

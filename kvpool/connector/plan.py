@@ -49,6 +49,7 @@ class LoadStats:
     reason: str = ""
     num_pulls_in_flight: int = 0
     queued_bytes: int = 0
+    compute_wait_s: float = 0.0  # seconds of forwards queued ahead on the model at the decision
     shared_match: bool = False  # decided on another request's recent answer, no MatchPrefix sent
 
     def as_dict(self) -> dict[str, Any]:
@@ -130,3 +131,6 @@ class LoadedPrefix:
     flush_epoch: int | None = None
     """The master's flush epoch as this node knew it when the load began: KV computed from this load is
     published under it (`KVConnector.publish`), so a namespace invalidated since refuses it."""
+    forward_id: int | None = None
+    """This request's forward in the connector's `ComputeQueue` (None: none registered): the caller's
+    forward `start`s and `release`s it (`NodeRuntime.compute_prompt`)."""

@@ -17,6 +17,14 @@ Mooncake (FAST'25, arXiv 2407.00079).
 (`kvpool.cost.inflight.PullLedger`). A remote load waits behind it, so a burst of requests on one prefix
 stops pulling once the queue makes that slower than recomputing (field case B39). Q counts only when
 k > L: a local-only load crosses no link.
+
+`W` (`compute_wait_s`) is how long this request waits for the model whatever it decides: the forwards
+queued ahead of it on this node (`kvpool.cost.compute_queue.ComputeQueue`). A load runs during that wait,
+so a choice finishes after `max((1 + margin)·load(k), W) + compute(k)` and recomputing after
+`W + compute(0)`: a load the queue hides costs nothing, and a burst whose link queue makes pulling slower
+than one recompute still pulls while the forwards ahead take longer (field case B39; Mooncake's conductor
+counts the prefill queue in TTFT the same way, FAST'25 §6). `W = 0` (a node that knows no queue, or an
+idle one) is the plain comparison above.
 """
 
 from __future__ import annotations
@@ -39,11 +47,13 @@ class ReuseDecision:
 
     - `num_load_blocks`: leading blocks to load (`num_local_used` from this node, the rest pulled).
     - `reused_tokens` / `computed_tokens`: from cache / computed (`computed_tokens >= 1`).
-    - `predicted_load_s`, `predicted_compute_s`, `predicted_total_s` (= load + compute, no margin),
-      `predicted_recompute_all_s` (no reuse at all), `predicted_saving_s` (= recompute_all − total).
+    - `predicted_load_s`, `predicted_compute_s`, `predicted_total_s` (decision to first token:
+      max(load, compute_wait) + compute, no margin), `predicted_recompute_all_s` (the forward with no
+      reuse, no wait), `predicted_saving_s` (= compute_wait + recompute_all − total).
     - `load_deadline_s`: abandon the pull after this long and recompute the rest (see `load_deadline_s`).
     - `reason`: "no_hit" | "load_all" | "load_partial" | "recompute_cheaper".
     - `queued_bytes`: bytes of pulls in flight on the link the prediction waited behind.
+    - `compute_wait_s`: seconds of forwards queued ahead on the model, which a load overlaps.
     """
 
     num_hit_blocks: int
@@ -61,6 +71,7 @@ class ReuseDecision:
     margin: float
     reason: str
     queued_bytes: int = 0
+    compute_wait_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,16 +91,17 @@ def load_deadline_s(
     predicted_compute_s: float,
     predicted_recompute_all_s: float,
     *,
+    compute_wait_s: float = 0.0,
     min_s: float = 0.002,
 ) -> float:
     """How long a load may run before it is abandoned (then the missing span is recomputed).
 
-    The pull was chosen because `load + compute_rest < recompute_all`; once it has run
-    `recompute_all − compute_rest` seconds every predicted saving is gone, so waiting longer can only lose.
-    Abandoning there bounds the worst case at about `2 × recompute_all`. Never below the predicted load
-    itself nor `min_s` (timer granularity).
+    The pull was chosen because `max(load, wait) + compute_rest < wait + recompute_all`; once it has run
+    `wait + recompute_all − compute_rest` seconds every predicted saving is gone, so waiting longer can
+    only lose. Abandoning there bounds the worst case at about `wait + 2 × recompute_all`. Never below the
+    predicted load itself nor `min_s` (timer granularity).
     """
-    budget = predicted_recompute_all_s - predicted_compute_s
+    budget = compute_wait_s + predicted_recompute_all_s - predicted_compute_s
     return max(min_s, predicted_load_s, budget)
 
 
@@ -105,6 +117,7 @@ def decide_reuse(
     local_link: LinkLike = LOCAL_LINK,
     margin: float = DEFAULT_MARGIN,
     queued_bytes: int = 0,
+    compute_wait_s: float = 0.0,
 ) -> ReuseDecision:
     """Choose how many leading hit blocks to load (see the module docstring for the cost terms).
 
@@ -117,6 +130,8 @@ def decide_reuse(
         local_link: cost of a node-local block (default free).
         margin: relative safety margin on load time (>= 0).
         queued_bytes: bytes pulls in flight on `link` still have to move (>= 0; see the module docstring).
+        compute_wait_s: seconds of forwards queued ahead of this request on the model (>= 0, finite),
+            which a load overlaps (see the module docstring).
     Raises:
         InvalidArgument: negative counts or bytes, `h·block_size > prompt_len`, `num_local_blocks > h`,
             bad margin.
@@ -132,17 +147,19 @@ def decide_reuse(
         raise InvalidArgument(f"margin must be >= 0, got {margin!r}")
     if queued_bytes < 0:
         raise InvalidArgument(f"queued_bytes must be >= 0, got {queued_bytes}")
-    q = queued_bytes
+    if not 0.0 <= compute_wait_s < float("inf"):
+        raise InvalidArgument(f"compute_wait_s must be finite and >= 0, got {compute_wait_s!r}")
+    q, wait = queued_bytes, compute_wait_s
 
     def compute_s(k: int) -> tuple[int, float]:
         n_new = prompt_len - reusable_tokens(k * bs, prompt_len)  # >= 1: the last token (B06)
         return n_new, recompute.t_recompute_s(n_new, prompt_len - n_new)
 
     recompute_all = recompute.t_recompute_s(prompt_len, 0)
-    best_k, best_score = 0, recompute_all
+    best_k, best_score = 0, wait + recompute_all
     for k in range(1, h + 1):
         load_k = _load_s(k, num_local_blocks, block_nbytes, link, local_link, q)
-        score = (1.0 + margin) * load_k + compute_s(k)[1]
+        score = max((1.0 + margin) * load_k, wait) + compute_s(k)[1]
         if score < best_score:
             best_k, best_score = k, score
     load = _load_s(best_k, num_local_blocks, block_nbytes, link, local_link, q)
@@ -162,11 +179,12 @@ def decide_reuse(
         computed_tokens=n_new,
         predicted_load_s=load,
         predicted_compute_s=compute,
-        predicted_total_s=load + compute,
+        predicted_total_s=max(load, wait) + compute,
         predicted_recompute_all_s=recompute_all,
-        predicted_saving_s=recompute_all - load - compute,
-        load_deadline_s=load_deadline_s(load, compute, recompute_all),
+        predicted_saving_s=wait + recompute_all - max(load, wait) - compute,
+        load_deadline_s=load_deadline_s(load, compute, recompute_all, compute_wait_s=wait),
         margin=margin,
         reason=reason,
         queued_bytes=q,
+        compute_wait_s=wait,
     )

@@ -53,6 +53,7 @@ class NodeRuntime:
         """Load the model, calibrate, connect to the master and the pool. `link` starts later (`attach_link`).
         `latency`: the role's latency histogram in its metrics (None: none)."""
         from kvpool.client import MasterClient, PoolClient
+        from kvpool.cost.compute_queue import ComputeQueue
         from kvpool.model import ModelRunner, calibrate_recompute
         from transfer import UcxTransport
 
@@ -83,6 +84,7 @@ class NodeRuntime:
             lease_ttl_ms=settings.lease_ttl_ms,
             pull_timeout_s=settings.pull_timeout_s,
             margin=settings.cost_margin,
+            forwards=ComputeQueue(),  # loads run outside `model_lock`: they overlap the forwards queued
         )
         metrics.watch_breaker(connector.breaker)
         return cls(
@@ -146,14 +148,22 @@ class NodeRuntime:
         """Scatter a load's blocks and prefill the rest of `tokens` (>= the last token) on them.
 
         Returns `(logits, prefix)` as `ModelRunner.prefill_prompt`; the forward's time is folded into
-        the connector's online recompute calibration. Callers hold `model_lock`.
+        the connector's online recompute calibration, and the load's queued forward (`loaded.forward_id`)
+        leaves the connector's compute queue. Callers hold `model_lock`.
         """
-        prefix = self.runner.prefix_from_blocks(loaded.blocks) if loaded.blocks else None
-        n_ctx = reusable_tokens(prefix.num_tokens if prefix is not None else 0, len(tokens))
-        t0 = time.perf_counter()
-        out = self.runner.prefill_prompt(tokens, prefix)
-        self.connector.calibration.observe_compute(len(tokens) - n_ctx, n_ctx, time.perf_counter() - t0)
-        return out
+        forwards = self.connector.forwards
+        if forwards is not None:
+            forwards.start(loaded.forward_id)
+        try:
+            prefix = self.runner.prefix_from_blocks(loaded.blocks) if loaded.blocks else None
+            n_ctx = reusable_tokens(prefix.num_tokens if prefix is not None else 0, len(tokens))
+            t0 = time.perf_counter()
+            out = self.runner.prefill_prompt(tokens, prefix)
+            self.connector.calibration.observe_compute(len(tokens) - n_ctx, n_ctx, time.perf_counter() - t0)
+            return out
+        finally:
+            if forwards is not None:
+                forwards.release(loaded.forward_id)
 
     def load_info(self) -> dict[str, float]:
         """Calibration figures for heartbeats (`NodeLoad` fields): the recompute model decisions use now."""
