@@ -116,6 +116,9 @@ def test_launching_from_a_threaded_grpc_process_never_hangs(tmp_path: Path) -> N
             role.wait_ready(30)
             role.stop()
         stop.set()
+        for t in threads:
+            t.join(10)
+        server.stop(None).wait(10)
         print("done", flush=True)
         """
     ).replace("TMP", repr(str(tmp_path)))
