@@ -40,8 +40,6 @@ UCX_ENV_DEFAULTS = {
     # listener's connections sat in TIME_WAIT; SO_REUSEADDR still refuses a port another listener holds.
     "UCX_TCP_CM_REUSEADDR": "y",
 }
-LOOP_THREAD_NICE = 19
-"""Niceness of the UCX loop thread (see `_Runtime._run_loop`)."""
 MAX_BLOCKS_PER_MESSAGE = 4096
 """A server refuses a message naming more blocks than this (clients split batches far below it)."""
 _INDEX_BITS = 20
@@ -92,13 +90,13 @@ class _Runtime:
             return cls._instance
 
     def _run_loop(self) -> None:
-        # The loop sleeps in epoll while no UCX request is in flight (`ucx_wait`); while transfers run,
-        # ucxx polls their requests with `asyncio.sleep(0)`. At the lowest CPU priority this thread takes
-        # only idle cycles from the model's compute on the same host. Thread mode with Python futures
-        # does not poll but aborted the process (ucxx C++ terminate in `Endpoint.send`) when a peer was
-        # killed, so it is not the default.
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOOP_THREAD_NICE)
+        # The loop sleeps in epoll while no UCX request is in flight (`ucx_wait`) and progresses the worker
+        # while transfers run. It runs at the process's own priority: at nice 19 (once, when an idle loop
+        # still spun) a node's transfers and a store's serving got ~1.5 % of a core next to any busy
+        # process, so a loaded host took seconds to connect (alpha 64 ms, 27 MB/s with two CPU-bound
+        # processes on 2 cores; 0.5 ms and 1-2 GB/s at nice 0). Thread mode with Python futures does not
+        # poll but aborted the process (ucxx C++ terminate in `Endpoint.send`) when a peer was killed, so
+        # it is not the default.
         self.loop.run_forever()
 
     def __init__(self) -> None:

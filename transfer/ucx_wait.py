@@ -3,8 +3,8 @@
 ucxx's blocking progress mode (our default, see `ucx_runtime`) progresses the worker when its event fd
 fires but never re-arms it, so the fd stayed readable and the loop called back without pause; and a
 coroutine awaiting a request (`UCXRequest.wait`) polls `completed` with `asyncio.sleep(0)`. An idle
-connection keeps one active-message receive posted, so every process with a connection spun one core
-(nice 19): on a 2-core host the stores' and the prefill/decode nodes' loop threads competed with one
+connection keeps one active-message receive posted, so every process with a connection spun one core:
+on a 2-core host the stores' and the prefill/decode nodes' loop threads competed with one
 another and with every transfer (a 32 MiB pull took 40-80 ms inside a cluster, 12-15 ms between two quiet
 processes).
 

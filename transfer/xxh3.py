@@ -46,10 +46,8 @@ T = TypeVar("T")
 class _HashPool:
     """The process's checksum threads (client verification, store write checks, `checksums`).
 
-    `NUM_HASH_THREADS` threads, started at import from the importing thread so that they run at its
-    priority: a thread inherits its creator's niceness, and the UCX loop thread (nice 19,
-    `transfer.ucx_runtime`) would otherwise create them on first use and leave the hashing of landed bytes
-    to idle cycles only. A child made by `fork` gets a fresh pool (threads do not survive a fork: the
+    `NUM_HASH_THREADS` threads, started at import from the importing thread (a thread inherits its
+    creator's niceness: they run at the importer's priority whichever thread hashes first). A child made by `fork` gets a fresh pool (threads do not survive a fork: the
     inherited executor would queue work for threads that do not exist and never answer)."""
 
     def __init__(self) -> None:
