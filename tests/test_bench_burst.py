@@ -54,6 +54,8 @@ def test_a_small_burst_runs_both_arms_and_reports_the_summary_keys(tmp_path: Pat
         assert key in summary
     assert summary["recompute_ttft_p50_s"] > 0 and summary["pull_ttft_p50_s"] > 0
     assert summary["pull_num_errors"] == summary["recompute_num_errors"] == 0
+    assert summary["max_compute_wait_seen_s"] > 0  # decisions saw the forwards queued on the model
+    assert summary["forwards_left"] == 0  # and every forward left the queue when it ran
     assert (
         summary["recompute_decisions"] == {"recompute": 12} and sum(summary["pull_decisions"].values()) == 12
     )

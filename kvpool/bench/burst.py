@@ -22,7 +22,8 @@ drains under contention (`InFlight.bytes_per_s`), which the measured burst's dec
 Forwards run one at a time (one model, `model_lock`). TTFT of a request = burst start -> its first token
 (load + wait for the model + forward). Summary keys: `pull_ttft_p50_s`, `recompute_ttft_p50_s`,
 `pull_over_recompute` (target <= 1), p90s, the loads' p50 and the forwards' mean per arm, the decisions,
-the most pulls a decision saw in flight and how many requests decided on a shared match answer.
+the most pulls a decision saw in flight and the longest compute wait, and how many requests decided on a
+shared match answer.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def _burst(
             "pull_s": s.pull_s,
             "pulls_in_flight_seen": s.num_pulls_in_flight,
             "queued_bytes_seen": s.queued_bytes,
+            "compute_wait_s_seen": s.compute_wait_s,
             "shared_match": s.shared_match,
             "predicted_pull_s": s.predicted_pull_s,
             "predicted_recompute_s": s.predicted_recompute_s,
@@ -200,6 +202,8 @@ def run_burst(
                     )
                     got = _burst(rt, ns, prompts(), use_cache=arm == "pull", arm=arm)
                     records += [rec | {"round": r} for rec in got]
+            queue = rt.connector.forwards
+            forwards_left = len(queue) if queue is not None else 0  # every forward released: 0
         finally:
             rt.close()
     summary: dict[str, Any] = {
@@ -217,6 +221,8 @@ def run_burst(
     summary["pull_over_recompute"] = summary["pull_ttft_p50_s"] / rec if rec else 0.0
     pulls = [r for r in records if r["arm"] == "pull" and "ttft_s" in r]
     summary["max_pulls_in_flight_seen"] = max((r["pulls_in_flight_seen"] for r in pulls), default=0)
+    summary["max_compute_wait_seen_s"] = max((r["compute_wait_s_seen"] for r in pulls), default=0.0)
+    summary["forwards_left"] = forwards_left
     summary["pulled_bytes_total"] = sum(r["pulled_bytes"] for r in pulls)
     summary["pull_shared_matches"] = sum(1 for r in pulls if r["shared_match"])  # decided with no call
     _print(console, summary)
