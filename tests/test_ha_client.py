@@ -7,9 +7,10 @@ import pytest
 
 from kvpool.client import MasterClient
 from kvpool.client.leader import never_sent, not_leader_redirect
+from kvpool.cluster.etcd import ThrowawayEtcd
 from kvpool.errors import Unavailable
 from kvpool.master.server import MasterServer
-from tests.etcd_server import EtcdServer, etcd  # noqa: F401 - the fixture
+from tests.etcd_server import etcd  # noqa: F401 - the fixture
 from tests.test_ha_election import wait_until
 from tests.test_ha_master import ha_master, leader_of, two_masters  # noqa: F401 - the fixture
 
@@ -33,7 +34,7 @@ def test_a_standby_s_refusal_is_redirected_once_to_the_leader(two_masters: list[
         assert c.address == leader.address and c.masters().role == "leader"
 
 
-def test_a_list_of_masters_survives_the_leader_s_death(etcd: EtcdServer) -> None:  # noqa: F811
+def test_a_list_of_masters_survives_the_leader_s_death(etcd: ThrowawayEtcd) -> None:  # noqa: F811
     servers = [ha_master(etcd.endpoint, prefix="/client") for _ in range(2)]
     try:
         leader = leader_of(servers)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.cluster.etcd import ThrowawayEtcd
 from kvpool.errors import FailedPrecondition
 from kvpool.master import MasterSettings, serve
 from kvpool.master.procs import LAYOUT, Proc, start_store
@@ -19,7 +20,7 @@ from kvpool.rpc.server import channel
 from kvpool.types import Location
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
-from tests.etcd_server import EtcdServer, etcd  # noqa: F401 - the fixture
+from tests.etcd_server import etcd  # noqa: F401 - the fixture
 from tests.test_ha_election import wait_until
 from tests.test_ha_master import ha_master
 
@@ -56,7 +57,7 @@ def store_of() -> Iterator[list[Proc]]:
             p.kill()
 
 
-def test_old_leader_orders_are_fenced_by_a_real_store(etcd: EtcdServer, store_of: list[Proc]) -> None:  # noqa: F811
+def test_old_leader_orders_are_fenced_by_a_real_store(etcd: ThrowawayEtcd, store_of: list[Proc]) -> None:  # noqa: F811
     old = ha_master(etcd.endpoint, prefix="/fence")
     new = None
     try:
@@ -108,7 +109,7 @@ def test_single_master_epoch_zero_is_not_fenced(store_of: list[Proc]) -> None:
         server.stop()
 
 
-def test_a_master_leading_again_forgets_the_previous_term(etcd: EtcdServer, store_of: list[Proc]) -> None:  # noqa: F811
+def test_a_master_leading_again_forgets_the_previous_term(etcd: ThrowawayEtcd, store_of: list[Proc]) -> None:  # noqa: F811
     """A leads, the store registers; A stalls and B leads (the store follows B); B stops and A leads again
     with a newer epoch: A forgot its old node records, so the store re-registers and is adopted afresh."""
     a = ha_master(etcd.endpoint, prefix="/again")

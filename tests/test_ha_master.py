@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from kvpool.client import MasterClient
+from kvpool.cluster.etcd import ThrowawayEtcd
 from kvpool.errors import Unavailable
 from kvpool.master import MasterSettings, serve
 from kvpool.master.procs import LAYOUT
@@ -20,7 +21,7 @@ from kvpool.master.server import MasterServer
 from kvpool.rpc.server import channel
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
-from tests.etcd_server import EtcdServer, etcd  # noqa: F401 - the fixture
+from tests.etcd_server import etcd  # noqa: F401 - the fixture
 from tests.test_ha_election import wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -50,7 +51,7 @@ def ha_master(endpoint: str, prefix: str = "/ha-master") -> MasterServer:
 
 
 @pytest.fixture
-def two_masters(etcd: EtcdServer) -> Iterator[list[MasterServer]]:  # noqa: F811
+def two_masters(etcd: ThrowawayEtcd) -> Iterator[list[MasterServer]]:  # noqa: F811
     servers = [ha_master(etcd.endpoint) for _ in range(2)]
     try:
         yield servers
@@ -183,7 +184,7 @@ def test_single_master_metrics_and_admin() -> None:
         server.stop()
 
 
-def test_etcd_gone_the_leader_serves_reads_and_refuses_writes(etcd: EtcdServer) -> None:  # noqa: F811
+def test_etcd_gone_the_leader_serves_reads_and_refuses_writes(etcd: ThrowawayEtcd) -> None:  # noqa: F811
     server = ha_master(etcd.endpoint, prefix="/gone")
     try:
         wait_until(lambda: server.master.election.is_leader, 10, "it leads")  # type: ignore[union-attr]

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from kvpool.client import MasterClient
+from kvpool.cluster.etcd import ThrowawayEtcd
 from kvpool.errors import KVPoolError
 from kvpool.master.procs import Proc, start_master
 from kvpool.v1 import kvpool_pb2 as pb
-from tests.etcd_server import EtcdServer, etcd  # noqa: F401 - the fixture
+from tests.etcd_server import etcd, start_etcd  # noqa: F401 - the fixture
 from tests.test_ha_election import wait_until
 from tests.test_ha_master import refusal
 
@@ -52,7 +53,7 @@ def role(address: str) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_kill_the_leader_a_standby_leads_and_the_old_one_rejoins(etcd: EtcdServer) -> None:  # noqa: F811
+def test_kill_the_leader_a_standby_leads_and_the_old_one_rejoins(etcd: ThrowawayEtcd) -> None:  # noqa: F811
     procs = ha_procs(etcd.endpoint, 2)
     try:
         addresses = [p.grpc_address for p in procs]
@@ -86,7 +87,7 @@ def test_kill_the_leader_a_standby_leads_and_the_old_one_rejoins(etcd: EtcdServe
 def test_steady_load_for_60_s_never_fails_over(tmp_path: Path) -> None:
     """The default TTL (5 s) under load on a small machine, etcd's data on disk as deployed: one election,
     0 failovers, 0 refused calls."""
-    on_disk = EtcdServer(tmp_path / "etcd", tmpfs=False)
+    on_disk = start_etcd(tmp_path / "etcd", tmpfs=False)
     try:
         procs = ha_procs(on_disk.endpoint, 3, ttl_s=5)
     except BaseException:

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from kvpool.client import MasterClient, PoolClient
+from kvpool.cluster.etcd import ThrowawayEtcd
 from kvpool.hashing import hash_blocks
 from kvpool.master.procs import LAYOUT, Proc, start_store
 from kvpool.types import KVLayout
-from tests.etcd_server import EtcdServer, etcd  # noqa: F401 - the fixture
+from tests.etcd_server import etcd  # noqa: F401 - the fixture
 from tests.test_ha_election import wait_until
 from tests.test_ha_processes import TTL_S, ha_procs, role
 
@@ -42,7 +43,7 @@ def store_alive(address: str) -> bool:
             return False
 
 
-def test_new_leader_rebuilds_the_index_from_the_store(etcd: EtcdServer, transport: object) -> None:  # noqa: F811
+def test_new_leader_rebuilds_the_index_from_the_store(etcd: ThrowawayEtcd, transport: object) -> None:  # noqa: F811
     procs: list[Proc] = ha_procs(etcd.endpoint, 3)
     try:
         wait_until(

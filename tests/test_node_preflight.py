@@ -16,11 +16,11 @@ import pytest
 
 from kvpool.capability import new_secret_env
 from kvpool.client import MasterClient
+from kvpool.client.master_wait import wait_for_master
 from kvpool.errors import Unavailable
 from kvpool.master.procs import LAYOUT, start, start_master, start_store
 from kvpool.membership import new_cluster_tokens
 from kvpool.model.runner import model_layout
-from kvpool.serving.preflight import wait_for_master
 from kvpool.types import DEFAULT_LAYOUT
 
 _LOADED = "SYNTHETIC weights"  # logged once the node's (embedded) model is loaded

@@ -9,56 +9,14 @@ keep-alive.
 from __future__ import annotations
 
 import contextlib
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvpool.client import MasterClient
-from kvpool.cluster.etcd import EtcdPlan
+from kvpool.cluster.etcd import ThrowawayEtcd
 from kvpool.errors import KVPoolError
 from kvpool.master.procs import Proc, start_master, start_store
-
-
-class Etcd:
-    """One single-node etcd (`kvpool.cluster.etcd.EtcdPlan`) on loopback ports, its data on tmpfs where there
-    is one; `endpoint` is "127.0.0.1:PORT". Raises `FailedPrecondition` (naming `make etcd`) when no binary is
-    found, `RuntimeError` when it does not listen within `timeout_s`."""
-
-    def __init__(self, timeout_s: float = 20.0) -> None:
-        shm = Path("/dev/shm")
-        self._data = Path(tempfile.mkdtemp(prefix="kvpool-etcd-", dir=shm if shm.is_dir() else None))
-        try:
-            plan = EtcdPlan.on(self._data / "data")
-        except BaseException:
-            shutil.rmtree(self._data, ignore_errors=True)
-            raise
-        self.endpoint, self.port = plan.endpoint, plan.client_port
-        self.log = self._data / "etcd.log"
-        self._log_file = self.log.open("wb")
-        self.proc = subprocess.Popen(plan.argv, stdout=self._log_file, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    tail = self.log.read_text(errors="replace")[-1000:]
-                    self.stop()
-                    raise RuntimeError(f"etcd did not start: {tail}") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log_file.close()
-        shutil.rmtree(self._data, ignore_errors=True)
 
 
 def role_of(address: str, timeout_s: float = 1.0) -> str:
@@ -74,7 +32,7 @@ def role_of(address: str, timeout_s: float = 1.0) -> str:
 class HaPool:
     """The running pool: `masters` in start order (the comma list clients get is `addresses`)."""
 
-    etcd: Etcd
+    etcd: ThrowawayEtcd
     masters: list[Proc]
     store: Proc | None = None
     lease_ttl_s: int = 5
@@ -106,7 +64,7 @@ class HaPool:
 def ha_pool(*, num_masters: int, lease_ttl_s: int, layout: str, segment: str) -> Iterator[HaPool]:
     """Start etcd, `num_masters` masters on it (lease `lease_ttl_s`), wait for a leader, then a store
     ("s0", segment size `segment` such as "256MiB", KV layout fingerprint `layout`) registered with it."""
-    etcd = Etcd()
+    etcd = ThrowawayEtcd()
     pool = HaPool(etcd, [], lease_ttl_s=lease_ttl_s)
     try:
         for _ in range(num_masters):

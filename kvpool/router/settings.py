@@ -22,6 +22,12 @@ class RouterSettings(KVPoolSettings):
     def _master_address(cls, value: str) -> str:
         return check_masters(value)
 
+    master_wait_s: float = Field(
+        default=30.0,
+        ge=0.0,
+        description="at start, how long to retry an unreachable master (with back-off) before exiting; "
+        "a router given block_size starts at once and answers 503 until the master is back",
+    )
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (0 = ephemeral)")
     policy: str = Field(default="cost", description="cost | affinity | least-load | round-robin")
     engines: Literal["kvpool", "vllm"] = Field(

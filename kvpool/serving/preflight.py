@@ -4,7 +4,7 @@ Loading a model takes seconds (minutes for a large one), and the master checks a
 registers, after that. `check_master` runs first (`kvpool.serving.serve.start_node`):
 
 1. it waits for the master with back-off while it is unreachable, at most `master_wait_s` (one log line
-   per attempt, at most one every `_SAY_EVERY_S`), then raises `Unavailable` (one line);
+   per attempt, `kvpool.client.master_wait`), then raises `Unavailable` (one line);
 2. it asks the master's `Stats` with this node's join token: a token the master refuses raises its
    `Unauthenticated`;
 3. it compares what it can locally: the pool's block size (`Stats.block_size`) and the pool's layout
@@ -20,60 +20,18 @@ layout only when a live member can be asked (a master with no live member: the b
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 
 from kvpool.client import MasterClient
+from kvpool.client.master_wait import wait_for_master
 from kvpool.client.store_client import node_identity
 from kvpool.client.types import PoolStats
-from kvpool.errors import AlreadyExists, FailedPrecondition, Unavailable
+from kvpool.errors import AlreadyExists, FailedPrecondition
 from kvpool.types import KVLayout
 
 log = logging.getLogger(__name__)
 
-_SAY_EVERY_S = 5.0
-"""At most one "master unreachable" line per this many seconds."""
-_BACKOFF_S = (0.25, 2.0)
-"""First and largest pause between attempts (doubling)."""
 _PROBE_TIMEOUT_S = 2.0
-
-
-def wait_for_master(
-    master: MasterClient,
-    wait_s: float,
-    *,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> PoolStats:
-    """The master's `Stats`, retried with back-off while the master is unreachable (`Unavailable` or
-    `DeadlineExceeded`), for at most `wait_s` seconds; then `Unavailable` (one line naming the address and
-    the setting). Other errors (`Unauthenticated`: a refused join token) raise at once."""
-    from kvpool.errors import DeadlineExceeded
-
-    t0 = clock()
-    deadline = t0 + wait_s
-    pause, said_at, attempt = _BACKOFF_S[0], float("-inf"), 0
-    while True:
-        attempt += 1
-        try:
-            return master.stats()
-        except (Unavailable, DeadlineExceeded) as exc:
-            now = clock()
-            if now >= deadline:
-                raise Unavailable(
-                    f"master {master.address} unreachable for {now - t0:.0f} s ({attempt} attempt{'s' * (attempt > 1)}; "
-                    f"master_wait_s = {wait_s:g}): {str(exc).splitlines()[0]}"
-                ) from None
-            if now - said_at >= _SAY_EVERY_S:
-                said_at = now
-                log.warning(
-                    "master %s unreachable (attempt %d); retrying for up to %.0f s more",
-                    master.address,
-                    attempt,
-                    deadline - now,
-                )
-            sleep(min(pause, max(0.0, deadline - now)))
-            pause = min(pause * 2, _BACKOFF_S[1])
+"""How long a live member's `GetInfo` may take."""
 
 
 def check_refusals(stats: PoolStats, layout: KVLayout, node_id: str) -> None:
