@@ -15,25 +15,12 @@ import pytest
 
 from kvpool.connector.connector import KVConnector
 from kvpool.connector.local_tier import LocalTier
-from kvpool.cost import LinkEstimate, PullLedger, RecomputeModel, decide_reuse, load_deadline_s
+from kvpool.cost import LinkEstimate, PullLedger, decide_reuse, load_deadline_s
 from kvpool.cost.compute_queue import ComputeQueue
 from kvpool.errors import InvalidArgument
 from kvpool.hashing import hash_blocks
 from kvpool.types import Location, Match, NodeInfo
-
-BLOCK, NBYTES, HIT = 16, 1 << 20, 10  # a 10-block prefix of 1 MiB blocks
-PROMPT = HIT * BLOCK + 8
-LINK = LinkEstimate(alpha_s=0.001, beta_bytes_per_s=1e9)  # 1 ms + ~1 ms per block
-RECOMPUTE = RecomputeModel(overhead_s=0.002, per_token_s=1e-3, per_pair_s=0.0)  # 170 ms for the prompt
-PEER = "store-a:1"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.test_cost_convoy import BLOCK, HIT, LINK, NBYTES, PEER, PROMPT, RECOMPUTE, Clock
 
 
 def burst(*, with_queue: bool, n: int = 50) -> list[Any]:
