@@ -179,3 +179,24 @@ def test_the_connector_decides_with_the_forwards_queued_on_its_model() -> None:
         plain.release(plan)
     finally:
         plain.close()
+
+
+def test_a_load_that_raises_takes_its_forward_out_of_the_queue() -> None:
+    ns = b"\x01" * 16
+    tokens = list(range(3, 3 + PROMPT))
+    hashes = hash_blocks(ns, tokens, BLOCK)
+    forwards = ComputeQueue()
+    conn = _connector(forwards, hashes)
+
+    def broken_pull(*args: Any, **kwargs: Any) -> list[Any]:
+        raise RuntimeError("a bug in the transfer half")  # a pool failure never raises; a bug may
+
+    conn.pull = broken_pull  # type: ignore[method-assign]
+    try:
+        ahead = forwards.register(1.0)  # queued ahead: this load pulls
+        with pytest.raises(RuntimeError, match="a bug"):
+            conn.load_prefix(ns, tokens, hashes, count_hit=True)
+        assert len(forwards) == 1 and forwards.release(ahead)  # only the one queued ahead was left
+        assert conn.pulls.in_flight(PEER).num_pulls == 0
+    finally:
+        conn.close()

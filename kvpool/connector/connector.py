@@ -162,6 +162,10 @@ class KVConnector:
                 out.blocks.extend(pulled)
                 out.pulled = list(zip(plan.hashes[start:], pulled, strict=False))
                 out.pulled_parent = plan.hashes[start - 1] if start > 0 else None
+        except BaseException:
+            if self.forwards is not None:  # no caller will run this forward
+                self.forwards.release(forward_id)
+            raise
         finally:
             self.release(plan, request_id=request_id)
         plan.stats.num_reused_tokens = len(out.blocks) * self.block_size

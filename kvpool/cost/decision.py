@@ -134,7 +134,7 @@ def decide_reuse(
             which a load overlaps (see the module docstring).
     Raises:
         InvalidArgument: negative counts or bytes, `h·block_size > prompt_len`, `num_local_blocks > h`,
-            bad margin.
+            bad margin, a negative or non-finite `compute_wait_s`.
     """
     h, bs = num_hit_blocks, block_size
     if prompt_len < 1 or bs < 1 or block_nbytes < 1:
