@@ -199,6 +199,14 @@ def test_bench_ttft_refuses_an_unknown_transport_and_a_too_long_prompt_before_st
     assert "local cluster" not in out.stdout + out.stderr and "Traceback" not in out.stderr
 
 
+def test_bench_burst_refuses_a_prefix_shorter_than_a_block() -> None:
+    """Found by a new-user pass: `--prefix-tokens 10` ran a pull arm with nothing to pull and reported
+    against the target."""
+    result = CliRunner().invoke(app, ["bench", "burst", "--prefix-tokens", "10"])
+    assert result.exit_code == 2 and "Invalid value for '--prefix-tokens'" in result.output, result.output
+    assert "no full block of 64" in result.output
+
+
 def test_the_nodes_and_the_router_have_one_prompt_limit() -> None:
     """One rule (`prompt_token_limit`): the nodes said 32768 where the router said 32767 (the model's
     context less the first output token)."""

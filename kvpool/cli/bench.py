@@ -112,6 +112,11 @@ def burst_cmd(
     from kvpool.bench.burst import run_burst
 
     _prompt_fits(prefix_tokens + question_tokens, model, "'--prefix-tokens' + '--question-tokens'")
+    if prefix_tokens < block_size:  # no full block to cache: the pull arm would have nothing to pull
+        raise typer.BadParameter(
+            f"{prefix_tokens} tokens hold no full block of {block_size}: the pull arm would have nothing to pull",
+            param_hint="'--prefix-tokens'",
+        )
     run_burst(
         burst=burst,
         prefix_tokens=prefix_tokens,
