@@ -4,6 +4,7 @@ line names the real address (`KVPOOL_READY {"http_address": "host:port", ...}`).
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 import time
@@ -110,4 +111,11 @@ def serve(settings: RouterSettings) -> None:
 
     threading.Thread(target=announce, name="router-ready", daemon=True).start()
     log.info("router (%s) for master %s on http://%s:%d", settings.policy, settings.master, host, port)
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler it found:
+    # this one makes that a clean exit (0), as the other roles' (the default handler's death said 143)
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     server.run(sockets=[sock])
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
