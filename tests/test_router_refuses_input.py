@@ -5,6 +5,7 @@ harmless bookkeeping fields are accepted; `GET /v1/models/{model}`."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -233,6 +234,21 @@ def test_a_value_of_another_type_is_refused_not_coerced(
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and err["message"].startswith(f"{field}: "), err
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_number_that_is_not_finite_is_refused_as_such(
+    client: TestClient, model: ModelInfo, field: str, value: float
+) -> None:
+    """Found by a new-user pass: `"temperature": NaN` was refused as "should be less than or equal to 2"."""
+    body = {"model": model.model_id, "max_tokens": 2, **COMPLETION, field: value}
+    r = client.post(  # Python's json writes NaN and Infinity as JavaScript does; httpx's json= refuses them
+        "/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and "finite number" in err["message"], err
 
 
 def test_an_integer_where_a_number_is_expected_is_accepted(client: TestClient, model: ModelInfo) -> None:

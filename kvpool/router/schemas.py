@@ -102,9 +102,10 @@ def health_response(live: dict[str, Any] | errors.KVPoolError) -> JSONResponse:
 
 class CommonBody(BaseModel):
     """The fields both endpoints implement. `refuse_unsupported` runs first and drops neutral fields, so
-    any other field reaching here is a bug: refused too (`extra="forbid"`), never ignored."""
+    any other field reaching here is a bug: refused too (`extra="forbid"`), never ignored. NaN and infinities
+    (JSON's `NaN`, `Infinity`) are refused as not finite."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
