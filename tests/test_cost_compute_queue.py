@@ -154,10 +154,12 @@ def _connector(forwards: ComputeQueue | None, hashes: list[bytes]) -> KVConnecto
     )
 
 
+NS = b"\x01" * 16
+TOKENS = list(range(3, 3 + PROMPT))
+
+
 def test_the_connector_decides_with_the_forwards_queued_on_its_model() -> None:
-    ns = b"\x01" * 16
-    tokens = list(range(3, 3 + PROMPT))
-    hashes = hash_blocks(ns, tokens, BLOCK)
+    ns, tokens, hashes = NS, TOKENS, hash_blocks(NS, TOKENS, BLOCK)
     forwards = ComputeQueue()
     conn = _connector(forwards, hashes)
     try:
@@ -182,9 +184,7 @@ def test_the_connector_decides_with_the_forwards_queued_on_its_model() -> None:
 
 
 def test_a_load_that_raises_takes_its_forward_out_of_the_queue() -> None:
-    ns = b"\x01" * 16
-    tokens = list(range(3, 3 + PROMPT))
-    hashes = hash_blocks(ns, tokens, BLOCK)
+    ns, tokens, hashes = NS, TOKENS, hash_blocks(NS, TOKENS, BLOCK)
     forwards = ComputeQueue()
     conn = _connector(forwards, hashes)
 
