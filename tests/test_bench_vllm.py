@@ -56,7 +56,11 @@ def _pool_report(predicted_pull_s: float = 0.02) -> dict[str, Any]:
 
 
 def _records(
-    pool_ttft_s: float = 0.05, predicted: float = 0.025, bad_tokens: int = 0
+    pool_ttft_s: float = 0.05,
+    predicted: float = 0.025,
+    bad_tokens: int = 0,
+    pull_s: float = 0.02,
+    unmeasured: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     recs = []
     for i in range(5):
@@ -67,12 +71,13 @@ def _records(
         ]
         toks = [1, 3] if i < bad_tokens else [1, 2]
         pool = _res(pool_ttft_s, cached=8192, tokens=toks, report=_pool_report(predicted))
-        recs.append(prefix_record(i, cold, local, pool, {"pull_s": 0.015} if i else None))
+        pull = None if i in unmeasured else {"pull_s": pull_s}
+        recs.append(prefix_record(i, cold, local, pool, pull))
     return recs
 
 
 def test_prefix_record_takes_the_pool_report_and_compares_tokens() -> None:
-    r = _records(bad_tokens=1)
+    r = _records(bad_tokens=1, unmeasured=(0,))
     assert r[0]["greedy_equal"] is False and r[1]["greedy_equal"] is True
     assert r[0]["local_greedy_equal"] is True
     assert r[0]["pool_over_cold"] == pytest.approx(0.05)
@@ -81,7 +86,9 @@ def test_prefix_record_takes_the_pool_report_and_compares_tokens() -> None:
         r[0]["decision"] == "load" and r[0]["loaded_bytes"] == 32 * 2**20 and r[0]["num_pool_blocks"] == 128
     )
     assert r[0]["local_decision"] == "none" and r[0]["published_blocks"] == 129
-    assert r[0]["pull_s"] is None and r[1]["pull_s"] == 0.015
+    assert r[0]["pull_s"] is None and r[1]["pull_s"] == 0.02
+    assert r[0]["pull_plus_match_s"] is None and r[1]["pull_plus_match_s"] == pytest.approx(0.023)
+    assert r[0]["pull_over_predicted"] is None and r[1]["pull_over_predicted"] == pytest.approx(0.8)
     assert r[0]["kvpool"]["pool"]["predicted_recompute_s"] == 1.2
 
 
@@ -90,33 +97,59 @@ def test_summary_medians_and_all_targets_met() -> None:
     assert s["cold_ttft_s"] == pytest.approx(1.02) and s["local_ttft_s"] == 0.02 and s["pool_ttft_s"] == 0.05
     assert s["pool_over_cold"] == pytest.approx(0.05 / 1.02)
     assert s["pool_minus_local_s"] == pytest.approx(0.03) and s["predicted_pull_s"] == 0.025
-    assert s["pull_s"] == 0.015 and s["loaded_bytes_total"] == 5 * 32 * 2**20
+    assert s["pull_s"] == 0.02 and s["loaded_bytes_total"] == 5 * 32 * 2**20
+    assert s["pull_over_predicted"] == pytest.approx(0.8) and s["num_pulls_measured"] == 5
+    assert s["pull_plus_match_s"] == pytest.approx(0.023)
+    assert s["targets"][2]["limit"] == pytest.approx(1.5 * 0.023)  # measured pull + match, not predicted
     assert s["decisions"] == {"load": 5} and s["greedy_equal"] == 1.0 and s["greedy_equal_local"] == 1.0
     assert s["pool_over_cold_met"] and s["pool_over_cold_stretch_met"] and s["pool_minus_local_met"]
-    assert s["greedy_equal_met"] and s["all_targets_met"]
+    assert s["greedy_equal_met"] and s["all_targets_met"] and s["target_met"] is True
     assert s["prefix_tokens"] == 8192
 
 
 def test_summary_verdicts_when_targets_are_missed() -> None:
-    # (c)/(a) 0.08: the target met, the stretch missed; (c)-(b) 0.062 > 1.5 x 0.01; 1 of 5 tokens differ
+    # (c)/(a) 0.08: the target met, the stretch missed; (c)-(b) 0.062 > 1.5 x 0.023; 1 of 5 tokens differ
     s = summarize(_records(pool_ttft_s=0.082, predicted=0.01, bad_tokens=1))
     assert s["pool_over_cold_met"] is True and s["pool_over_cold_stretch_met"] is False
     assert s["pool_minus_local_met"] is False
     assert s["greedy_equal"] == pytest.approx(0.8) and s["greedy_equal_met"] is False
-    assert s["all_targets_met"] is False
-    # a stretch target alone does not fail the run
-    s = summarize(_records(pool_ttft_s=0.08, predicted=0.1))
+    assert s["all_targets_met"] is False and s["target_met"] is False
+    # a stretch target alone does not fail the run: (c)-(b) 0.06 <= 1.5 x (0.04 + 0.003)
+    s = summarize(_records(pool_ttft_s=0.08, predicted=0.1, pull_s=0.04))
     assert s["pool_over_cold_stretch_met"] is False and s["all_targets_met"] is True
+
+
+def test_the_bound_is_the_measured_pull_not_the_predicted_one() -> None:
+    # predicted 0.1 s would allow 0.15 s; the worker measured 0.01 s (+ 0.003 s match): (c)-(b) = 0.06 s
+    # is not the pull, so the bound is missed
+    s = summarize(_records(pool_ttft_s=0.08, predicted=0.1, pull_s=0.01))
+    assert s["predicted_pull_s"] == 0.1 and s["pull_s"] == 0.01
+    assert s["pull_over_predicted"] == pytest.approx(0.1)
+    assert s["targets"][2]["limit"] == pytest.approx(1.5 * 0.013)
+    assert s["pool_minus_local_met"] is False and s["target_met"] is False
+    # a pull measured slower than predicted (0.04 s vs 0.01 s) that explains (c)-(b) meets it
+    s = summarize(_records(pool_ttft_s=0.08, predicted=0.01, pull_s=0.04))
+    assert s["pull_over_predicted"] == pytest.approx(4.0)
+    assert s["pool_minus_local_met"] is True and s["target_met"] is True
+    # measured slower than predicted and (c)-(b) beyond even the measured pull: missed
+    s = summarize(_records(pool_ttft_s=0.2, predicted=0.01, pull_s=0.04))
+    assert s["pool_minus_local_met"] is False and s["target_met"] is False
+
+
+def test_an_unmeasured_pull_leaves_the_bound_not_met() -> None:
+    # one prefix's pull is missing from the worker's log: its (c) may not have pulled at all
+    s = summarize(_records(unmeasured=(3,)))
+    assert s["num_pulls_measured"] == 4 and s["pool_minus_local_met"] is False and s["target_met"] is False
 
 
 def test_summary_without_a_pool_report_is_not_a_pass() -> None:
     recs = _records()
     for r in recs:
         r["predicted_pull_s"] = None
+        r["pull_s"] = r["match_s"] = r["pull_plus_match_s"] = None
     s = summarize(recs)
-    assert (
-        s["predicted_pull_s"] is None and s["pool_minus_local_met"] is None and s["all_targets_met"] is False
-    )
+    assert s["predicted_pull_s"] is None and s["pool_minus_local_met"] is False
+    assert s["all_targets_met"] is False and s["target_met"] is False
 
 
 def test_json_table_and_plot(tmp_path: Path) -> None:
@@ -135,6 +168,9 @@ def test_json_table_and_plot(tmp_path: Path) -> None:
         "local_ttft_s",
         "pool_ttft_s",
         "all_targets_met",
+        "target_met",
+        "pull_s",
+        "pull_over_predicted",
     ):
         assert key in report["summary"]
     assert len(report["records"]) == 5
@@ -144,6 +180,7 @@ def test_json_table_and_plot(tmp_path: Path) -> None:
     assert (
         "(c) pool s" in text and "median" in text and "NO" in text and "missed" in text and "load x5" in text
     )
+    assert "target NOT met" in text and "measured/predicted" in text
     png = tmp_path / "p.png"
     plot_report(recs, s, png)
     assert png.read_bytes()[:4] == b"\x89PNG"
