@@ -23,7 +23,9 @@ Forwards run one at a time (one model, `model_lock`). TTFT of a request = burst 
 (load + wait for the model + forward). Summary keys: `pull_ttft_p50_s`, `recompute_ttft_p50_s`,
 `pull_over_recompute` (target <= 1), p90s, the loads' p50 and the forwards' mean per arm, the decisions,
 the most pulls a decision saw in flight and the longest compute wait, and how many requests decided on a
-shared match answer.
+shared match answer. A failed request is counted (`*_num_errors`), never dropped: an arm with an error has
+`pull_over_recompute` None and `target_met` False (`summarize`); an arm with no served request has None
+percentiles.
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ from kvpool.report import write_report
 ARMS = ("recompute", "pull")
 
 
-def _quantile(values: list[float], q: float) -> float:
-    return float(np.quantile(np.asarray(values), q)) if values else 0.0
+TARGET_PULL_OVER_RECOMPUTE = 1.0  # pull p50 <= recompute p50
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    return float(np.quantile(np.asarray(values), q)) if values else None
 
 
 @contextlib.contextmanager
@@ -124,17 +129,43 @@ def _burst(
 
 
 def _arm_summary(records: list[dict[str, Any]], arm: str) -> dict[str, Any]:
-    ok = [r for r in records if r["arm"] == arm and "ttft_s" in r]
+    """One arm's figures over its served requests; its failed ones counted in `<arm>_num_errors` (and
+    `<arm>_num_requests` counts both). None percentiles when no request was served."""
+    mine = [r for r in records if r["arm"] == arm]
+    ok = [r for r in mine if "ttft_s" in r]
     ttft = [r["ttft_s"] for r in ok]
     return {
-        f"{arm}_ttft_p50_s": statistics.median(ttft) if ttft else 0.0,
+        f"{arm}_num_requests": len(mine),
+        f"{arm}_num_errors": len(mine) - len(ok),
+        f"{arm}_ttft_p50_s": statistics.median(ttft) if ttft else None,
         f"{arm}_ttft_p90_s": _quantile(ttft, 0.9),
-        f"{arm}_ttft_max_s": max(ttft, default=0.0),
-        f"{arm}_load_p50_s": statistics.median(r["load_s"] for r in ok) if ok else 0.0,
-        f"{arm}_compute_mean_s": statistics.mean(r["compute_s"] for r in ok) if ok else 0.0,
-        f"{arm}_num_errors": sum(1 for r in records if r["arm"] == arm and "error" in r),
+        f"{arm}_ttft_max_s": max(ttft, default=None),
+        f"{arm}_load_p50_s": statistics.median(r["load_s"] for r in ok) if ok else None,
+        f"{arm}_compute_mean_s": statistics.mean(r["compute_s"] for r in ok) if ok else None,
         f"{arm}_decisions": dict(Counter(r["decision"] for r in ok)),
     }
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The measured figures of both arms (the `warmup*` arms left out): per arm `_arm_summary`, then
+    `pull_over_recompute` = pull p50 / recompute p50, None when either arm had an error or served nothing;
+    `target_met` (bool): that ratio is known and <= `TARGET_PULL_OVER_RECOMPUTE`; and what the pull arm's
+    decisions saw."""
+    s: dict[str, Any] = {}
+    for arm in ARMS:
+        s |= _arm_summary(records, arm)
+    pull, rec = s["pull_ttft_p50_s"], s["recompute_ttft_p50_s"]
+    clean = s["pull_num_errors"] == 0 and s["recompute_num_errors"] == 0
+    ratio = pull / rec if clean and pull is not None and rec else None
+    s["pull_over_recompute"] = ratio
+    s["target_pull_over_recompute"] = TARGET_PULL_OVER_RECOMPUTE
+    s["target_met"] = ratio is not None and ratio <= TARGET_PULL_OVER_RECOMPUTE
+    pulls = [r for r in records if r["arm"] == "pull" and "ttft_s" in r]
+    s["max_pulls_in_flight_seen"] = max((r["pulls_in_flight_seen"] for r in pulls), default=0)
+    s["max_compute_wait_seen_s"] = max((r["compute_wait_s_seen"] for r in pulls), default=0.0)
+    s["pulled_bytes_total"] = sum(r["pulled_bytes"] for r in pulls)
+    s["pull_shared_matches"] = sum(1 for r in pulls if r["shared_match"])  # decided with no call
+    return s
 
 
 def run_burst(
@@ -215,19 +246,15 @@ def run_burst(
         "contended_bytes_per_s": learned_bytes_per_s,  # learned by the warm-up (0.0: none)
         "rounds": rounds,
     }
-    for arm in ARMS:
-        summary |= _arm_summary(records, arm)
-    rec = summary["recompute_ttft_p50_s"]
-    summary["pull_over_recompute"] = summary["pull_ttft_p50_s"] / rec if rec else 0.0
-    pulls = [r for r in records if r["arm"] == "pull" and "ttft_s" in r]
-    summary["max_pulls_in_flight_seen"] = max((r["pulls_in_flight_seen"] for r in pulls), default=0)
-    summary["max_compute_wait_seen_s"] = max((r["compute_wait_s_seen"] for r in pulls), default=0.0)
+    summary |= summarize(records)
     summary["forwards_left"] = forwards_left
-    summary["pulled_bytes_total"] = sum(r["pulled_bytes"] for r in pulls)
-    summary["pull_shared_matches"] = sum(1 for r in pulls if r["shared_match"])  # decided with no call
     _print(console, summary)
     write_report(json_out, "burst", records, summary)
     return summary
+
+
+def _f(x: float | None, spec: str = ".3f") -> str:
+    return "—" if x is None else format(x, spec)
 
 
 def _print(console: Console, s: dict[str, Any]) -> None:
@@ -236,18 +263,22 @@ def _print(console: Console, s: dict[str, Any]) -> None:
         table.add_column(col, justify="left" if col in ("burst", "decisions") else "right")
     for arm in ARMS:
         decisions = ", ".join(f"{k} {v}" for k, v in sorted(s[f"{arm}_decisions"].items()))
+        errors = s[f"{arm}_num_errors"]
         table.add_row(
             arm,
-            f"{s[f'{arm}_ttft_p50_s']:.3f}",
-            f"{s[f'{arm}_ttft_p90_s']:.3f}",
-            f"{s[f'{arm}_ttft_max_s']:.3f}",
+            _f(s[f"{arm}_ttft_p50_s"]),
+            _f(s[f"{arm}_ttft_p90_s"]),
+            _f(s[f"{arm}_ttft_max_s"]),
             decisions,
-            str(s[f"{arm}_num_errors"]),
+            f"[red]{errors}[/red]" if errors else "0",
         )
     console.print(table)
+    verdict = "[green]target met[/green]" if s["target_met"] else "[red]target NOT met[/red]"
+    ratio = _f(s["pull_over_recompute"]) if s["pull_over_recompute"] is not None else "n/a (an arm failed)"
+    load_p50 = s["pull_load_p50_s"]
     console.print(
-        f"pull/recompute p50 = {s['pull_over_recompute']:.3f} (target <= 1); most pulls a decision saw in "
-        f"flight: {s['max_pulls_in_flight_seen']}; pulled {s['pulled_bytes_total'] / 2**20:.1f} MiB; "
-        f"{s['pull_shared_matches']} decided on a shared match answer; load p50 "
-        f"{s['pull_load_p50_s'] * 1e3:.1f} ms (recompute arm {s['recompute_load_p50_s'] * 1e3:.1f} ms)"
+        f"pull/recompute p50 = {ratio} (target <= {TARGET_PULL_OVER_RECOMPUTE:g}, no failed request): "
+        f"{verdict}; most pulls a decision saw in flight: {s['max_pulls_in_flight_seen']}; pulled "
+        f"{s['pulled_bytes_total'] / 2**20:.1f} MiB; {s['pull_shared_matches']} decided on a shared match "
+        f"answer; load p50 {_f(None if load_p50 is None else load_p50 * 1e3, '.1f')} ms"
     )

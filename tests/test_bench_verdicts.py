@@ -1,0 +1,71 @@
+"""Benchmark summaries grade their own figures: a failed request counts as a failure (a ratio is None and
+`target_met` False when an arm had errors) and every summary's `target_met` is a boolean computed from
+its figures. Fed with synthetic records: no cluster, no engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpool.bench import burst
+
+
+def _burst_rec(arm: str, i: int, ttft_s: float | None, decision: str = "pull") -> dict[str, Any]:
+    if ttft_s is None:
+        return {"arm": arm, "request": i, "error": "Unavailable: store gone"}
+    return {
+        "arm": arm,
+        "request": i,
+        "ttft_s": ttft_s,
+        "load_s": ttft_s / 2,
+        "compute_s": 0.01,
+        "decision": decision if arm == "pull" else "recompute",
+        "pulls_in_flight_seen": 3,
+        "compute_wait_s_seen": 0.2,
+        "pulled_bytes": 1024 if decision == "pull" else 0,
+        "shared_match": False,
+    }
+
+
+def test_burst_a_clean_run_grades_the_p50_ratio() -> None:
+    recs = [_burst_rec("recompute", i, 1.0 + i) for i in range(3)]
+    recs += [_burst_rec("pull", i, 0.5 + i) for i in range(3)]
+    s = burst.summarize(recs)
+    assert s["pull_over_recompute"] == pytest.approx(1.5 / 2.0) and s["target_met"] is True
+    assert s["pull_num_errors"] == s["recompute_num_errors"] == 0 and s["pull_num_requests"] == 3
+    slow = [_burst_rec("recompute", i, 1.0) for i in range(3)] + [_burst_rec("pull", i, 1.2) for i in range(3)]
+    s = burst.summarize(slow)
+    assert s["pull_over_recompute"] == pytest.approx(1.2) and s["target_met"] is False
+
+
+def test_burst_an_arm_that_failed_everything_is_not_met() -> None:
+    recs = [_burst_rec("recompute", i, 1.0) for i in range(3)] + [_burst_rec("pull", i, None) for i in range(3)]
+    s = burst.summarize(recs)
+    assert s["pull_num_errors"] == 3 and s["pull_num_requests"] == 3
+    assert s["pull_ttft_p50_s"] is None and s["pull_ttft_p90_s"] is None and s["pull_ttft_max_s"] is None
+    assert s["pull_over_recompute"] is None and s["target_met"] is False
+
+
+def test_burst_one_failed_request_fails_the_target() -> None:
+    recs = [_burst_rec("recompute", i, 1.0) for i in range(3)]
+    recs += [_burst_rec("pull", i, 0.5) for i in range(2)] + [_burst_rec("pull", 2, None)]
+    s = burst.summarize(recs)
+    assert s["pull_num_errors"] == 1 and s["pull_ttft_p50_s"] == 0.5  # the served ones still measured
+    assert s["pull_over_recompute"] is None and s["target_met"] is False
+    recs = [_burst_rec("recompute", 0, None)] + [_burst_rec("pull", i, 0.5) for i in range(3)]
+    s = burst.summarize(recs)
+    assert s["recompute_num_errors"] == 1 and s["pull_over_recompute"] is None and s["target_met"] is False
+
+
+def test_burst_table_shows_errors_and_the_verdict() -> None:
+    import io
+
+    from rich.console import Console
+
+    recs = [_burst_rec("recompute", i, 1.0) for i in range(3)] + [_burst_rec("pull", i, None) for i in range(3)]
+    s = burst.summarize(recs) | {"burst": 3, "prefix_tokens": 256}
+    buf = io.StringIO()
+    burst._print(Console(file=buf, width=200, color_system=None), s)
+    text = buf.getvalue()
+    assert "target NOT met" in text and "n/a (an arm failed)" in text
