@@ -106,10 +106,37 @@ def test_summary_keys_from_fake_records(tmp_path: Path) -> None:
     assert s["num_requests_two_engines_pool"] == 3 and s["num_failed_two_engines_pool"] == 1
     assert s["decisions_two_engines_pool"] == {"pull": 1, "recompute": 1}
     assert s["decisions_one_engine"] == {"no line": 2}
-    assert s["pool_over_one_engine_hit_rate"] == pytest.approx(0.96)
-    assert s["target_met"] is True
+    # the pool setup failed a request: its ratio is not graded over the served ones, the target is missed
+    assert s["num_failed"] == 1
+    assert s["pool_over_one_engine_hit_rate"] is None and s["target_met"] is False
+    assert s["no_pool_over_one_engine_hit_rate"] == pytest.approx(0.25)
     assert s["date"] == "2026-12-02"
     json.dumps(s)  # the report is JSON
+    clean = summarize(recs[:-1])
+    assert clean["num_failed"] == 0 and clean["pool_over_one_engine_hit_rate"] == pytest.approx(0.96)
+    assert clean["target_met"] is True
+    # a failed request in the one-engine baseline fails the run too
+    failed_base = summarize([*recs[:-1], _rec("one_engine", 2, 1000, 0, 0.0) | {"error": "boom"}])
+    assert failed_base["pool_over_one_engine_hit_rate"] is None and failed_base["target_met"] is False
+    # a setup that did not run leaves the target not met (a boolean, never None)
+    assert summarize(recs[:2])["target_met"] is False
+
+
+def test_table_shows_failures_and_the_verdict() -> None:
+    import io
+
+    from rich.console import Console
+
+    from kvpool.bench.vllm_replay_report import print_report
+
+    recs = [
+        _rec("one_engine", 0, 1000, 400, 1.0),
+        _rec("two_engines_pool", 0, 1000, 400, 0.5),
+        _rec("two_engines_pool", 1, 1000, 0, 0.0) | {"error": "boom", "ttft_s": None},
+    ]
+    buf = io.StringIO()
+    print_report(Console(file=buf, width=200, color_system=None), summarize(recs))
+    assert "target NOT met" in buf.getvalue() and "1 failed" in buf.getvalue()
 
 
 def test_engine_command_and_decision_lines() -> None:

@@ -52,7 +52,11 @@ def setup_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def summarize(records: Sequence[dict[str, Any]], **settings: Any) -> dict[str, Any]:
     """The report's summary: flat `<figure>_<setup>` keys for every setup that ran, the pool's hit rate
-    over the one engine's against the target, the no-pool loss as measured, and `settings`."""
+    over the one engine's against the target, the no-pool loss as measured, and `settings`.
+
+    A failed request is a failure, never left out: a ratio is None when either of its setups failed a
+    request, and `target_met` (a boolean) is False when any setup failed one (`num_failed` counts them
+    all); otherwise it is the pool's ratio >= `TARGET_POOL_OVER_ONE`."""
     out: dict[str, Any] = {}
     per: dict[str, dict[str, Any]] = {}
     for setup in SETUPS:
@@ -62,16 +66,23 @@ def summarize(records: Sequence[dict[str, Any]], **settings: Any) -> dict[str, A
         s = per[setup] = setup_summary(recs)
         for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "num_requests", "num_failed", "decisions"):
             out[f"{key}_{setup}"] = s[key]
-    one = (per.get("one_engine") or {}).get("hit_rate")
-    pool = (per.get("two_engines_pool") or {}).get("hit_rate")
-    no_pool = (per.get("two_engines_no_pool") or {}).get("hit_rate")
-    out["pool_over_one_engine_hit_rate"] = pool / one if pool is not None and one else None
-    out["no_pool_over_one_engine_hit_rate"] = no_pool / one if no_pool is not None and one else None
+    out["pool_over_one_engine_hit_rate"] = _hit_ratio(per, "two_engines_pool")
+    out["no_pool_over_one_engine_hit_rate"] = _hit_ratio(per, "two_engines_no_pool")
+    out["num_failed"] = sum(p["num_failed"] for p in per.values())
     out["target_pool_over_one_engine"] = TARGET_POOL_OVER_ONE
     ratio = out["pool_over_one_engine_hit_rate"]
-    out["target_met"] = None if ratio is None else ratio >= TARGET_POOL_OVER_ONE
+    out["target_met"] = out["num_failed"] == 0 and ratio is not None and ratio >= TARGET_POOL_OVER_ONE
     out["setups"] = per
     return out | settings
+
+
+def _hit_ratio(per: dict[str, dict[str, Any]], setup: str) -> float | None:
+    """`setup`'s hit rate over the one engine's; None when either did not run, had no prompt tokens, or
+    failed a request (a hit rate over the served requests only would hide the failures)."""
+    a, b = per.get(setup), per.get("one_engine")
+    if a is None or b is None or a["num_failed"] or b["num_failed"]:
+        return None
+    return a["hit_rate"] / b["hit_rate"] if a["hit_rate"] is not None and b["hit_rate"] else None
 
 
 def _f(x: float | None, spec: str = ".3f") -> str:
@@ -89,9 +100,10 @@ def print_report(console: Any, summary: dict[str, Any]) -> None:
     for col in ("setup", "requests", "failed", "hit rate", "vs 1 engine", "TTFT p50 s", "TTFT p90 s"):
         table.add_column(col, justify="left" if col == "setup" else "right")
     table.add_column("decisions", justify="left")
-    one = (summary["setups"].get("one_engine") or {}).get("hit_rate")
     for setup, s in summary["setups"].items():
-        ratio = s["hit_rate"] / one if s["hit_rate"] is not None and one else None
+        ratio = (
+            1.0 if setup == "one_engine" and s["num_failed"] == 0 else _hit_ratio(summary["setups"], setup)
+        )
         decisions = ", ".join(f"{k} {v}" for k, v in s["decisions"].items())
         table.add_row(
             LABELS[setup],
@@ -105,12 +117,13 @@ def print_report(console: Any, summary: dict[str, Any]) -> None:
         )
     console.print(table)
     ratio = summary.get("pool_over_one_engine_hit_rate")
-    if ratio is not None:
-        verdict = "met" if summary["target_met"] else "NOT met"
-        console.print(
-            f"two engines + kvpool reach {ratio:.2f} of the one-engine hit rate "
-            f"(target >= {TARGET_POOL_OVER_ONE}: {verdict})"
-        )
+    verdict = "[green]target met[/green]" if summary["target_met"] else "[red]target NOT met[/red]"
+    failed = summary.get("num_failed", 0)
+    reached = "n/a" if ratio is None else f"{ratio:.2f}"
+    console.print(
+        f"two engines + kvpool reach {reached} of the one-engine hit rate (target >= {TARGET_POOL_OVER_ONE} "
+        f"with no failed request; {failed} failed): {verdict}"
+    )
     loss = summary.get("no_pool_over_one_engine_hit_rate")
     if loss is not None:
         console.print(f"two engines without the pool reach {loss:.2f} of it")
