@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench.failover import hits_back, summarize
+from kvpool.bench.failover import Traffic, grade_output, greedy_output, hits_back, summarize
+from kvpool.bench.failover_report import target_met
+from kvpool.sampling import SamplingParams
 
 
 def rec(t_s: float, hit: float, *, ttft_s: float = 0.01, right: bool = True) -> dict[str, object]:
@@ -41,6 +43,81 @@ def test_summary_windows_failures_and_wrong_tokens() -> None:
     assert s["ttft_p99_during_s"] > 0.04  # the misses' TTFT, not the hits' before
     soak = summarize(records[:100], None, None)
     assert "hits_back_s" not in soak and soak["failed_requests"] == 0
+
+
+def test_every_generated_token_is_compared() -> None:
+    assert grade_output([5, 7, 9], [5, 7, 9]) == {"right": True, "wrong_tokens": 0, "first_wrong": None}
+    assert grade_output([5, 8, 9], [5, 7, 9]) == {"right": False, "wrong_tokens": 1, "first_wrong": 1}
+    assert grade_output([5, 7, 9, 1], [5, 7, 9])["right"] is False  # an extra token
+    assert grade_output([5, 7], [5, 7, 9]) == {"right": False, "wrong_tokens": 1, "first_wrong": 2}
+
+
+class _Stats:
+    num_reused_tokens, num_pool_blocks, decision, reason = 0, 0, "recompute", "test"
+
+
+class _Loaded:
+    stats, forward_id, flush_epoch = _Stats(), None, 0
+    blocks: list[bytes] = []
+
+
+class _Runtime:
+    """The part of a `NodeRuntime` a traffic request uses, over a real embedded model runner and no pool
+    (a cold load): the fault, a wrong output, is planted in the reference instead."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from kvpool.model import ModelRunner
+
+        self.runner = ModelRunner.load(None, device="cpu", block_size=64)
+        self.model_lock = threading.Lock()
+        self.connector = self
+
+    def namespace(self, salt: str) -> bytes:
+        return b"n" * 16
+
+    def load_prefix(self, *args: object, **kwargs: object) -> _Loaded:
+        return _Loaded()
+
+    def compute_prompt(self, tokens: list[int], loaded: object) -> object:
+        return self.runner.prefill_prompt(tokens)
+
+    def publish(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+def test_a_request_whose_second_token_differs_is_a_wrong_output() -> None:
+    rt = _Runtime()
+    prompt = list(range(3, 70))
+    logits, full = rt.runner.prefill_prompt(prompt)
+    cold = greedy_output(rt.runner, logits, full, 4)
+    assert (
+        cold == rt.runner.generate(prompt, params=_greedy(4))[: len(cold)]
+    )  # the decode path is the model's
+    wrong_second = [cold[0], (cold[1] + 1) % 256, *cold[2:]]
+    traffic = Traffic.__new__(Traffic)  # no thread: one request through the traffic's own path
+    traffic.rt, traffic.prompts, traffic.t0 = rt, [prompt, prompt], 0.0
+    traffic.cold = [cold, wrong_second]
+    good, bad = traffic._one("r0", 0), traffic._one("r1", 1)
+    assert good["right"] is True and good["wrong_tokens"] == 0
+    assert bad["right"] is False and bad["first_wrong"] == 1 and bad["wrong_tokens"] == 1
+    s = summarize([good | {"t_s": 0.0}, bad | {"t_s": 0.1}], None, None)
+    assert s["wrong_outputs"] == 1 and s["wrong_tokens"] == 1
+    soak = s | {"spurious_failovers": 0, "max_tokens": 4}
+    assert target_met(soak) is False and target_met(soak | {"wrong_outputs": 0}) is True
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n)
+
+
+def test_target_met_is_every_target_of_a_kill() -> None:
+    base = {"failed_requests": 0, "wrong_outputs": 0, "wrong_tokens": 0, "lease_ttl_s": 5}
+    assert target_met(base | {"failover_s": 3.8, "hits_back_s": 4.6}) is True
+    assert target_met(base | {"failover_s": 6.5, "hits_back_s": 7.0}) is False  # > TTL + 1 s
+    assert target_met(base | {"failover_s": 3.8, "hits_back_s": None}) is False  # hits never back
+    assert target_met(base | {"failed_requests": 1, "failover_s": 3.8, "hits_back_s": 4.6}) is False
 
 
 def test_without_etcd_the_command_says_make_etcd_and_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:

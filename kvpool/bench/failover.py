@@ -8,8 +8,10 @@ register the namespace, match and pull the cached prefix, prefill the rest, publ
 
 Traffic: one closed loop at about `rate` requests/s over `prefixes` x `questions` distinct prompts (a
 shared prefix of `prefix_tokens` plus a question of `question_tokens`), so almost every request reuses a
-cached prefix. Each prompt's greedy first token is computed cold (no cache) before the traffic starts;
-an answer that differs is a wrong token. After `warmup_s` the leader is killed (SIGKILL: its lease lapses
+cached prefix. Each prompt's greedy output (`max_tokens` tokens: the first from the prefill, the rest
+decoded on its KV) is computed cold (no cache) before the traffic starts; every request generates the same
+number of tokens on the KV it loaded, and an output that differs from the cold one at any position is a
+wrong output (`grade_output`). After `warmup_s` the leader is killed (SIGKILL: its lease lapses
 after the TTL) and the traffic goes on for `after_s`.
 
 Figures (all from the kill, seconds):
@@ -20,8 +22,13 @@ Figures (all from the kill, seconds):
   `BACK_RUN` requests all at >= 95 % of it (0.0: the hit rate never dipped);
 - `ttft_p99_before_s` over the requests of the 5 s before the kill, `ttft_p99_during_s` over those from
   the kill to the hits' return (or to the end when they never return);
-- `failed_requests` (a request that raised), `wrong_tokens`, `publish_failed`, `failovers` (leader epoch
-  changes seen by a poller every 0.5 s; 1 expected).
+- `failed_requests` (a request that raised), `wrong_outputs` (requests whose greedy output differs from
+  the cold one), `wrong_tokens` (the differing positions over all requests), `publish_failed`, `failovers`
+  (leader epoch changes seen by a poller every 0.5 s; 1 expected).
+
+`target_met` (a boolean, `kvpool.bench.failover_report.targets`): no failed request, no wrong output, and
+for a kill `failover_s` <= TTL + 1 s and `hits_back_s` <= `failover_s` + 3 s; for a soak no spurious
+failover.
 
 `soak_s` > 0: that long of traffic and no kill; `spurious_failovers` counts leader epoch changes (0
 expected).
@@ -43,6 +50,28 @@ from kvpool.report import write_report
 BACK_RUN = 3
 BEFORE_WINDOW_S = 5.0
 PROBE_INTERVAL_S = 0.05
+
+
+def greedy_output(runner: Any, logits: Any, prefix: Any, max_tokens: int) -> list[int]:
+    """`max_tokens` greedy token ids: the first from a prompt's last `logits`, then one decode step each on
+    the prompt's KV `prefix` (`ModelRunner.decode_step`); no stop token (the outputs are compared whole)."""
+    import torch
+
+    out = [int(torch.argmax(logits))]
+    while len(out) < max_tokens:
+        step_logits, caches = runner.decode_step([(prefix, out[-1])])
+        prefix = caches[0]
+        out.append(int(torch.argmax(step_logits[0])))
+    return out
+
+
+def grade_output(got: Sequence[int], cold: Sequence[int]) -> dict[str, Any]:
+    """Compare a request's whole output with the cold reference: `right` (every token equal, same length),
+    `wrong_tokens` (positions that differ, a missing or extra token counted as one), `first_wrong` (the
+    first such position, None when right)."""
+    n = max(len(got), len(cold))
+    diff = [k for k in range(n) if k >= len(got) or k >= len(cold) or got[k] != cold[k]]
+    return {"right": not diff, "wrong_tokens": len(diff), "first_wrong": diff[0] if diff else None}
 
 
 def _p99(values: list[float]) -> float:
@@ -86,7 +115,9 @@ class EpochWatch:
 class Traffic:
     """The closed request loop (its own thread); `records` one dict per request, times from `t0`."""
 
-    def __init__(self, rt: Any, prompts: list[list[int]], cold: list[int], rate: float, t0: float) -> None:
+    def __init__(
+        self, rt: Any, prompts: list[list[int]], cold: list[list[int]], rate: float, t0: float
+    ) -> None:
         self.rt, self.prompts, self.cold, self.t0 = rt, prompts, cold, t0
         self.interval_s = 1.0 / rate
         self.records: list[dict[str, Any]] = []
@@ -107,8 +138,6 @@ class Traffic:
             next_at = max(next_at, time.perf_counter() - self.interval_s)  # no catch-up burst after a stall
 
     def _one(self, rid: str, i: int) -> dict[str, Any]:
-        import torch
-
         rt, tokens = self.rt, self.prompts[i]
         t_start = time.perf_counter()
         rec: dict[str, Any] = {"request": rid, "prompt": i, "t_s": t_start - self.t0}
@@ -118,11 +147,12 @@ class Traffic:
             with rt.model_lock:
                 loaded = rt.connector.load_prefix(ns, tokens, hashes, count_hit=True, request_id=rid)
                 logits, full = rt.compute_prompt(tokens, loaded)
-            first = int(torch.argmax(logits))
+                ttft_s = time.perf_counter() - t_start
+                out = greedy_output(rt.runner, logits, full, len(self.cold[i]))
             rec |= {
-                "ttft_s": time.perf_counter() - t_start,
+                "ttft_s": ttft_s,
                 "hit": loaded.stats.num_reused_tokens / len(tokens),
-                "right": first == self.cold[i],
+                **grade_output(out, self.cold[i]),
                 "decision": loaded.stats.decision,
                 "reason": loaded.stats.reason,
             }
@@ -196,7 +226,8 @@ def summarize(
     s: dict[str, Any] = {
         "requests": len(records),
         "failed_requests": len(records) - len(ok),
-        "wrong_tokens": sum(1 for r in ok if not r["right"]),
+        "wrong_outputs": sum(1 for r in ok if not r["right"]),
+        "wrong_tokens": sum(r.get("wrong_tokens", 0 if r["right"] else 1) for r in ok),
         "publish_failed": sum(1 for r in ok if r["publish"] == "publish_failed"),
         "hit_rate": float(np.mean([r["hit"] for r in ok])) if ok else 0.0,
         "ttft_p99_s": _p99([r["ttft_s"] for r in ok]),
@@ -246,6 +277,7 @@ def run_failover(
     prefix_tokens: int = 256,
     question_tokens: int = 16,
     block_size: int = 64,
+    max_tokens: int = 8,
     json_out: Path | None = None,
     png_out: Path | None = None,
     say: Callable[[str], None] = print,
@@ -253,7 +285,7 @@ def run_failover(
     """Run the benchmark (see the module docstring); returns the summary. Raises `RuntimeError` when the
     pool does not start, `FailedPrecondition` (naming `make etcd`) when no etcd binary is found."""
     from kvpool.bench.failover_cluster import ha_pool
-    from kvpool.bench.failover_report import plot, print_summary
+    from kvpool.bench.failover_report import plot, print_summary, target_met
     from kvpool.model import ModelRunner
     from kvpool.serving.common import ServingSettings
     from kvpool.serving.runtime import NodeRuntime
@@ -284,8 +316,8 @@ def run_failover(
             for tokens in prompts:
                 hashes = hash_blocks(ns, tokens, block_size)
                 loaded = rt.connector.load_prefix(ns, tokens, hashes, count_hit=False, use_cache=False)
-                logits, _ = rt.compute_prompt(tokens, loaded)
-                cold.append(int(logits.argmax()))
+                logits, full = rt.compute_prompt(tokens, loaded)
+                cold.append(greedy_output(rt.runner, logits, full, max_tokens))
             probe_hashes = hash_blocks(ns, prompts[0], block_size)
             watch = EpochWatch(pool.addresses)
             t0 = time.perf_counter()
@@ -321,6 +353,7 @@ def run_failover(
         "prompts": len(prompts),
         "prefix_tokens": prefix_tokens,
         "question_tokens": question_tokens,
+        "max_tokens": max_tokens,
         "soak_s": soak_s,
         "warmup_s": warmup_s if soak_s <= 0 else 0.0,
         "after_s": after_s if soak_s <= 0 else 0.0,
@@ -333,6 +366,7 @@ def run_failover(
         summary["spurious_failovers"] = watch.changes
     else:
         summary["failovers"] = watch.changes
+    summary["target_met"] = target_met(summary)
     print_summary(summary)
     if png_out is not None:
         plot(records, summary, png_out)

@@ -17,7 +17,7 @@ def targets(s: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
 
     rows = [
         ("failed requests", str(s["failed_requests"]), "0", s["failed_requests"] == 0),
-        ("wrong tokens", str(s["wrong_tokens"]), "0", s["wrong_tokens"] == 0),
+        ("wrong outputs", _wrong(s), "0", s["wrong_outputs"] == 0),
     ]
     if "spurious_failovers" in s:
         rows.append(("spurious failovers", str(s["spurious_failovers"]), "0", s["spurious_failovers"] == 0))
@@ -33,6 +33,15 @@ def targets(s: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
         ),
     ]
     return rows
+
+
+def _wrong(s: dict[str, Any]) -> str:
+    return f"{s['wrong_outputs']} ({s['wrong_tokens']} tokens of {s.get('max_tokens', '?')} each)"
+
+
+def target_met(s: dict[str, Any]) -> bool:
+    """Every target row met (a soak's or a kill's): the summary's `target_met`."""
+    return all(met for _, _, _, met in targets(s))
 
 
 def print_summary(s: dict[str, Any], console: Console | None = None) -> None:
@@ -59,6 +68,7 @@ def print_summary(s: dict[str, Any], console: Console | None = None) -> None:
     else:
         table.add_row("TTFT p99", f"{s['ttft_p99_s'] * 1e3:.1f} ms", "", "")
     console.print(table)
+    console.print("[green]target met[/]" if target_met(s) else "[red]target NOT met[/]")
 
 
 def plot(records: list[dict[str, Any]], s: dict[str, Any], path: Path) -> None:

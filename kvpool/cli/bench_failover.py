@@ -22,6 +22,9 @@ def failover_cmd(
     prefix_tokens: int = typer.Option(256, min=1, help="shared prefix length (tokens)"),
     question_tokens: int = typer.Option(16, min=1, help="question length (tokens)"),
     block_size: int = typer.Option(64, min=1, help="tokens per block"),
+    max_tokens: int = typer.Option(
+        8, min=1, help="greedy tokens per request, each compared with the cold reference's"
+    ),
     json_out: Path = typer.Option(None, "--json", help="write the report JSON here"),
     png: Path = typer.Option(None, "--png", "--plot", help="write a PNG of hit rate and TTFT over time here"),
 ) -> None:
@@ -49,6 +52,7 @@ def failover_cmd(
             prefix_tokens=prefix_tokens,
             question_tokens=question_tokens,
             block_size=block_size,
+            max_tokens=max_tokens,
             json_out=json_out,
             png_out=png,
         )
