@@ -29,5 +29,7 @@ def test_master_churn_reports_bounded_state(tmp_path: Path) -> None:
     assert s["num_namespaces_before"] == 1 and s["num_namespaces_after_cycles"] == 2
     assert s["num_namespaces_after"] == s["num_namespaces_before"] + 1 + 200
     assert s["num_blocks_before"] == 4 * 8 and s["short_matches"] == 0
+    assert s["namespaces_met"] is True and s["no_short_matches_met"] is True and s["rss_growth_met"] is True
+    assert isinstance(s["target_met"], bool)  # p99 within the noise varies with the host
     assert [r["phase"] for r in report["records"]] == ["before", "before", "after", "after"]
     assert all(r["matches"] == 100 and r["short_matches"] == 0 for r in report["records"])

@@ -69,3 +69,34 @@ def test_burst_table_shows_errors_and_the_verdict() -> None:
     burst._print(Console(file=buf, width=200, color_system=None), s)
     text = buf.getvalue()
     assert "target NOT met" in text and "n/a (an arm failed)" in text
+
+
+def test_master_evaluates_its_target() -> None:
+    from kvpool.bench.master_bench import grade
+
+    ok = {"match_per_s": 3487, "match_p99_ms": 5.3, "short_matches": 0}
+    assert grade(ok)["target_met"] is True
+    assert grade(ok | {"match_per_s": 2999})["target_met"] is False
+    assert grade(ok | {"match_p99_ms": 10.5})["target_met"] is False
+    short = grade(ok | {"short_matches": 1})  # a wrong answer is no throughput
+    assert short["target_met"] is False and short["no_short_matches_met"] is False
+
+
+def test_master_churn_evaluates_its_target() -> None:
+    from kvpool.bench.master_churn import grade
+
+    ok = {
+        "match_p99_slower_beyond_noise": False,
+        "rss_growth_mib": 10.4,
+        "num_namespaces_before": 1,
+        "num_namespaces_after_cycles": 2,
+        "num_namespaces_after": 10_002,
+        "salts": 10_000,
+        "short_matches": 0,
+    }
+    assert grade(ok)["target_met"] is True
+    assert grade(ok | {"match_p99_slower_beyond_noise": True})["target_met"] is False
+    assert grade(ok | {"rss_growth_mib": 50.0})["target_met"] is False
+    assert grade(ok | {"num_namespaces_after_cycles": 21, "num_namespaces_after": 10_021})["target_met"] is False
+    assert grade(ok | {"num_namespaces_after": 10_001})["target_met"] is False
+    assert grade(ok | {"short_matches": 2})["target_met"] is False

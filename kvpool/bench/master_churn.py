@@ -144,6 +144,24 @@ def _spread(records: Sequence[dict[str, Any]], key: str) -> float:
     return round(max(values) - min(values), 3)
 
 
+RSS_GROWTH_MAX_MIB = 50.0
+
+
+def grade(s: dict[str, Any]) -> dict[str, Any]:
+    """The verdict of a summary's own figures (`target_met`, bool, and each check): match p99 after the
+    churn not slower than before beyond the noise; master RSS grown < `RSS_GROWTH_MAX_MIB`; the flush
+    cycles leave one namespace (+1: the flushed one) and each salt adds exactly one; every match full (a
+    short match is a wrong answer)."""
+    checks = {
+        "match_p99_met": not s["match_p99_slower_beyond_noise"],
+        "rss_growth_met": s["rss_growth_mib"] < RSS_GROWTH_MAX_MIB,
+        "namespaces_met": s["num_namespaces_after_cycles"] == s["num_namespaces_before"] + 1
+        and s["num_namespaces_after"] == s["num_namespaces_after_cycles"] + s["salts"],
+        "no_short_matches_met": s["short_matches"] == 0,
+    }
+    return checks | {"target_met": all(checks.values())}
+
+
 def run_master_churn(
     *,
     cycles: int,
@@ -207,8 +225,10 @@ def run_master_churn(
         "num_blocks_after": state_after["num_blocks"],
         "cycles_s": cycles_s,
         "salts_s": salts_s,
-        "target": "match p99 after within noise of before; rss_growth_mib < 50; namespaces grow by salts + 1",
+        "target": "match p99 after within noise of before; rss_growth_mib < 50; namespaces grow by salts + 1; "
+        "no short match",
     }
+    summary |= grade(summary)
     table = Table(title=f"kvpool bench master-churn ({cycles} flush cycles, {salts} salts)")
     for col in _COLS:
         table.add_column(col)
@@ -222,5 +242,10 @@ def run_master_churn(
         f"{summary['rss_after_mib']} MiB; namespaces {summary['num_namespaces_before']} -> "
         f"{summary['num_namespaces_after_cycles']} -> {summary['num_namespaces_after']}; "
         f"cycles {cycles_s} s, salts {salts_s} s"
+    )
+    verdict = "[green]target met[/green]" if summary["target_met"] else "[red]target NOT met[/red]"
+    failed = [k.removesuffix("_met") for k, v in summary.items() if k.endswith("_met") and not v]
+    out.print(
+        f"target ({summary['target']}): {verdict}" + (f" (missed: {', '.join(failed)})" if failed else "")
     )
     return write_report(json_out, "master-churn", records, summary)
