@@ -100,3 +100,41 @@ def test_master_churn_evaluates_its_target() -> None:
     assert grade(ok | {"num_namespaces_after_cycles": 21, "num_namespaces_after": 10_021})["target_met"] is False
     assert grade(ok | {"num_namespaces_after": 10_001})["target_met"] is False
     assert grade(ok | {"short_matches": 2})["target_met"] is False
+
+
+def _ttft_rec(kind: str, ttft_s: float, reused: int) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "ttft_s": ttft_s,
+        "reused_tokens": reused,
+        "match_s": 0.001,
+        "pull_s": 0.02 if reused else 0.0,
+        "compute_s": ttft_s - 0.02,
+        "pulled_bytes": reused * 4096,
+    }
+
+
+def test_ttft_grades_warm_over_cold_and_the_reuse() -> None:
+    from kvpool.bench.ttft import summarize
+
+    recs = [_ttft_rec("cold", 2.0, 0), _ttft_rec("warm", 0.09, 8192)] * 3
+    s = summarize(recs)
+    assert s["warm_over_cold"] == pytest.approx(0.045) and s["target_met"] is True
+    slow = summarize([_ttft_rec("cold", 2.0, 0), _ttft_rec("warm", 0.2, 8192)])
+    assert slow["target_met"] is False
+    # a "warm" request that recomputed is no pool hit, however fast it was
+    missed = summarize([_ttft_rec("cold", 2.0, 0), _ttft_rec("warm", 0.05, 8192), _ttft_rec("warm", 0.05, 0)])
+    assert missed["warm_reused"] == 1 and missed["target_met"] is False
+    assert summarize([_ttft_rec("warm", 0.05, 8192)])["warm_over_cold"] is None  # no baseline: no ratio
+    assert summarize([_ttft_rec("warm", 0.05, 8192)])["target_met"] is False
+
+
+def test_ttft_sweep_grades_every_cell() -> None:
+    from kvpool.bench.ttft_sweep import grade_cells
+
+    cell = {"cold_s": 1.0, "warm_s": 0.2, "warm_reused_tokens": 1024.0}
+    assert grade_cells({"1024/16": cell, "256/16": cell})["target_met"] is True
+    slower = grade_cells({"1024/16": cell, "256/16": cell | {"warm_s": 1.1}})
+    assert slower["target_met"] is False and slower["cells_warm_not_slower"] == 1
+    assert grade_cells({"1024/16": cell | {"warm_reused_tokens": 0.0}})["target_met"] is False
+    assert grade_cells({})["target_met"] is False
