@@ -54,6 +54,21 @@ def test_summarize_accuracy_and_regret() -> None:
     assert s["decision_accuracy"] == pytest.approx(0.75)
     assert s["mean_regret"] == pytest.approx((0 + 1.0 + 0 + 0.08) / 4)
     assert s["share_pull_faster"] == pytest.approx(0.75)
+    assert s["target_met"] is False  # 0.75 < 0.95, and a failed cell fails the run
+
+
+def test_target_met_needs_accuracy_regret_and_no_failed_cell() -> None:
+    good = [{"ok": True, **score_cell(1.0, 2.0, "pull")} for _ in range(20)]
+    assert summarize(good)["target_met"] is True
+    one_wrong = good[:19] + [{"ok": True, **score_cell(1.0, 2.0, "recompute")}]  # 0.95, regret 0.05
+    assert summarize(one_wrong)["target_met"] is True
+    assert summarize(one_wrong + [{"ok": True, **score_cell(1.0, 2.0, "recompute")}])["target_met"] is False
+    failed = summarize([*good, {"ok": False}])  # every scored cell right, one measurement failed
+    assert failed["decision_accuracy"] == 1.0 and failed["num_failed_cells"] == 1
+    assert failed["target_met"] is False
+    nothing = summarize([{"ok": False}])  # no scored cell: no accuracy (not 0.0 regret, "perfect")
+    assert nothing["decision_accuracy"] is None and nothing["mean_regret"] is None
+    assert nothing["target_met"] is False
 
 
 def test_auto_choice_reconstruction_matches_decide_reuse() -> None:

@@ -16,6 +16,8 @@ from kvpool.cost import RecomputeModel
 
 TOLERANCE = 0.10
 """Cells whose two measured TTFTs are within 10 % count as right either way."""
+TARGET_ACCURACY = 0.95
+TARGET_MEAN_REGRET = 0.05
 
 # ---------------------------------------------------------------- the cost model's view (pure)
 
@@ -99,17 +101,26 @@ def score_cell(
 
 
 def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """`decision_accuracy`, `mean_regret` and the side counts over scored cells."""
+    """`decision_accuracy`, `mean_regret` and the side counts over scored cells (None with no scored
+    cell), and `target_met` (bool): accuracy >= `TARGET_ACCURACY`, mean regret <= `TARGET_MEAN_REGRET`
+    and no failed cell (a cell whose measurement failed is counted in `num_failed_cells`, never passed)."""
     cells = [r for r in records if r.get("ok")]
     n = len(cells)
+    accuracy = sum(r["right"] for r in cells) / n if n else None
+    regret = sum(r["regret"] for r in cells) / n if n else None
     return {
         "num_cells": n,
         "num_failed_cells": len(records) - n,
-        "decision_accuracy": sum(r["right"] for r in cells) / n if n else 0.0,
-        "mean_regret": sum(r["regret"] for r in cells) / n if n else 0.0,
-        "max_regret": max((r["regret"] for r in cells), default=0.0),
-        "share_pull_faster": sum(r["faster"] == "pull" for r in cells) / n if n else 0.0,
-        "share_within_tolerance": sum(r["within_tolerance"] for r in cells) / n if n else 0.0,
+        "decision_accuracy": accuracy,
+        "mean_regret": regret,
+        "max_regret": max((r["regret"] for r in cells), default=None),
+        "share_pull_faster": sum(r["faster"] == "pull" for r in cells) / n if n else None,
+        "share_within_tolerance": sum(r["within_tolerance"] for r in cells) / n if n else None,
+        "target_met": accuracy is not None
+        and regret is not None
+        and accuracy >= TARGET_ACCURACY
+        and regret <= TARGET_MEAN_REGRET
+        and n == len(records),
     }
 
 

@@ -41,11 +41,17 @@ def print_tables(console: Any, records: Sequence[dict[str, Any]], summary: dict[
                     row.append(f"{c['pull_ttft_s']:.3f}/{c['recompute_ttft_s']:.3f} {mark}")
             table.add_row(*row)
         console.print(table)
+    verdict = "[green]target met[/green]" if summary["target_met"] else "[red]target NOT met[/red]"
     console.print(
-        f"decision_accuracy {summary['decision_accuracy']:.3f} (target >= 0.95), mean_regret "
-        f"{summary['mean_regret']:.3f} (target <= 0.05) over {summary['num_cells']} cells; pull faster in "
-        f"{summary['share_pull_faster']:.0%}; wall {summary['wall_s']} s"
+        f"decision_accuracy {_f(summary['decision_accuracy'])} (target >= 0.95), mean_regret "
+        f"{_f(summary['mean_regret'])} (target <= 0.05) over {summary['num_cells']} cells, "
+        f"{summary['num_failed_cells']} failed (target 0); pull faster in "
+        f"{_f(summary['share_pull_faster'], '.0%')}; wall {summary.get('wall_s', '?')} s: {verdict}"
     )
+
+
+def _f(x: float | None, spec: str = ".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
 
 
 def plot_crossover(records: Sequence[dict[str, Any]], summary: dict[str, Any], out: Path) -> None:
@@ -97,7 +103,7 @@ def plot_crossover(records: Sequence[dict[str, Any]], summary: dict[str, Any], o
     axes.flat[0].legend(fontsize=6)
     fig.suptitle(
         f"TTFT pulled vs recomputed (x = wrong auto choice; gray line = predicted crossover); accuracy "
-        f"{summary.get('decision_accuracy', 0):.2f}, mean regret {summary.get('mean_regret', 0):.3f}",
+        f"{_f(summary.get('decision_accuracy'), '.2f')}, mean regret {_f(summary.get('mean_regret'))}",
         fontsize=10,
     )
     fig.supxlabel("shared prefix (tokens)")
