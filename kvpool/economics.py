@@ -140,9 +140,13 @@ def no_traffic(window_s: float) -> str:
     return f"no traffic in the {window_s:g} s window: no prefill request reached the master, so no verdict"
 
 
+PAYS_SHARE = 0.20
+"""The share of prefill compute saved from which the pool "pays" (the module docstring's thresholds)."""
+
+
 def verdict(share_saved: float, gpus: float, gpu_name: str) -> str:
     """One line from the share of prefill compute saved (thresholds in the module docstring)."""
-    word = "pays" if share_saved >= 0.20 else "marginal" if share_saved >= 0.05 else "does not pay"
+    word = "pays" if share_saved >= PAYS_SHARE else "marginal" if share_saved >= 0.05 else "does not pay"
     return f"{word}: the pool saves {share_saved:.0%} of prefill compute ≈ {gpus:.2f} {gpu_name} at MFU-adjusted peak"
 
 

@@ -42,7 +42,18 @@ def test_build_report_ratios_and_targets() -> None:
     assert met[("tcp put >= 85% raw UCX", 65536)] is False
     assert met[("tcp get >= Mooncake get", 65536)] is True
     assert met[("shm get >= 50% memcpy", 65536)] is False
-    assert summary["all_targets_met"] is False
+    assert summary["all_targets_met"] is False and summary["target_met"] is False
+
+
+def test_target_met_grades_every_measured_target() -> None:
+    s = {"get": [1.0], "put": [1.0], "raw_get": [1.0], "raw_put": [1.0], "memcpy": [1.5]}
+    _, good = build_report({"tcp": {"sizes": {"65536": s}}, "shm": {"sizes": {"65536": s}}}, {}, {})
+    # Mooncake not measured: its comparison is n/a, the others all met
+    assert good["target_met"] is True and good["all_targets_met"] is True
+    _, slow = build_report({"tcp": {"sizes": {"65536": s | {"put": [0.8]}}}}, {}, {})
+    assert slow["target_met"] is False  # tcp put at 80 % of raw UCX
+    _, none = build_report({}, {}, {})
+    assert none["target_met"] is False  # nothing measured is nothing met
 
 
 def test_pool_over_raw_pairs_each_repeat() -> None:

@@ -12,6 +12,7 @@ from kvpool.economics import (
     DEFAULT_MFU,
     GPUS,
     MODELS,
+    PAYS_SHARE,
     economics_table,
     exact_saved_flop_per_s,
     gpus_saved,
@@ -35,6 +36,12 @@ def local_prefill_tokens_per_s(context_tokens: int) -> tuple[float, str]:
 
 
 # ---------------------------------------------------------------- the benchmark
+
+
+def grade(share_prefill_flop_saved: float, traffic: bool) -> bool:
+    """`target_met`: the workload had traffic and the pool saves at least `PAYS_SHARE` of its prefill
+    compute (the verdict "pays"); "marginal", "does not pay" and no traffic are not met."""
+    return traffic and share_prefill_flop_saved >= PAYS_SHARE
 
 
 def run_economics(
@@ -130,7 +137,12 @@ def run_economics(
         f"* measured: h = {w.hit_request_share:.3f} of requests reuse, s_c = {w.mean_reused_tokens:.0f} tokens each"
         + ("; its FLOP, share and GPUs are exact (Σ F(s_i)/T), the other rows use F(s_c)" if exact else "")
     )
+    met = grade(measured["share_prefill_flop_saved"], has_traffic(w))
     console.print(f"verdict: {line}")
+    console.print(
+        f"target (the pool pays: >= {PAYS_SHARE:.0%} of prefill compute saved): "
+        + ("[green]target met[/green]" if met else "[red]target NOT met[/red]")
+    )
     summary = {
         "workload": asdict(w),
         "saved_tokens_per_s": w.saved_tokens_per_s,
@@ -145,6 +157,8 @@ def run_economics(
         "local_prefill_tokens_per_s": local_tps,
         "local_device": local_desc,
         "verdict": line,
+        "target_share_prefill_flop_saved": PAYS_SHARE,
+        "target_met": met,
         **info,
     }
     return write_report(json_out, "economics", rows, summary)

@@ -75,6 +75,19 @@ def _match_dict(table_map: dict[BlockHash, tuple[Location]], picks: list[list[Bl
     return matched
 
 
+TARGET_MATCH_BLOCKS_PER_S = 2_000_000
+TARGET_BYTES_PER_BLOCK = 300
+
+
+def grade(summary: dict[str, Any]) -> dict[str, Any]:
+    """The verdict of the summary's own figures: `match_rate_met`, `memory_met` and `target_met` (bool)."""
+    checks = {
+        "match_rate_met": summary["match_blocks_per_s"] >= TARGET_MATCH_BLOCKS_PER_S,
+        "memory_met": summary["bytes_per_block"] <= TARGET_BYTES_PER_BLOCK,
+    }
+    return checks | {"target_met": all(checks.values())}
+
+
 def run_index_bench(
     num_blocks: int, chain_len: int, num_matches: int, json_out: Path | None, *, seed: int = 0
 ) -> dict[str, Any]:
@@ -139,9 +152,10 @@ def run_index_bench(
         "match_vs_baseline": round((matched / match_s) / (base_matched / base_s), 2),
         "match_cpu_blocks_per_s": round(matched / match_cpu_s),
         "baseline_dict_match_cpu_blocks_per_s": round(base_matched / base_cpu_s),
-        "target_match_blocks_per_s": 2_000_000,
-        "target_bytes_per_block": 300,
+        "target_match_blocks_per_s": TARGET_MATCH_BLOCKS_PER_S,
+        "target_bytes_per_block": TARGET_BYTES_PER_BLOCK,
     }
+    summary |= grade(summary)
     records = [
         {"op": "insert", "blocks": num_blocks, "elapsed_s": round(insert_s, 3)},
         {"op": "match", "blocks": matched, "elapsed_s": round(match_s, 3)},
@@ -152,6 +166,14 @@ def run_index_bench(
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in summary.items():
-        table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
-    Console().print(table)
+        table.add_row(
+            key, f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+        )
+    console = Console()
+    console.print(table)
+    verdict = "[green]target met[/green]" if summary["target_met"] else "[red]target NOT met[/red]"
+    console.print(
+        f"target (match_blocks_per_s >= {TARGET_MATCH_BLOCKS_PER_S:,}, bytes_per_block <= "
+        f"{TARGET_BYTES_PER_BLOCK}): {verdict}"
+    )
     return write_report(json_out, "index", records, summary)

@@ -74,6 +74,47 @@ def replay(
     return hit_tokens / input_tokens if input_tokens else 0.0
 
 
+LRU_SLACK = 0.002
+"""The default policy may fall this far below `lru` (token hit rate) on a trace and capacity."""
+GAIN_TARGETS = {("conversation", 0.05): 0.035, ("synthetic", 0.10): 0.05}
+"""(trace name prefix, capacity fraction) -> the default's gain over `lru` the docs page targets there."""
+
+
+def grade(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The verdict from a replay's own records: for every (trace, capacity) with both the default policy
+    (given as "default" or by its name) and `lru` replayed, the default's gain over `lru`; `never_below_lru_met`
+    when every gain is >= -`LRU_SLACK`; `gain_targets` (those of `GAIN_TARGETS` the replay covers, a trace
+    matching by name prefix) each with its `met`; `target_met` (bool) when there was something to compare,
+    the default was never below `lru` and every covered gain target is met."""
+    default = make_policy("default").name
+    rate = {
+        (
+            r["trace"],
+            "default" if r["policy"] in ("default", default) else r["policy"],
+            r["capacity_frac"],
+        ): r["token_hit_rate"]
+        for r in records
+    }
+    gains = {
+        (t, frac): round(rate[(t, "default", frac)] - rate[(t, "lru", frac)], 4)
+        for (t, p, frac) in rate
+        if p == "default" and (t, "lru", frac) in rate
+    }
+    targets = [
+        {"trace": t, "capacity_frac": frac, "gain": g, "target": want, "met": g >= want}
+        for (t, frac), g in sorted(gains.items())
+        for (prefix, want_frac), want in GAIN_TARGETS.items()
+        if t.startswith(prefix) and math.isclose(frac, want_frac)
+    ]
+    never_below = bool(gains) and min(gains.values()) >= -LRU_SLACK
+    return {
+        "default_gain_over_lru": {f"{t}@{frac:g}": g for (t, frac), g in sorted(gains.items())},
+        "never_below_lru_met": never_below,
+        "gain_targets": targets,
+        "target_met": never_below and all(t["met"] for t in targets),
+    }
+
+
 def parse_policies(text: str) -> list[str]:
     """Comma-separated policy names (`POLICY_NAMES` or "default"); raises `InvalidArgument`."""
     names = [p.strip() for p in text.split(",") if p.strip()]
@@ -149,8 +190,24 @@ def run_trace_bench(
                 r["token_hit_rate"] for r in records if r["trace"] == trace.name and r["policy"] == policy
             ]
             table.add_row(trace.name, policy, *(f"{x:.3f}" for x in rates))
-    Console().print(table)
-    summary = {"traces": [t.name for t in loaded], "default_policy": make_policy("default").name}
+    console = Console()
+    console.print(table)
+    summary: dict[str, Any] = {
+        "traces": [t.name for t in loaded],
+        "default_policy": make_policy("default").name,
+    }
+    summary |= grade(records)
+    verdict = "[green]target met[/green]" if summary["target_met"] else "[red]target NOT met[/red]"
+    gains = ", ".join(
+        f"{t['trace']} {t['capacity_frac']:.0%}: {t['gain']:+.3f} (>= +{t['target']})"
+        for t in summary["gain_targets"]
+    )
+    console.print(
+        f"default ({summary['default_policy']}) never below lru - {LRU_SLACK}: "
+        f"{'yes' if summary['never_below_lru_met'] else 'NO (or default / lru not replayed)'}"
+        + (f"; gains: {gains}" if gains else "")
+        + f": {verdict}"
+    )
     if plot_out is not None:
         _plot(records, plot_out)
     return write_report(json_out, "trace", records, summary)

@@ -243,7 +243,10 @@ def trace_cmd(
     capacity_frac: str = typer.Option(
         "0.02,0.05,0.1,0.2,0.4", help="Capacities, fractions of unique blocks."
     ),
-    policies: str = typer.Option("lru,lfu,fwlru,cost,opt", help="Comma-separated policies (or 'default')."),
+    policies: str = typer.Option(
+        "lru,lfu,fwlru,cost,opt,default",
+        help="Comma-separated policies ('default': the pool's; with lru, the target is graded).",
+    ),
     json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of hit rate vs capacity."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
