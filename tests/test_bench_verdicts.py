@@ -189,3 +189,29 @@ def test_trace_grades_the_default_against_lru() -> None:
     below = [*recs[:-1], _trace_rec("synthetic_trace", "default", 0.02, 0.077)]  # -0.003 under lru
     assert grade(below)["never_below_lru_met"] is False and grade(below)["target_met"] is False
     assert grade([r for r in recs if r["policy"] == "lru"])["target_met"] is False  # nothing to compare
+
+
+def test_every_benchmark_that_writes_a_report_grades_it() -> None:
+    """A benchmark module that writes a report (`write_report`) computes `target_met` itself or in a
+    `kvpool.bench` module it imports (its report or analysis module): a new benchmark without a verdict
+    fails here."""
+    import ast
+    from pathlib import Path
+
+    import kvpool.bench
+
+    root = Path(kvpool.bench.__file__).parent
+    sources = {p.stem: p.read_text() for p in root.glob("*.py")}
+    writers = [name for name, src in sources.items() if "write_report(" in src]
+    assert len(writers) >= 12
+    missing = []
+    for name in writers:
+        tree = ast.parse(sources[name])
+        helpers = {
+            node.module.rsplit(".", 1)[1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvpool.bench.")
+        }
+        if not any('"target_met"' in sources.get(m, "") for m in {name, *helpers}):
+            missing.append(name)
+    assert missing == []
