@@ -142,6 +142,13 @@ def test_an_unmeasured_pull_leaves_the_bound_not_met() -> None:
     assert s["num_pulls_measured"] == 4 and s["pool_minus_local_met"] is False and s["target_met"] is False
 
 
+def test_a_failed_load_is_a_failure() -> None:
+    recs = _records()
+    recs[2]["load_failed"] = True  # the pull failed and vLLM recomputed: TTFT alone would not show it
+    s = summarize(recs)
+    assert s["num_load_failed"] == 1 and s["no_load_failed_met"] is False and s["target_met"] is False
+
+
 def test_summary_without_a_pool_report_is_not_a_pass() -> None:
     recs = _records()
     for r in recs:

@@ -52,6 +52,7 @@ def prefix_record(
     }
     rec |= {k: rep.get(k) for k in _POOL_KEYS}
     rec["decision"] = rep.get("decision", "no report")
+    rec["load_failed"] = bool(rep.get("load_failed"))  # the pull failed: vLLM recomputed the rest
     rec["pull_s"] = pull.get("pull_s") if pull else None  # measured by the worker (its log), not predicted
     rec["pull_over_predicted"] = _ratio(rec["pull_s"], rec["predicted_pull_s"])
     rec["pull_plus_match_s"] = (
@@ -85,7 +86,8 @@ def summarize(records: Sequence[dict[str, Any]], **settings: Any) -> dict[str, A
     engine's worker log and the connector's match), so the bound holds only when the load really is what
     (c) pays over (b); the cost model's predicted pull is reported beside it (`predicted_pull_s`,
     `pull_over_predicted`), never the bound. A prefix whose pull was not measured (no pull logged: it
-    recomputed, or the load failed) leaves the bound unproven: not met. Every verdict is a boolean
+    recomputed, or the load failed) leaves the bound unproven: not met; a failed load
+    (`num_load_failed`) is a target missed of its own. Every verdict is a boolean
     (`None` values are not met); `target_met` is all non-stretch targets met."""
     cold = _median([r["cold_ttft_s"] for r in records])
     local = _median([r["local_ttft_s"] for r in records])
@@ -122,6 +124,7 @@ def summarize(records: Sequence[dict[str, Any]], **settings: Any) -> dict[str, A
         "pool_num_cached_tokens": _median([r["pool_num_cached_tokens"] for r in records]),
         "local_num_cached_tokens": _median([r["local_num_cached_tokens"] for r in records]),
         "decisions": dict(Counter(r["decision"] for r in records)),
+        "num_load_failed": sum(1 for r in records if r.get("load_failed")),
         "greedy_equal": sum(r["greedy_equal"] for r in records) / n if n else None,
         "greedy_equal_local": sum(r["local_greedy_equal"] for r in records) / n if n else None,
     }
@@ -132,12 +135,14 @@ def summarize(records: Sequence[dict[str, Any]], **settings: Any) -> dict[str, A
         _target(f"(c)/(a) <= {POOL_OVER_COLD_STRETCH} (stretch)", over, POOL_OVER_COLD_STRETCH, stretch=True),
         _target(f"(c) - (b) <= {PULL_FACTOR_MAX} x measured (pull + match)", minus, limit),
         _target("greedy equality (c) vs (a) = 100%", s["greedy_equal"], 1.0, at_least=True),
+        _target("no failed load in (c)", s["num_load_failed"], 0),
     ]
     s["targets"] = targets
     s["pool_over_cold_met"] = targets[0]["met"]
     s["pool_over_cold_stretch_met"] = targets[1]["met"]
     s["pool_minus_local_met"] = targets[2]["met"]
     s["greedy_equal_met"] = targets[3]["met"]
+    s["no_load_failed_met"] = targets[4]["met"]
     s["all_targets_met"] = all(t["met"] for t in targets if not t["stretch"])
     s["target_met"] = s["all_targets_met"]
     return s
