@@ -86,6 +86,22 @@ def test_fit_keeps_coefficients_non_negative_and_refuses_nonsense() -> None:
         RecomputeModel.fit([RecomputeSample(n_new=8, n_ctx=0, seconds=1.0)] * 3)
 
 
+def test_heartbeat_figures_with_one_growth_term_are_a_model() -> None:
+    # Timings quadratic in the prompt: the fit drops the per-token term (0 s per token), and a node
+    # reporting that model has figures all the same (the crossover bench waited for per-token > 0 forever).
+    fit = RecomputeModel.fit(
+        [RecomputeSample(n_new=n, n_ctx=0, seconds=1e-7 * attention_pairs(n, 0)) for n in (16, 64, 256, 1024)]
+    )
+    assert fit.per_token_s == 0.0 and fit.per_pair_s > 0
+    model = RecomputeModel.from_heartbeat(fit.overhead_s, fit.per_token_s, fit.per_pair_s)
+    assert model is not None and model.per_pair_s == pytest.approx(1e-7)
+    assert model.t_recompute_s(100, 0) == pytest.approx(fit.t_recompute_s(100, 0))
+    assert RecomputeModel.from_heartbeat(0.01, 0.0, 0.0) is None  # no growth term: no figures yet
+    assert RecomputeModel.from_heartbeat(-1.0, 1e-4, -1.0) == RecomputeModel(
+        overhead_s=0.0, per_token_s=1e-4, per_pair_s=0.0, source="given"
+    )
+
+
 def test_flops_fallback() -> None:
     m = RecomputeModel.from_flops(flop_params=3_000_000, num_layers=4, attn_dim=256, flops_per_s=1e10)
     assert m.source == "flops"

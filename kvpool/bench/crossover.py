@@ -49,7 +49,6 @@ from kvpool.bench.crossover_analysis import (
     crossovers,
     measured_breakeven_bits_per_s,
     predict_cell,
-    recompute_model_of,
     score_cell,
     summarize,
 )
@@ -88,7 +87,6 @@ __all__ = [
     "measured_breakeven_bits_per_s",
     "plot_crossover",
     "predict_cell",
-    "recompute_model_of",
     "run_crossover",
     "run_job",
     "run_job_in_netns",

@@ -22,15 +22,6 @@ TARGET_MEAN_REGRET = 0.05
 # ---------------------------------------------------------------- the cost model's view (pure)
 
 
-def recompute_model_of(load: Any) -> RecomputeModel:
-    """A node's `RecomputeModel` from its heartbeat figures (`kvpool.client.NodeLoad`)."""
-    return RecomputeModel(
-        overhead_s=max(0.0, load.recompute_overhead_s),
-        per_token_s=max(0.0, load.recompute_s_per_token),
-        per_pair_s=max(0.0, load.recompute_s_per_token_ctx),
-    )
-
-
 def predict_cell(
     model: RecomputeModel,
     predicted_load_s: float,

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench.crossover_analysis import recompute_model_of
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 from kvpool.cluster.process import RoleProcess
 from kvpool.cost import RecomputeModel
@@ -148,8 +147,14 @@ def wait_recompute_model(cluster: BenchCluster, node_id: str, timeout_s: float =
     with MasterClient(cluster.master_address) as master:
         while True:
             for node in master.list_nodes():
-                if node.node.node_id == node_id and node.load.recompute_s_per_token > 0:
-                    return recompute_model_of(node.load)
+                if node.node.node_id != node_id:
+                    continue
+                ld = node.load
+                model = RecomputeModel.from_heartbeat(
+                    ld.recompute_overhead_s, ld.recompute_s_per_token, ld.recompute_s_per_token_ctx
+                )
+                if model is not None:
+                    return model
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no recompute figures from {node_id} within {timeout_s} s")
             time.sleep(0.2)

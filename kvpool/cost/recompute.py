@@ -105,6 +105,24 @@ class RecomputeModel:
         )
 
     @classmethod
+    def from_heartbeat(
+        cls, overhead_s: float, per_token_s: float, per_pair_s: float
+    ) -> RecomputeModel | None:
+        """A node's model from the figures its heartbeats carry (`NodeLoad.recompute_overhead_s`,
+        `recompute_s_per_token`, `recompute_s_per_token_ctx`; seconds). None when the node reports none yet:
+        both growth terms are 0. Either term alone is a valid fit (`fit` drops a term that comes out negative,
+        so a calibrated node may report 0 s per token and its whole cost per attention pair).
+        """
+        if per_token_s <= 0 and per_pair_s <= 0:
+            return None
+        return cls(
+            overhead_s=max(0.0, overhead_s),
+            per_token_s=max(0.0, per_token_s),
+            per_pair_s=max(0.0, per_pair_s),
+            source="given",
+        )
+
+    @classmethod
     def from_flops(
         cls,
         *,

@@ -78,14 +78,10 @@ class NodeState:
 
     def recompute_model(self) -> RecomputeModel:
         ld = self.load
-        if ld.recompute_s_per_token <= 0 and ld.recompute_s_per_token_ctx <= 0:
-            return DEFAULT_RECOMPUTE
-        return RecomputeModel(
-            overhead_s=max(0.0, ld.recompute_overhead_s),
-            per_token_s=max(0.0, ld.recompute_s_per_token),
-            per_pair_s=max(0.0, ld.recompute_s_per_token_ctx),
-            source="given",
+        model = RecomputeModel.from_heartbeat(
+            ld.recompute_overhead_s, ld.recompute_s_per_token, ld.recompute_s_per_token_ctx
         )
+        return DEFAULT_RECOMPUTE if model is None else model
 
     def link(self) -> LinkEstimate:
         ld = self.load
