@@ -4,7 +4,7 @@ A cluster is *secured* when its master holds the cluster secret (`kvpool.capabil
 `kvpool up` or `LocalCluster` starts). Then:
 
 - a **store** proves it holds the secret when it registers, without sending it: it asks the master for a
-  single-use random challenge (`JoinChallenge`) and answers `store_proof(secret, challenge, endpoint)`, an
+  single-use challenge (`JoinChallenge`; stateless, `kvpool.master.challenges`) and answers `store_proof(secret, challenge, endpoint)`, an
   HMAC-SHA256 (RFC 2104) over a tagged, length-prefixed message binding the challenge to its node id,
   role, epoch and addresses. A replayed registration fails (the challenge was spent), and so does a proof
   made for another endpoint.
@@ -38,8 +38,6 @@ from kvpool.errors import InvalidArgument, Unauthenticated
 
 JOIN_TOKEN_METADATA = "kvpool-join-token"
 """gRPC metadata key carrying a join token (lower case, as gRPC requires)."""
-CHALLENGE_NBYTES = 32
-"""Random bytes per join challenge."""
 SESSION_NBYTES = 32
 """Random bytes of a registration's session (`RegisterNodeResponse.session`)."""
 MIN_TOKEN_CHARS = 22

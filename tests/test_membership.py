@@ -24,7 +24,6 @@ from kvpool.capability import Capabilities, CapabilityKey  # noqa: E402
 from kvpool.errors import (  # noqa: E402
     InvalidArgument,
     PermissionDenied,
-    ResourceExhausted,
     Unauthenticated,
 )
 from kvpool.master.members import Membership  # noqa: E402
@@ -58,7 +57,7 @@ def _caps(secret: bytes = SECRET) -> Capabilities:
 
 
 def _members(tmp_path: Any, clock: FakeClock, **kw: Any) -> Membership:
-    kw = {"max_pending_challenges": 4, "challenge_ttl_ms": 1000} | kw
+    kw = {"challenge_ttl_ms": 1000, "max_spent_challenges_per_node": 4} | kw
     return Membership(_caps(), tokens_file=str(tmp_path / "tokens.json"), clock=clock, **kw)
 
 
@@ -66,7 +65,7 @@ def test_a_proof_binds_the_challenge_the_secret_and_the_whole_endpoint(tmp_path:
     clock = FakeClock(0)
     m = _members(tmp_path, clock)
     challenge, ttl_ms = m.new_challenge("s1")
-    assert len(challenge) == 32 and ttl_ms == 1000
+    assert len(challenge) == 56 and ttl_ms == 1000
     good = store_proof(_caps(), challenge, **ENDPOINT)
     for change in ({"epoch": 8}, {"data_address": "127.0.0.1:3"}, {"role": "prefill"}):
         forged = store_proof(_caps(), challenge, **(ENDPOINT | change))
@@ -74,9 +73,8 @@ def test_a_proof_binds_the_challenge_the_secret_and_the_whole_endpoint(tmp_path:
     wrong_secret = store_proof(_caps(b"x" * 32), challenge, **ENDPOINT)
     with pytest.raises(Unauthenticated, match="does not hold this cluster's secret"):
         m.admit_store(challenge=challenge, proof=wrong_secret, **ENDPOINT)
-    # the failed try spent the challenge: the right proof cannot reuse it either
-    with pytest.raises(Unauthenticated, match="spent"):
-        m.admit_store(challenge=challenge, proof=good, **ENDPOINT)
+    assert m.num_spent_challenges() == 0  # a failed proof records nothing (callers cannot grow state)
+    m.admit_store(challenge=challenge, proof=good, **ENDPOINT)
     c2, _ = m.new_challenge("s1")
     m.admit_store(challenge=c2, proof=store_proof(_caps(), c2, **ENDPOINT), **ENDPOINT)
     with pytest.raises(Unauthenticated, match="replayed"):  # replay
@@ -88,21 +86,33 @@ def test_a_proof_binds_the_challenge_the_secret_and_the_whole_endpoint(tmp_path:
         m.admit_store(challenge=b"", proof=b"", **ENDPOINT)
 
 
-def test_pending_challenges_are_capped_and_expire(tmp_path: Any) -> None:
+def test_challenges_are_stateless_expire_and_spent_ones_are_bounded_per_node(tmp_path: Any) -> None:
     clock = FakeClock(0)
     m = _members(tmp_path, clock)
-    first = [m.new_challenge("s1")[0] for _ in range(4)]
-    with pytest.raises(ResourceExhausted, match="max_pending_challenges"):
-        m.new_challenge("s1")
-    clock.advance(1001)  # expired ones are dropped, and refused
-    challenge, _ = m.new_challenge("s1")
-    assert m.num_pending_challenges() == 1
+    first = [m.new_challenge("s1")[0] for _ in range(10_000)]  # no cap, no state per challenge
+    assert m.num_spent_challenges() == 0
+    clock.advance(1001)
     with pytest.raises(Unauthenticated, match="expired"):
         m.admit_store(challenge=first[0], proof=store_proof(_caps(), first[0], **ENDPOINT), **ENDPOINT)
-    for _ in range(10_000):  # repeating leaves O(1) state
-        m.admit_store(challenge=challenge, proof=store_proof(_caps(), challenge, **ENDPOINT), **ENDPOINT)
-        challenge, _ = m.new_challenge("s1")
-    assert m.num_pending_challenges() == 1
+    held = m.new_challenge("s1")[0]  # minted before the node's next registrations
+
+    def register(node: dict[str, Any]) -> None:
+        clock.advance(1)
+        challenge, _ = m.new_challenge(node["node_id"])
+        m.admit_store(challenge=challenge, proof=store_proof(_caps(), challenge, **node), **node)
+
+    for _ in range(5):
+        register(ENDPOINT)
+    assert m.num_spent_challenges() == 4
+    # the oldest spent one was forgotten, and the node's floor refuses every challenge as old as it
+    with pytest.raises(Unauthenticated, match="spent"):
+        m.admit_store(challenge=held, proof=store_proof(_caps(), held, **ENDPOINT), **ENDPOINT)
+    for _ in range(10_000):  # repeated registrations leave at most 4 spent challenges for the node
+        register(ENDPOINT)
+    assert m.num_spent_challenges() <= 4
+    before = m.num_spent_challenges()
+    register(ENDPOINT | {"node_id": "s2"})  # another node id keeps its own set
+    assert m.num_spent_challenges() == before + 1
 
 
 def test_token_file_keeps_digests_and_revocation_is_seen(tmp_path: Any) -> None:
@@ -136,7 +146,7 @@ def test_token_file_keeps_digests_and_revocation_is_seen(tmp_path: Any) -> None:
 
 
 def test_an_unsecured_membership_admits_anyone(tmp_path: Any) -> None:
-    m = Membership(None, tokens_file="", clock=FakeClock(0), max_pending_challenges=1, challenge_ttl_ms=1)
+    m = Membership(None, tokens_file="", clock=FakeClock(0), challenge_ttl_ms=1)
     assert not m.secured and m.new_challenge("x") == (b"", 0)
     m.admit_store(challenge=b"", proof=b"", **ENDPOINT)
     assert m.token_name("") == ""

@@ -95,8 +95,8 @@ class Master(NodeRegistry):
             self.capabilities,
             tokens_file=settings.join_tokens_file,
             clock=self.clock,
-            max_pending_challenges=settings.max_pending_challenges,
             challenge_ttl_ms=settings.challenge_ttl_ms,
+            max_spent_challenges_per_node=settings.max_spent_challenges_per_node,
         )
         """Who may join (`kvpool.master.members`): secured exactly when capabilities are on."""
         self.lock = threading.RLock()

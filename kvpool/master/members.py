@@ -4,8 +4,10 @@
 they hold it and other roles that present a join token listed in `MasterSettings.join_tokens_file`. A
 master without the secret admits anyone and says so loudly at start-up (`warn_if_unsecured`).
 
-State is bounded: at most `max_pending_challenges` unanswered challenges (each expires after
-`challenge_ttl_ms`; past the cap, RESOURCE_EXHAUSTED), and the token table is the operator's file.
+Join challenges are stateless (`kvpool.master.challenges`): the master keeps nothing per challenge it
+hands out, so no caller can fill a table by asking for them; it keeps only the challenges already spent
+by a successful registration, per node id and within their expiry (`SpentChallenges`), and only a
+holder of the cluster secret can add one. The token table is the operator's file.
 Thread-safe (its own lock; never calls into the master).
 """
 
@@ -16,12 +18,12 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 from kvpool.capability import Capabilities
-from kvpool.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unauthenticated
-from kvpool.membership import CHALLENGE_NBYTES, SESSION_NBYTES, read_tokens, store_proof, token_digest
+from kvpool.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from kvpool.master.challenges import ChallengeMinter, SpentChallenges
+from kvpool.membership import SESSION_NBYTES, read_tokens, store_proof, token_digest
 from kvpool.types import Clock
 
 log = logging.getLogger(__name__)
@@ -45,16 +47,16 @@ class Membership:
         *,
         tokens_file: str,
         clock: Clock,
-        max_pending_challenges: int,
         challenge_ttl_ms: int,
+        max_spent_challenges_per_node: int = 16,
     ) -> None:
         self._caps = capabilities
         self._tokens_path = Path(tokens_file) if tokens_file else None
         self._clock = clock
-        self._max_challenges = max_pending_challenges
         self._ttl_ms = challenge_ttl_ms
         self._lock = threading.Lock()
-        self._challenges: OrderedDict[bytes, tuple[str, int]] = OrderedDict()  # -> (node id, expiry ms)
+        self._minter = ChallengeMinter(capabilities, ttl_ms=challenge_ttl_ms) if capabilities else None
+        self._spent = SpentChallenges(max_per_node=max_spent_challenges_per_node)
         self._tokens: dict[str, str] = {}  # sha256 hex -> name
         self._names: set[str] = set()
         self._tokens_mtime_ns: int | None = None
@@ -82,25 +84,11 @@ class Membership:
 
     # ---- stores -----------------------------------------------------------------------------------
     def new_challenge(self, node_id: str) -> tuple[bytes, int]:
-        """A single-use challenge for `node_id` and its TTL in ms; (b"", 0) when unsecured. Raises
-        `ResourceExhausted` when `max_pending_challenges` unanswered, unexpired challenges exist."""
-        if not self.secured:
+        """A challenge for `node_id` and its TTL in ms; (b"", 0) when unsecured. Stateless: nothing is
+        kept per challenge (`kvpool.master.challenges`), so asking for any number never refuses a store."""
+        if self._minter is None:
             return b"", 0
-        now = self._clock.now_ms()
-        with self._lock:
-            while self._challenges:
-                first, (_, expiry) = next(iter(self._challenges.items()))
-                if expiry > now:
-                    break
-                del self._challenges[first]
-            if len(self._challenges) >= self._max_challenges:
-                raise ResourceExhausted(
-                    f"{len(self._challenges)} join challenges are pending, the cap "
-                    "(max_pending_challenges); retry after challenge_ttl_ms"
-                )
-            challenge = secrets.token_bytes(CHALLENGE_NBYTES)
-            self._challenges[challenge] = (node_id, now + self._ttl_ms)
-        return challenge, self._ttl_ms
+        return self._minter.mint(node_id, self._clock.now_ms()), self._ttl_ms
 
     def admit_store(
         self,
@@ -113,21 +101,18 @@ class Membership:
         grpc_address: str,
         data_address: str,
     ) -> None:
-        """Spend `challenge` and check `proof` (`kvpool.membership.store_proof`). Raises
-        `Unauthenticated` for a missing, unknown, spent, expired or foreign challenge or a wrong proof."""
-        if self._caps is None:
+        """Check `challenge` (this master's MAC, unexpired, for `node_id`, not spent) and `proof`
+        (`kvpool.membership.store_proof`), then spend the challenge. Raises `Unauthenticated` for a
+        missing, forged, expired, foreign or spent challenge or a wrong proof."""
+        if self._caps is None or self._minter is None:
             return
         if not challenge or not proof:
             raise Unauthenticated(
                 f"store {node_id!r} did not prove it holds the cluster secret: this cluster is secured; "
                 "start the store with the master's secret (KVPOOL_CLUSTER_SECRET_FILE)"
             )
-        with self._lock:
-            entry = self._challenges.pop(bytes(challenge), None)
-        if entry is None or entry[0] != node_id or entry[1] <= self._clock.now_ms():
-            raise Unauthenticated(
-                f"store {node_id!r}: unknown, spent or expired join challenge (a replayed registration?)"
-            )
+        now_ms = self._clock.now_ms()
+        issued_ms = self._minter.check(bytes(challenge), node_id, now_ms)  # raises Unauthenticated
         expected = store_proof(
             self._caps,
             challenge,
@@ -140,6 +125,11 @@ class Membership:
         if not hmac.compare_digest(expected, bytes(proof)):
             raise Unauthenticated(
                 f"store {node_id!r} failed the membership proof: it does not hold this cluster's secret"
+            )
+        # only a proven store gets here: the spent set grows with real registrations, never with callers
+        if not self._spent.spend(node_id, bytes(challenge), issued_ms, now_ms, self._ttl_ms):
+            raise Unauthenticated(
+                f"store {node_id!r}: this join challenge was already spent (a replayed registration?)"
             )
 
     # ---- join tokens ------------------------------------------------------------------------------
@@ -166,9 +156,9 @@ class Membership:
         if name not in self._names:
             raise PermissionDenied(f"join token {name!r} was revoked: this node is no longer a member")
 
-    def num_pending_challenges(self) -> int:
-        with self._lock:
-            return len(self._challenges)
+    def num_spent_challenges(self) -> int:
+        """Spent challenges remembered (all node ids): what a replay is checked against."""
+        return self._spent.size()
 
     def _reload(self, *, force: bool = False) -> None:
         if self._tokens_path is None:

@@ -18,6 +18,7 @@ from kvpool.master.grants import match_grants, write_grants
 from kvpool.master.members import new_session
 from kvpool.master.ops import admin_evict, drain, undrain
 from kvpool.master.placement import CommitBlock
+from kvpool.master.ratelimit import PeerRateLimiter
 from kvpool.master.wire import (
     endpoint,
     engine_namespace,
@@ -38,11 +39,17 @@ log = logging.getLogger(__name__)
 class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
     def __init__(self, master: Master) -> None:
         self.m = master
+        s = master.settings
+        self.join_limiter = PeerRateLimiter(
+            rate_per_s=s.join_rate_per_s, burst=s.join_burst, max_peers=s.max_rate_limited_peers
+        )
+        """Per-peer token buckets of the open calls, JoinChallenge and RegisterNode (`master.ratelimit`)."""
 
     @rpc_errors
     def JoinChallenge(
         self, request: pb.JoinChallengeRequest, context: grpc.ServicerContext
     ) -> pb.JoinChallengeResponse:
+        self.join_limiter.take(context.peer(), "JoinChallenge")
         challenge, ttl_ms = self.m.members.new_challenge(short(request.node_id, "node_id"))
         return pb.JoinChallengeResponse(challenge=challenge, expires_in_ms=ttl_ms)
 
@@ -50,6 +57,7 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
     def RegisterNode(
         self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNodeResponse:
+        self.join_limiter.take(context.peer(), "RegisterNode")
         n = request.node
         node_id = short(n.node_id, "node_id")
         grpc_address = short(n.grpc_address, "grpc_address")

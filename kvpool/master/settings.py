@@ -72,13 +72,28 @@ class MasterSettings(KVPoolSettings):
         description="JSON file of the join tokens' SHA-256 digests (`kvpool token`), re-read when it "
         "changes; a secured master admits non-store nodes and clients presenting one of them",
     )
-    max_pending_challenges: int = Field(
-        default=1024,
-        ge=1,
-        description="unanswered store join challenges held at once (RESOURCE_EXHAUSTED past it)",
-    )
     challenge_ttl_ms: int = Field(
         default=30_000, ge=100, description="a join challenge must be answered within this"
+    )
+    max_spent_challenges_per_node: int = Field(
+        default=16,
+        ge=1,
+        description="spent join challenges remembered per store node id against replays (past it the "
+        "oldest is forgotten and every older challenge of that node is refused; kvpool.master.challenges)",
+    )
+    join_rate_per_s: float = Field(
+        default=20.0,
+        ge=0.0,
+        description="JoinChallenge and RegisterNode calls per second per peer address (a token bucket; "
+        "RESOURCE_EXHAUSTED past it; 0 = no limit; kvpool.master.ratelimit)",
+    )
+    join_burst: int = Field(
+        default=200, ge=1, description="a peer's token bucket size for the open calls (join_rate_per_s)"
+    )
+    max_rate_limited_peers: int = Field(
+        default=4096,
+        ge=1,
+        description="peer addresses with a token bucket at once (the least recently seen is forgotten)",
     )
     # ---- bounded state (issue 24): everything a client can create has a cap or an expiry -----------
     max_namespaces: int = Field(
