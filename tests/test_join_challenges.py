@@ -185,7 +185,8 @@ def test_the_open_calls_are_rate_limited_per_peer_and_spare_other_peers(caps: Ca
             err = _refused(lambda: _register(noisy, caps, "n", b"x" * 56))  # RegisterNode shares it
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
             # a fresh connection from the same address gets no fresh bucket
-            with grpc.insecure_channel(f"[::1]:{port}") as again:
+            own_connection = [("grpc.use_local_subchannel_pool", 1)]  # a new TCP connection, new port
+            with grpc.insecure_channel(f"[::1]:{port}", options=own_connection) as again:
                 err = _refused(lambda: _challenge(pb_grpc.MasterStub(again), "n"))
                 assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
             # the other peer is untouched: it asks and registers (2 of its 5 calls)
