@@ -10,7 +10,9 @@ block's parent is resident.
 Per node (`node_id` given; the master's watermarks): first drop that node's replica of unprotected
 blocks of active namespaces that keep a pool replica on another node (not an eviction, no leaf
 needed; least recently used first), then evict leaves holding a replica there, in policy order. A leaf
-with several replicas on the node frees them all, so `num_freed_on_node` may pass the request.
+with several replicas on the node frees them all, so `num_freed_on_node` may pass the request. With
+`group_budgets` (the master's pool-full eviction, `kvpool.master.quotas`), only leaves whose namespace
+group still has budget there are evicted (key None: namespaces without a group), each spending one.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ def evict(
     node_id: str | None,
     namespaces: Collection[NamespaceId] = (),
     group: str | None = None,
+    group_budgets: dict[str | None, int] | None = None,
 ) -> EvictResult:
     """Raises `InvalidArgument` on a negative `num_blocks`. Expired leases are dropped first.
     `namespaces` (non-empty): only leaves of those namespaces, on any node (`node_id` is ignored);
-    `group`: likewise, only leaves of the active namespaces registered with that group."""
+    `group`: likewise, only leaves of the active namespaces registered with that group;
+    `group_budgets` (with `node_id`): at most that many leaves of each group (updated in place)."""
     v.check_count(num_blocks, "num_blocks")
     index.expire_leases()
     if group is not None:
@@ -54,7 +58,7 @@ def evict(
     dropped = _drop_spare_replicas(index, num_blocks, node_id)
     freed = len(dropped)
     if freed < num_blocks:
-        evicted = _evict_leaves(index, num_blocks - freed, node_id)
+        evicted = _evict_leaves(index, num_blocks - freed, node_id, budgets=group_budgets)
         dropped.extend(evicted)
         freed += sum(1 for d in evicted for loc in d.locations if loc.node_id == node_id)
     return EvictResult(dropped, freed, max(0, num_blocks - freed))
@@ -67,6 +71,7 @@ def _evict_leaves(
     ns_slots: set[int] | None = None,
     *,
     group: str | None = None,
+    budgets: dict[str | None, int] | None = None,
 ) -> list[DroppedBlock]:
     """Pop evictable leaves in key order; with `node_id`, only those with a replica on that node count
     (`budget` then counts that node's slots); with `ns_slots` (or `group`), only leaves of those
@@ -94,9 +99,12 @@ def _evict_leaves(
             freed += 1
         elif node_id is not None:
             on_node = sum(1 for loc in c.locations[row] if loc.node_id == node_id)
-            if not on_node:
+            row_group = index._ns_group[int(c.ns_slot[row])] if budgets is not None else None
+            if not on_node or (budgets is not None and budgets.get(row_group, 0) <= 0):
                 skipped.append(entry)
                 continue
+            if budgets is not None:
+                budgets[row_group] -= 1
             freed += on_node
         else:
             freed += 1

@@ -246,13 +246,15 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
         node_id: str | None = None,
         namespaces: Collection[NamespaceId] = (),
         group: str | None = None,
+        group_budgets: dict[str | None, int] | None = None,
     ) -> EvictResult:
         """Free up to `num_blocks` blocks (or, with `node_id`, slots on that node); with `namespaces`,
         only leaves of those; with `group`, only leaves of that group's namespaces (a tenant's quota);
-        see `eviction.py`."""
+        with `group_budgets` and `node_id`, at most so many leaves per group (pool-full eviction by
+        tenants' shares); see `eviction.py`."""
         from kvpool.index.eviction import evict
 
-        return evict(self, num_blocks, node_id, namespaces, group)
+        return evict(self, num_blocks, node_id, namespaces, group, group_budgets)
 
     @property
     def num_blocks(self) -> int:

@@ -201,7 +201,7 @@ class Maintenance:
             if not (rec.is_store and rec.alive and rec.ready) or rec.used_fraction <= s.high_watermark:
                 continue
             want = rec.num_allocated - int(s.low_watermark * rec.num_slots)
-            res = m.index.evict(want, node_id=rec.node_id)
+            res = m.quotas.evict_on_node(m, rec.node_id, want, None)  # by tenants' shares
             m.counters.num_evictions += sum(1 for d in res.dropped if d.reason != "replica")
             m.on_dropped(res.dropped)
             log.info("node %s above its high watermark: freed %d slots", rec.node_id, res.num_freed_on_node)

@@ -200,7 +200,7 @@ class Publisher(CommitPhase):
             return Placed(r, present, k)
         if attempt == 1:
             raise ResourceExhausted(f"no room for {num_new} blocks x {k} replicas (short {shortfall})")
-        return self._make_room(nodes, num_new, shortfall)
+        return self._make_room(nodes, num_new, shortfall, ns)
 
     def _lock_parent(self, ns: bytes, parent: bytes) -> bool:
         if not parent:
@@ -214,7 +214,9 @@ class Publisher(CommitPhase):
         if not self.m.namespaces.is_active(ns):
             raise VersionFenced(f"namespace {ns.hex()} is fenced: not of its model's active version")
 
-    def _make_room(self, nodes: list[NodeRecord], num_new: int, shortfall: int) -> list[str]:
+    def _make_room(self, nodes: list[NodeRecord], num_new: int, shortfall: int, ns: bytes) -> list[str]:
+        """Evict on the fullest nodes for `num_new` new blocks of `ns`, by tenants' shares
+        (`TenantQuotas.evict_on_node`): the nodes whose frees to flush before the next attempt."""
         touched = []
         for n in sorted(nodes, key=lambda n: len(n.free)):
             if shortfall <= 0:
@@ -222,7 +224,7 @@ class Publisher(CommitPhase):
             want = min(num_new - len(n.free), shortfall)
             if want <= 0:
                 continue
-            res = self.m.index.evict(want, node_id=n.node_id)
+            res = self.m.quotas.evict_on_node(self.m, n.node_id, want, ns)
             self.m.counters.num_evictions += len([d for d in res.dropped if d.reason != "replica"])
             self.m.on_dropped(res.dropped)
             shortfall -= res.num_freed_on_node

@@ -16,6 +16,14 @@ Semantics (checked at `Reserve`, under the master's lock):
   still succeeds). Blocks of fenced (old-version) namespaces are not counted: they are unreachable and
   reclaimed in the background. A tenant found above its quota (blocks adopted from store inventories
   after a master restart) is brought back under it by its next reservation.
+Pool-full eviction (a store node full when placing, or above its high watermark) goes by shares: a
+tenant's **share** is its quota, scaled down in proportion when the quotas add up to more than the
+pool (live stores' slots / `replicas`), so the shares always fit. The victims on that node are, in the
+pool's eviction policy order: leaves of tenants over their share (at most their excess) and of
+namespaces without a quota (no share); then, for a write, the writer's own leaves. Leaves of another
+tenant at or under its share are never evicted to make room: the write is refused instead
+(`ResourceExhausted`; the request still succeeds). With no quotas configured, eviction is the plain
+per-node policy order. Dropping a spare replica (the block stays on another node) always comes first.
 Cost: O(1) per reserve under the quota (the tenant's resident blocks are an index group count, its
 reserved blocks a counter); eviction to make room costs what `RadixIndex.evict` does.
 Metrics: `kvpool_master_tenant_pool_blocks{tenant}`, `..._tenant_pool_quota_blocks{tenant}`,
@@ -29,6 +37,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvpool.errors import ResourceExhausted
+from kvpool.index.results import DroppedBlock, EvictResult
 from kvpool.tenants import Tenant, Tenants
 from kvpool.types import BlockHash, NamespaceId
 
@@ -105,3 +114,36 @@ class TenantQuotas:
                 f"tenant pool quota of {quota} blocks: {over - evicted} more blocks are leased or in use"
             )
         log.debug("tenant quota: evicted %d of its own blocks to fit %d new", evicted, num_new)
+
+    def shares(self, m: Master) -> dict[str, int]:
+        """Under the lock: tenant salt -> its share of the pool in blocks (its quota, scaled down in
+        proportion when the quotas add up to more than the pool's capacity)."""
+        live = [r for r in m.st.nodes.values() if r.is_store and r.alive]
+        capacity = sum(r.num_slots for r in live) // max(1, m.settings.replicas)
+        total = sum(self.quota_blocks.values())
+        if total <= capacity:
+            return dict(self.quota_blocks)
+        return {salt: q * capacity // total for salt, q in self.quota_blocks.items()}
+
+    def evict_on_node(self, m: Master, node_id: str, want: int, writer_ns: bytes | None) -> EvictResult:
+        """Under the lock: free up to `want` slots on `node_id` for a full pool, by shares (module
+        docstring): over-share tenants and namespaces without a quota first, then the writer's own
+        leaves (`writer_ns`: the namespace written, None for background eviction), never another
+        tenant's under its share. The caller accounts the dropped blocks (`on_dropped`)."""
+        if not self.quota_blocks:
+            return m.index.evict(want, node_id=node_id)
+        shares = self.shares(m)
+        budgets: dict[str | None, int] = {None: want}
+        for salt, share in shares.items():
+            if (excess := min(m.index.num_blocks_in_group(salt), self.usage(m, salt) - share)) > 0:
+                budgets[salt] = excess
+        first = m.index.evict(want, node_id=node_id, group_budgets=budgets)
+        left = want - first.num_freed_on_node
+        writer = self.group(m.namespaces.tenant_of(writer_ns)) if writer_ns is not None else None
+        if left <= 0 or writer is None:
+            return first
+        own = m.index.evict(left, node_id=node_id, group_budgets={writer: left})
+        self.num_quota_evictions += len(own.dropped)
+        dropped: list[DroppedBlock] = [*first.dropped, *own.dropped]
+        freed = first.num_freed_on_node + own.num_freed_on_node
+        return EvictResult(dropped, freed, max(0, want - freed))
