@@ -133,8 +133,9 @@ class SlotDataPlane:
     ) -> tuple[memoryview, int]:
         self._check_slot(slot)
         self._check_nbytes(nbytes)
-        self._check_gen(slot, generation)
+        # the capability before the generation: a caller without one learns nothing of the slot's state
         self._check_capability(READ, slot, generation, capability, expiry_ms)
+        self._check_gen(slot, generation)
         if slot in self._free_pending:
             raise StaleGeneration(f"slot {slot} generation {generation} is being freed")
         if int(self._state[slot]) != _COMMITTED:
@@ -174,9 +175,9 @@ class SlotDataPlane:
         with self._lock:
             self._check_slot(slot)
             self._check_nbytes(nbytes)
-            self._check_gen(slot, generation)
-            if grant is not None:
+            if grant is not None:  # before the generation: no slot state to a caller without one
                 self._check_capability(WRITE, slot, generation, *grant)
+            self._check_gen(slot, generation)
             state = int(self._state[slot])
             if state in (_WRITTEN, _COMMITTED):
                 raise AlreadyExists(

@@ -11,6 +11,8 @@ Slots start at generation 1. A reservation of a FREE slot may name a generation 
 With `capabilities` (see kvpool/capability.py), every read and write must carry a capability the master
 signed for this node, the slot, its generation and the block the slot records (namespace and hash), for
 that operation, not yet expired; without one the block is refused with `PermissionDenied` and no bytes move.
+The capability is checked before the generation and the slot's state, so a caller without one learns
+nothing of the slot (FREE, its generation, its state): every such request gets the same refusal.
 With a shared segment and without capabilities, each slot's generation, checksum and readable flag
 (COMMITTED, no free pending) live in `shared_state`, which same-host readers map to copy without asking
 first (transfer/slot_state.py): a release clears the flag and bumps the generation before the slot can be
@@ -50,6 +52,9 @@ from kvpool.types import HASH_NBYTES, Clock, InventoryItem, MonotonicClock
 from transfer.slot_state import SharedSlotState
 
 log = logging.getLogger(__name__)
+
+_NO_BLOCK = _Meta(b"", b"", b"", 0)
+"""What a never-used slot's capability is checked against: no block, so no capability matches."""
 
 
 def _shared_state(segment: Segment, capabilities: Capabilities | None) -> SharedSlotState | None:
@@ -99,6 +104,9 @@ class SlotTable(SlotDataPlane):
         self._readers = np.zeros(n, dtype=np.int32)
         self._writing = np.zeros(n, dtype=np.bool_)
         self._meta: dict[int, _Meta] = {}  # non-FREE slots only
+        # FREE slots' last block, so a capability for an older generation is checked (then refused as
+        # stale), and a caller without one learns nothing of the slot (`_check_capability`)
+        self._retired: dict[int, _Meta] = {}
         self._free_pending: set[int] = set()
         self._freed: list[tuple[int, int]] = []  # (slot, new generation) not yet reported
         self._num_used = 0
@@ -124,9 +132,11 @@ class SlotTable(SlotDataPlane):
     def _check_capability(
         self, op: str, slot: int, generation: int, capability: bytes, expiry_ms: int
     ) -> None:
-        meta = self._meta.get(slot)
-        if self.capabilities is None or meta is None:  # a FREE slot refuses every transfer anyway
+        if self.capabilities is None:
             return
+        # a slot that never held a block: checked against no block, which no capability names, so the
+        # refusal reads exactly like any other's
+        meta = self._meta.get(slot) or self._retired.get(slot) or _NO_BLOCK
         self.capabilities.check(
             op,
             meta.namespace,
@@ -148,7 +158,8 @@ class SlotTable(SlotDataPlane):
         if int(self._state[slot]) != _FREE:
             self._num_used -= 1
         self._state[slot] = _FREE
-        self._meta.pop(slot, None)
+        if (meta := self._meta.pop(slot, None)) is not None:
+            self._retired[slot] = meta
         self._free_pending.discard(slot)
         self._gen[slot] += 1
         return int(self._gen[slot])
@@ -193,6 +204,7 @@ class SlotTable(SlotDataPlane):
                     self._state[r.slot] = _RESERVED
                     self._num_used += 1
                 self._meta[r.slot] = _Meta(r.namespace, r.block_hash, r.parent_hash, expiry)
+                self._retired.pop(r.slot, None)
 
     def commit(self, refs: Iterable[tuple[int, int]]) -> list[tuple[int, int, str]]:
         """Make WRITTEN slots COMMITTED. Per slot: (slot, generation, error or "")."""
