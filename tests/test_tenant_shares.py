@@ -5,11 +5,13 @@ evicts) and one real store of 64 slots. Tenant "a" has quota 60 and "b" quota 20
 the pool, so their shares are scaled to 48 and 16 (`TenantQuotas.shares`). Namespace "c" has no quota
 (no share). Tenant b writes its 16 blocks first, c writes 8, then a fills the pool and keeps writing:
 c's blocks go first (no share), then a's own oldest ones; b, at its share, keeps every block, although
-its blocks are the pool's least recently used.
+its blocks are the pool's least recently used. The store's watermark eviction (in the background) goes
+by the same shares.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,26 +44,40 @@ pool_quota_blocks = 20
 """
 
 
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+def _start_pool(directory: Path, tenants: str, **env: str) -> tuple[Proc, Proc]:
     if transfer.ucx_available() is not None:
         pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
-    tfile = Path(tmp_path_factory.mktemp("shares")) / "tenants.toml"
-    tfile.write_text(TENANTS)
-    env = {"KVPOOL_TENANTS": str(tfile), "KVPOOL_HIGH_WATERMARK": "1.0", "KVPOOL_LOW_WATERMARK": "1.0"}
-    m = start(["master", "--port", "0", "--layout", LAYOUT], env=env)
-    store: Proc | None = None
+    tfile = directory / "tenants.toml"
+    tfile.write_text(tenants)
+    m = start(["master", "--port", "0", "--layout", LAYOUT], env={"KVPOOL_TENANTS": str(tfile)} | env)
     try:
         store = start(
             ["store", "--master", m.grpc_address, "--listen", "127.0.0.1", "--grpc-port", "0",
              "--data-port", "0", "--segment-size", f"{NUM_SLOTS * LAY.block_nbytes}", "--layout", LAYOUT,
              "--node-id", "only", "--pin-memory", "off"]
         )  # fmt: skip
+    except BaseException:
+        m.kill()
+        raise
+    try:
         wait_stores(m.grpc_address, 1)
+    except BaseException:
+        store.kill()
+        m.kill()
+        raise
+    return m, store
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    # watermarks off: only the publish path evicts
+    m, store = _start_pool(
+        tmp_path_factory.mktemp("shares"), TENANTS, KVPOOL_HIGH_WATERMARK="1.0", KVPOOL_LOW_WATERMARK="1.0"
+    )
+    try:
         yield m
     finally:
-        if store is not None:
-            store.kill()
+        store.kill()
         m.kill()
 
 
@@ -111,3 +127,42 @@ def test_a_tenant_filling_the_pool_evicts_its_own_blocks_and_spares_one_under_it
                     c.release_lease(lease.lease_id)
     finally:
         transport.close()
+
+
+def test_watermark_eviction_goes_by_shares(tmp_path: Path) -> None:
+    """Quotas 40 and 16 fit the pool (shares = quotas). b writes 16, the quota-less namespace 32, a 8:
+    past the 0.75 high watermark, the background eviction (down to 0.5) takes only the quota-less
+    namespace's blocks, none of a's or b's, although b's are the least recently used."""
+    tenants = TENANTS.replace("= 60", "= 40").replace("= 20", "= 16")
+    m, store = _start_pool(tmp_path, tenants, KVPOOL_HIGH_WATERMARK="0.75", KVPOOL_LOW_WATERMARK="0.5")
+    transport = transfer.UcxTransport()
+    try:
+        master = m.grpc_address
+        with MasterClient(master) as c, PoolClient(master, transport, block_nbytes=LAY.block_nbytes) as pc:
+            ns = {
+                salt: c.register_namespace("shares", "v1", LAYOUT, cache_salt=salt)[0]
+                for salt in ("salt-a", "salt-b", "no-quota")
+            }
+            chains = {
+                "salt-b": [chain(ns["salt-b"], 1_000 * i, 4) for i in range(4)],
+                "no-quota": [chain(ns["no-quota"], 1_000 * i, 4) for i in range(8)],
+                "salt-a": [chain(ns["salt-a"], 1_000 * i, 4) for i in range(2)],
+            }
+            for salt, cs in chains.items():  # b first: the least recently used
+                for h in cs:
+                    assert pc.put_blocks(ns[salt], None, h, data(4)).num_committed == 4
+
+            def resident(salt: str) -> int:
+                return sum(c.match(ns[salt], h).num_matched for h in chains[salt])
+
+            deadline = time.monotonic() + 30  # the maintenance tick evicts in the background
+            while c.stats().num_evictions == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            stats = c.stats()
+            assert stats.num_evictions > 0 and stats.num_blocks <= NUM_SLOTS * 3 // 4
+            assert resident("salt-b") == 16 and resident("salt-a") == 8  # at or under their shares
+            assert resident("no-quota") == 32 - stats.num_evictions == stats.num_blocks - 24
+    finally:
+        transport.close()
+        store.kill()
+        m.kill()
