@@ -74,3 +74,17 @@ def test_a_tenants_file_readable_by_others_stops_the_router_with_one_line(tmp_pa
     )  # fmt: skip
     assert out.returncode != 0, out
     assert "Traceback" not in out.stderr and f"chmod 600 {f}" in out.stderr, out.stderr
+
+
+def test_kvpool_up_generates_a_private_salt_key_for_the_router_and_master(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvpool.cli.up_cmd import _tenant_salt_env
+    from kvpool.tenants import SALT_KEY_ENV, load_salt_key
+
+    monkeypatch.delenv(SALT_KEY_ENV, raising=False)
+    env = _tenant_salt_env(tmp_path)
+    path = Path(env[SALT_KEY_ENV])
+    assert os.stat(path).st_mode & 0o777 == 0o600 and len(load_salt_key(path)) >= 32
+    monkeypatch.setenv(SALT_KEY_ENV, str(path))  # the operator's own key: kept (hosts must share it)
+    assert _tenant_salt_env(tmp_path / "other") == {}
