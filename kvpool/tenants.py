@@ -231,6 +231,10 @@ class Tenants:
         log.info("tenants file %s reloaded: %d API keys", self._path, len(self._by_key))
         return True
 
+    def ids(self) -> dict[str, str]:
+        """Tenant name -> its opaque id in metrics (`tenant_id`), for the operator to read /metrics by."""
+        return {t.name: t.tenant_id for t in (self._by_key or {}).values()}
+
     def with_pool_quota(self) -> dict[str, Tenant]:
         """Cache salt -> tenant, for the tenants that have a pool quota."""
         tenants = (self._by_key or {}).values()

@@ -9,7 +9,6 @@ test controls exactly which bytes of a request are sent; a real `kvpool master` 
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -233,17 +232,3 @@ def test_the_masters_metrics_name_no_tenant(tmp_path: Path) -> None:
     acme_id = tenant_id(derived_salt(ACME, SALT_KEY))
     assert f'kvpool_master_tenant_pool_quota_blocks{{tenant="{acme_id}"}} 100.0' in metrics, metrics
     assert ACME not in metrics and "acme" not in metrics
-
-
-def test_the_salt_key_file_must_be_private(tmp_path: Path) -> None:
-    from kvpool.errors import InvalidArgument
-    from kvpool.tenants import load_salt_key
-
-    key = salt_key_file(tmp_path)
-    assert load_salt_key(key) == SALT_KEY
-    os.chmod(key, 0o640)
-    with pytest.raises(InvalidArgument, match="chmod 600"):
-        load_salt_key(key)
-    write_private(key, "short")
-    with pytest.raises(InvalidArgument, match="at least 16 bytes"):
-        load_salt_key(key)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.errors import InvalidArgument
-from kvpool.tenants import Tenants
-from tests.tenant_files import SALT_KEY, write_private
+from kvpool.tenants import Tenants, tenant_id
+from tests.tenant_files import SALT_KEY, salt_key_file, write_private
 
 ONE = '[[tenants]]\nname = "acme"\napi_keys = ["sk-acme"]\n'
 
@@ -28,6 +28,7 @@ def test_a_tenants_salt_depends_on_the_key_not_only_on_its_name(tmp_path: Path) 
     b = _salt(Tenants.load(f, b"another-salt-key-0123456789"), "sk-acme")
     assert a != b and len(a) == len(b) == 32
     assert a == _salt(Tenants.load(f, SALT_KEY), "sk-acme")  # stable for one key (routers, master)
+    assert Tenants.load(f, SALT_KEY).ids() == {"acme": tenant_id(a)}  # metrics' opaque id: of the salt
     unkeyed = {  # what the name alone gives: the old unkeyed digest, plain hashes, an empty key
         hashlib.blake2b(b"acme", digest_size=16, person=b"kvpool-tenant").hexdigest(),
         hashlib.sha256(b"acme").hexdigest()[:32],
@@ -88,3 +89,16 @@ def test_kvpool_up_generates_a_private_salt_key_for_the_router_and_master(
     assert os.stat(path).st_mode & 0o777 == 0o600 and len(load_salt_key(path)) >= 32
     monkeypatch.setenv(SALT_KEY_ENV, str(path))  # the operator's own key: kept (hosts must share it)
     assert _tenant_salt_env(tmp_path / "other") == {}
+
+
+def test_the_salt_key_file_must_be_private(tmp_path: Path) -> None:
+    from kvpool.tenants import load_salt_key
+
+    key = salt_key_file(tmp_path)
+    assert load_salt_key(key) == SALT_KEY
+    os.chmod(key, 0o640)
+    with pytest.raises(InvalidArgument, match="chmod 600"):
+        load_salt_key(key)
+    write_private(key, "short")
+    with pytest.raises(InvalidArgument, match="at least 16 bytes"):
+        load_salt_key(key)
