@@ -174,6 +174,15 @@ def _parse(p: Path, salt_key: bytes | None) -> dict[str, Tenant]:
     return by_key
 
 
+def _version(path: Path | None) -> tuple[int, int, int] | None:
+    """What tells a changed file: (modification time in ns, size, inode); None without one."""
+    try:
+        st = path.stat() if path is not None else None
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino) if st is not None else None
+
+
 class Tenants:
     """Resolves API keys. `authenticate` → a `Tenant` or None (unknown key: the caller answers 401)."""
 
@@ -182,7 +191,7 @@ class Tenants:
     ) -> None:
         self._by_key = by_key
         self._path, self._salt_key = path, salt_key
-        self._seen = self._version()
+        self._seen = _version(path)
         self._next_check = time.monotonic() + RELOAD_CHECK_S
         self._lock = threading.Lock()
 
@@ -196,7 +205,10 @@ class Tenants:
         """Read a tenants file (mode 0600); a tenant without a `cache_salt` needs `salt_key`.
         `InvalidArgument` naming the file and the field on any error."""
         p = Path(path)
-        return cls(_parse(p, salt_key), path=p, salt_key=salt_key)
+        before = _version(p)  # taken before the read: a change during it is seen by the next `refresh`
+        tenants = cls(_parse(p, salt_key), path=p, salt_key=salt_key)
+        tenants._seen = before
+        return tenants
 
     @classmethod
     def from_settings(cls, tenants: str | None, salt_key_file: str | None) -> Tenants:
@@ -205,13 +217,6 @@ class Tenants:
             return cls.open()
         return cls.load(tenants, load_salt_key(salt_key_file) if salt_key_file else None)
 
-    def _version(self) -> tuple[int, int, int] | None:
-        try:
-            st = self._path.stat() if self._path is not None else None
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino) if st is not None else None
-
     def refresh(self, *, force: bool = False) -> bool:
         """Re-read the file if it changed since it was read (looked at most every `RELOAD_CHECK_S` unless
         `force`); True when new tenants took effect. A file that no longer loads keeps the old tenants."""
@@ -219,7 +224,7 @@ class Tenants:
             return False
         with self._lock:
             self._next_check = time.monotonic() + RELOAD_CHECK_S
-            version = self._version()
+            version = _version(self._path)
             if version == self._seen or version is None:
                 return False
             self._seen = version
