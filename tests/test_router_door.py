@@ -155,9 +155,14 @@ def _held(address: str, key: str) -> socket.socket:
 
 def test_a_tenant_past_its_inflight_cap_gets_429_the_others_do_not(router: tuple[str, Path]) -> None:
     address, _ = router
+    acme_id = tenant_id(derived_salt(ACME, SALT_KEY))
     held = [_held(address, "sk-acme") for _ in range(PER_TENANT)]
     try:
-        time.sleep(0.3)  # the router has taken both in
+        gauge = f'kvpool_router_tenant_inflight_requests{{tenant="{acme_id}"}} {PER_TENANT}.0'
+        deadline = time.monotonic() + 10
+        while gauge not in httpx.get(f"http://{address}/metrics").text:  # the router has taken both in
+            assert time.monotonic() < deadline, "the held requests never reached the router"
+            time.sleep(0.05)
         status, headers, body = _request(address, "/v1/completions", "sk-acme")
         assert status == 429 and b"tenant_overloaded" in body, (status, body)
         assert headers.get("retry-after") == "1", headers
@@ -172,7 +177,6 @@ def test_a_tenant_past_its_inflight_cap_gets_429_the_others_do_not(router: tuple
         time.sleep(0.1)
     assert status == 503
     metrics = httpx.get(f"http://{address}/metrics").text
-    acme_id = tenant_id(derived_salt(ACME, SALT_KEY))
     assert f'kvpool_router_tenant_rejected_total{{tenant="{acme_id}"}} 1.0' in metrics, metrics
     assert ACME not in metrics and GLOBEX not in metrics and "acme" not in metrics
 
@@ -181,9 +185,11 @@ def test_connections_past_the_cap_are_answered_503(router: tuple[str, Path]) -> 
     address, _ = router
     idle = [_connect(address) for _ in range(CONNECTIONS - 1)]
     try:
-        assert _get(address, "/metrics") == 200  # the cap's last connection
+        deadline = time.monotonic() + 10  # earlier tests' connections may still be closing
+        while _get(address, "/metrics") != 200:  # the cap's last connection
+            assert time.monotonic() < deadline, "a request within the connection cap was refused"
+            time.sleep(0.1)
         idle.append(_connect(address))
-        time.sleep(0.3)
         assert _get(address, "/metrics") == 503  # one past the cap
     finally:
         for sock in idle:
