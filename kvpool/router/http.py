@@ -7,7 +7,9 @@
   `GET /metrics` (Prometheus).
 - Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad input (an
   oversized prompt states the limit), 401 unknown API key (when a tenants file is configured), 404
-  unknown model, 413 a body over `max_request_bytes` (`request_too_large`), 429 overload (too many requests in flight, or a node's queue full), 503 no live
+  unknown model, 408 a body not received within `body_timeout_s`, 413 a body over `max_request_bytes`
+  (`request_too_large`), 429 overload (too many requests in flight, all or the tenant's, or a node's
+  queue full; `Retry-After: 1`), 503 no live
   prefill or decode node known (the message says why, e.g. a master never reached), 500 otherwise. A
   master that does not answer is no error: requests are routed on the last known nodes without hits.
 - `GET /health`: 200 `{"status": "ok" | "degraded", "prefill", "decode", "inflight", "degraded": [{"part",
