@@ -13,6 +13,7 @@ from kvpool.client import MasterClient
 from kvpool.master.core import Master
 from kvpool.master.maintenance import Maintenance
 from kvpool.types import FakeClock, NamespaceId
+from tests.tenant_files import write_private
 from tests.test_master_bounded_state import EXPIRY_MS, FP, chain, put, rss_bytes, served, settings
 
 MIB = 1 << 20
@@ -118,9 +119,9 @@ def test_10000_salts_expire_and_their_slots_are_reused() -> None:
 
 
 def test_tenant_usage_counts_stay_exact_through_flushes(tmp_path: Path) -> None:
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(
-        '[[tenants]]\nname = "a"\napi_keys = ["k"]\ncache_salt = "sa"\npool_quota_blocks = 64\n'
+    tenants = write_private(
+        tmp_path / "tenants.toml",
+        '[[tenants]]\nname = "a"\napi_keys = ["k"]\ncache_salt = "sa"\npool_quota_blocks = 64\n',
     )
     clock = FakeClock(1_000_000)
     m = Master(settings(tenants=str(tenants)), clock=clock)

@@ -98,3 +98,30 @@ def test_a_client_gone_mid_body_logs_no_error(model: ModelInfo, caplog: pytest.L
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     start = next(m for m in sent if m["type"] == "http.response.start")
     assert start["status"] == 400, sent
+
+
+def test_the_body_is_parsed_and_checked_off_the_event_loop(
+    model: ModelInfo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JSON parsing and the allow-list and type checks run on a worker thread (no running event loop
+    there), so a large body never stalls the loop's other requests (issue 46)."""
+    from kvpool.router import http, schemas
+
+    on_loop: dict[str, bool] = {}
+
+    def spy(name: str, fn: Any) -> Any:
+        def wrapped(*args: Any) -> Any:
+            try:
+                asyncio.get_running_loop()
+                on_loop[name] = True
+            except RuntimeError:
+                on_loop[name] = False
+            return fn(*args)
+
+        return wrapped
+
+    monkeypatch.setattr(schemas, "_json_object", spy("parse", schemas._json_object))
+    monkeypatch.setattr(http.OpenAIApp, "_validate", staticmethod(spy("check", http.OpenAIApp._validate)))
+    client, _ = _client(model, NODES)
+    assert client.post("/v1/completions", content=_body(model, 10)).status_code == 200
+    assert on_loop == {"parse": False, "check": False}, on_loop

@@ -14,6 +14,7 @@ from kvpool.router.model_info import ModelInfo, simple_chat_prompt
 from kvpool.router.service import Event, RouterService
 from kvpool.router.settings import RouterSettings
 from kvpool.router.tenants import Tenants
+from tests.tenant_files import SALT_KEY, write_private
 
 
 class FakeMaster:
@@ -126,9 +127,8 @@ def test_no_nodes_is_503(model: ModelInfo) -> None:
 
 
 def test_unknown_api_key_is_401(model: ModelInfo, tmp_path: Any) -> None:
-    tfile = tmp_path / "t.toml"
-    tfile.write_text('[[tenants]]\nname = "a"\napi_keys = ["ka"]\n')
-    client, _ = _client(model, NODES, tenants=Tenants.load(tfile))
+    tfile = write_private(tmp_path / "t.toml", '[[tenants]]\nname = "a"\napi_keys = ["ka"]\n')
+    client, _ = _client(model, NODES, tenants=Tenants.load(tfile, SALT_KEY))
     body = {"model": model.model_id, "prompt": "x"}
     assert client.post("/v1/completions", json=body).status_code == 401
     assert (
@@ -149,8 +149,7 @@ def test_chat_template_of_the_embedded_model(model: ModelInfo) -> None:
 def test_bad_tenants_file_names_file_and_field(tmp_path: Any) -> None:
     from kvpool.errors import InvalidArgument
 
-    tfile = tmp_path / "t.toml"
-    tfile.write_text('[[tenants]]\nname = "a"\napi_keys = []\n')
+    tfile = write_private(tmp_path / "t.toml", '[[tenants]]\nname = "a"\napi_keys = []\n')
     with pytest.raises(InvalidArgument, match=r"t\.toml: tenants\.0\.api_keys"):
         Tenants.load(tfile)
 

@@ -18,6 +18,7 @@ from kvpool.client import MasterClient  # noqa: E402
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec  # noqa: E402
 from kvpool.cluster.process import RoleProcess  # noqa: E402
 from kvpool.router.model_info import ModelInfo  # noqa: E402
+from tests.tenant_files import salt_key_file, write_private  # noqa: E402
 
 BLOCK = 16
 
@@ -159,11 +160,12 @@ def _metric(text: str, name: str) -> float:
 
 def test_tenants_are_isolated(cluster: LocalCluster, model_id: str, tmp_path: Path) -> None:
     """A second router with a tenants file: 401 for unknown keys, tenants isolated (B09)."""
-    tfile = tmp_path / "tenants.toml"
-    tfile.write_text(
-        '[[tenants]]\nname = "t1"\napi_keys = ["k1"]\n[[tenants]]\nname = "t2"\napi_keys = ["k2"]\n'
+    tfile = write_private(
+        tmp_path / "tenants.toml",
+        '[[tenants]]\nname = "t1"\napi_keys = ["k1"]\n[[tenants]]\nname = "t2"\napi_keys = ["k2"]\n',
     )
-    proc = _start_router(cluster, "router-tenants", "--tenants", str(tfile))
+    key = salt_key_file(tmp_path)
+    proc = _start_router(cluster, "router-tenants", "--tenants", str(tfile), "--salt-key-file", str(key))
     base = f"http://{proc.info['http_address']}/v1"
     t1 = openai.OpenAI(base_url=base, api_key="k1", max_retries=0, timeout=120)
     t2 = openai.OpenAI(base_url=base, api_key="k2", max_retries=0, timeout=120)

@@ -18,6 +18,7 @@ from kvpool.router.policy import NodeState, RouteRequest, RoutingPolicy, predict
 from kvpool.router.state import Inflight, local_runs, node_states
 from kvpool.router.tenants import Tenants
 from kvpool.types import KVLayout, Location
+from tests.tenant_files import SALT_KEY, write_private
 
 BS = 64
 NBYTES = 4096 * BS
@@ -188,11 +189,11 @@ def _warm_index(ns: bytes, hashes: list[bytes], epoch: int = 1) -> FakeIndex:
 
 
 def test_b09_tenant_salt_isolates_affinity(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    tfile = tmp_path / "tenants.toml"
-    tfile.write_text(
-        '[[tenants]]\nname = "t1"\napi_keys = ["key-1"]\n\n[[tenants]]\nname = "t2"\napi_keys = ["key-2"]\n'
+    tfile = write_private(
+        tmp_path / "tenants.toml",
+        '[[tenants]]\nname = "t1"\napi_keys = ["key-1"]\n\n[[tenants]]\nname = "t2"\napi_keys = ["key-2"]\n',
     )
-    tenants = Tenants.load(tfile)
+    tenants = Tenants.load(tfile, SALT_KEY)
     s1 = tenants.cache_salt(tenants.authenticate("key-1"))
     s2 = tenants.cache_salt(tenants.authenticate("key-2"))
     # a client-supplied salt equal to T1's does not give T2 T1's namespace
@@ -222,9 +223,8 @@ def test_b09_tenant_salt_isolates_affinity(tmp_path) -> None:  # type: ignore[no
 
 
 def test_b09_unknown_api_key_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    tfile = tmp_path / "tenants.toml"
-    tfile.write_text('[[tenants]]\nname = "t1"\napi_keys = ["key-1"]\n')
-    tenants = Tenants.load(tfile)
+    tfile = write_private(tmp_path / "tenants.toml", '[[tenants]]\nname = "t1"\napi_keys = ["key-1"]\n')
+    tenants = Tenants.load(tfile, SALT_KEY)
     assert tenants.authenticate("nope") is None
     assert tenants.authenticate("") is None
     open_tenants = Tenants.open()

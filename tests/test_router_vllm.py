@@ -222,6 +222,38 @@ def test_errors_are_clear_and_an_engines_refusal_passes_through(cluster: dict[st
         )
 
 
+@pytest.mark.parametrize(
+    ("kind", "field", "value"),
+    [
+        ("completions", "prompt_embeds", "AAAA"),
+        ("completions", "kv_transfer_params", {"do_remote_prefill": True}),
+        ("completions", "lora_request", {"lora_name": "x"}),
+        ("completions", "logprobs", 5),
+        ("chat", "chat_template", "{{ messages }}"),
+        ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("chat", "structured_outputs", {"json": {}}),
+    ],
+)
+def test_the_native_routers_allow_list_applies(
+    cluster: dict[str, Any], kind: str, field: str, value: Any
+) -> None:
+    """A field the native router refuses is a 400 naming it, and no engine sees the request; a field at
+    its neutral value is dropped before the engines."""
+    e = cluster["engines"]
+    cluster["register"]("p0", "vllm-prefill", e["p0"].url)
+    cluster["register"]("d0", "vllm-decode", e["d0"].url)
+    path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+    body: dict[str, Any] = {"model": "m", "max_tokens": 3}
+    body |= {"prompt": "hi"} if kind == "completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    with _router(cluster) as client:
+        refused = client.post(path, json=body | {field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+        assert e["p0"].bodies == [] and e["d0"].bodies == []
+        ok = client.post(path, json=body | {"logprobs": False, "presence_penalty": 0, "tools": []})
+        assert ok.status_code == 200, ok.text
+    assert not {"logprobs", "presence_penalty", "tools"} & set(e["d0"].bodies[0])
+
+
 def test_bodies_and_reports() -> None:
     body = {
         "model": "m",

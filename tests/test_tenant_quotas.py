@@ -19,8 +19,9 @@ from kvpool.errors import InvalidArgument, ResourceExhausted
 from kvpool.hashing import hash_blocks
 from kvpool.index import RadixIndex
 from kvpool.master.procs import LAYOUT, Proc, start, start_store
-from kvpool.tenants import Tenants, tenant_salt
+from kvpool.tenants import Tenants, tenant_id, tenant_salt
 from kvpool.types import BlockHash, FakeClock, KVLayout, Location, NamespaceId
+from tests.tenant_files import write_private
 from tests.test_master_cluster import wait_stores
 
 LAY = KVLayout.from_fingerprint(LAYOUT)
@@ -45,8 +46,7 @@ cache_salt = "salt-b"
 def master_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     if transfer.ucx_available() is not None:
         pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
-    tfile = Path(tmp_path_factory.mktemp("quota")) / "tenants.toml"
-    tfile.write_text(TENANTS)
+    tfile = write_private(Path(tmp_path_factory.mktemp("quota")) / "tenants.toml", TENANTS)
     m = start(["master", "--port", "0", "--layout", LAYOUT], env={"KVPOOL_TENANTS": str(tfile)})
     stores: list[Proc] = []
     try:
@@ -117,9 +117,10 @@ def test_quota_bounds_a_tenant_and_spares_the_others(master_proc: Proc) -> None:
         assert c.match(ns_b, b_chain).num_matched == 20
         assert c.stats().num_blocks == 20 + QUOTA_BLOCKS
     metrics = httpx.get(f"http://{master_proc.ready['metrics_address']}/metrics").text
-    assert 'kvpool_master_tenant_pool_blocks{tenant="a"} 8.0' in metrics
-    assert 'kvpool_master_tenant_pool_quota_blocks{tenant="a"} 8.0' in metrics
-    assert 'tenant="b"' not in metrics  # no quota, no per-tenant series
+    a, b = tenant_id("salt-a"), tenant_id("salt-b")  # by opaque id: /metrics names no tenant
+    assert f'kvpool_master_tenant_pool_blocks{{tenant="{a}"}} 8.0' in metrics
+    assert f'kvpool_master_tenant_pool_quota_blocks{{tenant="{a}"}} 8.0' in metrics
+    assert f'tenant="{b}"' not in metrics  # no quota, no per-tenant series
     assert _value(metrics, "kvpool_master_tenant_quota_evictions_total") >= 12
     assert _value(metrics, "kvpool_master_tenant_quota_refusals_total") == 2
     transport.close()
@@ -163,8 +164,7 @@ def test_index_evicts_only_the_given_namespaces_and_never_leased_leaves() -> Non
 
 
 def test_tenants_file_pool_quotas(tmp_path: Path) -> None:
-    f = tmp_path / "t.toml"
-    f.write_text(TENANTS)
+    f = write_private(tmp_path / "t.toml", TENANTS)
     quotas = Tenants.load(f).with_pool_quota()
     assert {s: t.pool_quota_blocks for s, t in quotas.items()} == {"salt-a": QUOTA_BLOCKS}
     assert tenant_salt("salt-a/0123") == tenant_salt("salt-a") == "salt-a"

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvpool.cli.main import app
+from tests.tenant_files import write_private
 
 SPEC = Path(__file__).resolve().parents[1] / "examples" / "cluster.toml"
 
@@ -30,7 +31,7 @@ def test_a_tenants_file_the_router_would_refuse_stops_up_before_anything_starts(
     then the router failed at every restart until `kvpool up` gave up (about 45 s)."""
     tenants = tmp_path / "tenants.toml"
     if content is not None:
-        tenants.write_text(content)
+        write_private(tenants, content)  # 0600: refused for its content, not its mode
     spec = tmp_path / "cluster.toml"
     spec.write_text(f'[master]\nport = 0\n[router]\nport = 0\ntenants = "{tenants}"\n')
     # --timeout-s 0.001: were the check missing, the cluster would end at its master's start at once

@@ -12,7 +12,12 @@ from kvpool.cli.settings_help import settings_command
 
 def register_router_command(app: typer.Typer) -> None:
     # Options default to None (unset: TOML/env apply); --help shows RouterSettings' defaults.
-    @app.command(cls=settings_command("kvpool.router.settings:RouterSettings", {"listen": "bind_host"}))
+    @app.command(
+        cls=settings_command(
+            "kvpool.router.settings:RouterSettings",
+            {"listen": "bind_host", "salt_key_file": "tenant_salt_key_file"},
+        )
+    )
     def router(
         master: str | None = typer.Option(
             None, help="Master HOST:PORT (HOST:PORT,HOST:PORT...: masters in HA)."
@@ -33,8 +38,16 @@ def register_router_command(app: typer.Typer) -> None:
             None, help="Model name in the API (default: the model id)."
         ),
         tenants: str | None = typer.Option(
-            None, help="Tenants TOML: API keys -> tenant -> cache salt (default: one tenant)."
+            None, help="Tenants TOML (0600): API keys -> tenant -> cache salt (default: one tenant)."
         ),
+        salt_key_file: str | None = typer.Option(
+            None, help="Key of the tenants' derived salts (0600 file, >= 16 bytes; the master's too)."
+        ),
+        max_inflight_per_tenant: int | None = typer.Option(
+            None, help="Requests in flight per tenant; more get 429 (default: half of --max-inflight)."
+        ),
+        max_connections: int | None = typer.Option(None, help="Open connections served; more get 503."),
+        body_timeout_s: float | None = typer.Option(None, help="Seconds to receive a body (408 past it)."),
         block_size: int | None = typer.Option(None, help="Tokens per block (default: the master's)."),
         seed: int | None = typer.Option(None, help="Seed of the tie-breaking random choice."),
         max_inflight: int | None = typer.Option(None, help="Concurrent requests; more get 429."),
@@ -63,6 +76,10 @@ def register_router_command(app: typer.Typer) -> None:
                 model=model,
                 served_model_name=served_model_name,
                 tenants=tenants,
+                tenant_salt_key_file=salt_key_file,
+                max_inflight_per_tenant=max_inflight_per_tenant,
+                max_connections=max_connections,
+                body_timeout_s=body_timeout_s,
                 block_size=block_size,
                 seed=seed,
                 max_inflight=max_inflight,

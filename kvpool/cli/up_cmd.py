@@ -71,7 +71,7 @@ def register_up_command(app: typer.Typer) -> None:
             from kvpool.tenants import Tenants  # a file the router would refuse at every start: say so now
 
             try:
-                Tenants.load(spec.router.tenants)
+                Tenants.load(spec.router.tenants, salt_key=b"check-only-" * 2)  # `up` generates the key
             except InvalidArgument as exc:
                 typer.echo(f"kvpool up: {config}: router.tenants: {exc}", err=True)
                 raise typer.Exit(2) from None
@@ -164,6 +164,16 @@ def _membership_env(log_dir: Path, secured: bool) -> tuple[dict[str, str], dict[
     return secret_env, master_env, member_env
 
 
+def _tenant_salt_env(log_dir: Path) -> dict[str, str]:
+    """The router's and master's salt key of tenants' derived salts (`kvpool.tenants`): a fresh 0600 file
+    in `log_dir`, unless this environment already names one."""
+    from kvpool.tenants import SALT_KEY_ENV, new_salt_key_file
+
+    if os.environ.get(SALT_KEY_ENV):
+        return {}
+    return {SALT_KEY_ENV: str(new_salt_key_file(log_dir))}
+
+
 def _vllm_model_dir(spec: object, log_dir: Path) -> str:
     """The model directory vLLM engines serve: the spec's, else the embedded model exported (with a
     tokenizer vLLM loads offline) under `log_dir`."""
@@ -193,6 +203,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
         etcd = EtcdPlan.on(log_dir / "etcd", client_port=spec.master.etcd_port)
     launches = plan(spec, layout.fingerprint(), etcd=etcd)
     secret_env, master_env, member_env = _membership_env(log_dir, secured)
+    salt_env = _tenant_salt_env(log_dir)
     policy = RestartPolicy.of(spec.cluster)
     procs: list[SupervisedRole] = []
     stop = threading.Event()
@@ -225,6 +236,8 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
             role_env = secret_env if holds_secret else member_env
             if launch.role == "master":
                 role_env = role_env | master_env
+            if launch.role in ("master", "router"):
+                role_env = role_env | salt_env
             env = dict(os.environ) | role_env | launch.env
             if launch.role == "etcd":  # the masters' etcd: it serves before they start
                 proc = SupervisedRole(launch.name, [], log_path=log_dir / "etcd.log", env=env, argv=launch.argv,
@@ -299,7 +312,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     finally:
         stop.set()
         stop_roles(procs, _say)
-        for name in ("cluster_secret", "join_token", "join_tokens.json"):  # logs stay; credentials do not
+        for name in ("cluster_secret", "join_token", "join_tokens.json", "tenant_salt_key"):  # logs stay
             (log_dir / name).unlink(missing_ok=True)
         typer.echo("kvpool cluster stopped")
     return code

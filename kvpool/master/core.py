@@ -102,7 +102,7 @@ class Master(NodeRegistry):
         self.lock = threading.RLock()
         self.index = RadixIndex(clock=self.clock, policy=settings.policy)
         self.namespaces = NamespaceRegistry(self.layout, bounds.namespace_limits(settings))
-        self.quotas = TenantQuotas.from_file(settings.tenants)
+        self.quotas = TenantQuotas.from_file(settings.tenants, settings.tenant_salt_key_file)
         self.st = MasterState()
         self.counters = Counters()
         self.dataplane_policy = dataplane.DataPlanePolicy.from_settings(settings)

@@ -143,14 +143,19 @@ def _ha_metrics(m: Master) -> Iterator[Metric]:
 
 
 def _tenant_metrics(m: Master, tenants: dict[str, tuple[int, int]]) -> Iterator[Metric]:
-    """Per-tenant pool usage and quota (tenants with a `pool_quota_blocks`: `kvpool.master.quotas`)."""
+    """Per-tenant pool usage and quota (tenants with a `pool_quota_blocks`: `kvpool.master.quotas`), each
+    labelled by its opaque id (`kvpool.tenants.tenant_id`): the unauthenticated /metrics names no tenant."""
     used = GaugeMetricFamily(
-        P + "tenant_pool_blocks", "Blocks (resident + reserved) per tenant.", labels=["tenant"]
+        P + "tenant_pool_blocks",
+        "Blocks (resident + reserved) per tenant (its opaque id).",
+        labels=["tenant"],
     )
-    quota = GaugeMetricFamily(P + "tenant_pool_quota_blocks", "Pool quota per tenant.", labels=["tenant"])
-    for name, (n, q) in sorted(tenants.items()):
-        used.add_metric([name], n)
-        quota.add_metric([name], q)
+    quota = GaugeMetricFamily(
+        P + "tenant_pool_quota_blocks", "Pool quota per tenant (its opaque id).", labels=["tenant"]
+    )
+    for tid, (n, q) in sorted(tenants.items()):
+        used.add_metric([tid], n)
+        quota.add_metric([tid], q)
     yield from (used, quota)
     quotas = m.quotas
     yield CounterMetricFamily(

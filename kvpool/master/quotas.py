@@ -26,7 +26,7 @@ tenant at or under its share are never evicted to make room: the write is refuse
 per-node policy order. Dropping a spare replica (the block stays on another node) always comes first.
 Cost: O(1) per reserve under the quota (the tenant's resident blocks are an index group count, its
 reserved blocks a counter); eviction to make room costs what `RadixIndex.evict` does.
-Metrics: `kvpool_master_tenant_pool_blocks{tenant}`, `..._tenant_pool_quota_blocks{tenant}`,
+Metrics (a tenant by its opaque id, never its name): `kvpool_master_tenant_pool_blocks{tenant}`, `..._tenant_pool_quota_blocks{tenant}`,
 `..._tenant_quota_evictions_total`, `..._tenant_quota_refusals_total`.
 """
 
@@ -56,15 +56,17 @@ class TenantQuotas:
     def __init__(self, tenants: dict[str, Tenant]) -> None:
         self.quota_blocks = {salt: t.pool_quota_blocks or 0 for salt, t in tenants.items()}
         """Tenant cache salt -> quota in blocks."""
-        self.names = {salt: t.name for salt, t in tenants.items()}
+        self.ids = {salt: t.tenant_id for salt, t in tenants.items()}
+        """Tenant cache salt -> its opaque id (metrics never name a tenant)."""
         self._reserved = dict.fromkeys(self.quota_blocks, 0)  # tenant salt -> new blocks reserved
         self.num_quota_evictions = 0
         self.num_refused = 0
 
     @classmethod
-    def from_file(cls, path: str | None) -> TenantQuotas:
-        """Quotas of a tenants file (None: no quotas). `InvalidArgument` on a bad file."""
-        return cls(Tenants.load(path).with_pool_quota() if path else {})
+    def from_file(cls, path: str | None, salt_key_file: str | None = None) -> TenantQuotas:
+        """Quotas of a tenants file (None: no quotas), its derived salts keyed by the salt key in
+        `salt_key_file`. `InvalidArgument` on a bad file."""
+        return cls(Tenants.from_settings(path, salt_key_file).with_pool_quota())
 
     def group(self, tenant: str | None) -> str | None:
         """The index group of a namespace of tenant salt `tenant`: the tenant when it has a quota."""
@@ -80,8 +82,8 @@ class TenantQuotas:
             self._reserved[tenant] += delta
 
     def usage_by_tenant(self, m: Master) -> dict[str, tuple[int, int]]:
-        """Under the lock: tenant name -> (blocks used, quota in blocks)."""
-        return {self.names[s]: (self.usage(m, s), q) for s, q in self.quota_blocks.items()}
+        """Under the lock: tenant id (`kvpool.tenants.tenant_id`) -> (blocks used, quota in blocks)."""
+        return {self.ids[s]: (self.usage(m, s), q) for s, q in self.quota_blocks.items()}
 
     def make_room(self, m: Master, ns: bytes, num_new: int, keep: Sequence[bytes]) -> None:
         """Under the lock, before placing `num_new` new blocks under `ns`: evict the tenant's own leaves

@@ -64,6 +64,7 @@ class MasterSettings(KVPoolSettings):
     max_workers: int = 16
     max_concurrent_rpcs: int = 256  # more in flight are refused with RESOURCE_EXHAUSTED (bounded queue)
     tenants: str | None = None  # tenants TOML (kvpool.tenants): per-tenant pool quotas (master.quotas)
+    tenant_salt_key_file: str | None = None  # the router's salt key (kvpool.tenants): derived salts
     metrics: bool = True  # serve Prometheus /metrics (kvpool.metrics)
     # on bind_host; 0 = ephemeral (announced as metrics_address)
     metrics_port: int = Field(default=0, ge=0, le=65535)

@@ -7,14 +7,18 @@
   `GET /metrics` (Prometheus).
 - Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad input (an
   oversized prompt states the limit), 401 unknown API key (when a tenants file is configured), 404
-  unknown model, 413 a body over `max_request_bytes` (`request_too_large`), 429 overload (too many requests in flight, or a node's queue full), 503 no live
+  unknown model, 408 a body not received within `body_timeout_s`, 413 a body over `max_request_bytes`
+  (`request_too_large`), 429 overload (too many requests in flight, all or the tenant's, or a node's
+  queue full; `Retry-After: 1`), 503 no live
   prefill or decode node known (the message says why, e.g. a master never reached), 500 otherwise. A
   master that does not answer is no error: requests are routed on the last known nodes without hits.
 - `GET /health`: 200 `{"status": "ok" | "degraded", "prefill", "decode", "inflight", "degraded": [{"part",
   "reason", "since", "for_s"}]}` (degraded: the master unreachable, nodes in back-off), 503 with
   `"status": "unavailable"` and `error` when no live prefill or decode node is known.
 - The API key (`Authorization: Bearer …`) selects the tenant and so the cache salt; a `cache_salt` in
-  the body only sub-partitions the caller's own tenant (field case B09).
+  the body only sub-partitions the caller's own tenant (field case B09). The key is checked from the
+  headers before anything of the body is read, and each tenant has an in-flight cap (429 with
+  `Retry-After`): `kvpool.router.admission`. A body not received within `body_timeout_s` is a 408.
 
 Input is refused, never silently reinterpreted (field case B32): the body is checked against an
 allow-list (`schemas.refuse_unsupported`), so a field not listed here, known or new, is a 400 in OpenAI's
@@ -51,12 +55,14 @@ from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpool import errors
 from kvpool.prompt import prompt_token_limit
+from kvpool.router.admission import Admission
 from kvpool.router.schemas import (
     APIError,
     ChatBody,
@@ -87,10 +93,19 @@ class OpenAIApp:
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _tenant_salt(self, request: Request, client_salt: str) -> str:
-        return request_salt(self.tenants, request.headers.get("authorization", ""), client_salt)
+        return request_salt(request, client_salt)
 
     async def _body(self, request: Request, cls: type[CommonBody]) -> Any:
-        raw = await read_json_object(request, self.service.settings.max_request_bytes)
+        """The body read (at most `max_request_bytes`, within `body_timeout_s`), then parsed and checked
+        on a worker thread: a large body never stalls the event loop."""
+        s = self.service.settings
+        raw = await read_json_object(request, s.max_request_bytes, s.body_timeout_s)
+        body = await run_in_threadpool(self._validate, raw, cls)
+        self._check_model(body.model)
+        return body
+
+    @staticmethod
+    def _validate(raw: dict[str, Any], cls: type[CommonBody]) -> Any:
         if (where := first_invalid_text(raw)) is not None:
             raise APIError(400, f"{where}: not valid Unicode text (a lone surrogate code point)", param=where)
         raw = refuse_unsupported(raw, cls)
@@ -100,7 +115,6 @@ class OpenAIApp:
             first = exc.errors()[0]
             param = ".".join(str(x) for x in first["loc"]) or None
             raise APIError(400, f"{param}: {first['msg']}", param=param) from None
-        self._check_model(body.model)
         return body
 
     def _check_model(self, name: str) -> None:
@@ -314,12 +328,10 @@ class OpenAIApp:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvpool"}
 
     async def models(self, request: Request) -> Response:
-        self._tenant_salt(request, "")
         return JSONResponse({"object": "list", "data": [self._model_object()]})
 
     async def model(self, request: Request) -> Response:
         """`GET /v1/models/{model}`: the served model by its served name or its model id, else 404."""
-        self._tenant_salt(request, "")
         self._check_model(request.path_params["model"])
         return JSONResponse(self._model_object())
 
@@ -372,4 +384,9 @@ def build_app(service: RouterService, tenants: Tenants, *, model_name: str | Non
         detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
         return APIError(status, f"{request.method} {request.url.path}: {detail}").response()
 
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    door = Middleware(
+        Admission, tenants=tenants, per_tenant=service.settings.tenant_inflight_limit, metrics=service.metrics
+    )
+    return Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error}, middleware=[door]
+    )

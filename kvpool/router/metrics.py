@@ -25,6 +25,9 @@ of a request's life, for the same set of requests):
   part ("master", or "<role> <node id>" for a node in back-off) whose value is the Unix time it became
   degraded (no series while none is). `kvpool_router_unpeeked_requests_total` counts requests placed
   without a peek at the master's index (the master unreachable: on the router's own affinity record).
+- **Tenants by opaque id.** `kvpool_router_tenant_inflight_requests{tenant}` and
+  `kvpool_router_tenant_rejected_total{tenant}` (429s of `max_inflight_per_tenant`) label a tenant by
+  `kvpool.tenants.tenant_id`, a short digest of its keyed salt: no metric names a tenant.
 """
 
 from __future__ import annotations
@@ -138,6 +141,18 @@ class RouterMetrics:
         )
         self.rejected = Counter(
             "kvpool_router_rejected", "Requests refused before routing, by reason.", ["reason"], registry=r
+        )
+        self.tenant_inflight = Gauge(
+            "kvpool_router_tenant_inflight_requests",
+            "Requests in flight per tenant (its opaque id), from their headers to their last byte out.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_rejected = Counter(
+            "kvpool_router_tenant_rejected",
+            "Requests refused 429 by max_inflight_per_tenant, per tenant (its opaque id).",
+            ["tenant"],
+            registry=r,
         )
         self.unpeeked = Counter(
             "kvpool_router_unpeeked_requests",

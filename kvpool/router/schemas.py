@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from kvpool import errors
+from kvpool.tenants import Tenants
 
 
 class APIError(Exception):
@@ -23,13 +26,21 @@ class APIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.close = close
+        """Answer with `Connection: close`: the request's body was not read (to its end), so the
+        connection serves no further request and no more of that body is taken in."""
 
     def response(self) -> JSONResponse:
+        """The answer; a 429 carries `Retry-After: 1` (seconds)."""
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        headers = {"retry-after": "1"} if self.status == 429 else {}
+        if self.close:
+            headers["connection"] = "close"
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def from_kvpool(exc: errors.KVPoolError) -> APIError:
@@ -45,25 +56,42 @@ def from_kvpool(exc: errors.KVPoolError) -> APIError:
     return APIError(500, str(exc), type_="server_error", code="internal_error")
 
 
-async def read_json_object(request: Request, limit_bytes: int) -> dict[str, Any]:
-    """The request body as a JSON object, reading at most `limit_bytes` bytes of it: 413 `APIError` for a
-    longer body (a `Content-Length` above the limit before anything is read), 400 for one that is not a
-    JSON object or that the client stopped sending (nobody reads that answer; nothing is logged)."""
+async def read_json_object(
+    request: Request, limit_bytes: int, timeout_s: float | None = None
+) -> dict[str, Any]:
+    """The request body as a JSON object, reading at most `limit_bytes` bytes of it within `timeout_s`
+    seconds (None: no limit), parsed on a worker thread (a large body never stalls the event loop): 413
+    `APIError` for a longer body (a `Content-Length` above the limit before anything is read), 408 for a
+    body not received in time, 400 for one that is not a JSON object or that the client stopped sending
+    (nobody reads that answer; nothing is logged)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit_bytes:
         raise _too_large(int(declared), limit_bytes)
     chunks: list[bytes] = []
     size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit_bytes:
-                raise _too_large(None, limit_bytes)
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit_bytes:
+                    raise _too_large(None, limit_bytes)
+                chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(400, "the client closed the connection before the request body ended") from None
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s (the router's body_timeout_s)",
+            type_="timeout",
+            code="request_timeout",
+            close=True,
+        ) from None
+    return await run_in_threadpool(_json_object, b"".join(chunks))
+
+
+def _json_object(data: bytes) -> dict[str, Any]:
     try:
-        raw = json.loads(b"".join(chunks))
+        raw = json.loads(data)
     except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError; nesting too deep
         raise APIError(400, "the request body is not valid JSON (or nests too deeply)") from None
     if not isinstance(raw, dict):
@@ -78,17 +106,20 @@ def _too_large(size: int | None, limit_bytes: int) -> APIError:
         413,
         f"the request body is {what} bytes; the limit is {limit_bytes} bytes (the router's max_request_bytes)",
         code="request_too_large",
+        close=True,
     )
 
 
-def request_salt(tenants: Any, authorization: str, client_salt: str) -> str:
-    """The cache salt of a request: its API key (`Authorization: Bearer ...`) selects the tenant, a client's
-    `cache_salt` only sub-partitions that tenant (B09). 401 `APIError` for an unknown key."""
-    key = authorization[7:].strip() if authorization.lower().startswith("bearer ") else ""
-    tenant = tenants.authenticate(key)
-    if tenant is None:
-        raise APIError(401, "invalid API key", type_="invalid_request_error", code="invalid_api_key")
-    return str(tenants.cache_salt(tenant, client_salt))
+def api_key(authorization: str) -> str:
+    """The API key of an `Authorization: Bearer ...` header ("" without one)."""
+    return authorization[7:].strip() if authorization.lower().startswith("bearer ") else ""
+
+
+def request_salt(request: Request, client_salt: str) -> str:
+    """The cache salt of a request: its tenant (authenticated from its API key by `Admission` before
+    anything of the body was read) selects the salt, a client's `cache_salt` only sub-partitions that
+    tenant (B09)."""
+    return Tenants.cache_salt(request.scope["state"]["tenant"], client_salt)
 
 
 def health_response(live: dict[str, Any] | errors.KVPoolError) -> JSONResponse:

@@ -23,7 +23,7 @@ def build(settings: RouterSettings) -> tuple[object, object]:
     from kvpool.router.service import RouterService
     from kvpool.router.tenants import Tenants
 
-    tenants = Tenants.load(settings.tenants) if settings.tenants else Tenants.open()
+    tenants = Tenants.from_settings(settings.tenants, settings.tenant_salt_key_file)
     master = MasterClient(settings.master)
     if settings.engines == "vllm":
         from kvpool.router.vllm_http import build_vllm_app
@@ -91,7 +91,14 @@ def serve(settings: RouterSettings) -> None:
             exc.errno, f"cannot bind the router to {settings.bind_host}:{settings.port}: {exc.strerror}"
         ) from None
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, access_log=False)  # type: ignore[arg-type]
+    config = uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        access_log=False,
+        # uvicorn counts the connection a request came on: max_connections served, a request on one more 503
+        limit_concurrency=settings.max_connections + 1,
+    )
     server = uvicorn.Server(config)
 
     def announce() -> None:

@@ -37,12 +37,37 @@ class RouterSettings(KVPoolSettings):
     )
     model: str | None = Field(default=None, description="model directory; None = the embedded model")
     served_model_name: str | None = Field(default=None, description="API model name (default: model id)")
-    tenants: str | None = Field(default=None, description="tenants TOML file; None = single tenant")
+    tenants: str | None = Field(
+        default=None,
+        description="tenants TOML file (mode 0600; re-read when it changes); None = single tenant",
+    )
+    tenant_salt_key_file: str | None = Field(
+        default=None,
+        description="the key of tenants' derived cache salts (HMAC-SHA256; a 0600 file of at least 16 bytes, "
+        "the master's too; env KVPOOL_TENANT_SALT_KEY_FILE); needed by a tenants file with a tenant "
+        "without cache_salt",
+    )
     block_size: int | None = Field(default=None, gt=0, description="None = the master's block size")
     seed: int = Field(default=0, description="seed of the tie-breaking random choice")
     max_prompt_tokens: int = Field(default=DEFAULT_MAX_PROMPT_TOKENS, gt=0)
     max_tokens_limit: int = Field(default=4096, gt=0, description="largest max_tokens a request may ask")
     max_inflight: int = Field(default=64, gt=0, description="concurrent requests; more are answered 429")
+    max_inflight_per_tenant: int | None = Field(
+        default=None,
+        gt=0,
+        description="requests in flight per tenant (with a tenants file; from headers to last byte), more "
+        "are answered 429 with Retry-After; None = half of max_inflight (at least 1)",
+    )
+    max_connections: int = Field(
+        default=1024,
+        gt=0,
+        description="open HTTP connections served at once; a request on one more is answered 503",
+    )
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="a request body not received within this many seconds is answered 408",
+    )
     max_request_bytes: int = Field(
         default=16 * 2**20,
         gt=0,
@@ -79,6 +104,11 @@ class RouterSettings(KVPoolSettings):
         description="block hashes in the router's own record of which prefill node served them (LRU): "
         "placement while the master is unreachable (no peeks)",
     )
+
+    @property
+    def tenant_inflight_limit(self) -> int:
+        """`max_inflight_per_tenant`, or its default: half of `max_inflight` (at least 1)."""
+        return self.max_inflight_per_tenant or max(1, self.max_inflight // 2)
 
     @field_validator("policy")
     @classmethod

@@ -5,8 +5,14 @@ engine's response is passed through), `GET /v1/models` (an engine's), `GET /heal
 and a decode engine are known live; 200 "degraded" with the parts and since when while the master is
 unreachable: `kvpool.router.nodes`), `GET /metrics`. The API key selects the tenant and so the cache salt (a
 client's `cache_salt` only sub-partitions its own tenant, field case B09). vLLM validates the body
-itself: its 4xx answers reach the client unchanged. Router errors use OpenAI's shape: 400 a body that is
-not a JSON object, 401 unknown API key, 429 `max_inflight` reached, 503 no live engine known (or none
+itself: its 4xx answers reach the client unchanged, but first the router applies the native router's
+field allow-list (`schemas.refuse_unsupported`: a field the native router does not implement is a 400
+naming it, a neutral one is dropped), so a client reaches no engine feature the native router would
+refuse (`kv_transfer_params`, `prompt_embeds`, LoRA, guided decoding, chat templates, ...). The API key is
+checked from the headers, and the per-tenant in-flight cap applied, before the body is read
+(`kvpool.router.admission`). Router errors use OpenAI's shape: 400 a body that is not a JSON object or a
+field not allowed, 401 unknown API key, 408 a body not received within `body_timeout_s`, 429
+`max_inflight` or `max_inflight_per_tenant` reached, 503 no live engine known (or none
 reachable; a master that does not answer leaves the last known engines in use, placed without hits), 502 a decode engine that failed mid-stream (in a stream: one `data: {"error"}`
 event, then the stream ends).
 """
@@ -25,13 +31,25 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpool import errors
 from kvpool.client.types import NodeStatus
-from kvpool.router.schemas import APIError, from_kvpool, health_response, read_json_object, request_salt
+from kvpool.router.admission import Admission
+from kvpool.router.schemas import (
+    APIError,
+    ChatBody,
+    CompletionBody,
+    first_invalid_text,
+    from_kvpool,
+    health_response,
+    read_json_object,
+    refuse_unsupported,
+    request_salt,
+)
 from kvpool.router.tenants import Tenants
 from kvpool.router.vllm_pd import (
     DECODE_ROLES,
@@ -46,6 +64,14 @@ from kvpool.router.vllm_pd import (
 log = logging.getLogger(__name__)
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def _allowed(raw: dict[str, Any], kind: str) -> dict[str, Any]:
+    """`raw` through the native router's allow-list (`refuse_unsupported`: neutral fields dropped, any
+    field it does not implement a 400 naming it) and its text check; types are left to vLLM."""
+    if (where := first_invalid_text(raw)) is not None:
+        raise APIError(400, f"{where}: not valid Unicode text (a lone surrogate code point)", param=where)
+    return refuse_unsupported(raw, CompletionBody if kind == "completions" else ChatBody)
 
 
 class EngineUnreachable(Exception):
@@ -64,7 +90,7 @@ class VllmProxy:
     def _salt(self, request: Request, client_salt: Any) -> str:
         if client_salt is not None and not isinstance(client_salt, str):
             raise APIError(400, "cache_salt must be a string", param="cache_salt")
-        return request_salt(self.tenants, request.headers.get("authorization", ""), client_salt or "")
+        return request_salt(request, client_salt or "")
 
     def _failed(self, role: str, node: NodeStatus, exc: BaseException, tried: list[str]) -> None:
         """`node` could not be reached: back-off, count the retry, or 503 when no other is left."""
@@ -141,7 +167,9 @@ class VllmProxy:
                 self._failed("decode", node, exc, tried)
 
     async def serve(self, request: Request, kind: str) -> Response:
-        body = await read_json_object(request, self.engines.settings.max_request_bytes)
+        s = self.engines.settings
+        raw = await read_json_object(request, s.max_request_bytes, s.body_timeout_s)
+        body = await run_in_threadpool(_allowed, raw, kind)
         salt = self._salt(request, body.get("cache_salt"))
         body.pop("cache_salt", None)
         if salt:
@@ -250,7 +278,6 @@ class VllmProxy:
 
     # ---- other endpoints ----------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
-        self._salt(request, "")
         engines = self.engines.engines(PREFILL_ROLES) or self.engines.engines(DECODE_ROLES)
         if not engines:
             raise errors.Unavailable("no live vLLM engine")
@@ -298,7 +325,14 @@ def build_vllm_app(engines: VllmEngines, tenants: Tenants) -> Starlette:
         await api.http.aclose()
         engines.close()
 
+    door = Middleware(
+        Admission,
+        tenants=tenants,
+        per_tenant=engines.settings.tenant_inflight_limit,
+        metrics=engines.metrics,
+    )
     return Starlette(
+        middleware=[door],
         routes=[
             Route("/v1/completions", wrap("completions"), methods=["POST"]),
             Route("/v1/chat/completions", wrap("chat"), methods=["POST"]),
