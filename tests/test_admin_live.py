@@ -14,10 +14,11 @@ import pytest
 
 from kvpool.client import MasterClient
 from kvpool.master.procs import LAYOUT, Proc, start_master, start_store
+from tests.capabilities import mark, ucx_missing
 from tests.test_master_cluster import wait_stores
 
 transfer = pytest.importorskip("transfer")
-pytestmark = pytest.mark.skipif(transfer.ucx_available() is not None, reason="UCX unavailable")
+pytestmark = mark("ucx", ucx_missing())
 
 LONG_ID = "store-with-a-node-id-far-longer-than-an-80-column-table-cell-" + "0123456789abcdef" * 2
 

@@ -31,8 +31,9 @@ from kvpool.errors import InvalidArgument, PermissionDenied  # noqa: E402
 from kvpool.store import Segment, SlotTable  # noqa: E402
 from kvpool.store.slots import Reservation  # noqa: E402
 from kvpool.types import FakeClock, Location  # noqa: E402
+from tests.capabilities import require_ucx
 from tests.fresh_process import in_fresh_process  # noqa: E402
-from transfer import BlockRead, BlockWrite, checksum, ucx_available  # noqa: E402
+from transfer import BlockRead, BlockWrite, checksum  # noqa: E402
 
 SECRET = b"s" * 32
 NB = 4096
@@ -152,9 +153,7 @@ def test_verify_costs_about_one_hmac() -> None:
 
 
 def _require_ucx() -> None:
-    reason = ucx_available()
-    if reason is not None:
-        pytest.skip(f"UCX cannot initialise here: {reason}")
+    require_ucx()
 
 
 @pytest.fixture(scope="module")

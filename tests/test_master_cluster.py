@@ -16,6 +16,7 @@ from kvpool.errors import FailedPrecondition, VersionFenced
 from kvpool.hashing import hash_blocks
 from kvpool.master.procs import LAYOUT, Proc, start_master, start_store
 from kvpool.types import KVLayout
+from tests.capabilities import require_ucx
 
 LAY = KVLayout.from_fingerprint(LAYOUT)
 transfer = pytest.importorskip("transfer")
@@ -23,8 +24,7 @@ transfer = pytest.importorskip("transfer")
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Proc, list[Proc]]]:
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_ucx()
     master = start_master("--heartbeat-timeout-ms", "3000")
     stores: list[Proc] = []
     try:
@@ -394,8 +394,7 @@ def test_admin_refuses_to_drain_the_last_store_or_evict_a_serving_nodes_blocks()
     from kvpool.errors import FailedPrecondition
     from kvpool.rpc import PROTOCOL_VERSION
 
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_ucx()
     master = start_master("--heartbeat-timeout-ms", "60000")
     store = start_store(master.grpc_address, "only")
     try:

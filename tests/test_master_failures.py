@@ -11,10 +11,11 @@ import pytest
 from kvpool.client import MasterClient, PoolClient
 from kvpool.hashing import hash_blocks
 from kvpool.master.procs import LAYOUT, Proc, start_master, start_store
+from tests.capabilities import mark, ucx_missing
 from tests.test_master_cluster import LAY, blocks_for, wait_stores
 
 transfer = pytest.importorskip("transfer")
-pytestmark = pytest.mark.skipif(transfer.ucx_available() is not None, reason="UCX unavailable")
+pytestmark = mark("ucx", ucx_missing())
 
 
 def eventually(cond: Callable[[], bool], timeout_s: float = 15.0) -> None:

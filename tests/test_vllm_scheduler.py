@@ -28,6 +28,7 @@ from kvpool.types import KVLayout
 from kvpool.vllm.identity import Namespaces
 from kvpool.vllm.meta import KVPoolWorkerMetadata, SaveSpec
 from kvpool.vllm.scheduler import ReportedLinks, SchedulerHalf
+from tests.capabilities import require_ucx
 
 transfer = pytest.importorskip("transfer")
 
@@ -117,8 +118,7 @@ def built(address: str, *, match_wait_s: float = 5.0, timeout_s: float = 2.0) ->
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_ucx()
     spec = LocalClusterSpec(layout=FP, num_stores=1, num_prefill=0, num_decode=0)
     with LocalCluster(spec) as c:
         yield c
