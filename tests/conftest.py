@@ -32,7 +32,7 @@ _REQUIRED = pytest.StashKey[frozenset[str]]()
 
 def _refuse_required_skip(config: pytest.Config, report: pytest.TestReport | pytest.CollectReport) -> None:
     """Turn `report`, a skip citing a required capability, into a failure (in place)."""
-    if not report.skipped or not isinstance(report.longrepr, tuple):
+    if not report.skipped or hasattr(report, "wasxfail") or not isinstance(report.longrepr, tuple):
         return
     message = str(report.longrepr[2])
     capability = capabilities.capability_of(message)
