@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -160,3 +161,41 @@ def test_required_etcd_without_etcd_on_path_fails_the_election_tests(tmp_path: P
         got = _outcomes(xml)
         etcd_tests = {n: o for n, (o, m) in got.items() if "needs etcd: no etcd binary found" in m}
         assert len(etcd_tests) >= 3 and set(etcd_tests.values()) == {outcome}, out
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize(
+    ("require", "with_etcd", "rc_want", "said"),
+    [
+        (
+            "etcd",
+            False,
+            2,
+            "etcd: not installed (apt-get install etcd-server as root), and KVPOOL_TEST_REQUIRE requires it",
+        ),
+        ("ucx, etcd ,root", False, 2, "and KVPOOL_TEST_REQUIRE requires it"),
+        (None, False, 0, "etcd: not installed (apt-get install etcd-server as root): the HA tests will skip"),
+        ("ucx,root", False, 0, "the HA tests will skip"),
+        ("etcd", True, 0, ""),
+    ],
+)
+def test_make_etcd_fails_only_where_etcd_is_required_and_missing(
+    tmp_path: Path, require: str | None, with_etcd: bool, rc_want: int, said: str
+) -> None:
+    """The Makefile's `etcd` recipe by real `make` in a copy of it, on a PATH of `id` and `tr` only (no etcd,
+    no apt-get, no venv): it refuses to go on where KVPOOL_TEST_REQUIRE names etcd, else prints the skip note;
+    a stand-in `etcd` on PATH satisfies it."""
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("id", "tr"):
+        (bin_dir / tool).symlink_to(shutil.which(tool) or f"/usr/bin/{tool}")
+    if with_etcd:
+        (bin_dir / "etcd").write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / "etcd").chmod(0o755)
+    make = shutil.which("make") or "make"
+    done = subprocess.run([make, "-s", "etcd"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env=_env(require, str(bin_dir)))  # fmt: skip
+    assert done.returncode == rc_want, done.stderr
+    out = done.stdout + done.stderr
+    assert (said in out) if said else out == "", out
