@@ -129,7 +129,8 @@ def test_check_accepts_only_the_signed_fields_until_expiry() -> None:
 
 def test_verify_costs_about_one_hmac() -> None:
     """A check is one HMAC-SHA256 over a short message plus field packing: compared with raw HMACs timed in
-    the same loop (so a loaded machine slows both alike), never an order of magnitude more."""
+    the same loop (so a loaded machine slows both alike), never more than 20 of them (about 3 measured on
+    the 2-core VM: the bound leaves 5x and more for noise; a key derived per check costs far more)."""
     import hashlib
 
     caps = _caps()
@@ -146,7 +147,7 @@ def test_verify_costs_about_one_hmac() -> None:
         t2 = time.perf_counter()
         best_check, best_hmac = min(best_check, t1 - t0), min(best_hmac, t2 - t1)
     print(f"capability check {best_check / 2e-3:.2f} us, raw HMAC {best_hmac / 2e-3:.2f} us")
-    assert best_check < 10 * best_hmac
+    assert best_check < 20 * best_hmac
 
 
 # ---------------------------------------------------------------- a store over real UCX
