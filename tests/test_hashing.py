@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -168,9 +169,28 @@ def test_an_adapter_is_named_by_its_content_digest_never_a_name(bad: str) -> Non
         check_adapter_digest("", "digest", allow_empty=False)
 
 
-def test_layout_is_part_of_the_namespace() -> None:
-    fp8 = KVLayout(dtype="float8_e4m3fn", block_size=4, num_layers=4, num_kv_heads=2, head_dim=64)
-    assert ns() != Namespace(model_id="m", weights_version="w1", layout=fp8).digest()
+LAYOUT_CHANGES = {
+    "dtype": "float8_e4m3fn",
+    "block_size": 8,
+    "num_layers": 5,
+    "num_kv_heads": 1,
+    "head_dim": 128,
+}
+
+
+def test_the_layout_changes_cover_every_field() -> None:
+    assert set(LAYOUT_CHANGES) == {f.name for f in dataclasses.fields(KVLayout)}
+
+
+@pytest.mark.parametrize(("name", "value"), LAYOUT_CHANGES.items(), ids=list(LAYOUT_CHANGES))
+def test_every_layout_field_is_part_of_the_fingerprint_and_the_namespace(name: str, value: object) -> None:
+    """KV of another dtype, block size, layer count, kv head count or head dim is incompatible (B23): each
+    one changed alone gives another fingerprint (which round-trips) and another namespace."""
+    other = dataclasses.replace(LAYOUT, **{name: value})
+    assert getattr(other, name) != getattr(LAYOUT, name)
+    assert other.fingerprint() != LAYOUT.fingerprint()
+    assert KVLayout.from_fingerprint(other.fingerprint()) == other
+    assert Namespace(model_id="m", weights_version="w1", layout=other).digest() != ns()
 
 
 @pytest.mark.parametrize("bad", [[], [-1, 2, 3, 4], [2**32, 1, 2, 3], [1.5, 2, 3, 4], [2**70, 1, 2, 3]])
