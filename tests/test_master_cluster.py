@@ -409,11 +409,18 @@ def test_admin_refuses_to_drain_the_last_store_or_evict_a_serving_nodes_blocks()
             )  # fmt: skip
             with pytest.raises(FailedPrecondition, match="prefill node, not a store"):
                 c.evict(0.5, node_id="p0")
+            ns, _ = c.register_namespace("drain", "v1", LAYOUT)
+            held = hash_blocks(ns, list(range(3 * LAY.block_size)), LAY.block_size)
+            with PoolClient(
+                master.grpc_address, transfer.UcxTransport(), block_nbytes=LAY.block_nbytes
+            ) as pc:
+                assert pc.put_blocks(ns, None, held, blocks_for(3, 9)).num_committed == 3  # all on "only"
+                pc.transport.close()
         second = start_store(master.grpc_address, "second")
         try:
             wait_stores(master.grpc_address, 2)
             with MasterClient(master.grpc_address) as c:
-                assert c.drain("only") >= 0  # another store takes the blocks now
+                assert c.drain("only") == 3  # another store takes its 3 blocks now
                 assert {n.node.node_id: n.draining for n in c.list_nodes()}["only"]
                 # and a drain can be taken back (a new-user pass found no way to): new blocks go there again
                 assert c.drain("only", cancel=True) == 0
