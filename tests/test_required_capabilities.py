@@ -126,6 +126,29 @@ def test_a_skip_citing_a_required_capability_fails(tmp_path: Path, require: str,
         assert got[name][0] == "skipped", (name, out)
 
 
+@pytest.mark.parametrize(
+    ("require", "rc_want"),
+    [("netns", pytest.ExitCode.INTERRUPTED), (None, pytest.ExitCode.NO_TESTS_COLLECTED)],
+)
+def test_a_module_skipped_at_collection_for_a_required_capability_fails(
+    tmp_path: Path, require: str | None, rc_want: int
+) -> None:
+    """A module-level skip (at collection): required, it is a collection error, which stops the run."""
+    (tmp_path / "test_mod.py").write_text(
+        "from tests.capabilities import skip\nskip('netns', 'no namespaces here')\ndef test_x():\n    pass\n"
+    )
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "tests.conftest", "-p", "no:cacheprovider",
+         "-c", str(tmp_path / "pytest.ini"), str(tmp_path / "test_mod.py")],
+        capture_output=True, text=True, timeout=120, env=_env(require), cwd=REPO,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == rc_want, out
+    assert "needs netns: no namespaces here" in out, out
+    assert ("required capability missing: netns" in out) == (require is not None), out
+
+
 def test_an_unknown_capability_in_the_variable_is_a_usage_error(tmp_path: Path) -> None:
     rc, got, out = _run_tiny(tmp_path, "etcd,ectd")
     assert rc == pytest.ExitCode.USAGE_ERROR and got == {}, out
