@@ -25,9 +25,10 @@ from tests.etcd_server import etcd  # noqa: F401 - the fixture
 from tests.test_ha_election import wait_until
 
 pytestmark = pytest.mark.timeout(90)
-TTL_S = 10
-"""The two masters' lease: a revoked one hands over within a watch round trip (tens of ms), a lapsed one
-after up to the TTL, so the hand-over is timed against half of it (5 s: room for a loaded host)."""
+TTL_S = 3
+HANDOVER_TTL_S = 10
+"""A revoked lease hands over within a watch round trip (tens of ms), a lapsed one after up to the TTL: the
+hand-over test's masters hold a 10 s lease and it is timed against half of it (room for a loaded host)."""
 """The tests' lease TTL (s): short, with room for a loaded shared machine (keep-alives every TTL/3)."""
 
 
@@ -62,19 +63,34 @@ def two_masters(etcd: ThrowawayEtcd) -> Iterator[list[MasterServer]]:  # noqa: F
             s.stop()
 
 
+@pytest.fixture
+def two_masters_long_lease(etcd: ThrowawayEtcd) -> Iterator[list[MasterServer]]:  # noqa: F811
+    servers = [ha_master(etcd.endpoint, ttl_s=HANDOVER_TTL_S) for _ in range(2)]
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
 def leader_of(servers: list[MasterServer]) -> MasterServer:
     wait_until(lambda: sum(s.master.election.is_leader for s in servers) == 1, 10, "one leader")  # type: ignore[union-attr]
     return next(s for s in servers if s.master.election.is_leader)  # type: ignore[union-attr]
 
 
-def test_standby_refuses_writes_naming_the_leader(two_masters: list[MasterServer]) -> None:
+def test_standby_refuses_writes_naming_the_leader(two_masters_long_lease: list[MasterServer]) -> None:
+    two_masters = two_masters_long_lease
     leader = leader_of(two_masters)
     standby = next(s for s in two_masters if s is not leader)
     with MasterClient(leader.address) as lc, MasterClient(standby.address) as sc:
         wait_until(lambda: sc.masters().leader == leader.address, 10, "the standby knows the leader")
         status = sc.masters()
         assert status.ha and status.role == "standby" and status.address == standby.address
-        assert status.epoch > 0 and status.lease_ttl_s == TTL_S and status.standbys == (standby.address,)
+        assert (
+            status.epoch > 0
+            and status.lease_ttl_s == HANDOVER_TTL_S
+            and status.standbys == (standby.address,)
+        )
         assert lc.masters().role == "leader" and lc.masters().epoch == status.epoch
         assert leader.master.stores.leader_epoch == status.epoch  # store orders carry it
         assert lc.evict(0.5) == (0, 0)  # a write: the leader takes it
@@ -95,8 +111,8 @@ def test_standby_refuses_writes_naming_the_leader(two_masters: list[MasterServer
         epoch = status.epoch
         t0 = time.monotonic()
         leader.stop()  # revokes its lease
-        wait_until(lambda: sc.masters().role == "leader", TTL_S / 2, "the standby takes over")
-        assert time.monotonic() - t0 < TTL_S / 2
+        wait_until(lambda: sc.masters().role == "leader", HANDOVER_TTL_S / 2, "the standby takes over")
+        assert time.monotonic() - t0 < HANDOVER_TTL_S / 2
         after = sc.masters()
         assert after.epoch > epoch and after.leader == standby.address and after.failovers == 1
         assert standby.master.stores.leader_epoch == after.epoch
@@ -187,7 +203,7 @@ def test_single_master_metrics_and_admin() -> None:
 
 
 def test_etcd_gone_the_leader_serves_reads_and_refuses_writes(etcd: ThrowawayEtcd) -> None:  # noqa: F811
-    ttl_s = 3
+    ttl_s = TTL_S
     server = ha_master(etcd.endpoint, prefix="/gone", ttl_s=ttl_s)
     election = server.master.election
     assert election is not None
