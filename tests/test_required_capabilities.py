@@ -6,8 +6,10 @@ Each case runs pytest in a subprocess on a tiny test file (its own rootdir, the 
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -222,3 +224,41 @@ def test_make_etcd_fails_only_where_etcd_is_required_and_missing(
     assert done.returncode == rc_want, done.stderr
     out = done.stdout + done.stderr
     assert (said in out) if said else out == "", out
+
+
+_CAPABILITY_WORDS = re.compile(
+    r"ucx|etcd|\broot\b|namespace|netns|ptrace|memfd|openssl|_kernels|avx2|compiler|geteuid", re.IGNORECASE
+)
+_SKIP_CALLS = {"skip", "skipif", "importorskip"}
+
+
+def _raw_capability_skips(path: Path) -> list[str]:
+    """`pytest.skip(...)`, `pytest.mark.skipif(...)` and `pytest.importorskip(...)` calls in `path` whose
+    source mentions a capability, except on a line marked `# not a capability`."""
+    source = path.read_text()
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr not in _SKIP_CALLS or "pytest" not in (
+            ast.get_source_segment(source, node.func) or ""
+        ):
+            continue
+        text = ast.get_source_segment(source, node) or ""
+        if _CAPABILITY_WORDS.search(text) and "# not a capability" not in lines[node.lineno - 1]:
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}: {text.splitlines()[0]}")
+    return found
+
+
+def test_every_capability_skip_goes_through_tests_capabilities() -> None:
+    """A skip for a missing capability written as a bare `pytest.skip("UCX unavailable")` would stay a
+    skip in CI: each must be `tests.capabilities.skip(capability, why)` (or its `mark`/`require_*`)."""
+    own = {Path(capabilities.__file__).resolve(), Path(__file__).resolve()}
+    raw = [
+        hit
+        for p in sorted((REPO / "tests").rglob("*.py"))
+        if p.resolve() not in own
+        for hit in _raw_capability_skips(p)
+    ]
+    assert raw == [], "route these through tests/capabilities.py:\n" + "\n".join(raw)
