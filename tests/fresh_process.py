@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+from tests.capabilities import skip_unless
+
 _CASE = """
 from {module} import {name} as case
 from transfer import UcxTransport
@@ -28,11 +30,7 @@ def in_fresh_process(module: str, name: str, *args: object, transport_kwargs: st
     """`module.name(transport, *args)` in a new interpreter (`args`: literals); fails with its stderr."""
     from transfer import ucx_available
 
-    reason = ucx_available()
-    if reason is not None:
-        import pytest
-
-        pytest.skip(f"UCX cannot initialise here: {reason}")
+    skip_unless("ucx", ucx_available())
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = _CASE.format(module=module, name=name, args=tuple(args), transport_kwargs=transport_kwargs)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)

@@ -3,21 +3,24 @@ stdout is a pipe (no terminal)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from kvpool.client import MasterClient
 from kvpool.master.procs import LAYOUT, Proc, start_master, start_store
+from tests.capabilities import mark, ucx_missing
 from tests.test_master_cluster import wait_stores
 
 transfer = pytest.importorskip("transfer")
-pytestmark = pytest.mark.skipif(transfer.ucx_available() is not None, reason="UCX unavailable")
+pytestmark = mark("ucx", ucx_missing())
 
 LONG_ID = "store-with-a-node-id-far-longer-than-an-80-column-table-cell-" + "0123456789abcdef" * 2
 
@@ -129,6 +132,9 @@ def test_a_dead_store_shows_unknown_slots_and_status_names_it_degraded(pool) -> 
     assert status["status"] == "degraded", status
     (part,) = status["degraded"]
     assert part["part"] == "store gone" and "dead" in part["reason"], part
-    assert part["since"].endswith("Z") and part["for_s"] >= 0
+    # as long as `admin nodes` said a moment ago (one admin call later), and since = now - for_s
+    assert part["for_s"] == pytest.approx(gone["silent_s"], abs=5.0), (part, gone)
+    since_s = dt.datetime.fromisoformat(part["since"].replace("Z", "+00:00")).timestamp()
+    assert part["since"].endswith("Z") and abs(time.time() - part["for_s"] - since_s) < 5.0, part
     text = admin(master, "status")
     assert table_values(text)["status"] == "degraded" and "store gone" in text

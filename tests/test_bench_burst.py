@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.capabilities import require_ucx
 from transfer.base import Overlap
 
 
@@ -41,8 +42,7 @@ def test_overlap_counts_under_threads() -> None:
 
 @pytest.mark.slow
 def test_a_small_burst_runs_both_arms_and_reports_the_summary_keys(tmp_path: Path) -> None:
-    if (why := pytest.importorskip("transfer").ucx_available()) is not None:
-        pytest.skip(f"UCX unavailable: {why}")
+    require_ucx()
     from kvpool.bench.burst import run_burst
 
     out = tmp_path / "burst.json"

@@ -26,6 +26,7 @@ from kvpool.bench.netns import MIN_BURST_BYTES, ThrottledPair, netns_unavailable
 from kvpool.connector.connector import FORCE_DECISION_ENV, KVConnector, forced_decision
 from kvpool.connector.local_tier import LocalTier
 from kvpool.cost import LinkEstimate, RecomputeModel, decide_reuse, t_transfer_s
+from tests.capabilities import mark
 
 
 def test_score_cell_right_wrong_and_tolerance() -> None:
@@ -180,7 +181,7 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.skipif(netns_unavailable_reason() is not None, reason=str(netns_unavailable_reason()))
+@mark("netns", netns_unavailable_reason())
 def test_throttled_pair_creates_throttles_and_cleans_up() -> None:
     with ThrottledPair(prefix=f"kvpt{os.getpid() % 10000}", subnet=250) as pair:
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

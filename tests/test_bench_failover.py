@@ -15,6 +15,7 @@ import pytest
 from kvpool.bench.failover import Traffic, grade_output, greedy_output, hits_back, summarize
 from kvpool.bench.failover_report import target_met
 from kvpool.sampling import SamplingParams
+from tests.capabilities import require_etcd, require_ucx
 
 
 def rec(t_s: float, hit: float, *, ttft_s: float = 0.01, right: bool = True) -> dict[str, object]:
@@ -137,12 +138,8 @@ def test_without_etcd_the_command_says_make_etcd_and_exits_1(monkeypatch: pytest
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_killing_the_leader_under_traffic_fails_no_request(tmp_path: Path) -> None:
-    from kvpool.cluster.etcd import etcd_binary
-
-    if etcd_binary() is None:
-        pytest.skip("no etcd binary: `make etcd`")
-    if (why := pytest.importorskip("transfer").ucx_available()) is not None:
-        pytest.skip(f"UCX unavailable: {why}")
+    require_etcd()
+    require_ucx()
     pytest.importorskip("matplotlib")
     out, png, ttl_s = tmp_path / "failover.json", tmp_path / "failover.png", 3
     args = ["bench", "failover", "--lease-ttl-s", str(ttl_s), "--warmup-s", "8", "--after-s", "10"]

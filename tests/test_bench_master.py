@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.bench.master_bench import run_master_bench
+from tests.capabilities import require_ucx
 
 transfer = pytest.importorskip("transfer")
 
@@ -16,8 +17,7 @@ transfer = pytest.importorskip("transfer")
     ("client", "unary", "depth"), [("lean", False, 2), ("lean", True, 1), ("api", False, 1)]
 )
 def test_bench_master_reports_full_matches(tmp_path: Path, client: str, unary: bool, depth: int) -> None:
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_ucx()
     out = tmp_path / "master.json"
     run_master_bench(
         clients=2, blocks=8, prompts=4, duration_s=0.6, unary=unary, json_out=out, depth=depth, client=client

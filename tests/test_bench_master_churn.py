@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from kvpool.bench.master_churn import run_master_churn
+from tests.capabilities import require_ucx
 
 transfer = pytest.importorskip("transfer")
 
 
 def test_master_churn_reports_bounded_state(tmp_path: Path) -> None:
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_ucx()
     out = tmp_path / "churn.json"
     run_master_churn(
         cycles=20, salts=200, matches=100, reps=2, blocks=8, prompts=4, churn_blocks=1, json_out=out

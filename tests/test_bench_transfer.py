@@ -11,7 +11,7 @@ import pytest
 
 from kvpool.bench.transfer_bench import build_report, layout_for, ucx_tag_lanes
 from kvpool.types import KVLayout
-from transfer import ucx_available
+from tests.capabilities import require_ucx
 
 
 def test_layout_for_gives_the_block_size() -> None:
@@ -74,9 +74,7 @@ def test_pool_over_raw_pairs_each_repeat() -> None:
 
 
 def test_quick_run_writes_the_report_and_plot(tmp_path: Path) -> None:
-    reason = ucx_available()
-    if reason is not None:
-        pytest.skip(f"UCX cannot initialise here: {reason}")
+    require_ucx()
     out, png = tmp_path / "t.json", tmp_path / "t.png"
     proc = subprocess.run(
         [sys.executable, "-m", "kvpool.cli.main", "bench", "transfer", "--quick", "--json", str(out),

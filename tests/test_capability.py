@@ -31,8 +31,9 @@ from kvpool.errors import InvalidArgument, PermissionDenied  # noqa: E402
 from kvpool.store import Segment, SlotTable  # noqa: E402
 from kvpool.store.slots import Reservation  # noqa: E402
 from kvpool.types import FakeClock, Location  # noqa: E402
+from tests.capabilities import require_ucx
 from tests.fresh_process import in_fresh_process  # noqa: E402
-from transfer import BlockRead, BlockWrite, checksum, ucx_available  # noqa: E402
+from transfer import BlockRead, BlockWrite, checksum  # noqa: E402
 
 SECRET = b"s" * 32
 NB = 4096
@@ -128,7 +129,8 @@ def test_check_accepts_only_the_signed_fields_until_expiry() -> None:
 
 def test_verify_costs_about_one_hmac() -> None:
     """A check is one HMAC-SHA256 over a short message plus field packing: compared with raw HMACs timed in
-    the same loop (so a loaded machine slows both alike), never an order of magnitude more."""
+    the same loop (so a loaded machine slows both alike), never more than 20 of them (about 3 measured on
+    the 2-core VM: the bound leaves 5x and more for noise; a key derived per check costs far more)."""
     import hashlib
 
     caps = _caps()
@@ -145,16 +147,14 @@ def test_verify_costs_about_one_hmac() -> None:
         t2 = time.perf_counter()
         best_check, best_hmac = min(best_check, t1 - t0), min(best_hmac, t2 - t1)
     print(f"capability check {best_check / 2e-3:.2f} us, raw HMAC {best_hmac / 2e-3:.2f} us")
-    assert best_check < 10 * best_hmac
+    assert best_check < 20 * best_hmac
 
 
 # ---------------------------------------------------------------- a store over real UCX
 
 
 def _require_ucx() -> None:
-    reason = ucx_available()
-    if reason is not None:
-        pytest.skip(f"UCX cannot initialise here: {reason}")
+    require_ucx()
 
 
 @pytest.fixture(scope="module")

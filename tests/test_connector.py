@@ -106,13 +106,14 @@ def test_refused_master_is_a_fast_miss_b19() -> None:
     with socket.socket() as s:  # a port with nothing listening
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    master = MasterClient(f"127.0.0.1:{port}", timeout_s=1.0)
+    master = MasterClient(f"127.0.0.1:{port}", timeout_s=10.0)
     try:
         conn = make(master)
         t0 = time.perf_counter()
         out = conn.load_prefix(NS, list(range(17)), [bytes([i]) * 16 for i in range(4)], count_hit=True)
         assert out.stats.num_reused_tokens == 0
-        assert time.perf_counter() - t0 < 1.5  # bounded by the deadline, never a hang
+        # a refused connection answers at once (~ms): far below the 10 s deadline it would otherwise wait out
+        assert time.perf_counter() - t0 < 2.0
     finally:
         master.close()
 

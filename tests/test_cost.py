@@ -81,7 +81,18 @@ def test_fit_keeps_coefficients_non_negative_and_refuses_nonsense() -> None:
     fit = RecomputeModel.fit(
         [RecomputeSample(n_new=n, n_ctx=c, seconds=1e-4 * n) for c in (0, 512) for n in (16, 64, 256)]
     )
-    assert fit.per_pair_s >= 0 and fit.overhead_s >= 0 and fit.per_token_s > 0
+    assert fit.per_token_s == pytest.approx(1e-4)
+    assert fit.per_pair_s == pytest.approx(0.0, abs=1e-15) and fit.overhead_s == pytest.approx(0.0, abs=1e-12)
+    # Timings that shrink with the context: unconstrained, the pair term would come out negative; it is
+    # dropped (exactly 0) and the rest refitted
+    shrinking = [
+        RecomputeSample(n_new=n, n_ctx=c, seconds=1e-4 * n - 1e-9 * n * c)
+        for c in (0, 512)
+        for n in (16, 64, 256)
+    ]
+    fit = RecomputeModel.fit(shrinking)
+    assert fit.per_pair_s == 0.0 and fit.per_token_s == pytest.approx(1e-4, rel=0.01)
+    assert fit.overhead_s == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(InvalidArgument):
         RecomputeModel.fit([RecomputeSample(n_new=8, n_ctx=0, seconds=1.0)] * 3)
 

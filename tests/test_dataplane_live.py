@@ -20,10 +20,11 @@ from kvpool.client import MasterClient, PoolClient
 from kvpool.hashing import hash_blocks
 from kvpool.master.dataplane import DataPlanePolicy
 from kvpool.master.procs import LAYOUT, Proc, start_master, start_store
+from tests.capabilities import mark, skip, ucx_missing
 from tests.test_master_cluster import LAY, blocks_for, wait_stores
 
 transfer = pytest.importorskip("transfer")
-pytestmark = pytest.mark.skipif(transfer.ucx_available() is not None, reason="UCX unavailable")
+pytestmark = mark("ucx", ucx_missing())
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def corrupt_slot(store: Proc, slot: int, nbytes: int = 64) -> None:
     with open(f"/proc/{pid}/maps") as maps:
         lines = [ln for ln in maps if "/memfd:" in ln and "segment" in ln]
     if not lines:
-        pytest.skip("the store's segment is not a memfd mapping here")
+        skip("memfd", "the store's segment is not a memfd mapping here")
     base = int(lines[0].split("-", 1)[0], 16)
     try:
         with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
@@ -63,7 +64,7 @@ def corrupt_slot(store: Proc, slot: int, nbytes: int = 64) -> None:
             mem.seek(base + slot * LAY.block_nbytes)
             mem.write(flipped)
     except PermissionError:
-        pytest.skip("no ptrace rights over the store process")
+        skip("ptrace", "no ptrace rights over the store process")
 
 
 def eventually(cond: Callable[[], bool], timeout_s: float) -> None:

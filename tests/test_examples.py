@@ -6,13 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.capabilities import require_ucx
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pool_client_example_publishes_and_reads_back_through_a_real_cluster() -> None:
-    pytest.importorskip("ucxx")
+    require_ucx()
     from kvpool.cluster.local import LocalCluster, LocalClusterSpec
     from kvpool.types import DEFAULT_LAYOUT
 

@@ -20,6 +20,7 @@ from kvpool.rpc.server import channel
 from kvpool.types import Location
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from tests.capabilities import require_ucx
 from tests.etcd_server import etcd  # noqa: F401 - the fixture
 from tests.test_ha_election import wait_until
 from tests.test_ha_master import ha_master
@@ -47,8 +48,7 @@ def store_metrics(address: str) -> dict[str, float]:
 
 @pytest.fixture
 def store_of() -> Iterator[list[Proc]]:
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_ucx()
     procs: list[Proc] = []
     try:
         yield procs

@@ -19,20 +19,16 @@ from pathlib import Path
 import pytest
 
 from kvpool.bench.netns import NamespaceGroup
-from kvpool.cluster.etcd import etcd_binary
-from tests.test_netns_cluster import _unavailable
+from tests.capabilities import require_etcd, require_netns, require_ucx
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_partitioned_leader_steps_down_and_the_store_refuses_its_epoch(tmp_path: Path) -> None:
-    if (why := _unavailable()) is not None:
-        pytest.skip(why)
-    if etcd_binary() is None:
-        pytest.skip("no etcd binary: `make etcd`")
-    if (ucx := pytest.importorskip("transfer").ucx_available()) is not None:
-        pytest.skip(f"UCX unavailable: {ucx}")
+    require_netns()
+    require_etcd()
+    require_ucx()
     with NamespaceGroup(3, prefix=f"kvhp{os.getpid() % 100000}") as g:
         done = subprocess.run(
             [

@@ -17,6 +17,7 @@ from kvpool.cluster.etcd import ThrowawayEtcd
 from kvpool.hashing import hash_blocks
 from kvpool.master.procs import LAYOUT, Proc, start_store
 from kvpool.types import KVLayout
+from tests.capabilities import require_ucx
 from tests.etcd_server import etcd  # noqa: F401 - the fixture
 from tests.test_ha_election import wait_until
 from tests.test_ha_processes import TTL_S, ha_procs, role
@@ -28,8 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def transport() -> Iterator[object]:
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_ucx()
     t = transfer.UcxTransport()
     yield t
     t.close()

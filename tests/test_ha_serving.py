@@ -28,8 +28,8 @@ import httpx
 import pytest
 
 from kvpool.client import MasterClient
-from kvpool.cluster.etcd import NO_ETCD, etcd_binary
 from kvpool.errors import KVPoolError
+from tests.capabilities import require_etcd, require_ucx
 from tests.test_up_supervised import _Up
 
 pytestmark = pytest.mark.slow
@@ -164,11 +164,8 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if etcd_binary() is None:
-        pytest.skip(NO_ETCD)
-    transfer = pytest.importorskip("transfer")
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_etcd()
+    require_ucx()
     spec = Path(tmp_path_factory.mktemp("ha-serving")) / "cluster.toml"
     spec.write_text(SPEC)
     up = _Up(spec)

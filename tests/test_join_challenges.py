@@ -29,7 +29,7 @@ from kvpool.rpc import PROTOCOL_VERSION  # noqa: E402
 from kvpool.types import KVLayout  # noqa: E402
 from kvpool.v1 import kvpool_pb2 as pb  # noqa: E402
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc  # noqa: E402
-from transfer import ucx_available  # noqa: E402
+from tests.capabilities import mark, require_ucx  # noqa: E402
 
 LAYOUT = "kv1:float32:b64:l4:h2:d32"
 SECRET = "c" * 64
@@ -104,9 +104,7 @@ def unlimited_master() -> Iterator[Proc]:
 def test_ten_thousand_open_challenges_do_not_stop_a_store_from_registering(
     unlimited_master: Proc, caps: Capabilities
 ) -> None:
-    reason = ucx_available()
-    if reason is not None:
-        pytest.skip(f"UCX cannot initialise here: {reason}")
+    require_ucx()
     address = unlimited_master.grpc_address
 
     def flood(k: int) -> int:  # many callers: one channel (connection) each
@@ -167,7 +165,7 @@ def test_forged_expired_replayed_or_foreign_challenges_are_refused(
         other.kill()
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="needs the IPv6 loopback (::1) for a second peer address")
+@mark("ipv6", None if _ipv6_loopback() else "no IPv6 loopback (::1) for a second peer address")
 def test_the_open_calls_are_rate_limited_per_peer_and_spare_other_peers(caps: Capabilities) -> None:
     m = _master(KVPOOL_JOIN_RATE_PER_S="0.01", KVPOOL_JOIN_BURST="5", KVPOOL_BIND_HOST="::")
     try:

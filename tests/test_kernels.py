@@ -14,17 +14,18 @@ import xxhash
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from tests.capabilities import mark, skip
 from transfer import shared_segment, xxh3
 from transfer.shared_segment import SegmentMapping, SharedSegment, StopFlag
 from transfer.xxh3 import KERNELS, address_of, addresses_of, checksum, checksum_many, checksums
 
-needs_kernels = pytest.mark.skipif(KERNELS is None, reason="transfer._kernels not built (no C compiler)")
+needs_kernels = mark("kernels", "transfer._kernels not built (no C compiler)" if KERNELS is None else None)
 
 
 def test_the_kernels_are_built_where_a_compiler_is() -> None:
     """A broken build must not silently leave a machine with a compiler on the slow paths."""
     if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is None:
-        pytest.skip("no C compiler here: the Python paths are the ones in use")
+        skip("kernels", "no C compiler here: the Python paths are the ones in use")
     assert KERNELS is not None
 
 
@@ -40,7 +41,7 @@ def test_both_xxh3_builds_hash_and_copy_as_the_binding(avx2: bool, n: int, seed:
     whole and copied in 8 KiB pieces."""
     kernels = xxh3.Kernels(importlib.import_module("transfer._kernels"), xxh3._EXT, avx2=avx2)
     if kernels.simd != ("avx2" if avx2 else "binding"):
-        pytest.skip("this CPU or compiler has no AVX2 build")
+        skip("avx2", "this CPU or compiler has no AVX2 build")
     data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
     src = np.frombuffer(data + bytes(8), dtype=np.uint8)  # never empty: an address to copy from
     parts = [src[: len(data)], src[: min(cut, len(data))], src[min(cut, len(data)) : len(data)]]
@@ -60,7 +61,7 @@ def test_both_xxh3_builds_hash_and_copy_as_the_binding(avx2: bool, n: int, seed:
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Both implementations: the C loops (where built) and the Python fallback."""
     if request.param == "kernels" and KERNELS is None:
-        pytest.skip("transfer._kernels not built")
+        skip("kernels", "transfer._kernels not built")
     if request.param == "python":
         monkeypatch.setattr(shared_segment, "KERNELS", None)
         monkeypatch.setattr(xxh3, "KERNELS", None)

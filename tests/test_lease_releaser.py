@@ -93,9 +93,9 @@ def test_a_release_never_waits_for_a_paused_master_and_goes_out_batched(
             elapsed_s = time.perf_counter() - t0
             time.sleep(0.3)  # the releaser is blocked on the master meanwhile
             assert m.index.num_live_leases == n
-        assert elapsed_s < 0.5, (
+        assert elapsed_s < 3.0, (
             f"{n} releases took {elapsed_s:.3f} s on the request path"
-        )  # sync: >= 1 s each
+        )  # queued: ~1 ms in all; sync: >= 1 s each (the client's timeout), 30 s in all
         assert wait_until(lambda: c.stats().num_live_leases == 0), "the leases were never released"
         assert conn.releaser.num_sent == n and conn.releaser.num_failed == 0
         assert conn.releaser.num_batches <= 2  # the first id alone, the rest queued behind it: one call
@@ -162,7 +162,7 @@ def test_close_gives_up_at_its_timeout_and_starts_no_call_after(
                 conn.release(p)
             t0 = time.perf_counter()
             conn.close(timeout_s=0.3)
-            assert time.perf_counter() - t0 < 1.0
+            assert time.perf_counter() - t0 < 1.5  # 5x its timeout; waiting for the 5 queued calls: >= 5 s
             assert conn.releaser.num_failed == 5
         assert wait_until(lambda: conn.releaser.num_sent == 1)  # the call in flight completes
         time.sleep(0.2)

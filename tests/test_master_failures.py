@@ -11,10 +11,11 @@ import pytest
 from kvpool.client import MasterClient, PoolClient
 from kvpool.hashing import hash_blocks
 from kvpool.master.procs import LAYOUT, Proc, start_master, start_store
+from tests.capabilities import mark, ucx_missing
 from tests.test_master_cluster import LAY, blocks_for, wait_stores
 
 transfer = pytest.importorskip("transfer")
-pytestmark = pytest.mark.skipif(transfer.ucx_available() is not None, reason="UCX unavailable")
+pytestmark = mark("ucx", ucx_missing())
 
 
 def eventually(cond: Callable[[], bool], timeout_s: float = 15.0) -> None:
@@ -54,7 +55,7 @@ def test_killed_store_replicas_vanish_and_other_replicas_still_hit() -> None:
             stores[0].kill()
             t0 = time.monotonic()
             eventually(lambda: all(c.match(ns, [h]).num_matched == 0 for h in on_s0))
-            assert time.monotonic() - t0 < 1.5 + 3.0
+            assert time.monotonic() - t0 < 5 * 1.5  # 5x the heartbeat timeout, for a loaded host
             m = c.match(ns, both)
             assert m.num_matched == 3 and all({x.node_id for x in r} == {"s1"} for r in m.replicas)
             got = pc.get_blocks(ns, both)

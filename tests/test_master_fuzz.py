@@ -169,7 +169,7 @@ def test_every_rpc_answers_a_status_and_the_master_keeps_serving(stub, calls) ->
             getattr(stub, name)(request, timeout=5)
         except grpc.RpcError as exc:
             assert exc.code() in OK, f"{name}: {exc.code()} {exc.details()}"
-    assert stub.Stats(pb.StatsRequest(), timeout=5) is not None
+    stub.Stats(pb.StatsRequest(), timeout=5)  # the master still serves: an RpcError here fails the test
 
 
 def test_huge_prompt_token_counts_are_refused(stub) -> None:

@@ -16,11 +16,12 @@ from kvpool.cli.main import app
 from kvpool.client import MasterClient, Match, PoolClient
 from kvpool.hashing import hash_blocks
 from kvpool.master.procs import LAYOUT, Proc, start_master, start_store
+from tests.capabilities import mark, ucx_missing
 from tests.test_master_cluster import LAY, blocks_for, wait_stores
 from tests.test_master_failures import eventually
 
 transfer = pytest.importorskip("transfer")
-pytestmark = pytest.mark.skipif(transfer.ucx_available() is not None, reason="UCX unavailable")
+pytestmark = mark("ucx", ucx_missing())
 
 FAST = ("--heartbeat-timeout-ms", "1500", "--heartbeat-interval-ms", "300")
 

@@ -27,6 +27,7 @@ from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 from kvpool.router.model_info import ModelInfo
 from kvpool.router.serve import build
 from kvpool.router.settings import RouterSettings
+from tests.capabilities import require_ucx
 from tests.test_router_failover import _metric
 
 pytestmark = pytest.mark.slow
@@ -54,9 +55,7 @@ def _hit_rate(answers: list[Answer]) -> float:
 
 
 def _traffic(outage_s: float, *, restart: bool, policy: str) -> None:
-    transfer = pytest.importorskip("transfer")
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_ucx()
     layout = ModelInfo.load(None, block_size=BLOCK).layout.fingerprint()
     spec = LocalClusterSpec(layout=layout, num_stores=1, num_prefill=2, num_decode=1, block_size=BLOCK,
                             segment_size="64MiB")  # fmt: skip

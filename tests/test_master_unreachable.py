@@ -16,6 +16,7 @@ import pytest
 from kvpool.client import MasterClient, PoolClient
 from kvpool.hashing import hash_blocks
 from kvpool.master.procs import LAYOUT, Proc, start, start_store
+from tests.capabilities import require_ucx
 from tests.test_master_cluster import LAY, blocks_for, wait_stores
 
 transfer = pytest.importorskip("transfer")
@@ -23,8 +24,7 @@ transfer = pytest.importorskip("transfer")
 
 @pytest.fixture
 def cluster() -> Iterator[tuple[Proc, list[Proc]]]:
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_ucx()
     master = start(
         ["master", "--port", "0", "--layout", LAYOUT, "--heartbeat-timeout-ms", "60000"],
         env={"KVPOOL_STORE_TIMEOUT_S": "1.0"},

@@ -36,7 +36,7 @@ from kvpool.membership import (  # noqa: E402
     token_digest,
 )
 from kvpool.types import FakeClock  # noqa: E402
-from transfer import ucx_available  # noqa: E402
+from tests.capabilities import require_ucx
 
 LAYOUT = "kv1:float32:b16:l2:h2:d16"  # 8 KiB blocks
 SECRET = b"m" * 32
@@ -157,9 +157,7 @@ def test_an_unsecured_membership_admits_anyone(tmp_path: Any) -> None:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    reason = ucx_available()
-    if reason is not None:
-        pytest.skip(f"UCX cannot initialise here: {reason}")
+    require_ucx()
     from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 
     spec = LocalClusterSpec(
@@ -420,8 +418,7 @@ def test_a_store_with_a_secret_refuses_an_unsecured_master_before_joining() -> N
     from kvpool.master.server import serve
     from kvpool.master.settings import MasterSettings
 
-    if ucx_available() is not None:
-        pytest.skip("UCX cannot initialise here")
+    require_ucx()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
     master = serve(MasterSettings(port=0, bind_host="127.0.0.1", metrics=False, layout=LAYOUT))
     try:

@@ -18,13 +18,11 @@ import pytest
 from kvpool.cluster.process import wait_for
 from kvpool.membership import add_token, revoke_token
 from kvpool.types import DEFAULT_LAYOUT
-from transfer import ucx_available
+from tests.capabilities import require_ucx
 
 
 def _require_ucx() -> None:
-    reason = ucx_available()
-    if reason is not None:
-        pytest.skip(f"UCX cannot initialise here: {reason}")
+    require_ucx()
 
 
 def _alive(master: str) -> dict[str, bool]:

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.bench.netns import NamespaceGroup, python_in_netns
 from kvpool.cluster.process import RoleProcess
+from tests.capabilities import require_netns, skip
 
 pytestmark = pytest.mark.slow
 
@@ -45,16 +46,6 @@ try:
 except urllib.error.HTTPError as e:
     sys.exit(f"HTTP {e.code}: {e.read().decode()[:2000]}")
 """
-
-
-def _unavailable() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "network namespaces are Linux only"
-    if os.geteuid() != 0:
-        return "not root: creating network namespaces needs CAP_SYS_ADMIN and CAP_NET_ADMIN"
-    if shutil.which("ip") is None:
-        return "`ip` (iproute2) not found"
-    return None
 
 
 class NetnsCluster:
@@ -96,9 +87,7 @@ class NetnsCluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[NetnsCluster]:
-    why = _unavailable()
-    if why:
-        pytest.skip(why)
+    require_netns()
     pytest.importorskip("torch")
     from kvpool.router.model_info import ModelInfo
 
@@ -107,7 +96,7 @@ def cluster() -> Iterator[NetnsCluster]:
     try:
         group.open()
     except RuntimeError as exc:
-        pytest.skip(f"cannot create network namespaces here: {exc}")
+        skip("netns", f"cannot create network namespaces here: {exc}")
     workdir = Path(tempfile.mkdtemp(prefix="kvpool-netns-"))
     c = NetnsCluster(group, workdir)
     a, b, cc, d = group.addresses

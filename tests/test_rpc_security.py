@@ -13,6 +13,7 @@ from kvpool.errors import KVPoolError, Unauthenticated
 from kvpool.master.procs import start_master
 from kvpool.rpc.security import security
 from kvpool.rpc.server import wait_healthy
+from tests.capabilities import skip
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def test_tls_when_configured(fresh_security: pytest.MonkeyPatch, tmp_path: Path)
     try:
         key, cert = _self_signed(tmp_path)
     except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"openssl unavailable: {exc}")
+        skip("openssl", f"openssl unavailable: {exc}")
     fresh_security.setenv("KVPOOL_TLS_CERT_FILE", str(cert))
     fresh_security.setenv("KVPOOL_TLS_KEY_FILE", str(key))
     fresh_security.setenv("KVPOOL_TLS_CA_FILE", str(cert))

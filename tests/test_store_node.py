@@ -31,7 +31,8 @@ from kvpool.rpc.server import channel, start_server  # noqa: E402
 from kvpool.types import KVLayout  # noqa: E402
 from kvpool.v1 import kvpool_pb2 as pb  # noqa: E402
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc  # noqa: E402
-from transfer import BlockRead, BlockWrite, UcxTransport, checksum, ucx_available  # noqa: E402
+from tests.capabilities import require_ucx
+from transfer import BlockRead, BlockWrite, UcxTransport, checksum  # noqa: E402
 
 LAYOUT = "kv1:float32:b16:l4:h2:d32"  # 32 KiB blocks
 NB = KVLayout.from_fingerprint(LAYOUT).block_nbytes
@@ -41,12 +42,6 @@ MIB_LAYOUT = "kv1:float32:b64:l8:h4:d64"  # 1 MiB blocks
 
 def h(i: int) -> bytes:
     return i.to_bytes(16, "big")
-
-
-def require_ucx() -> None:
-    reason = ucx_available()
-    if reason is not None:
-        pytest.skip(f"UCX cannot initialise here: {reason}")
 
 
 class StoreProc:

@@ -16,14 +16,14 @@ transfer = pytest.importorskip("transfer")
 
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec  # noqa: E402
 from kvpool.demo.orchestrator import Orchestrator  # noqa: E402
+from tests.capabilities import require_ucx  # noqa: E402
 
 BLOCK = 16
 
 
 @pytest.fixture(scope="module")
 def orch() -> Iterator[Orchestrator]:
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_ucx()
     from kvpool.model import ModelRunner
 
     layout = ModelRunner.load(None, block_size=BLOCK).layout.fingerprint()

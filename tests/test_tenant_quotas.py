@@ -21,6 +21,7 @@ from kvpool.index import RadixIndex
 from kvpool.master.procs import LAYOUT, Proc, start, start_store
 from kvpool.tenants import Tenants, tenant_id, tenant_salt
 from kvpool.types import BlockHash, FakeClock, KVLayout, Location, NamespaceId
+from tests.capabilities import require_ucx
 from tests.tenant_files import write_private
 from tests.test_master_cluster import wait_stores
 
@@ -44,8 +45,7 @@ cache_salt = "salt-b"
 
 @pytest.fixture(scope="module")
 def master_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_ucx()
     tfile = write_private(Path(tmp_path_factory.mktemp("quota")) / "tenants.toml", TENANTS)
     m = start(["master", "--port", "0", "--layout", LAYOUT], env={"KVPOOL_TENANTS": str(tfile)})
     stores: list[Proc] = []

@@ -23,6 +23,7 @@ from kvpool.errors import ResourceExhausted
 from kvpool.hashing import hash_blocks
 from kvpool.master.procs import LAYOUT, Proc, start
 from kvpool.types import BlockHash, KVLayout
+from tests.capabilities import require_ucx
 from tests.tenant_files import write_private
 from tests.test_master_cluster import wait_stores
 
@@ -46,8 +47,7 @@ pool_quota_blocks = 20
 
 
 def _start_pool(directory: Path, tenants: str, **env: str) -> tuple[Proc, Proc]:
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_ucx()
     tfile = write_private(directory / "tenants.toml", tenants)
     m = start(["master", "--port", "0", "--layout", LAYOUT], env={"KVPOOL_TENANTS": str(tfile)} | env)
     try:

@@ -109,7 +109,8 @@ def test_a_killed_store_fails_every_read_in_flight_with_a_typed_error_and_is_bac
         assert t.backoff.down(store.data_address)
         t0 = time.monotonic()
         res, _ = read(t, store, [0], nb=MIB, timeout_s=5.0)
-        assert not res[0].ok and "unreachable" in res[0].error and time.monotonic() - t0 < 1.0
+        # at once (~ms), not at the 5 s deadline: half of it leaves a loaded host seconds
+        assert not res[0].ok and "unreachable" in res[0].error and time.monotonic() - t0 < 2.5
     finally:
         t.close()
 

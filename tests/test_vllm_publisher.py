@@ -239,5 +239,5 @@ def test_close_is_bounded_when_a_publish_hangs(fake: FakeConnector, make: Any) -
     assert entered.wait(10)
     t0 = time.monotonic()
     pub.close(timeout_s=0.3)  # flush for 0.3 s, then at most 1 s for the thread
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 6.5  # 5x those 1.3 s; a close that waits for the hung publish never ends
     gate.set()

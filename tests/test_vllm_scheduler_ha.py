@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from kvpool.client import MasterClient, PoolClient
-from kvpool.cluster.etcd import NO_ETCD, etcd_binary
 from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 from kvpool.errors import KVPoolError
+from tests.capabilities import require_etcd, require_ucx
 from tests.test_vllm_scheduler import BS, FP, LAYOUT, Req, built, call, prompt, put
 
 transfer = pytest.importorskip("transfer")
@@ -44,10 +44,8 @@ def _wait(predicate: Any, timeout_s: float, what: str, cluster: LocalCluster) ->
 
 
 def test_the_scheduler_half_follows_a_new_leader(tmp_path: Path) -> None:
-    if etcd_binary() is None:
-        pytest.skip(NO_ETCD)
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_etcd()
+    require_ucx()
     spec = LocalClusterSpec(layout=FP, num_stores=1, num_prefill=0, num_decode=0, segment_size="16MiB",
                             masters=2)  # fmt: skip
     t = transfer.UcxTransport()

@@ -14,7 +14,6 @@ Root (or ptrace rights over child processes) is needed to write another process'
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 
@@ -24,6 +23,7 @@ import pytest
 pytest.importorskip("torch")
 
 from kvpool.cluster.local import LocalCluster  # noqa: E402
+from tests.capabilities import mark, root_missing  # noqa: E402
 from tests.faults.common import (  # noqa: E402
     BLOCK,
     DOC_BLOCKS,
@@ -64,7 +64,7 @@ def _doc_locations(cluster: LocalCluster, runner, prompt: list[int]) -> list[tup
     return [(hashes[i], loc) for i in range(match.num_matched) for loc in match.replicas[i] if not loc.local]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="writing another process's memory needs root")
+@mark("root", root_missing())  # writing another process's memory
 def test_corrupt_bytes_are_detected_dropped_and_recomputed(cluster: LocalCluster, runner, api: Api) -> None:  # type: ignore[no-untyped-def]
     prompts = workload(60, seed=7, num_docs=6)
     refs = references(runner, prompts)

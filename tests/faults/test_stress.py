@@ -39,6 +39,7 @@ from kvpool.rpc.server import channel
 from kvpool.types import KVLayout
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from tests.capabilities import require_ucx
 
 pytestmark = pytest.mark.slow
 transfer = pytest.importorskip("transfer")
@@ -128,8 +129,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    if transfer.ucx_available() is not None:
-        pytest.skip(f"UCX unavailable: {transfer.ucx_available()}")
+    require_ucx()
     spec = LocalClusterSpec(
         layout=LAYOUT,
         num_stores=2,
