@@ -4,6 +4,9 @@ They edit the master's token file (JSON of SHA-256 digests by name; `--file`, de
 `$KVPOOL_JOIN_TOKENS_FILE`), which a running master re-reads within a second: a new token works at once, a
 revoked one is refused on its next call and each node that joined with it at its next heartbeat. Stores
 never hold tokens (they prove the cluster secret), so rotating tokens never touches them.
+
+Each token has a role (`--role`: admin, router, serving, engine, store; `kvpool.master.roles` lists what
+each may call); a token written without one (older files) is an admin token.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ def new(
     name: str = typer.Argument(..., help="A name for the token (shown in logs, used to revoke it)."),
     file: Path | None = typer.Option(None, "--file", help=_FILE_HELP),
     out: Path | None = typer.Option(None, "--out", help="Write the token to this new 0600 file, not stdout."),
+    role: str = typer.Option(
+        "admin", "--role", help="What it may do: admin, router, serving, engine or store (docs/security.md)."
+    ),
 ) -> None:
     """Add a token and print it once (the file keeps only its digest)."""
     from kvpool.errors import InvalidArgument
@@ -50,7 +56,7 @@ def new(
             typer.echo(f"kvpool token new: --out {out}: {exc.strerror}", err=True)
             raise typer.Exit(2) from None
     try:
-        token = add_token(path, name)
+        token = add_token(path, name, role=role)
     except InvalidArgument as exc:
         if fd is not None:
             os.close(fd)
@@ -90,19 +96,22 @@ def revoke(
 
 
 @token_app.command("list")
-def list_tokens(file: Path | None = typer.Option(None, "--file", help=_FILE_HELP)) -> None:
-    """The names of the active tokens (one per line)."""
+def list_tokens(
+    file: Path | None = typer.Option(None, "--file", help=_FILE_HELP),
+    roles: bool = typer.Option(False, "--roles", help="Print each name with its role."),
+) -> None:
+    """The names of the active tokens (one per line; `--roles`: "NAME ROLE")."""
     from kvpool.errors import InvalidArgument
-    from kvpool.membership import read_tokens
+    from kvpool.membership import read_token_roles
 
     path = _file(file)
     if not path.exists():
         typer.echo(f"kvpool token list: no token file at {path}", err=True)
         raise typer.Exit(1)
     try:
-        tokens = read_tokens(path)
+        tokens = read_token_roles(path)
     except InvalidArgument as exc:
         typer.echo(f"kvpool token list: {exc}", err=True)
         raise typer.Exit(2) from None
-    for name in sorted(tokens.values()):
-        typer.echo(name)
+    for name, role in sorted(tokens.values()):
+        typer.echo(f"{name} {role}" if roles else name)

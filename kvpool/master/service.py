@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from kvpool.client.convert import load_from_pb
-from kvpool.errors import InvalidArgument, Unauthenticated
+from kvpool.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from kvpool.master import dataplane, replica_ops
 from kvpool.master.adapter_service import AdapterRpcs
 from kvpool.master.core import Master
@@ -18,6 +18,7 @@ from kvpool.master.grants import match_grants, write_grants
 from kvpool.master.members import new_session
 from kvpool.master.ops import admin_evict, drain, undrain
 from kvpool.master.placement import CommitBlock
+from kvpool.master.roles import check_registration, check_writer, is_admin
 from kvpool.master.wire import (
     endpoint,
     engine_namespace,
@@ -38,6 +39,12 @@ log = logging.getLogger(__name__)
 class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
     def __init__(self, master: Master) -> None:
         self.m = master
+
+    def _owner(self, context: grpc.ServicerContext) -> str | None:
+        """The caller's join token name when its reservations are bound to it (a non-admin token of a
+        secured master); None: unbound (admin, or an unsecured master)."""
+        name, role = self.m.members.token_role(join_token_of(context.invocation_metadata()))
+        return None if is_admin(role) else name
 
     @rpc_errors
     def JoinChallenge(
@@ -74,8 +81,9 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
                     data_address=data_address,
                 )
             else:
-                join_token = members.token_name(join_token_of(context.invocation_metadata()))
-        except Unauthenticated as exc:
+                join_token, token_role = members.token_role(join_token_of(context.invocation_metadata()))
+                check_registration(token_role, n.role)
+        except (Unauthenticated, PermissionDenied) as exc:
             log.warning("refused %s %r from %s: %s", n.role, node_id, context.peer(), exc)
             raise
         session = new_session() if members.secured else b""
@@ -232,6 +240,10 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
 
     @rpc_errors
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        writer = short(request.writer_node_id, "writer_node_id")
+        owner = self._owner(context)
+        if owner is not None:
+            check_writer(self.m.st.nodes, owner, writer)
         out = self.m.publisher.reserve(
             request.namespace,
             request.parent_hash,
@@ -241,7 +253,8 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
             costs=list(request.recompute_cost_s),
             write_lease_ms=request.write_lease_ms,
             flush_epoch=request.flush_epoch if request.HasField("flush_epoch") else None,
-            writer=short(request.writer_node_id, "writer_node_id"),
+            writer=writer,
+            owner=owner or "",
         )
         locations = out.locations
         if self.m.capabilities is not None:
@@ -269,12 +282,14 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
         blocks = [
             CommitBlock(b.block_hash, b.checksum, [location(x) for x in b.written]) for b in request.blocks
         ]
-        committed, existing = self.m.publisher.commit(request.reservation_id, blocks)
+        committed, existing = self.m.publisher.commit(
+            request.reservation_id, blocks, owner=self._owner(context)
+        )
         return pb.CommitResponse(num_committed=committed, num_existing=existing)
 
     @rpc_errors
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
-        self.m.publisher.abort(request.reservation_id)
+        self.m.publisher.abort(request.reservation_id, owner=self._owner(context))
         return pb.AbortResponse()
 
     @rpc_errors
