@@ -36,7 +36,12 @@ def cluster() -> Iterator[Any]:
     from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 
     spec = LocalClusterSpec(
-        layout=LAYOUT, num_stores=1, num_prefill=0, num_decode=0, segment_size="8MiB", heartbeat_timeout_ms=30_000
+        layout=LAYOUT,
+        num_stores=1,
+        num_prefill=0,
+        num_decode=0,
+        segment_size="8MiB",
+        heartbeat_timeout_ms=30_000,
     )
     with LocalCluster(spec) as c:
         yield c
