@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -81,6 +82,6 @@ def test_a_direct_prefill_or_decode_call_without_the_serving_key_is_refused(clus
 
 def test_serving_nodes_hold_the_digest_and_never_the_key(cluster: LocalCluster) -> None:
     for proc in cluster.prefill + cluster.decode:
-        environ = open(f"/proc/{proc.proc.pid}/environ", "rb").read().split(b"\0")
+        environ = Path(f"/proc/{proc.proc.pid}/environ").read_bytes().split(b"\0")
         names = {e.split(b"=", 1)[0].decode() for e in environ if b"=" in e}
         assert DIGEST_ENV in names and KEY_FILE_ENV not in names, proc.name
