@@ -147,21 +147,18 @@ def _echo_logs(paths: list[Path], stop: threading.Event) -> None:
         stop.wait(0.2)
 
 
-def _membership_env(log_dir: Path, secured: bool) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
-    """(the stores' and master's secret entries, the master's token-digest entries, the other roles' join
-    token entries); unsecured: all empty, and the secret variables of this environment are dropped."""
-    from kvpool.capability import new_secret_env
+def _credentials(log_dir: Path, secured: bool) -> Any:
+    """Each role's credentials (`kvpool.cluster.credentials.UpCredentials`); unsecured: none, and the
+    secret variables of this environment are dropped."""
+    from kvpool.cluster.credentials import SECRET_ENV, UpCredentials
     from kvpool.master.members import UNSECURED_WARNING
-    from kvpool.membership import new_cluster_tokens
 
     if not secured:
-        for name in ("KVPOOL_CLUSTER_SECRET", "KVPOOL_CLUSTER_SECRET_FILE", "KVPOOL_JOIN_TOKENS_FILE"):
+        for name in (*SECRET_ENV, "KVPOOL_JOIN_TOKENS_FILE"):
             os.environ.pop(name, None)
         typer.echo(f"kvpool up: --insecure: {UNSECURED_WARNING}", err=True)
-        return {}, {}, {}
-    secret_env = new_secret_env(log_dir)  # data-plane capabilities on: master and stores share it
-    _token, master_env, member_env = new_cluster_tokens(log_dir)
-    return secret_env, master_env, member_env
+        return UpCredentials()
+    return UpCredentials.make(log_dir, os.environ)
 
 
 def _vllm_model_dir(spec: object, log_dir: Path) -> str:
@@ -176,8 +173,9 @@ def _vllm_model_dir(spec: object, log_dir: Path) -> str:
 
 def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) -> int:
     """Start and supervise; returns the exit code (0 on a clean stop, 1 when a role failed). `secured`:
-    master and stores share a fresh cluster secret, every other role a fresh join token."""
-    from kvpool.capability import SECRET_ROLES
+    master and stores share a fresh cluster secret (or the operator's), every other role a fresh join token
+    of its own role (`kvpool.cluster.credentials`)."""
+    from kvpool.cluster.credentials import scrubbed
     from kvpool.cluster.etcd import EtcdPlan
     from kvpool.cluster.launch import master_addresses, plan
     from kvpool.cluster.spec import ClusterSpec
@@ -192,7 +190,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     if spec.cluster.masters > 1:  # masters in HA: they elect their leader on an embedded etcd
         etcd = EtcdPlan.on(log_dir / "etcd", client_port=spec.master.etcd_port)
     launches = plan(spec, layout.fingerprint(), etcd=etcd)
-    secret_env, master_env, member_env = _membership_env(log_dir, secured)
+    creds = _credentials(log_dir, secured)
     policy = RestartPolicy.of(spec.cluster)
     procs: list[SupervisedRole] = []
     stop = threading.Event()
@@ -212,20 +210,12 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
         for launch in launches:
             if stop.is_set():
                 break
-            holds_secret = launch.role in SECRET_ROLES
             if not launch.local:
-                if holds_secret and secured:
-                    note = f"  (KVPOOL_CLUSTER_SECRET_FILE = a 0600 copy of {log_dir / 'cluster_secret'})"
-                elif secured:
-                    note = f"  (KVPOOL_JOIN_TOKEN_FILE = a 0600 copy of {log_dir / 'join_token'})"
-                else:
-                    note = ""
+                note = creds.remote_note(launch.role)
                 remote.append(f"  on {launch.host}: {launch.command(master, model_dir)}" + note)
                 continue
-            role_env = secret_env if holds_secret else member_env
-            if launch.role == "master":
-                role_env = role_env | master_env
-            env = dict(os.environ) | role_env | launch.env
+            # the operator's environment less every credential, then this role's own (least privilege)
+            env = scrubbed(os.environ) | creds.env_for(launch.role) | launch.env
             if launch.role == "etcd":  # the masters' etcd: it serves before they start
                 proc = SupervisedRole(launch.name, [], log_path=log_dir / "etcd.log", env=env, argv=launch.argv,
                                       ready_url=launch.ready_url, policy=policy, say=_say)  # fmt: skip
@@ -280,9 +270,10 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
             if remote:
                 typer.echo("start these on their hosts:\n" + "\n".join(remote))
             if secured:
+                admin = " ".join(f"{k}={v}" for k, v in creds.admin_env().items())
                 typer.echo(
-                    "secured: stores prove the cluster secret, other members present the join token; "
-                    f"for the admin CLI: export KVPOOL_JOIN_TOKEN_FILE={log_dir / 'join_token'}"
+                    "secured: stores prove the cluster secret, other members present a join token of their "
+                    f"role; for the admin CLI: export {admin}"
                 )
             else:
                 typer.echo(
@@ -299,7 +290,6 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     finally:
         stop.set()
         stop_roles(procs, _say)
-        for name in ("cluster_secret", "join_token", "join_tokens.json"):  # logs stay; credentials do not
-            (log_dir / name).unlink(missing_ok=True)
+        creds.remove_files()  # logs stay; credentials do not
         typer.echo("kvpool cluster stopped")
     return code

@@ -109,3 +109,10 @@ def server_gate() -> list[grpc.ServerInterceptor]:
     """The gate when this process is configured with a key digest (`KVPOOL_SERVING_KEY_SHA256`)."""
     digest = os.environ.get(DIGEST_ENV, "")
     return [ServingKeyGate(digest)] if digest else []
+
+
+def engine_headers() -> dict[str, str]:
+    """HTTP headers for calls to a vLLM engine started with the serving key as its API key (`kvpool up`
+    gives it `VLLM_API_KEY`): `Authorization: Bearer <key>`; {} without a key."""
+    key = serving_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
