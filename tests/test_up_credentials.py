@@ -79,6 +79,7 @@ def test_a_wildcard_listen_address_is_refused_for_nodes() -> None:
     ClusterSpec.model_validate({"router": {"host": "0.0.0.0"}})  # the front door may face every interface
 
 
+MODEL = "kvpool-tiny-llama-l4-h256-a8-kv4-i688"
 SPEC = """
 [cluster]
 block_size = 16
@@ -139,7 +140,11 @@ def test_a_secured_up_keeps_the_operators_secret_from_non_secret_roles(tmp_path:
         assert DIGEST_ENV in children["prefill"] and DIGEST_ENV in children["decode"]
         # the cluster serves through the router (which holds the serving key) ...
         url = next(x.split()[1] for x in lines if x.startswith("  router")).removesuffix("/v1")
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello there", "max_tokens": 3}, timeout=120)
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": MODEL, "prompt": "hello there", "max_tokens": 3},
+            timeout=120,
+        )
         assert r.status_code == 200, r.text
         # ... and a router-role token cannot run admin operations
         master = next(x.split()[1] for x in lines if x.startswith("  master"))
