@@ -174,3 +174,26 @@ def test_a_cluster_secret_file_others_can_read_is_refused(tmp_path: Path) -> Non
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     assert "chmod 600" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "READY" not in out.stdout
+
+
+def test_the_token_cli_writes_roles_and_makes_serving_keys(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from kvpool.cli.main import app
+    from kvpool.membership import read_token_roles
+    from kvpool.rpc.serving_key import key_digest
+
+    tokens = str(tmp_path / "tokens.json")
+    runner = CliRunner()
+    assert runner.invoke(app, ["token", "new", "r1", "--role", "router", "--file", tokens]).exit_code == 0
+    assert runner.invoke(app, ["token", "new", "old", "--file", tokens]).exit_code == 0  # admin by default
+    bad = runner.invoke(app, ["token", "new", "x", "--role", "root", "--file", tokens])
+    assert bad.exit_code == 2 and "admin, router, serving, engine, store" in bad.output
+    listed = runner.invoke(app, ["token", "list", "--roles", "--file", tokens]).output.split("\n")
+    assert listed[:2] == ["old admin", "r1 router"]
+    assert sorted(read_token_roles(Path(tokens)).values()) == [("old", "admin"), ("r1", "router")]
+    out = runner.invoke(app, ["token", "serving-key", "--out", str(tmp_path / "key")])
+    assert out.exit_code == 0, out.output
+    key = (tmp_path / "key").read_text().strip()
+    assert f"KVPOOL_SERVING_KEY_SHA256={key_digest(key)}" in out.output
+    assert (tmp_path / "key").stat().st_mode & 0o077 == 0

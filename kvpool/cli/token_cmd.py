@@ -115,3 +115,26 @@ def list_tokens(
         raise typer.Exit(2) from None
     for name, role in sorted(tokens.values()):
         typer.echo(f"{name} {role}" if roles else name)
+
+
+@token_app.command("serving-key")
+def serving_key_cmd(
+    out: Path = typer.Option(..., "--out", help="The new 0600 file for the key (router and admin)."),
+) -> None:
+    """A new serving key (`kvpool.rpc.serving_key`): written to `--out` for the router and the admin
+    (`KVPOOL_SERVING_KEY_FILE`); prints the digest the serving nodes check (`KVPOOL_SERVING_KEY_SHA256`)
+    and, for vLLM engines, `VLLM_API_KEY` is the file's first line."""
+    import secrets
+
+    from kvpool.rpc.serving_key import DIGEST_ENV, KEY_FILE_ENV, key_digest
+
+    try:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        typer.echo(f"kvpool token serving-key: --out {out}: {exc.strerror}", err=True)
+        raise typer.Exit(2) from None
+    key = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    typer.echo(f"router, admin: {KEY_FILE_ENV}={out.resolve()}")
+    typer.echo(f"prefill, decode: {DIGEST_ENV}={key_digest(key)}")
