@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 os.environ.setdefault("UCX_TLS", "tcp")  # noqa: E402 - before UCX initialises
@@ -197,3 +198,44 @@ def test_the_token_cli_writes_roles_and_makes_serving_keys(tmp_path: Path) -> No
     key = (tmp_path / "key").read_text().strip()
     assert f"KVPOOL_SERVING_KEY_SHA256={key_digest(key)}" in out.output
     assert (tmp_path / "key").stat().st_mode & 0o077 == 0
+
+
+def test_a_member_cannot_end_or_renew_another_members_read_lease(cluster: Any) -> None:
+    alice, bob = _token(cluster, "serving-la", "serving"), _token(cluster, "serving-lb", "serving")
+    with grpc.insecure_channel(cluster.master_address) as ch:
+        stub = pb_grpc.MasterStub(ch)
+        assert _register(stub, alice, "pla") == grpc.StatusCode.OK
+        ns = stub.RegisterNamespace(
+            pb.RegisterNamespaceRequest(model_id="m", weights_version="v", layout_fingerprint=LAYOUT),
+            timeout=10,
+            metadata=alice,
+        ).namespace
+        h = b"L" * 16
+        from kvpool.client import PoolClient
+        from transfer import UcxTransport
+
+        transport = UcxTransport(probe_bytes=1 << 20)
+        try:  # a real block, written by this process (an admin token: its write is unbound)
+            with PoolClient(cluster.master_address, transport, block_nbytes=8192) as pool:
+                put = pool.put_blocks(ns, None, [h], [np.zeros(8192, np.uint8)], num_replicas=1)
+                assert put.num_committed == 1, put
+        finally:
+            transport.close()
+        match = pb.MatchPrefixRequest(namespace=ns, block_hashes=[h], lease_ttl_ms=30_000)
+        lease = stub.MatchPrefix(match, timeout=10, metadata=alice).lease_id
+        assert lease > 0
+        for call, request in (
+            (stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=lease)),
+            (stub.ReleaseLeases, pb.ReleaseLeasesRequest(lease_ids=[lease])),
+            (stub.RenewLease, pb.RenewLeaseRequest(lease_id=lease, ttl_ms=30_000)),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=10, metadata=bob)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+        assert _code(
+            stub.RenewLease, pb.RenewLeaseRequest(lease_id=lease, ttl_ms=30_000), metadata=alice
+        ) == (grpc.StatusCode.OK)
+        assert (
+            _code(stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=lease), metadata=alice)
+            == grpc.StatusCode.OK
+        )

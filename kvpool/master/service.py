@@ -182,13 +182,15 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
             previous_version=previous, num_namespaces_invalidated=n, num_blocks_unreachable=blocks
         )
 
-    def _match(self, request: pb.MatchPrefixRequest) -> pb.MatchPrefixResponse:
+    def _match(self, request: pb.MatchPrefixRequest, owner: str | None = None) -> pb.MatchPrefixResponse:
+        """`owner`: the caller its read lease is bound to (`_owner`; None: unbound)."""
         res, nodes = self.m.match(
             request.namespace,
             request.block_hashes,
             count_hit=request.count_hit,
             lease_ttl_ms=request.lease_ttl_ms,
             num_prompt_tokens=request.num_prompt_tokens,
+            owner=owner,
         )
         caps = self.m.capabilities
         grants: tuple[Sequence[bytes], int] = ((), 0)
@@ -209,33 +211,35 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
     def MatchPrefix(
         self, request: pb.MatchPrefixRequest, context: grpc.ServicerContext
     ) -> pb.MatchPrefixResponse:
-        return self._match(request)
+        return self._match(request, self._owner(context))
 
     @rpc_errors
     def MatchPrefixStream(
         self, request_iterator: Iterator[pb.MatchPrefixRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.MatchPrefixResponse]:
+        owner = self._owner(context)
         for request in request_iterator:
-            yield self._match(request)
+            yield self._match(request, owner)
 
     @rpc_errors
     def RenewLease(
         self, request: pb.RenewLeaseRequest, context: grpc.ServicerContext
     ) -> pb.RenewLeaseResponse:
-        return pb.RenewLeaseResponse(ttl_ms=self.m.renew_lease(request.lease_id, request.ttl_ms))
+        owner = self._owner(context)
+        return pb.RenewLeaseResponse(ttl_ms=self.m.renew_lease(request.lease_id, request.ttl_ms, owner=owner))
 
     @rpc_errors
     def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseLeaseResponse:
-        self.m.release_lease(request.lease_id)
+        self.m.release_lease(request.lease_id, owner=self._owner(context))
         return pb.ReleaseLeaseResponse()
 
     @rpc_errors
     def ReleaseLeases(
         self, request: pb.ReleaseLeasesRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseLeasesResponse:
-        released, not_found = self.m.release_leases(list(request.lease_ids))
+        released, not_found = self.m.release_leases(list(request.lease_ids), owner=self._owner(context))
         return pb.ReleaseLeasesResponse(num_released=released, num_not_found=not_found)
 
     @rpc_errors
