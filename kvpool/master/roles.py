@@ -76,9 +76,13 @@ def check_call(role: str, method: str) -> None:
         )
 
 
+_KNOWN_NODE_ROLES = frozenset().union(*NODE_ROLES.values())
+
+
 def check_registration(token_role: str, node_role: str) -> None:
-    """Raise `PermissionDenied` unless a token of `token_role` may register a node of `node_role`."""
-    if node_role not in NODE_ROLES.get(token_role, frozenset()):
+    """Raise `PermissionDenied` unless a token of `token_role` may register a node of `node_role` (a role
+    no token registers is left to the registry, which refuses it with `InvalidArgument`)."""
+    if node_role in _KNOWN_NODE_ROLES and node_role not in NODE_ROLES.get(token_role, frozenset()):
         raise PermissionDenied(f"a {token_role!r} join token may not register a {node_role!r} node")
 
 
