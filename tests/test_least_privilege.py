@@ -162,6 +162,12 @@ def test_a_serving_node_cannot_write_as_another_node(cluster: Any) -> None:
                 call(req, timeout=10, metadata=bob)
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
         assert _code(stub.Abort, pb.AbortRequest(reservation_id=rid), metadata=alice) == grpc.StatusCode.OK
+        # a serving token writes and matches, but runs no admin operation either
+        for name, req in (
+            ("Evict", pb.EvictRequest(fraction=0.5)),
+            ("Drain", pb.DrainRequest(node_id="store0")),
+        ):
+            assert _code(getattr(stub, name), req, metadata=alice) == grpc.StatusCode.PERMISSION_DENIED, name
 
 
 def test_a_cluster_secret_file_others_can_read_is_refused(tmp_path: Path) -> None:
