@@ -242,7 +242,8 @@ class CapabilitySettings(KVPoolSettings):
 
 def from_settings(settings: CapabilitySettings, *, clock: Clock | None = None) -> Capabilities | None:
     """`Capabilities` for the configured secret; None when none is configured. Raises `InvalidArgument`
-    for both settings at once, an unreadable file or a short secret."""
+    for both settings at once, an unreadable file, a file its group or others may read, write or execute
+    (mode other than 0600/0400), or a short secret."""
     if settings.cluster_secret and settings.cluster_secret_file:
         raise InvalidArgument("set cluster_secret or cluster_secret_file, not both")
     secret = settings.cluster_secret.encode()
@@ -254,7 +255,10 @@ def from_settings(settings: CapabilitySettings, *, clock: Clock | None = None) -
         except OSError as exc:
             raise InvalidArgument(f"cannot read the cluster secret file {path}: {exc}") from None
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            log.warning("the cluster secret file %s is readable by others: chmod 600 it", path)
+            raise InvalidArgument(
+                f"the cluster secret file {path} is open to its group or others (mode "
+                f"{stat.S_IMODE(mode):04o}): refusing to use it; chmod 600 {path}"
+            )
     if not secret:
         return None
     return Capabilities(CapabilityKey(secret), clock=clock, skew_ms=settings.capability_skew_ms)

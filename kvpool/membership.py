@@ -42,6 +42,10 @@ SESSION_NBYTES = 32
 """Random bytes of a registration's session (`RegisterNodeResponse.session`)."""
 MIN_TOKEN_CHARS = 22
 """A join token shorter than this (about 128 bits of `secrets.token_urlsafe`) is refused."""
+TOKEN_ROLES = ("admin", "router", "serving", "engine", "store")
+"""What a join token may do (`kvpool.master.roles` holds each role's master calls). A token file entry
+without a role is an `admin` token (files written before roles existed keep working as they did)."""
+DEFAULT_TOKEN_ROLE = "admin"
 
 _PROOF_TAG = b"\x0fkvpool-join-v1\x00"
 _U64 = struct.Struct(">Q")
@@ -97,6 +101,15 @@ def read_tokens(path: Path) -> dict[str, str]:
     """The token file's {sha256 hex digest: name}. A missing file holds no tokens.
 
     Raises `InvalidArgument` naming the file when it is not the JSON `kvpool token` writes."""
+    return {digest: name for digest, (name, _role) in read_token_roles(path).items()}
+
+
+def read_token_roles(path: Path) -> dict[str, tuple[str, str]]:
+    """The token file's {sha256 hex digest: (name, role)}; an entry without `role` is `admin`. A missing
+    file holds no tokens.
+
+    The file: `{"tokens": [{"name": str, "sha256": hex, "role": one of TOKEN_ROLES}, ...]}`. Raises
+    `InvalidArgument` naming the file when it is not that JSON or names an unknown role."""
     try:
         raw = path.read_text()
     except FileNotFoundError:
@@ -106,21 +119,25 @@ def read_tokens(path: Path) -> dict[str, str]:
     try:
         doc = json.loads(raw)
         entries = doc["tokens"]
-        out = {str(e["sha256"]): str(e["name"]) for e in entries}
-    except (ValueError, KeyError, TypeError) as exc:
+        out = {str(e["sha256"]): (str(e["name"]), str(e.get("role", DEFAULT_TOKEN_ROLE))) for e in entries}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InvalidArgument(
             f"join token file {path} is malformed ({exc}); write it with `kvpool token`"
         ) from None
-    for digest in out:
+    for digest, (name, role) in out.items():
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise InvalidArgument(f"join token file {path}: {digest!r} is not a hex SHA-256")
+        if role not in TOKEN_ROLES:
+            raise InvalidArgument(
+                f"join token file {path}: token {name!r} has role {role!r}, not one of {', '.join(TOKEN_ROLES)}"
+            )
     return out
 
 
-def _write_tokens(path: Path, tokens: dict[str, str]) -> None:
+def _write_tokens(path: Path, tokens: dict[str, tuple[str, str]]) -> None:
     """Replace the file atomically (a master reading it never sees half a file); mode 0600."""
-    entries = sorted(tokens.items(), key=lambda kv: kv[1])
-    doc = {"tokens": [{"name": name, "sha256": digest} for digest, name in entries]}
+    entries = sorted(tokens.items(), key=lambda kv: kv[1][0])
+    doc = {"tokens": [{"name": name, "sha256": digest, "role": role} for digest, (name, role) in entries]}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -134,19 +151,21 @@ def _write_tokens(path: Path, tokens: dict[str, str]) -> None:
         raise
 
 
-def add_token(path: Path, name: str, token: str | None = None) -> str:
-    """Add a token named `name` to the master's token file (created if missing) and return the token (the
-    file keeps only its digest: show it once). Raises `InvalidArgument` for an empty or taken name or a
-    token shorter than `MIN_TOKEN_CHARS`."""
+def add_token(path: Path, name: str, token: str | None = None, *, role: str = DEFAULT_TOKEN_ROLE) -> str:
+    """Add a token named `name` with `role` (one of `TOKEN_ROLES`) to the master's token file (created if
+    missing) and return the token (the file keeps only its digest: show it once). Raises `InvalidArgument`
+    for an empty or taken name, an unknown role or a token shorter than `MIN_TOKEN_CHARS`."""
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", name):
         raise InvalidArgument(f"a join token's name is 1-128 of A-Z a-z 0-9 . _ -, got {name!r}")
+    if role not in TOKEN_ROLES:
+        raise InvalidArgument(f"a join token's role is one of {', '.join(TOKEN_ROLES)}, got {role!r}")
     token = token if token is not None else new_join_token()
     if len(token) < MIN_TOKEN_CHARS:
         raise InvalidArgument(f"a join token needs at least {MIN_TOKEN_CHARS} characters")
-    tokens = read_tokens(path)
-    if name in tokens.values():
+    tokens = read_token_roles(path)
+    if any(n == name for n, _ in tokens.values()):
         raise InvalidArgument(f"a join token named {name!r} exists in {path}: revoke it first or pick a name")
-    tokens[token_digest(token)] = name
+    tokens[token_digest(token)] = (name, role)
     _write_tokens(path, tokens)
     return token
 
@@ -154,8 +173,8 @@ def add_token(path: Path, name: str, token: str | None = None) -> str:
 def revoke_token(path: Path, name: str) -> bool:
     """Remove the token named `name`; False when there was none. A running master refuses it at once (new
     calls) and at the next heartbeat of each node that joined with it."""
-    tokens = read_tokens(path)
-    kept = {d: n for d, n in tokens.items() if n != name}
+    tokens = read_token_roles(path)
+    kept = {d: e for d, e in tokens.items() if e[0] != name}
     if len(kept) == len(tokens):
         return False
     _write_tokens(path, kept)
@@ -169,14 +188,31 @@ def new_cluster_tokens(directory: Path, name: str = "cluster") -> tuple[str, dic
     tokens_file = Path(directory) / "join_tokens.json"
     token = add_token(tokens_file, name)
     token_file = Path(directory) / "join_token"
-    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    _write_secret_file(token_file, token)
     return (
         token,
         {"KVPOOL_JOIN_TOKENS_FILE": str(tokens_file)},
         {"KVPOOL_JOIN_TOKEN_FILE": str(token_file)},
     )
+
+
+def new_role_tokens(directory: Path, names: dict[str, str]) -> tuple[dict[str, str], dict[str, Path]]:
+    """Fresh join tokens for a cluster started here (`kvpool up`), one per entry of `names` ({token name:
+    role}): each in its own 0600 file `directory/join_token.<name>`. Returns (the master's environment
+    entries naming the digest file `directory/join_tokens.json`, {token name: its token file})."""
+    tokens_file = Path(directory) / "join_tokens.json"
+    files: dict[str, Path] = {}
+    for name, role in names.items():
+        token = add_token(tokens_file, name, role=role)
+        files[name] = Path(directory) / f"join_token.{name}"
+        _write_secret_file(files[name], token)
+    return {"KVPOOL_JOIN_TOKENS_FILE": str(tokens_file)}, files
+
+
+def _write_secret_file(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
 
 
 # ---- the master's calls to stores ----------------------------------------------------------------

@@ -78,6 +78,9 @@ def test_short_or_double_secret_is_refused(tmp_path: Any) -> None:
         CapabilityKey(b"short")
     f = tmp_path / "secret"
     f.write_text("x" * 40)
+    with pytest.raises(InvalidArgument, match="chmod 600"):  # readable by others: refused (#46)
+        from_settings(CapabilitySettings(cluster_secret_file=str(f)))
+    f.chmod(0o600)
     with pytest.raises(InvalidArgument, match="not both"):
         from_settings(CapabilitySettings(cluster_secret="y" * 40, cluster_secret_file=str(f)))
     assert from_settings(CapabilitySettings()) is None  # no secret: capabilities off

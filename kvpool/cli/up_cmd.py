@@ -147,30 +147,28 @@ def _echo_logs(paths: list[Path], stop: threading.Event) -> None:
         stop.wait(0.2)
 
 
-def _membership_env(log_dir: Path, secured: bool) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
-    """(the stores' and master's secret entries, the master's token-digest entries, the other roles' join
-    token entries); unsecured: all empty, and the secret variables of this environment are dropped."""
-    from kvpool.capability import new_secret_env
+def _credentials(log_dir: Path, secured: bool) -> Any:
+    """Each role's credentials (`kvpool.cluster.credentials.UpCredentials`); unsecured: none, and the
+    secret variables of this environment are dropped."""
+    from kvpool.cluster.credentials import SECRET_ENV, UpCredentials
     from kvpool.master.members import UNSECURED_WARNING
-    from kvpool.membership import new_cluster_tokens
 
     if not secured:
-        for name in ("KVPOOL_CLUSTER_SECRET", "KVPOOL_CLUSTER_SECRET_FILE", "KVPOOL_JOIN_TOKENS_FILE"):
+        for name in (*SECRET_ENV, "KVPOOL_JOIN_TOKENS_FILE"):
             os.environ.pop(name, None)
         typer.echo(f"kvpool up: --insecure: {UNSECURED_WARNING}", err=True)
-        return {}, {}, {}
-    secret_env = new_secret_env(log_dir)  # data-plane capabilities on: master and stores share it
-    _token, master_env, member_env = new_cluster_tokens(log_dir)
-    return secret_env, master_env, member_env
+        return UpCredentials()
+    return UpCredentials.make(log_dir, os.environ)
 
 
 def _tenant_salt_env(log_dir: Path) -> dict[str, str]:
-    """The router's and master's salt key of tenants' derived salts (`kvpool.tenants`): a fresh 0600 file
-    in `log_dir`, unless this environment already names one."""
+    """The router's and master's salt key of tenants' derived salts (`kvpool.tenants`): the one this
+    environment names, else a fresh 0600 file in `log_dir`. Only those two roles get it (the variable is
+    scrubbed from the others' environments)."""
     from kvpool.tenants import SALT_KEY_ENV, new_salt_key_file
 
     if os.environ.get(SALT_KEY_ENV):
-        return {}
+        return {SALT_KEY_ENV: os.environ[SALT_KEY_ENV]}
     return {SALT_KEY_ENV: str(new_salt_key_file(log_dir))}
 
 
@@ -186,8 +184,9 @@ def _vllm_model_dir(spec: object, log_dir: Path) -> str:
 
 def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) -> int:
     """Start and supervise; returns the exit code (0 on a clean stop, 1 when a role failed). `secured`:
-    master and stores share a fresh cluster secret, every other role a fresh join token."""
-    from kvpool.capability import SECRET_ROLES
+    master and stores share a fresh cluster secret (or the operator's), every other role a fresh join token
+    of its own role (`kvpool.cluster.credentials`)."""
+    from kvpool.cluster.credentials import scrubbed
     from kvpool.cluster.etcd import EtcdPlan
     from kvpool.cluster.launch import master_addresses, plan
     from kvpool.cluster.spec import ClusterSpec
@@ -202,7 +201,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     if spec.cluster.masters > 1:  # masters in HA: they elect their leader on an embedded etcd
         etcd = EtcdPlan.on(log_dir / "etcd", client_port=spec.master.etcd_port)
     launches = plan(spec, layout.fingerprint(), etcd=etcd)
-    secret_env, master_env, member_env = _membership_env(log_dir, secured)
+    creds = _credentials(log_dir, secured)
     salt_env = _tenant_salt_env(log_dir)
     policy = RestartPolicy.of(spec.cluster)
     procs: list[SupervisedRole] = []
@@ -223,22 +222,13 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
         for launch in launches:
             if stop.is_set():
                 break
-            holds_secret = launch.role in SECRET_ROLES
             if not launch.local:
-                if holds_secret and secured:
-                    note = f"  (KVPOOL_CLUSTER_SECRET_FILE = a 0600 copy of {log_dir / 'cluster_secret'})"
-                elif secured:
-                    note = f"  (KVPOOL_JOIN_TOKEN_FILE = a 0600 copy of {log_dir / 'join_token'})"
-                else:
-                    note = ""
+                note = creds.remote_note(launch.role)
                 remote.append(f"  on {launch.host}: {launch.command(master, model_dir)}" + note)
                 continue
-            role_env = secret_env if holds_secret else member_env
-            if launch.role == "master":
-                role_env = role_env | master_env
-            if launch.role in ("master", "router"):
-                role_env = role_env | salt_env
-            env = dict(os.environ) | role_env | launch.env
+            # the operator's environment less every credential, then this role's own (least privilege)
+            role_env = creds.env_for(launch.role) | (salt_env if launch.role in ("master", "router") else {})
+            env = scrubbed(os.environ) | role_env | launch.env
             if launch.role == "etcd":  # the masters' etcd: it serves before they start
                 proc = SupervisedRole(launch.name, [], log_path=log_dir / "etcd.log", env=env, argv=launch.argv,
                                       ready_url=launch.ready_url, policy=policy, say=_say)  # fmt: skip
@@ -293,9 +283,10 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
             if remote:
                 typer.echo("start these on their hosts:\n" + "\n".join(remote))
             if secured:
+                admin = " ".join(f"{k}={v}" for k, v in creds.admin_env().items())
                 typer.echo(
-                    "secured: stores prove the cluster secret, other members present the join token; "
-                    f"for the admin CLI: export KVPOOL_JOIN_TOKEN_FILE={log_dir / 'join_token'}"
+                    "secured: stores prove the cluster secret, other members present a join token of their "
+                    f"role; for the admin CLI: export {admin}"
                 )
             else:
                 typer.echo(
@@ -312,7 +303,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     finally:
         stop.set()
         stop_roles(procs, _say)
-        for name in ("cluster_secret", "join_token", "join_tokens.json", "tenant_salt_key"):  # logs stay
-            (log_dir / name).unlink(missing_ok=True)
+        creds.remove_files()  # logs stay; credentials do not
+        (log_dir / "tenant_salt_key").unlink(missing_ok=True)
         typer.echo("kvpool cluster stopped")
     return code

@@ -18,6 +18,7 @@ from types import TracebackType
 from kvpool.capability import SECRET_ROLES, Capabilities, CapabilityKey, new_secret_env
 from kvpool.cluster.process import RoleProcess
 from kvpool.membership import new_cluster_tokens
+from kvpool.rpc.serving_key import KEY_FILE_ENV, new_serving_key
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,11 @@ class LocalCluster:
         self._saved_env: dict[str, str | None] = {}
         self.join_token = ""
         """Secured cluster: its join token (`KVPOOL_JOIN_TOKEN_FILE` of this process while it runs)."""
+        self._node_env: dict[str, str] = {}  # serving nodes: the serving key's digest
         if spec.capabilities:
             self.join_token, self._master_env, self._member_env = new_cluster_tokens(self.log_dir)
+            caller_env, self._node_env = new_serving_key(self.log_dir)
+            self._member_env |= caller_env  # this process (and routers it starts) calls the nodes
         self.processes: list[RoleProcess] = []
         self.master_address = ""
         self.masters: list[RoleProcess] = []  # `master` is the first
@@ -82,6 +86,9 @@ class LocalCluster:
         if args[0] == "master":
             role_env = role_env | self._master_env
         env = dict(os.environ) | self.spec.extra_env | role_env
+        if args[0] in ("prefill", "decode") and self._node_env:  # the key's digest only, never the key
+            env.pop(KEY_FILE_ENV, None)
+            env |= self._node_env
         proc = RoleProcess(name, args, log_path=self.log_dir / f"{name}.log", env=env)
         self.processes.append(proc)
         return proc

@@ -56,6 +56,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$"
 _EVICTION = tuple(n for n in POLICY_NAMES if n != "opt")  # opt is an offline oracle
 _POLICIES = ("cost", "affinity", "least-load", "round-robin")
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+"""Refused as a master, store or serving host: each binds to its configured host, the cluster interface."""
 
 
 class _Section(BaseModel):
@@ -220,6 +222,17 @@ class ClusterSpec(_Section):
         hosts = {h for s in (self.store, self.prefill, self.decode) for h in s.hosts} | {self.router.host}
         if self.master.port == 0 and any(not is_local(h) for h in hosts):
             raise ValueError("master.port must be fixed (not 0) when roles run on other hosts")
+        for where, listen in (
+            ("master.host", [self.master.host]),
+            ("store.hosts", self.store.hosts),
+            ("prefill.hosts", self.prefill.hosts),
+            ("decode.hosts", self.decode.hosts),
+        ):
+            if any(h.strip("[]") in WILDCARD_HOSTS for h in listen):
+                raise ValueError(
+                    f"{where}: a wildcard address listens on every interface; give the cluster "
+                    "interface's address (masters, stores, serving nodes and engines bind to it)"
+                )
         if self.prefill.count < 1 or self.decode.count < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
         if self.master.port and self.master.port + self.cluster.masters - 1 > 65535:

@@ -32,6 +32,7 @@ class Lease:
     expiry_ms: int
     rows: np.ndarray
     gens: np.ndarray
+    owner: str = ""  # who may renew or release it (the master's caller; "" when unbound)
 
 
 class LeaseTable:
@@ -115,6 +116,17 @@ class LeaseLockMixin:
         expiry_ms = self._clock.now_ms() + ttl_ms
         self._leases.renew(lease_id, expiry_ms)
         return expiry_ms
+
+    def set_lease_owner(self, lease_id: int, owner: str) -> None:
+        """Bind a live lease to `owner` (a no-op for one that is not live)."""
+        lease = self._leases.live.get(lease_id)
+        if lease is not None:
+            lease.owner = owner
+
+    def lease_owned_by(self, lease_id: int, owner: str) -> bool:
+        """False only for a live lease bound to someone other than `owner`."""
+        lease = self._leases.live.get(lease_id)
+        return lease is None or lease.owner == owner
 
     def release_lease(self, lease_id: int) -> None:
         """End a lease now. A lease that already expired is a no-op; an unknown or already released

@@ -19,7 +19,7 @@ class AioMasterServicer(MasterServicer):
         self, request: pb.MatchPrefixRequest, context: grpc.aio.ServicerContext
     ) -> pb.MatchPrefixResponse:
         try:
-            return self._match(request)
+            return self._match(request, self._owner(context))
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             await abort_async(context, "MatchPrefix", exc)
             raise AssertionError("unreachable") from exc  # abort raises
@@ -29,6 +29,7 @@ class AioMasterServicer(MasterServicer):
     ) -> None:
         """Reads and writes on the context (no async-generator layers per message); parses itself."""
         try:
+            owner = self._owner(context)
             while True:
                 raw = await context.read()
                 if raw is grpc.aio.EOF:
@@ -37,7 +38,7 @@ class AioMasterServicer(MasterServicer):
                     request = pb.MatchPrefixRequest.FromString(raw)
                 except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's bad input
                     raise InvalidArgument(f"malformed request for MatchPrefixStream: {exc}") from None
-                await context.write(self._match(request))
+                await context.write(self._match(request, owner))
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             await abort_async(context, "MatchPrefixStream", exc)
 

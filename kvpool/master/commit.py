@@ -12,7 +12,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvpool.errors import InvalidArgument, KVPoolError, LeaseExpired, NotFound, VersionFenced
+from kvpool.errors import (
+    InvalidArgument,
+    KVPoolError,
+    LeaseExpired,
+    NotFound,
+    PermissionDenied,
+    VersionFenced,
+)
 from kvpool.master.core import BlockMeta
 from kvpool.master.placement import CommitBlock, Reservation, new_replicas
 from kvpool.types import BlockHash, Location, NamespaceId
@@ -60,8 +67,9 @@ class CommitPhase:
                 r.flushed = True
 
     # ---- commit / abort ---------------------------------------------------------------------------
-    def commit(self, rid: int, blocks: Sequence[CommitBlock]) -> tuple[int, int]:
-        """Make the written blocks visible; idempotent (a repeat returns the first answer)."""
+    def commit(self, rid: int, blocks: Sequence[CommitBlock], *, owner: str | None = None) -> tuple[int, int]:
+        """Make the written blocks visible; idempotent (a repeat returns the first answer). `owner` (a
+        secured master's caller, None: any): `PermissionDenied` unless that token made the reservation."""
         m = self.m
         if rid <= 0:
             raise InvalidArgument("reservation_id must be > 0")
@@ -71,6 +79,7 @@ class CommitPhase:
             r = self.reservations.get(rid)
             if r is None:
                 raise NotFound(f"no reservation {rid} (expired, aborted or never made)")
+            _check_owner(r, rid, owner)
             if r.committing:
                 raise InvalidArgument(f"reservation {rid} is being committed")
             written: dict[bytes, tuple[int, set[Location]]] = {}
@@ -181,8 +190,8 @@ class CommitPhase:
                 self.m.queue_free(loc)
         self.m.wake.set()
 
-    def abort(self, rid: int) -> None:
-        """Free a reservation's slots; idempotent for reservations already finished."""
+    def abort(self, rid: int, *, owner: str | None = None) -> None:
+        """Free a reservation's slots; idempotent for reservations already finished. `owner`: as `commit`'s."""
         if rid <= 0:
             raise InvalidArgument("reservation_id must be > 0")
         with self.m.lock:
@@ -191,8 +200,16 @@ class CommitPhase:
             r = self.reservations.get(rid)
             if r is None:
                 return
+            _check_owner(r, rid, owner)
             if r.committing:
                 r.aborted = True
                 return
             self._drop(r)
             self.done[rid] = (0, 0)
+
+
+def _check_owner(r: Reservation, rid: int, owner: str | None) -> None:
+    if owner is not None and r.owner != owner:
+        raise PermissionDenied(
+            f"reservation {rid} was made by another member: only its maker commits or aborts it"
+        )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpool.capability import Capabilities, process_capabilities
-from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from kvpool.index.radix import RadixIndex
 from kvpool.index.results import DroppedBlock, MatchResult
 from kvpool.master import bounds, dataplane
@@ -298,8 +298,10 @@ class Master(NodeRegistry):
         count_hit: bool,
         lease_ttl_ms: int,
         num_prompt_tokens: int,
+        owner: str | None = None,
     ) -> tuple[MatchResult, list[NodeRecord]]:
-        """The matched prefix and the records of the nodes its replicas name."""
+        """The matched prefix and the records of the nodes its replicas name. `owner`: the caller its read
+        lease is bound to (None: unbound; `renew_lease` and `release_lease(s)` check it)."""
         check_hash(ns, "namespace")
         if len(block_hashes) > self.settings.max_batch_blocks:
             raise InvalidArgument(
@@ -319,6 +321,8 @@ class Master(NodeRegistry):
             res = self.index.match_prefix(
                 NamespaceId(ns), hashes, count_hit=count_hit, lease_ttl_ms=lease_ttl_ms
             )
+            if owner is not None and res.lease_id:
+                self.index.set_lease_owner(res.lease_id, owner)
             known = self.st.nodes
             nodes = [known[n] for n in res.node_names() if n in known]
             kept = dataplane.offered(self, res, nodes)  # not from a store whose data plane failed
@@ -334,28 +338,41 @@ class Master(NodeRegistry):
                 c.hit_blocks += res.num_matched
         return res, nodes
 
-    def renew_lease(self, lease_id: int, ttl_ms: int) -> int:
+    def _check_lease_owners(self, lease_ids: Sequence[int], owner: str | None) -> None:
+        """Under the lock: `PermissionDenied` when a caller bound to `owner` names a live lease of
+        another caller (None: unbound, every lease)."""
+        if owner is None:
+            return
+        for lease_id in lease_ids:
+            if not self.index.lease_owned_by(lease_id, owner):
+                raise PermissionDenied(f"lease {lease_id} belongs to another member: only its holder ends it")
+
+    def renew_lease(self, lease_id: int, ttl_ms: int, *, owner: str | None = None) -> int:
         if not 0 < ttl_ms <= self.settings.max_lease_ttl_ms:
             raise InvalidArgument(f"ttl_ms must be in (0, {self.settings.max_lease_ttl_ms}]")
         with self.lock:
+            self._check_lease_owners([lease_id], owner)
             self.index.renew_lease(lease_id, ttl_ms)
         return ttl_ms
 
-    def release_lease(self, lease_id: int) -> None:
+    def release_lease(self, lease_id: int, *, owner: str | None = None) -> None:
         if lease_id <= 0:
             raise InvalidArgument("lease_id must be > 0")
         with self.lock:
+            self._check_lease_owners([lease_id], owner)
             self.index.release_lease(lease_id)
 
-    def release_leases(self, lease_ids: Sequence[int]) -> tuple[int, int]:
+    def release_leases(self, lease_ids: Sequence[int], *, owner: str | None = None) -> tuple[int, int]:
         """End many read leases under one lock hold. Returns (ended or already expired, not found: never
-        granted or already released). `InvalidArgument`: no ids, more than `MAX_RELEASE_BATCH`, or an id 0."""
+        granted or already released). `InvalidArgument`: no ids, more than `MAX_RELEASE_BATCH`, or an id 0;
+        `PermissionDenied` (nothing ended): an id of a live lease bound to another caller than `owner`."""
         if not 0 < len(lease_ids) <= MAX_RELEASE_BATCH:
             raise InvalidArgument(f"lease_ids must hold 1..{MAX_RELEASE_BATCH} ids, got {len(lease_ids)}")
         if min(lease_ids) <= 0:
             raise InvalidArgument("every lease id must be > 0")
         not_found = 0
         with self.lock:
+            self._check_lease_owners(lease_ids, owner)
             for lease_id in lease_ids:
                 try:
                     self.index.release_lease(lease_id)

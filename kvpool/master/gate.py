@@ -5,7 +5,8 @@ Installed on the master's gRPC server only when the cluster is secured (`Members
 proof, the node's join token or its registration session itself), as do health checks and reflection;
 every other call without an active token in `kvpool-join-token` is answered UNAUTHENTICATED before it
 reaches the servicer. A revoked token is refused from its next call (the token file is re-read within
-`TOKEN_RELOAD_INTERVAL_S`).
+`TOKEN_RELOAD_INTERVAL_S`). A call outside the token's role (`kvpool.master.roles`) is answered
+PERMISSION_DENIED, also before it reaches the servicer.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 
 import grpc
 
-from kvpool.errors import Unauthenticated
+from kvpool.errors import PermissionDenied, Unauthenticated
 from kvpool.master.members import Membership
+from kvpool.master.roles import check_call
 from kvpool.membership import JOIN_TOKEN_METADATA
 
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -34,17 +36,18 @@ def join_token_of(metadata: Any) -> str:
 
 
 class MemberGate(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for a call without an active join token (see the module docstring)."""
+    """UNAUTHENTICATED for a call without an active join token, PERMISSION_DENIED for one its token's role
+    may not make (see the module docstring)."""
 
     def __init__(self, members: Membership) -> None:
         self._members = members
 
-        def make_deny(message: str) -> dict[tuple[bool, bool], Any]:
+        def make_deny(code: grpc.StatusCode, message: str) -> dict[tuple[bool, bool], Any]:
             async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+                await context.abort(code, message)
 
             async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+                await context.abort(code, message)
                 yield None  # pragma: no cover - abort raises
 
             return {
@@ -63,10 +66,16 @@ class MemberGate(grpc.aio.ServerInterceptor):
         if method in _OPEN_METHODS or method.startswith(_OPEN_PREFIXES):
             return await continuation(details)
         try:
-            self._members.token_name(join_token_of(details.invocation_metadata))
-        except Unauthenticated as exc:
+            _name, role = self._members.token_role(join_token_of(details.invocation_metadata))
+            check_call(role, method)
+        except (Unauthenticated, PermissionDenied) as exc:
             handler = await continuation(details)
             if handler is None:
                 return None
-            return self._make_deny(str(exc))[(handler.request_streaming, handler.response_streaming)]
+            code = (
+                grpc.StatusCode.UNAUTHENTICATED
+                if isinstance(exc, Unauthenticated)
+                else grpc.StatusCode.PERMISSION_DENIED
+            )
+            return self._make_deny(code, str(exc))[(handler.request_streaming, handler.response_streaming)]
         return await continuation(details)

@@ -23,7 +23,7 @@ from pathlib import Path
 from kvpool.capability import Capabilities
 from kvpool.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from kvpool.master.challenges import ChallengeMinter, SpentChallenges
-from kvpool.membership import SESSION_NBYTES, read_tokens, store_proof, token_digest
+from kvpool.membership import SESSION_NBYTES, read_token_roles, store_proof, token_digest
 from kvpool.types import Clock
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class Membership:
         self._lock = threading.Lock()
         self._minter = ChallengeMinter(capabilities, ttl_ms=challenge_ttl_ms) if capabilities else None
         self._spent = SpentChallenges(max_per_node=max_spent_challenges_per_node)
-        self._tokens: dict[str, str] = {}  # sha256 hex -> name
+        self._tokens: dict[str, tuple[str, str]] = {}  # sha256 hex -> (name, role)
         self._names: set[str] = set()
         self._tokens_mtime_ns: int | None = None
         self._next_reload_s = 0.0
@@ -136,17 +136,22 @@ class Membership:
     def token_name(self, token: str) -> str:
         """The name of an active join token; "" for any caller of an unsecured master. Raises
         `Unauthenticated` for a missing or unknown (revoked) token."""
+        return self.token_role(token)[0]
+
+    def token_role(self, token: str) -> tuple[str, str]:
+        """(name, role) of an active join token (`kvpool.master.roles`); ("", "admin") for any caller of an
+        unsecured master. Raises `Unauthenticated` for a missing or unknown (revoked) token."""
         if not self.secured:
-            return ""
+            return "", "admin"
         self._reload()
         if not token:
             raise Unauthenticated(
                 "this cluster is secured: present a join token (KVPOOL_JOIN_TOKEN or KVPOOL_JOIN_TOKEN_FILE)"
             )
-        name = self._tokens.get(token_digest(token))
-        if name is None:
+        entry = self._tokens.get(token_digest(token))
+        if entry is None:
             raise Unauthenticated("unknown or revoked join token")
-        return name
+        return entry
 
     def check_still_active(self, name: str) -> None:
         """For a node that joined with token `name`: `PermissionDenied` once that token was revoked."""
@@ -174,14 +179,14 @@ class Membership:
         if mtime == self._tokens_mtime_ns:
             return
         try:
-            tokens = read_tokens(self._tokens_path)
+            tokens = read_token_roles(self._tokens_path)
         except (InvalidArgument, OSError) as exc:
             if force:
                 raise InvalidArgument(str(exc)) from None
             log.error("keeping the previous join tokens: %s", exc)
             return
         with self._lock:
-            self._tokens, self._names = tokens, set(tokens.values())
+            self._tokens, self._names = tokens, {name for name, _ in tokens.values()}
             self._tokens_mtime_ns = mtime
         log.info("join tokens: %d active (%s)", len(tokens), self._tokens_path)
 

@@ -24,6 +24,7 @@ class Reservation:
     parent_locked: bool = False  # the parent chain is pinned (lock_ref) until the reservation ends
     flushed: bool = False  # its namespace was invalidated after it was made: the commit is refused
     writer: str = ""  # the Reserve's writer_node_id (live reservations per writer: max_leases_per_client)
+    owner: str = ""  # secured master: the join token name that made it (only it commits or aborts it)
     quota_tenant: str | None = None  # the tenant whose pool quota counts its new blocks (None: none)
     quota_blocks: int = 0  # its new blocks counted in that tenant's reserved blocks
 

@@ -70,10 +70,12 @@ class Publisher(CommitPhase):
         write_lease_ms: int,
         flush_epoch: int | None = None,
         writer: str = "",
+        owner: str = "",
     ) -> ReserveOutcome:
         """`flush_epoch`: the master's flush epoch when the writer's KV was computed (None: unchecked); a
         namespace invalidated since refuses the reserve with `VersionFenced`. `writer`: the writer's node
-        id; a writer holding `max_leases_per_client` open reservations is refused (`ResourceExhausted`)."""
+        id; a writer holding `max_leases_per_client` open reservations is refused (`ResourceExhausted`).
+        `owner`: the caller's join token name (only that token commits or aborts the reservation)."""
         m, s = self.m, self.m.settings
         check_hash(ns, "namespace")
         if parent:
@@ -114,7 +116,7 @@ class Publisher(CommitPhase):
                 locked = self._lock_parent(ns, parent)
                 try:
                     step = self._reserve_locked(
-                        ns, parent, hashes, costs, write_lease_ms, num_replicas, attempt, writer
+                        ns, parent, hashes, costs, write_lease_ms, num_replicas, attempt, writer, owner
                     )
                 except BaseException:
                     self._unlock_parent(ns, parent, locked)
@@ -171,6 +173,7 @@ class Publisher(CommitPhase):
         num_replicas: int,
         attempt: int,
         writer: str = "",
+        owner: str = "",
     ) -> Placed | ReserveOutcome | list[str]:
         """Under the lock: place the new blocks, or answer that all are present, or make room and return
         the nodes whose frees to flush before the next attempt (`ResourceExhausted` on the last one)."""
@@ -197,6 +200,7 @@ class Publisher(CommitPhase):
         if shortfall <= 0:
             r = self._place(ns, parent, hashes, present, nodes, k, costs, write_lease_ms, num_replicas)
             self._track(r, writer)
+            r.owner = owner
             return Placed(r, present, k)
         if attempt == 1:
             raise ResourceExhausted(f"no room for {num_new} blocks x {k} replicas (short {shortfall})")

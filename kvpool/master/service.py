@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from kvpool.client.convert import load_from_pb
-from kvpool.errors import InvalidArgument, Unauthenticated
+from kvpool.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from kvpool.master import dataplane, replica_ops
 from kvpool.master.adapter_service import AdapterRpcs
 from kvpool.master.core import Master
@@ -19,6 +19,7 @@ from kvpool.master.members import new_session
 from kvpool.master.ops import admin_evict, drain, undrain
 from kvpool.master.placement import CommitBlock
 from kvpool.master.ratelimit import PeerRateLimiter
+from kvpool.master.roles import check_registration, check_writer, is_admin
 from kvpool.master.wire import (
     endpoint,
     engine_namespace,
@@ -44,6 +45,12 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
             rate_per_s=s.join_rate_per_s, burst=s.join_burst, max_peers=s.max_rate_limited_peers
         )
         """Per-peer token buckets of the open calls, JoinChallenge and RegisterNode (`master.ratelimit`)."""
+
+    def _owner(self, context: grpc.ServicerContext) -> str | None:
+        """The caller's join token name when its reservations are bound to it (a non-admin token of a
+        secured master); None: unbound (admin, or an unsecured master)."""
+        name, role = self.m.members.token_role(join_token_of(context.invocation_metadata()))
+        return None if is_admin(role) else name
 
     @rpc_errors
     def JoinChallenge(
@@ -82,8 +89,9 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
                     data_address=data_address,
                 )
             else:
-                join_token = members.token_name(join_token_of(context.invocation_metadata()))
-        except Unauthenticated as exc:
+                join_token, token_role = members.token_role(join_token_of(context.invocation_metadata()))
+                check_registration(token_role, n.role)
+        except (Unauthenticated, PermissionDenied) as exc:
             log.warning("refused %s %r from %s: %s", n.role, node_id, context.peer(), exc)
             raise
         session = new_session() if members.secured else b""
@@ -182,13 +190,15 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
             previous_version=previous, num_namespaces_invalidated=n, num_blocks_unreachable=blocks
         )
 
-    def _match(self, request: pb.MatchPrefixRequest) -> pb.MatchPrefixResponse:
+    def _match(self, request: pb.MatchPrefixRequest, owner: str | None = None) -> pb.MatchPrefixResponse:
+        """`owner`: the caller its read lease is bound to (`_owner`; None: unbound)."""
         res, nodes = self.m.match(
             request.namespace,
             request.block_hashes,
             count_hit=request.count_hit,
             lease_ttl_ms=request.lease_ttl_ms,
             num_prompt_tokens=request.num_prompt_tokens,
+            owner=owner,
         )
         caps = self.m.capabilities
         grants: tuple[Sequence[bytes], int] = ((), 0)
@@ -209,37 +219,43 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
     def MatchPrefix(
         self, request: pb.MatchPrefixRequest, context: grpc.ServicerContext
     ) -> pb.MatchPrefixResponse:
-        return self._match(request)
+        return self._match(request, self._owner(context))
 
     @rpc_errors
     def MatchPrefixStream(
         self, request_iterator: Iterator[pb.MatchPrefixRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.MatchPrefixResponse]:
+        owner = self._owner(context)
         for request in request_iterator:
-            yield self._match(request)
+            yield self._match(request, owner)
 
     @rpc_errors
     def RenewLease(
         self, request: pb.RenewLeaseRequest, context: grpc.ServicerContext
     ) -> pb.RenewLeaseResponse:
-        return pb.RenewLeaseResponse(ttl_ms=self.m.renew_lease(request.lease_id, request.ttl_ms))
+        owner = self._owner(context)
+        return pb.RenewLeaseResponse(ttl_ms=self.m.renew_lease(request.lease_id, request.ttl_ms, owner=owner))
 
     @rpc_errors
     def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseLeaseResponse:
-        self.m.release_lease(request.lease_id)
+        self.m.release_lease(request.lease_id, owner=self._owner(context))
         return pb.ReleaseLeaseResponse()
 
     @rpc_errors
     def ReleaseLeases(
         self, request: pb.ReleaseLeasesRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseLeasesResponse:
-        released, not_found = self.m.release_leases(list(request.lease_ids))
+        released, not_found = self.m.release_leases(list(request.lease_ids), owner=self._owner(context))
         return pb.ReleaseLeasesResponse(num_released=released, num_not_found=not_found)
 
     @rpc_errors
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        writer = short(request.writer_node_id, "writer_node_id")
+        owner = self._owner(context)
+        if owner is not None:
+            check_writer(self.m.st.nodes, owner, writer)
         out = self.m.publisher.reserve(
             request.namespace,
             request.parent_hash,
@@ -249,7 +265,8 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
             costs=list(request.recompute_cost_s),
             write_lease_ms=request.write_lease_ms,
             flush_epoch=request.flush_epoch if request.HasField("flush_epoch") else None,
-            writer=short(request.writer_node_id, "writer_node_id"),
+            writer=writer,
+            owner=owner or "",
         )
         locations = out.locations
         if self.m.capabilities is not None:
@@ -277,12 +294,14 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
         blocks = [
             CommitBlock(b.block_hash, b.checksum, [location(x) for x in b.written]) for b in request.blocks
         ]
-        committed, existing = self.m.publisher.commit(request.reservation_id, blocks)
+        committed, existing = self.m.publisher.commit(
+            request.reservation_id, blocks, owner=self._owner(context)
+        )
         return pb.CommitResponse(num_committed=committed, num_existing=existing)
 
     @rpc_errors
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
-        self.m.publisher.abort(request.reservation_id)
+        self.m.publisher.abort(request.reservation_id, owner=self._owner(context))
         return pb.AbortResponse()
 
     @rpc_errors

@@ -60,6 +60,7 @@ from kvpool.router.vllm_pd import (
     prefill_body,
     tokenize_body,
 )
+from kvpool.rpc.serving_key import engine_headers
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,9 @@ class VllmProxy:
         self.engines = engines
         self.tenants = tenants
         settings = engines.settings
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=5.0))
+        self.http = httpx.AsyncClient(  # engines take calls only with the serving key (kvpool up)
+            timeout=httpx.Timeout(settings.request_timeout_s, connect=5.0), headers=engine_headers()
+        )
         self._admitted = 0
 
     # ---- helpers ----------------------------------------------------------------------------------

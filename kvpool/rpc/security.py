@@ -9,7 +9,9 @@ time (`hmac.compare_digest`).
 
 Separately, a node or client of a secured cluster presents its **join token** (`KVPOOL_JOIN_TOKEN`, or
 the file named by `KVPOOL_JOIN_TOKEN_FILE`; `kvpool.membership`) in the `kvpool-join-token` metadata of
-every call; the master refuses calls without an active one.
+every call; the master refuses calls without an active one. And the router (and the admin) present the
+**serving key** (`kvpool.rpc.serving_key`) on their `Prefill`/`Decode` calls, which a serving node with
+the key's digest requires.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pydantic import Field
 
 from kvpool.config import KVPoolSettings, load_config
 from kvpool.membership import JOIN_TOKEN_METADATA
+from kvpool.rpc.serving_key import call_metadata, server_gate, serving_key
 
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)
 
@@ -93,7 +96,9 @@ class _AuthInterceptor(grpc.ServerInterceptor):
 
 
 def server_interceptors(sec: RpcSecurity) -> list[grpc.ServerInterceptor]:
-    return [_AuthInterceptor(sec.auth_token)] if sec.auth_token else []
+    """The bearer-token check (with `auth_token`), then the serving-key gate (with
+    `KVPOOL_SERVING_KEY_SHA256`; it guards `Prefill`/`Decode` calls only)."""
+    return ([_AuthInterceptor(sec.auth_token)] if sec.auth_token else []) + server_gate()
 
 
 def bind(server: grpc.Server, address: str, sec: RpcSecurity) -> int:
@@ -184,7 +189,7 @@ class _Details(grpc.ClientCallDetails):
 
 def secure_channel(address: str, options: list[tuple[str, Any]], sec: RpcSecurity) -> grpc.Channel:
     """A channel with TLS (when a CA is configured), the bearer token and the join token (when
-    configured)."""
+    configured), and the serving key on `Prefill`/`Decode` calls (when `KVPOOL_SERVING_KEY_FILE` is set)."""
     if sec.tls_ca_file:
         creds = grpc.ssl_channel_credentials(root_certificates=Path(sec.tls_ca_file).read_bytes())
         ch = grpc.secure_channel(address, creds, options=options)
@@ -194,6 +199,10 @@ def secure_channel(address: str, options: list[tuple[str, Any]], sec: RpcSecurit
     token = join_token()
     if token:
         metadata.append((JOIN_TOKEN_METADATA, token))
-    if metadata:
+    key = serving_key()
+    if key:
+        per_call = call_metadata(key)
+        ch = grpc.intercept_channel(ch, CallMetadata(lambda method: metadata + per_call(method)))
+    elif metadata:
         ch = grpc.intercept_channel(ch, CallMetadata(lambda _method: metadata))
     return ch

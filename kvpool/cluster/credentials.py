@@ -1,0 +1,136 @@
+"""The credentials `kvpool up` gives each role, and only those (least privilege, docs/security.md).
+
+| launch role | gets |
+|---|---|
+| master | the cluster secret, the join tokens' digest file |
+| store | the cluster secret |
+| router | a `router` join token, the serving key (it calls the serving nodes and engines) |
+| prefill, decode | a `serving` join token, the serving key's SHA-256 (to check callers) |
+| vllm-prefill, vllm-decode | an `engine` join token, the serving key as vLLM's API key (`VLLM_API_KEY`) |
+| etcd | nothing |
+
+An `admin` token and the serving key are left for the operator (`kvpool admin`). Every role's environment
+starts from the operator's with every credential variable removed (`scrubbed`), so a secret the operator
+exported (the natural multi-host set-up) reaches the master and the stores only; the operator's secret is
+used for them instead of a fresh one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvpool.capability import new_secret_env
+from kvpool.membership import new_role_tokens
+from kvpool.rpc.serving_key import DIGEST_ENV, KEY_FILE_ENV, new_serving_key
+from kvpool.tenants import SALT_KEY_ENV
+
+SECRET_ENV = ("KVPOOL_CLUSTER_SECRET", "KVPOOL_CLUSTER_SECRET_FILE")
+CREDENTIAL_ENV = (
+    *SECRET_ENV,
+    "KVPOOL_JOIN_TOKEN",
+    "KVPOOL_JOIN_TOKEN_FILE",
+    "KVPOOL_JOIN_TOKENS_FILE",
+    KEY_FILE_ENV,
+    DIGEST_ENV,
+    "VLLM_API_KEY",
+    SALT_KEY_ENV,
+)
+"""Every variable that carries a credential: none passes from the operator's environment to a role."""
+
+TOKEN_ROLE = {
+    "router": "router",
+    "prefill": "serving",
+    "decode": "serving",
+    "vllm-prefill": "engine",
+    "vllm-decode": "engine",
+    "vllm": "engine",
+}
+"""The join-token role of each launch role that presents a token (`kvpool.master.roles`)."""
+TOKEN_NAMES = {"admin": "admin", "router": "router", "serving": "serving", "engine": "engine"}
+"""The tokens `kvpool up` issues ({token name: role}); stores prove the secret and need none."""
+SECRET_HOLDERS = ("master", "store")
+
+
+def scrubbed(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` without any credential variable (`CREDENTIAL_ENV`)."""
+    return {k: v for k, v in environ.items() if k not in CREDENTIAL_ENV}
+
+
+@dataclass(frozen=True, slots=True)
+class UpCredentials:
+    """The credentials of one `kvpool up` (`make`); an unsecured one holds none."""
+
+    secret_env: dict[str, str] = field(default_factory=dict)
+    master_env: dict[str, str] = field(default_factory=dict)
+    token_files: dict[str, Path] = field(default_factory=dict)  # token name -> its 0600 file
+    caller_env: dict[str, str] = field(default_factory=dict)  # the serving key's file
+    node_env: dict[str, str] = field(default_factory=dict)  # the serving key's digest
+    engine_env: dict[str, str] = field(default_factory=dict)  # the serving key as vLLM's API key
+    made: list[Path] = field(default_factory=list)  # the files made here (never the operator's secret)
+
+    @classmethod
+    def make(cls, directory: Path, environ: Mapping[str, str]) -> UpCredentials:
+        """Fresh join tokens (one per role) and a fresh serving key in 0600 files under `directory`; the
+        cluster secret is the operator's (from `environ`) when it sets one, else a fresh 0600 file."""
+        operator_secret = {k: environ[k] for k in SECRET_ENV if environ.get(k)}
+        secret_env = operator_secret or new_secret_env(directory)
+        master_env, token_files = new_role_tokens(directory, TOKEN_NAMES)
+        caller_env, node_env = new_serving_key(directory)
+        key_file = Path(caller_env[KEY_FILE_ENV])
+        made = [*token_files.values(), key_file, *(Path(v) for v in master_env.values())]
+        if not operator_secret:
+            made += [Path(v) for k, v in secret_env.items() if k.endswith("_FILE")]
+        engine_env = {"VLLM_API_KEY": key_file.read_text().strip()}
+        return cls(secret_env, master_env, token_files, caller_env, node_env, engine_env, made)
+
+    @property
+    def secured(self) -> bool:
+        return bool(self.secret_env)
+
+    def env_for(self, role: str) -> dict[str, str]:
+        """The credential entries of launch role `role` (see the module table); {} unsecured."""
+        if not self.secured:
+            return {}
+        if role in SECRET_HOLDERS:
+            return dict(self.secret_env) | (self.master_env if role == "master" else {})
+        token_role = TOKEN_ROLE.get(role)
+        if token_role is None:
+            return {}
+        env = {"KVPOOL_JOIN_TOKEN_FILE": str(self.token_files[token_role])}
+        if role == "router":
+            return env | self.caller_env
+        if token_role == "serving":
+            return env | self.node_env
+        return env | self.engine_env
+
+    def admin_env(self) -> dict[str, str]:
+        """What the operator exports for `kvpool admin` (and direct calls to the serving nodes)."""
+        if not self.secured:
+            return {}
+        return {"KVPOOL_JOIN_TOKEN_FILE": str(self.token_files["admin"])} | self.caller_env
+
+    def remove_files(self) -> None:
+        """Delete the credential files this made (when the cluster stops; the operator's stay)."""
+        for path in self.made:
+            path.unlink(missing_ok=True)
+
+    def remote_note(self, role: str) -> str:
+        """What a role started by hand on another host must be given (printed beside its command line)."""
+        if not self.secured:
+            return ""
+        if role in SECRET_HOLDERS:
+            where = ", ".join(f"{k} = {v}" for k, v in self.secret_env.items() if k.endswith("_FILE"))
+            return f"  (the cluster secret: {where or 'the same KVPOOL_CLUSTER_SECRET'}, a 0600 copy)"
+        token_role = TOKEN_ROLE.get(role)
+        if token_role is None:
+            return ""
+        note = f"KVPOOL_JOIN_TOKEN_FILE = a 0600 copy of {self.token_files[token_role]}"
+        if role == "router":
+            note += f"; {KEY_FILE_ENV} = a 0600 copy of {self.caller_env[KEY_FILE_ENV]}"
+        elif token_role == "serving":
+            note += f"; {DIGEST_ENV}={self.node_env[DIGEST_ENV]}"
+        else:
+            note += f"; VLLM_API_KEY = the first line of {self.caller_env[KEY_FILE_ENV]}"
+        return f"  ({note})"
