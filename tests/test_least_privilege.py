@@ -24,16 +24,14 @@ from kvpool.membership import JOIN_TOKEN_METADATA, add_token  # noqa: E402
 from kvpool.rpc import PROTOCOL_VERSION  # noqa: E402
 from kvpool.v1 import kvpool_pb2 as pb  # noqa: E402
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc  # noqa: E402
-from transfer import ucx_available  # noqa: E402
+from tests.capabilities import require_ucx  # noqa: E402
 
 LAYOUT = "kv1:float32:b16:l2:h2:d16"  # 8 KiB blocks
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    reason = ucx_available()
-    if reason is not None:
-        pytest.skip(f"UCX cannot initialise here: {reason}")
+    require_ucx()
     from kvpool.cluster.local import LocalCluster, LocalClusterSpec
 
     spec = LocalClusterSpec(

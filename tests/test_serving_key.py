@@ -20,16 +20,14 @@ from kvpool.cluster.local import LocalCluster, LocalClusterSpec  # noqa: E402
 from kvpool.rpc.serving_key import DIGEST_ENV, KEY_FILE_ENV, SERVING_KEY_METADATA, serving_key  # noqa: E402
 from kvpool.v1 import kvpool_pb2 as pb  # noqa: E402
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc  # noqa: E402
-from transfer import ucx_available  # noqa: E402
+from tests.capabilities import require_ucx  # noqa: E402
 
 BLOCK = 16
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    reason = ucx_available()
-    if reason is not None:
-        pytest.skip(f"UCX cannot initialise here: {reason}")
+    require_ucx()
     from kvpool.model import ModelRunner
 
     layout = ModelRunner.load(None, block_size=BLOCK).layout.fingerprint()

@@ -88,7 +88,11 @@ def test_kvpool_up_generates_a_private_salt_key_for_the_router_and_master(
     path = Path(env[SALT_KEY_ENV])
     assert os.stat(path).st_mode & 0o777 == 0o600 and len(load_salt_key(path)) >= 32
     monkeypatch.setenv(SALT_KEY_ENV, str(path))  # the operator's own key: kept (hosts must share it)
-    assert _tenant_salt_env(tmp_path / "other") == {}
+    assert _tenant_salt_env(tmp_path / "other") == {SALT_KEY_ENV: str(path)}
+    assert not (tmp_path / "other").exists()
+    from kvpool.cluster.credentials import scrubbed
+
+    assert SALT_KEY_ENV not in scrubbed({SALT_KEY_ENV: str(path)})  # other roles never inherit it
 
 
 def test_the_salt_key_file_must_be_private(tmp_path: Path) -> None:
