@@ -122,9 +122,8 @@ def record_service_times(
                     }
                 for rep in range(reps):
                     for p in prompts:
-                        cells = ([("cold", 0)] if kind == "pulled" else []) + [
-                            (kind, reuse_tokens(p, f, block_tokens)) for f in fractions
-                        ]
+                        reused = sorted({reuse_tokens(p, f, block_tokens) for f in fractions})
+                        cells = ([("cold", 0)] if kind == "pulled" else []) + [(kind, r) for r in reused]
                         for k, r in cells:
                             ttft, st = call(
                                 prompt(p, r), use_cache=k != "cold", publish=False, rid=f"{k}-{p}-{r}-{rep}"
