@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,9 @@ def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
     if x <= xs[0]:
         return ys[0]
     for i in range(1, len(xs)):
-        if x <= xs[i]:
+        if x == xs[i]:
+            return ys[i]
+        if x < xs[i]:
             w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
             return ys[i - 1] + w * (ys[i] - ys[i - 1])
     return ys[-1]
@@ -62,6 +64,20 @@ class ServiceTimes:
     noise_sigma: float
     block_tokens: int
     meta: dict[str, Any]
+    prompts: dict[str, list[int]] = field(default_factory=dict, compare=False)
+    """Measured prompt lengths per kind (ascending); derived from `medians`."""
+    rows: dict[tuple[str, int], tuple[list[float], list[float]]] = field(default_factory=dict, compare=False)
+    """(kind, P) -> (reused fractions, seconds) through the cold cell; derived from `medians`."""
+
+    def __post_init__(self) -> None:
+        for kind in KINDS:
+            self.prompts[kind] = sorted({p for k, p, _ in self.medians if k == kind})
+            for p in self.prompts[kind]:
+                cold = self.medians[("cold", p, 0)]
+                pts = sorted(
+                    (r / p, t) for (k, q, r), t in self.medians.items() if k == kind and q == p and r
+                )
+                self.rows[(kind, p)] = ([0.0] + [f for f, _ in pts], [cold] + [t for _, t in pts])
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ServiceTimes:
@@ -100,19 +116,13 @@ class ServiceTimes:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InvalidArgument(f"cannot read the service-time table {p}: {exc}") from None
 
-    def _prompts(self, kind: str) -> list[int]:
-        return sorted({p for k, p, _ in self.medians if k == kind})
-
     def _row(self, kind: str, p: int, frac: float) -> float:
         """Interpolated along the reused fraction at a measured prompt length `p`."""
-        cold = self.medians[("cold", p, 0)]
-        if kind == "cold":
-            return cold
-        pts = sorted((r / p, t) for (k, q, r), t in self.medians.items() if k == kind and q == p)
-        return _interp(frac, [0.0] + [f for f, _ in pts], [cold] + [t for _, t in pts])
+        fracs, vals = self.rows[(kind, p)]
+        return _interp(frac, fracs, vals)
 
     def _at(self, kind: str, prompt_tokens: int, reused_tokens: int) -> float:
-        ps = self._prompts(kind)
+        ps = self.prompts.get(kind, [])
         if not ps:
             raise InvalidArgument(f"the table has no {kind} cells")
         frac = reused_tokens / prompt_tokens
@@ -141,11 +151,13 @@ class ServiceTimes:
             )
         if reused_tokens == 0:
             return self._at("cold", prompt_tokens, 0)
-        pulled = self._at("pulled", prompt_tokens, reused_tokens) if local_tokens < reused_tokens else 0.0
         if local_tokens == 0:
-            return pulled
+            return self._at("pulled", prompt_tokens, reused_tokens)
         local = self._at("local", prompt_tokens, reused_tokens)
-        return local + (pulled - local) * (reused_tokens - local_tokens) / reused_tokens if pulled else local
+        if local_tokens == reused_tokens:
+            return local
+        pulled = self._at("pulled", prompt_tokens, reused_tokens)
+        return local + (pulled - local) * (reused_tokens - local_tokens) / reused_tokens
 
     def cold_s(self, prompt_tokens: int) -> float:
         """Measured TTFT (s) with nothing reused."""
