@@ -229,3 +229,36 @@ def test_a_profile_without_its_own_table_is_refused() -> None:
 
     res = CliRunner().invoke(app, ["bench", "routing", "--quick", "--profile", "llama3-8b-h100"])
     assert res.exit_code != 0 and "no measured service times" in res.output
+
+
+@pytest.mark.slow
+def test_recording_a_tiny_table(tmp_path: Path) -> None:
+    """`kvpool bench ttft --routing-table` on a 2 x 2 grid, 2 repetitions (about a minute on 2 cores): the
+    node loaded exactly the cells' reused tokens, pulled or from its local tier, and the table loads."""
+    from typer.testing import CliRunner
+
+    from kvpool.bench.routing_record import record_service_times
+    from kvpool.cli.main import app
+
+    out = tmp_path / "table.json"
+    t = record_service_times(out, prompts=(128, 256), fractions=(0.5, 1.0), reps=2, log=lambda _: None)
+    raw = json.loads(out.read_text())
+    assert t == ServiceTimes.load(out) and t.block_tokens == BT
+    assert sorted((c["kind"], c["prompt_tokens"], c["reused_tokens"]) for c in raw["cells"]) == [
+        ("cold", 128, 0),
+        ("cold", 256, 0),
+        ("local", 128, 64),
+        ("local", 128, 96),
+        ("local", 256, 128),
+        ("local", 256, 224),
+        ("pulled", 128, 64),
+        ("pulled", 128, 96),
+        ("pulled", 256, 128),
+        ("pulled", 256, 224),
+    ]
+    for c in raw["cells"]:
+        assert len(c["ttft_s"]) == 2
+        assert c["decisions"] == ({"cold": ["none"], "pulled": ["pull"], "local": ["local"]}[c["kind"]])
+    assert raw["reported_recompute"]["per_token_s"] > 0 and raw["machine"]["loadavg_after"]
+    bad = CliRunner().invoke(app, ["bench", "ttft", "--routing-table", str(out), "--requests", "0"])
+    assert bad.exit_code != 0
