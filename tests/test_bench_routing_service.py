@@ -11,7 +11,7 @@ import pytest
 
 from kvpool.bench.routing import summarize
 from kvpool.bench.routing_live import interleaved_schedule, live_record
-from kvpool.bench.routing_service import FORMAT, SHIPPED_TABLE, ServiceTimes
+from kvpool.bench.routing_service import FORMAT, SHIPPED_TABLE, ServiceTimes, table_profile
 from kvpool.bench.routing_sim import SimConfig, simulate
 from kvpool.bench.routing_workload import EMBEDDED_CPU, build_workload
 from kvpool.cost import decide_reuse
@@ -95,6 +95,15 @@ def test_the_shipped_table_is_a_recorded_measurement() -> None:
         assert len(c["ttft_s"]) >= 2 and all(x > 0 for x in c["ttft_s"])
         assert c["decisions"] == ({"cold": ["none"], "pulled": ["pull"], "local": ["local"]}[c["kind"]])
     assert 0 < t.noise_sigma < 2
+
+
+def test_the_router_scores_with_what_the_tables_node_reported() -> None:
+    t = ServiceTimes.load()
+    rec = t.meta["reported_recompute"]
+    prof = table_profile(EMBEDDED_CPU, t)
+    assert prof.recompute.per_token_s == rec["per_token_s"] and prof.recompute.per_pair_s == rec["per_pair_s"]
+    assert prof.kv_bytes_per_token == t.meta["kv_bytes_per_token"] and "reported" in prof.source
+    assert table_profile(EMBEDDED_CPU, SLOW) == EMBEDDED_CPU  # a table without one: the profile as is
 
 
 def _two_requests(shared_blocks: int) -> Trace:

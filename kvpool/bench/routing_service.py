@@ -172,6 +172,10 @@ def table_profile(profile: SimProfile, service: ServiceTimes) -> SimProfile:
     if rec:
         model = RecomputeModel.from_heartbeat(rec["overhead_s"], rec["per_token_s"], rec["per_pair_s"])
         if model is not None:
-            out = replace(out, recompute=model, source=f"calibration reported by the table's node ({rec})")
+            source = (
+                f"the calibration the table's prefill node reported: overhead {rec['overhead_s'] * 1e3:.2f} ms, "
+                f"{rec['per_token_s'] * 1e6:.1f} us/token, {rec['per_pair_s']:.3g} s/attention pair"
+            )
+            out = replace(out, recompute=model, source=source)
     kv = service.meta.get("kv_bytes_per_token")
     return replace(out, kv_bytes_per_token=int(kv)) if kv else out
