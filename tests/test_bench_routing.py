@@ -67,6 +67,11 @@ def _uniform(n: int, *, shared_blocks: int = 0, gap_ms: int = 1000) -> Trace:
 def test_tiny_grid_records_have_the_issue_keys(small: Trace) -> None:
     records = run_sim_grid(small, [4], POLICIES, EMBEDDED_CPU, SHIPPED, load=0.9, seed=0)
     assert [r["policy"] for r in records] == list(POLICIES)
+    # the grid's workload: the table's block size, arrivals scaled by its measured cold times
+    wl = build_workload(
+        small, EMBEDDED_CPU, num_nodes=4, load=0.9, block_tokens=SHIPPED.block_tokens, cold_s=SHIPPED.cold_s
+    )
+    assert {r["time_scale"] for r in records} == {round(wl.time_scale, 4)}
     for r in records:
         assert set(r) >= KEYS and r["mode"] == "sim" and r["num_requests"] == 150
         assert 0 < r["p50_ttft_s"] <= r["p90_ttft_s"] <= r["p99_ttft_s"]
