@@ -304,7 +304,10 @@ def routing_cmd(
     seed: int = typer.Option(0, help="Seed of the router's tie-breaking and the service-time noise."),
     trace: Path | None = typer.Option(None, "--trace", help="Mooncake-format JSONL (default: conversation)."),
     load: float = typer.Option(0.9, help="Offered cold prefill work per node (1 = saturated without cache)."),
-    profile: str = typer.Option("embedded-cpu", help="Node calibration: embedded-cpu or llama3-8b-h100."),
+    profile: str = typer.Option(
+        "embedded-cpu",
+        help="Node calibration: embedded-cpu, or llama3-8b-h100 with a --service-times table recorded on that hardware.",
+    ),
     max_requests: int = typer.Option(0, help="Replay only the first N requests (0: all)."),
     real: bool | None = typer.Option(
         None, "--real/--no-real", help="Also a live 2-prefill run (default: on, off with --quick)."
