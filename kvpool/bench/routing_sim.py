@@ -1,29 +1,34 @@
 """Discrete-event simulation of prefill routing (`kvpool bench routing`, mode "sim"; issue #11).
 
-What is real and what is modelled:
+What is real, what is measured and what is modelled:
 - **Real**: the router's placement code (`kvpool.router.state.node_states` on a peek, `Inflight`,
   `kvpool.router.policy.RoutingPolicy`), the global index (`kvpool.index.RadixIndex` with the master's
-  default eviction policy) and the cost model (`kvpool.cost.decide_reuse`, the same call a prefill
-  node's connector makes).
-- **Modelled**: each prefill node is one FIFO server. When a request reaches the head of its queue the
-  node matches the pool (`count_hit=True`), takes its node-local tier's leading run, and
-  `decide_reuse` picks what to load; the service time is that decision's `predicted_total_s` (local
-  blocks free, pool blocks over the profile's link, the rest recomputed with the profile's calibrated
-  model) times a lognormal factor whose sigma is the calibration's relative RMS fit error (the model
-  is only that good). The request's first token ends its service (TTFT = end − arrival); then its full
-  blocks are published into the pool (the index, evicted down to `pool_capacity_frac` of the trace's
-  unique blocks) and into the node's local tier (an LRU of `local_capacity_frac` of them), whose
-  stored/evicted blocks become/leave `local` locations in the index as the master records them.
-  Heartbeats report no queue (one router: its own in-flight count is the whole load, DESIGN B21).
+  default eviction policy) and the node's load decision (`kvpool.cost.decide_reuse`, the same call a
+  prefill node's connector makes, with the calibration the node reports).
+- **Measured**: the service times. Each prefill node is one FIFO server. When a request reaches the head
+  of its queue the node matches the pool (`count_hit=True`), takes its node-local tier's leading run, and
+  `decide_reuse` picks what to load; the service time is then the **measured** TTFT of a prompt of that
+  length with that many tokens loaded (locally or pulled), interpolated in a table recorded on a real
+  prefill node (`kvpool.bench.routing_service.ServiceTimes`, `SimConfig.service`), times a lognormal
+  factor whose sigma is the spread of that table's repetitions. The cost model's own prediction
+  (`predicted_total_s`) only drives the router's bookkeeping (`Inflight`), never the service time: the
+  `cost` policy is graded against measurements, not against the model it scores with (issue #45).
+- **Modelled**: one request at a time per node; the request's first token ends its service (TTFT = end
+  − arrival); then its full blocks are published into the pool (the index, evicted down to
+  `pool_capacity_frac` of the trace's unique blocks) and into the node's local tier (an LRU of
+  `local_capacity_frac` of them), whose stored/evicted blocks become/leave `local` locations in the index
+  as the master records them. Heartbeats report no queue (one router: its own in-flight count is the
+  whole load, DESIGN B21).
 
-Workload (`kvpool.bench.routing_workload`): a Mooncake-format trace (`kvpool.trace.load_trace`). Each hash id is one block of
-`block_tokens` tokens (512: the trace's own; the real-run mirror uses fewer tokens per hash id, prompt
-lengths scaled alike); only full blocks are published, as the live system does. Requests sharing a
-quantised timestamp are spread evenly up to the next distinct timestamp. Timestamps are then scaled so
-that the **cold demand** (every prompt recomputed in full, no cache at all) is `load` × `num_nodes`
-node-seconds per second: the same offered load per node for every node count and every policy. Reuse
-makes the real utilisation lower (each record reports it: busy node-seconds / (nodes × makespan)).
-`time_scale` (simulated seconds per trace second) is recorded.
+Workload (`kvpool.bench.routing_workload`): a Mooncake-format trace (`kvpool.trace.load_trace`). Each hash
+id is one block of `block_tokens` tokens (the table's block size, 32: the embedded model's 32K-token
+context holds the trace's longest prompt at that scale; the trace's own 512 would not fit); only full
+blocks are published, as the live system does. Requests sharing a quantised timestamp are spread evenly
+up to the next distinct timestamp. Timestamps are then scaled so that the **cold demand** (every prompt
+recomputed in full, the table's measured cold TTFT) is `load` × `num_nodes` node-seconds per second: the
+same offered load per node for every node count and every policy. Reuse makes the real utilisation lower
+(each record reports it: busy node-seconds / (nodes × makespan)). `time_scale` (simulated seconds per
+trace second) is recorded.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.bench.routing_service import ServiceTimes
 from kvpool.bench.routing_workload import SimProfile, Workload
 from kvpool.cost import decide_reuse
 from kvpool.errors import InvalidArgument, NotFound
@@ -52,11 +58,14 @@ _EPOCH = 1
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SimConfig:
-    """One simulated cluster. Capacities are fractions of the workload's unique full blocks."""
+    """One simulated cluster. `profile`: the calibration the nodes report (what the router and the load
+    decision score with); `service`: the measured service times. Capacities are fractions of the
+    workload's unique full blocks."""
 
     policy: str
     num_nodes: int
     profile: SimProfile
+    service: ServiceTimes
     pool_capacity_frac: float = 0.1
     local_capacity_frac: float = 0.01
     seed: int = 0
@@ -151,7 +160,7 @@ class _Sim:
         self.policy = RoutingPolicy(cfg.policy, seed=cfg.seed)
         self.inflight = Inflight()
         rng = np.random.default_rng(cfg.seed)  # the same draws for every policy (common random numbers)
-        sigma = p.noise_sigma
+        sigma = cfg.service.noise_sigma
         self.noise = np.exp(sigma * rng.standard_normal(len(wl.requests)) - sigma**2 / 2)
         self.ttft = [0.0] * len(wl.requests)
         self.node_of = [0] * len(wl.requests)
@@ -244,9 +253,12 @@ class _Sim:
             node.local.move_to_end(bh)
         self.prompt_tokens += req.prompt_len
         self.reused_tokens += dec.reused_tokens
-        self.local_tokens += min(dec.reused_tokens, dec.num_local_used * bs)
+        local_tokens = min(dec.reused_tokens, dec.num_local_used * bs)
+        self.local_tokens += local_tokens
         node.computed_tokens += dec.computed_tokens
-        service_s = dec.predicted_total_s * float(self.noise[i])
+        service_s = self.cfg.service.service_s(req.prompt_len, dec.reused_tokens, local_tokens) * float(
+            self.noise[i]
+        )
         self.busy_s += service_s
         heapq.heappush(events, (now + service_s, 0, i, i))
 

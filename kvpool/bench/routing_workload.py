@@ -1,10 +1,12 @@
 """The routing simulation's inputs (`kvpool.bench.routing_sim`): the calibrated node profiles
-(`SimProfile`: recompute model, link, fit error) and the workload built from a Mooncake-format trace
-(`build_workload`: one block of `block_tokens` tokens per hash id, arrivals spread and scaled so that the
-cold demand is `load` x `num_nodes` node-seconds per second)."""
+(`SimProfile`: the recompute model and link the nodes report, which the router and the load decision
+score with; the service times are measured, `kvpool.bench.routing_service`) and the workload built from a
+Mooncake-format trace (`build_workload`: one block of `block_tokens` tokens per hash id, arrivals spread
+and scaled so that the cold demand is `load` x `num_nodes` node-seconds per second)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.cost import LinkEstimate, RecomputeModel
@@ -22,11 +24,6 @@ class SimProfile:
     kv_bytes_per_token: int
     link: LinkEstimate
     source: str
-
-    @property
-    def noise_sigma(self) -> float:
-        """Lognormal sigma of actual/predicted service time: the calibration's relative RMS error."""
-        return self.recompute.fit_rel_rmse
 
     def node_load(self) -> NodeLoad:
         """What a node with this calibration reports in its heartbeats (queue 0, see module docstring)."""
@@ -132,23 +129,26 @@ def build_workload(
     load: float,
     block_tokens: int = TRACE_BLOCK_TOKENS,
     max_requests: int | None = None,
+    cold_s: Callable[[int], float] | None = None,
 ) -> Workload:
-    """Arrivals scaled so the cold demand is `load` x `num_nodes` (see the module docstring)."""
+    """Arrivals scaled so the cold demand is `load` x `num_nodes` (see the module docstring). `cold_s`:
+    a prompt's cold service time (s) from its length in tokens (default: the profile's recompute model;
+    the benchmark passes the measured `ServiceTimes.cold_s`)."""
     if num_nodes < 1 or not load > 0 or block_tokens < 1:
         raise InvalidArgument("num_nodes >= 1, load > 0 and block_tokens >= 1 are required")
     reqs = trace.requests[:max_requests] if max_requests else trace.requests
     arrivals = spread_arrivals_s([r.timestamp_ms for r in reqs])
     seen: set[int] = set()
-    cold_s, out = 0.0, []
+    cold_total_s, out = 0.0, []
     for r in reqs:
         prompt_len = max(1, round(r.input_length * block_tokens / TRACE_BLOCK_TOKENS))
         ids = r.hash_ids[: prompt_len // block_tokens]
-        cold_s += profile.recompute.t_recompute_s(prompt_len, 0)
+        cold_total_s += cold_s(prompt_len) if cold_s else profile.recompute.t_recompute_s(prompt_len, 0)
         seen.update(ids)
         out.append((prompt_len, tuple(block_hash(i) for i in ids)))
     span_s = max(arrivals[-1] - arrivals[0], 1e-9)
     span_s *= len(reqs) / max(1, len(reqs) - 1)  # one mean gap more: the last request's share
-    scale = cold_s / (load * num_nodes) / span_s
+    scale = cold_total_s / (load * num_nodes) / span_s
     t0 = arrivals[0]
     requests = tuple(SimRequest((t - t0) * scale, n, h) for t, (n, h) in zip(arrivals, out, strict=True))
     return Workload(

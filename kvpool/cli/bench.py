@@ -34,9 +34,31 @@ def ttft(
     questions: str = typer.Option("", help="--sweep: question lengths, comma-separated (default 16,128,512)"),
     quick: bool = typer.Option(False, help="--sweep: a tiny grid (smoke test)"),
     plot: Path = typer.Option(None, "--plot", help="--sweep: write a PNG of the fit here"),
+    routing_table: Path = typer.Option(
+        None,
+        "--routing-table",
+        help="Record the routing simulation's service-time table here instead (cold, pulled and local "
+        "TTFT over prompt length x reused fraction; --requests repetitions, --quick a tiny grid)",
+    ),
 ) -> None:
     """Cold vs warm TTFT for RAG with a long shared prefix pulled from the pool (`--sweep`: a grid + fit)."""
     from kvpool.bench.ttft import TRANSPORTS
+
+    if routing_table is not None:
+        from kvpool.bench import routing_record as rr
+        from kvpool.errors import InvalidArgument
+
+        try:
+            rr.record_service_times(
+                routing_table,
+                prompts=rr.QUICK_PROMPTS if quick else rr.FULL_PROMPTS,
+                fractions=rr.QUICK_FRACTIONS if quick else rr.FULL_FRACTIONS,
+                reps=requests,
+                model_dir=model,
+            )
+        except InvalidArgument as exc:
+            raise typer.BadParameter(str(exc)) from None
+        return
 
     if transport not in TRANSPORTS:
         raise typer.BadParameter(
@@ -282,12 +304,26 @@ def routing_cmd(
     seed: int = typer.Option(0, help="Seed of the router's tie-breaking and the service-time noise."),
     trace: Path | None = typer.Option(None, "--trace", help="Mooncake-format JSONL (default: conversation)."),
     load: float = typer.Option(0.9, help="Offered cold prefill work per node (1 = saturated without cache)."),
-    profile: str = typer.Option("embedded-cpu", help="Node calibration: embedded-cpu or llama3-8b-h100."),
+    profile: str = typer.Option(
+        "embedded-cpu",
+        help="Node calibration: embedded-cpu, or llama3-8b-h100 with a --service-times table recorded on that hardware.",
+    ),
     max_requests: int = typer.Option(0, help="Replay only the first N requests (0: all)."),
     real: bool | None = typer.Option(
         None, "--real/--no-real", help="Also a live 2-prefill run (default: on, off with --quick)."
     ),
-    real_requests: int = typer.Option(40, help="Requests per policy in the live run."),
+    real_requests: int = typer.Option(40, help="Requests per policy and round in the live run."),
+    real_batch: int = typer.Option(
+        10, help="Live run: requests per batch (the policies take turns per batch)."
+    ),
+    real_rounds: int = typer.Option(
+        3, help="Live run: rounds (each policy replays its requests, cold, per round)."
+    ),
+    service_times: Path | None = typer.Option(
+        None,
+        "--service-times",
+        help="Measured service-time table (default: the shipped one; record with `kvpool bench ttft --routing-table`).",
+    ),
 ) -> None:
     """Routing policies: simulated p50/p90 TTFT, hit rate and imbalance over 4-16 nodes, plus a live check."""
     from kvpool.bench.routing import run_routing
@@ -308,6 +344,9 @@ def routing_cmd(
             quick=quick,
             real=(not quick) if real is None else real,
             real_requests=real_requests,
+            real_batch=real_batch,
+            real_rounds=real_rounds,
+            service_times=service_times,
             max_requests=max_requests or None,
             json_out=json_out,
             plot_out=plot,
