@@ -68,7 +68,8 @@ def leader_of(servers: list[MasterServer]) -> MasterServer:
 def test_standby_refuses_writes_naming_the_leader(two_masters: list[MasterServer]) -> None:
     leader = leader_of(two_masters)
     standby = next(s for s in two_masters if s is not leader)
-    with MasterClient(leader.address) as lc, MasterClient(standby.address) as sc:
+    # sc starts at the standby; a client follows a leader only within its list
+    with MasterClient(leader.address) as lc, MasterClient(f"{standby.address},{leader.address}") as sc:
         wait_until(lambda: sc.masters().leader == leader.address, 10, "the standby knows the leader")
         status = sc.masters()
         assert status.ha and status.role == "standby" and status.address == standby.address

@@ -51,8 +51,9 @@ class MetadataGuard(grpc.ServerInterceptor):
 
 class RequestGuard(grpc.ServerInterceptor):
     """Calls `check(method, metadata, request)` before every call of a method not in `open_methods` (full
-    names) runs, with its request message (calls that send one request; a call that streams requests is
-    refused); a returned message refuses the call with UNAUTHENTICATED, None lets it run. Health checks
+    names) runs, with its request (its bytes as received where `kvpool.rpc.status.DecodeErrors` parses
+    requests inside the handler, else the message; calls that send one request: one that streams requests
+    is refused); a returned message refuses the call with UNAUTHENTICATED, None lets it run. Health checks
     and reflection always pass."""
 
     _ALWAYS_OPEN = MetadataGuard._ALWAYS_OPEN

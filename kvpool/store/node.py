@@ -256,7 +256,8 @@ class StoreNode:
 def master_calls_only(caps: Capabilities | None, address: Callable[[], str]) -> list[RequestGuard]:
     """A secured store serves its control calls (reserve, commit, free, inventory, copy) to the master
     only: each must carry the master's credential for this store (`address()`, its gRPC address), the
-    method and the request's bytes, made within the skew and never seen here before
+    method and the request's bytes (as they came on the wire: `kvpool.rpc.status.DecodeErrors` parses them
+    after this guard), made within the skew and never seen here before
     (`kvpool.membership.check_master_call`). `GetInfo` stays open (duplicate-id probes, health of a node's
     identity)."""
     if caps is None:
@@ -271,7 +272,7 @@ def master_calls_only(caps: Capabilities | None, address: Callable[[], str]) -> 
                 caps,
                 address(),
                 method,
-                request.SerializeToString(deterministic=True),
+                request if isinstance(request, bytes) else request.SerializeToString(),
                 value if isinstance(value, str) else "",
                 clock.now_ms(),
                 nonces,
