@@ -164,6 +164,15 @@ def _membership_env(log_dir: Path, secured: bool) -> tuple[dict[str, str], dict[
     return secret_env, master_env, member_env
 
 
+def _etcd_auth(endpoint: str, log_dir: Path) -> dict[str, str]:
+    """A secured cluster's etcd takes writes from its masters only: auth on, a root user and the `kvpool`
+    user (the election's keys only), their passwords in 0600 files in `log_dir`; returns the masters' entries
+    naming the user and its password file (docs/ha.md)."""
+    from kvpool.cluster.etcd import enable_etcd_auth
+
+    return enable_etcd_auth(endpoint, log_dir)
+
+
 def _vllm_model_dir(spec: object, log_dir: Path) -> str:
     """The model directory vLLM engines serve: the spec's, else the embedded model exported (with a
     tokenizer vLLM loads offline) under `log_dir`."""
@@ -232,6 +241,8 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                 procs.append(proc)
                 logs.append(proc.log_path)
                 _ready(proc, timeout_s, stop)
+                if secured and etcd is not None:
+                    master_env = master_env | _etcd_auth(etcd.endpoint, log_dir)
                 endpoints.append(
                     f"  {launch.name:<8} {etcd.endpoint if etcd else ''}  (data: {log_dir / 'etcd'})"
                 )

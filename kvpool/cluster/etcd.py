@@ -9,6 +9,8 @@ tmpfs, killed and removed by `stop()`.
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -139,3 +141,51 @@ class ThrowawayEtcd:
             self.proc.wait(10)
         self._log_file.close()
         shutil.rmtree(self._data, ignore_errors=True)
+
+
+ETCD_USER = "kvpool"
+"""The etcd user `enable_etcd_auth` creates for the masters (read-write on the election's prefix only)."""
+
+
+def _write_secret(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+
+
+def enable_etcd_auth(
+    endpoint: str, directory: Path, *, prefix: str = "/kvpool/", timeout_s: float = 10.0
+) -> dict[str, str]:
+    """Turn etcd's auth on at `endpoint` (a fresh etcd, auth still off): a `root` user (role root) and the
+    user `kvpool`, whose role may read and write the keys under `prefix` only. Each password is random and
+    written to a 0600 file in `directory` (`etcd_root_password`, `etcd_password`). Returns the masters'
+    environment entries (`KVPOOL_ETCD_USER`, `KVPOOL_ETCD_PASSWORD_FILE`). From then on, a write to etcd
+    (a forged leader key) needs a password. Raises `RuntimeError` naming the etcd call that failed."""
+    import grpc
+    from aetcd import rpc
+
+    directory.mkdir(parents=True, exist_ok=True)
+    root_password, password = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    _write_secret(directory / "etcd_root_password", root_password)
+    _write_secret(directory / "etcd_password", password)
+    end = prefix[:-1].encode() + bytes([prefix.encode()[-1] + 1])  # the first key past the prefix
+    perm = rpc.Permission(permType=rpc.Permission.READWRITE, key=prefix.encode(), range_end=end)
+    calls = [
+        ("UserAdd root", "UserAdd", rpc.AuthUserAddRequest(name="root", password=root_password)),
+        ("RoleAdd root", "RoleAdd", rpc.AuthRoleAddRequest(name="root")),
+        ("UserGrantRole root", "UserGrantRole", rpc.AuthUserGrantRoleRequest(user="root", role="root")),
+        ("RoleAdd kvpool", "RoleAdd", rpc.AuthRoleAddRequest(name=ETCD_USER)),
+        (f"RoleGrantPermission {prefix}", "RoleGrantPermission",
+         rpc.AuthRoleGrantPermissionRequest(name=ETCD_USER, perm=perm)),  # fmt: skip
+        ("UserAdd kvpool", "UserAdd", rpc.AuthUserAddRequest(name=ETCD_USER, password=password)),
+        ("UserGrantRole kvpool", "UserGrantRole", rpc.AuthUserGrantRoleRequest(user=ETCD_USER, role=ETCD_USER)),
+        ("AuthEnable", "AuthEnable", rpc.AuthEnableRequest()),
+    ]
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = rpc.AuthStub(channel)
+        for what, method, request in calls:
+            try:
+                getattr(stub, method)(request, timeout=timeout_s)
+            except grpc.RpcError as exc:
+                raise RuntimeError(f"etcd at {endpoint}: {what}: {exc.details()}") from None
+    return {"KVPOOL_ETCD_USER": ETCD_USER, "KVPOOL_ETCD_PASSWORD_FILE": str(directory / "etcd_password")}
