@@ -52,7 +52,8 @@ def read_etcd_auth(
             raise ValueError(f"etcd_password_file {password_file!r} is not a file")
         if path.stat().st_mode & 0o077:
             raise ValueError(f"etcd_password_file {password_file!r} is readable by others: chmod 600 it")
-        password = path.read_text().splitlines()[0].strip() if path.read_text().strip() else ""
+        lines = path.read_text().strip().splitlines()
+        password = lines[0].strip() if lines else ""
         if not password:
             raise ValueError(f"etcd_password_file {password_file!r} is empty")
     if bool(cert_file) != bool(key_file):
