@@ -9,6 +9,7 @@ tmpfs, killed and removed by `stop()`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import shutil
@@ -66,6 +67,9 @@ class EtcdPlan:
     peer_port: int
     data_dir: str
     name: str = "kvpool"
+    tls: tuple[str, str, str] | None = None
+    """(server certificate, its key, the CA of client certificates), PEM files: clients reach it over TLS
+    with a certificate that CA signed (`--client-cert-auth`); None: plain HTTP."""
 
     @classmethod
     def on(
@@ -82,12 +86,21 @@ class EtcdPlan:
 
     @property
     def health_url(self) -> str:
-        return f"http://{self.endpoint}/health"
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}/health"
 
     @property
     def argv(self) -> list[str]:
-        client = f"http://{self.endpoint}"
+        client = f"{'https' if self.tls else 'http'}://{self.endpoint}"
         peer = f"http://{self.host}:{self.peer_port}"
+        tls = []
+        if self.tls is not None:
+            cert, key, ca = self.tls
+            tls = [
+                f"--cert-file={cert}",
+                f"--key-file={key}",
+                f"--trusted-ca-file={ca}",
+                "--client-cert-auth",
+            ]
         return [
             self.binary,
             f"--name={self.name}",
@@ -98,17 +111,26 @@ class EtcdPlan:
             f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster={self.name}={peer}",
             "--log-level=warn",
+            *tls,
         ]
 
 
 class ThrowawayEtcd:
     """A single-node etcd on loopback ports, started now and gone after `stop()` (process and data), for
-    tests and benchmarks; `endpoint` is "127.0.0.1:PORT", `log` its output. Its data lives on tmpfs
-    (/dev/shm) where there is one, so a busy disk never delays a keep-alive past a short lease, unless
-    `tmpfs=False` (then under `log_dir`, fsyncs included, as a deployment's). Raises `FailedPrecondition`
-    (`NO_ETCD`) without a binary, `RuntimeError` when it does not listen within `timeout_s`."""
+        tests and benchmarks; `endpoint` is "127.0.0.1:PORT", `log` its output. Its data lives on tmpfs
+        (/dev/shm) where there is one, so a busy disk never delays a keep-alive past a short lease, unless
+        `tmpfs=False` (then under `log_dir`, fsyncs included, as a deployment's); with `tls` (`EtcdPlan.tls`) its
+    clients need TLS and a certificate. Raises `FailedPrecondition`
+        (`NO_ETCD`) without a binary, `RuntimeError` when it does not listen within `timeout_s`."""
 
-    def __init__(self, *, log_dir: Path | None = None, tmpfs: bool = True, timeout_s: float = 20.0) -> None:
+    def __init__(
+        self,
+        *,
+        log_dir: Path | None = None,
+        tmpfs: bool = True,
+        timeout_s: float = 20.0,
+        tls: tuple[str, str, str] | None = None,
+    ) -> None:
         shm = Path("/dev/shm")
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -116,6 +138,8 @@ class ThrowawayEtcd:
         self._data = Path(tempfile.mkdtemp(prefix="kvpool-etcd-", dir=parent))
         try:
             plan = EtcdPlan.on(self._data / "data")
+            if tls is not None:  # clients over TLS with certificates (`EtcdPlan.tls`)
+                plan = dataclasses.replace(plan, tls=tls)
         except BaseException:
             shutil.rmtree(self._data, ignore_errors=True)
             raise
@@ -175,10 +199,17 @@ def enable_etcd_auth(
         ("RoleAdd root", "RoleAdd", rpc.AuthRoleAddRequest(name="root")),
         ("UserGrantRole root", "UserGrantRole", rpc.AuthUserGrantRoleRequest(user="root", role="root")),
         ("RoleAdd kvpool", "RoleAdd", rpc.AuthRoleAddRequest(name=ETCD_USER)),
-        (f"RoleGrantPermission {prefix}", "RoleGrantPermission",
-         rpc.AuthRoleGrantPermissionRequest(name=ETCD_USER, perm=perm)),  # fmt: skip
+        (
+            f"RoleGrantPermission {prefix}",
+            "RoleGrantPermission",
+            rpc.AuthRoleGrantPermissionRequest(name=ETCD_USER, perm=perm),
+        ),  # fmt: skip
         ("UserAdd kvpool", "UserAdd", rpc.AuthUserAddRequest(name=ETCD_USER, password=password)),
-        ("UserGrantRole kvpool", "UserGrantRole", rpc.AuthUserGrantRoleRequest(user=ETCD_USER, role=ETCD_USER)),
+        (
+            "UserGrantRole kvpool",
+            "UserGrantRole",
+            rpc.AuthUserGrantRoleRequest(user=ETCD_USER, role=ETCD_USER),
+        ),
         ("AuthEnable", "AuthEnable", rpc.AuthEnableRequest()),
     ]
     with grpc.insecure_channel(endpoint) as channel:
