@@ -255,3 +255,19 @@ def test_etcd_killed_under_traffic_serving_never_stops(cluster: Cluster) -> None
         f"{t_back - t_kill:.1f} s), 0 failed, 0 wrong; hit rate with etcd down {_hit_rate(during):.2f}"
     )
     assert len(during) >= 3, during
+
+
+def test_up_s_etcd_takes_no_write_without_the_masters_password(cluster: Cluster) -> None:
+    """A secured `kvpool up` turns etcd's auth on (docs/ha.md): a process without the password cannot
+    write the election's keys, even after etcd was killed and restarted (its auth lives in its data)."""
+    import asyncio
+
+    from aetcd import Client
+
+    async def forge() -> None:
+        async with Client(host="127.0.0.1", port=cluster.etcd_port, timeout=5) as c:
+            await c.put(b"/kvpool/master/leader", b"127.0.0.1:1")
+
+    with pytest.raises(Exception, match="user name is empty"):
+        asyncio.run(forge())
+    assert cluster.leader()  # the masters, with it, still elect

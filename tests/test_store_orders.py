@@ -23,6 +23,7 @@ from kvpool.membership import (
 )
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from tests.test_ha_fencing import store_metrics
 
 pytestmark = pytest.mark.timeout(120)
 transfer = pytest.importorskip("transfer")
@@ -124,6 +125,8 @@ def test_a_store_takes_a_higher_epoch_only_with_the_leader_s_proof(cluster: Any)
         if proof:
             meta.append((LEADER_PROOF_METADATA, proof))
         assert "leader proof" in _refused(store, RESERVE, req, tuple(meta)), proof
+    seen = store_metrics(str(cluster.stores[1].info["metrics_address"]))
+    assert seen["kvpool_store_unproven_epochs_total"] == 4 and seen["kvpool_store_leader_epoch"] == 0
     # the single master (epoch 0) still orders this store, and a proven epoch is taken
     inventory = pb.InventoryRequest()
     assert _call(
