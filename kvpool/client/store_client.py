@@ -50,7 +50,7 @@ class SignedCalls(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
         self._sign = sign
 
     def _signed(self, details: Any, request: Any) -> Any:
-        body = request.SerializeToString()  # the bytes the stub sends
+        body = request if isinstance(request, bytes) else request.SerializeToString()  # the bytes sent
         return CallMetadata(lambda method: self._sign(self._address, method, body))._details(details)
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
