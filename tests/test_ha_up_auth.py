@@ -1,0 +1,91 @@
+"""A secured `kvpool up` with `masters = 2` turns its etcd's auth on (docs/ha.md, docs/security.md): a
+process without the masters' password cannot write the election's keys, the masters elect with it, and the
+passwords are in 0600 files of the run directory (slow: a real `kvpool up`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvpool.cluster.etcd import NO_ETCD, etcd_binary
+from tests.test_up_supervised import _Up
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+SPEC = """
+[cluster]
+block_size = 16
+masters = 2
+[master]
+port = 0
+[store]
+count = 1
+segment_size = "64MiB"
+[prefill]
+count = 1
+[router]
+enabled = false
+"""
+
+
+class _SecuredUp(_Up):
+    """`kvpool up -c spec`, secured (no `--insecure`)."""
+
+    def __init__(self, spec: Path) -> None:  # the parent's, without `--insecure` and this process's KVPOOL_*
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.cli.main", "up", "-c", str(spec)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | {"PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        self.lines: list[str] = []
+        pipe = self.proc.stdout
+        assert pipe is not None
+        self.reader = threading.Thread(target=lambda: self.lines.extend(iter(pipe.readline, "")), daemon=True)
+        self.reader.start()
+
+
+def _get_or_put(port: int, *, user: str = "", password: str = "", put: bytes = b"") -> bytes:
+    from aetcd import Client
+
+    async def run() -> bytes:
+        async with Client(host="127.0.0.1", port=port, username=user or None, password=password or None,
+                          timeout=5) as c:  # fmt: skip
+            if put:
+                await c.put(b"/kvpool/master/leader", put)
+            got = await c.get(b"/kvpool/master/leader")
+            return b"" if got is None else bytes(got.value)
+
+    return asyncio.run(run())
+
+
+def test_a_secured_up_s_etcd_takes_the_election_s_writes_only_with_the_password(tmp_path: Path) -> None:
+    if etcd_binary() is None:
+        pytest.skip(NO_ETCD)
+    spec = tmp_path / "cluster.toml"
+    spec.write_text(SPEC)
+    up = _SecuredUp(spec)
+    try:
+        up.wait_line("Ctrl-C stops everything", 240)
+        text = "".join(up.lines)
+        found = re.search(r"etcd\s+127\.0\.0\.1:(\d+)\s+\(data: (\S+)/etcd\)", text)
+        assert found, up.tail()
+        port, run_dir = int(found.group(1)), Path(found.group(2))
+        password_file = run_dir / "etcd_password"
+        assert password_file.stat().st_mode & 0o777 == 0o600
+        assert (run_dir / "etcd_root_password").stat().st_mode & 0o777 == 0o600
+        with pytest.raises(Exception, match="user name is empty"):
+            _get_or_put(port, put=b"127.0.0.1:1")  # no password: refused
+        password = password_file.read_text().strip()
+        masters = re.findall(r"master\d\s+(127\.0\.0\.1:\d+)", text)
+        assert len(masters) == 2, up.tail()
+        leader = _get_or_put(port, user="kvpool", password=password)  # the masters elected with it
+        assert leader.split(b" ")[0].decode() in masters, leader
+    finally:
+        out = up.stop()
+    assert up.proc.returncode == 0, out[-3000:]
