@@ -140,12 +140,19 @@ def test_admin_and_metrics_name_the_leader(two_masters: list[MasterServer]) -> N
     assert out.exit_code == 0, out.output
     assert json.loads(out.output)["leader"] == leader.address
     assert runner.invoke(app, ["admin", "--master", "127.0.0.1:1,nohost", "status"]).exit_code == 2
-    out = runner.invoke(app, ["admin", "--master", standby.address, "masters", "--json"])
+    out = runner.invoke(
+        app, ["admin", "--master", f"{standby.address},{leader.address}", "masters", "--json"]
+    )
     assert out.exit_code == 0, out.output
     listed = json.loads(out.output)
     assert listed["ha"] and listed["leader"] == leader.address and listed["lease_ttl_s"] == TTL_S
     roles = {m["address"]: m["role"] for m in listed["masters"]}
     assert roles == {leader.address: "leader", standby.address: "standby"}
+    out = runner.invoke(
+        app, ["admin", "--master", standby.address, "masters", "--json"]
+    )  # the leader unlisted
+    roles = {m["address"]: m["role"] for m in json.loads(out.output)["masters"]}
+    assert roles == {leader.address: "not asked (not in --master)", standby.address: "standby"}
     out = runner.invoke(app, ["admin", "--master", standby.address, "masters"])
     assert out.exit_code == 0 and "standby" in out.output and leader.address in out.output
 
