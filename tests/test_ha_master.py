@@ -135,10 +135,13 @@ def test_admin_and_metrics_name_the_leader(two_masters: list[MasterServer]) -> N
     assert status["leader"] == leader.address and status["standbys"] == standby.address
     assert status["epoch"] == leader.master.stores.leader_epoch and status["master"] == standby.address
     assert status["etcd"] == leader.master.election.view().endpoints[0]  # type: ignore[union-attr]
+    assert "the leader is not in --master" in status["figures"]  # not called: the figures are the standby's
     listed_masters = f"127.0.0.1:1,{standby.address}"  # the first is down: the admin CLI moves on
     out = runner.invoke(app, ["admin", "--master", listed_masters, "status", "--json"])
     assert out.exit_code == 0, out.output
     assert json.loads(out.output)["leader"] == leader.address
+    out = runner.invoke(app, ["admin", "--master", f"{standby.address},{leader.address}", "status", "--json"])
+    assert out.exit_code == 0 and "figures" not in json.loads(out.output)  # listed: the leader's figures
     assert runner.invoke(app, ["admin", "--master", "127.0.0.1:1,nohost", "status"]).exit_code == 2
     out = runner.invoke(
         app, ["admin", "--master", f"{standby.address},{leader.address}", "masters", "--json"]
