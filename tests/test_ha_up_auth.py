@@ -1,6 +1,7 @@
-"""A secured `kvpool up` with `masters = 2` turns its etcd's auth on (docs/ha.md, docs/security.md): a
-process without the masters' password cannot write the election's keys, the masters elect with it, and the
-passwords are in 0600 files of the run directory (slow: a real `kvpool up`)."""
+"""A secured `kvpool up` with `masters = 2` runs its etcd with TLS, client certificates and auth (docs/ha.md,
+docs/security.md): a process without the masters' certificate cannot reach the election's keys, the
+masters elect with it and their password, and the keys and passwords are in 0600 files of the run directory
+(slow: a real `kvpool up`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.cluster.etcd import NO_ETCD, etcd_binary
+from kvpool.master.ha.endpoints import EtcdAuth
 from tests.test_up_supervised import _Up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -50,21 +52,24 @@ class _SecuredUp(_Up):
         self.reader.start()
 
 
-def _get_or_put(port: int, *, user: str = "", password: str = "", put: bytes = b"") -> bytes:
-    from aetcd import Client
+def _get_or_put(port: int, auth: EtcdAuth, *, put: bytes = b"") -> bytes:
+    """The leader key (after writing `put` there), as a client reaching etcd as `auth` says."""
+    from kvpool.master.ha.etcd_client import EtcdClient
 
     async def run() -> bytes:
-        async with Client(host="127.0.0.1", port=port, username=user or None, password=password or None,
-                          timeout=5) as c:  # fmt: skip
+        c = EtcdClient("127.0.0.1", port, auth, 5.0)
+        try:
             if put:
                 await c.put(b"/kvpool/master/leader", put)
             got = await c.get(b"/kvpool/master/leader")
             return b"" if got is None else bytes(got.value)
+        finally:
+            await c.close()
 
-    return asyncio.run(run())
+    return asyncio.run(asyncio.wait_for(run(), 10))
 
 
-def test_a_secured_up_s_etcd_takes_the_election_s_writes_only_with_the_password(tmp_path: Path) -> None:
+def test_a_secured_up_s_etcd_takes_only_the_masters_over_tls_with_auth(tmp_path: Path) -> None:
     if etcd_binary() is None:
         pytest.skip(NO_ETCD)
     spec = tmp_path / "cluster.toml"
@@ -79,12 +84,19 @@ def test_a_secured_up_s_etcd_takes_the_election_s_writes_only_with_the_password(
         password_file = run_dir / "etcd_password"
         assert password_file.stat().st_mode & 0o777 == 0o600
         assert (run_dir / "etcd_root_password").stat().st_mode & 0o777 == 0o600
-        with pytest.raises(Exception, match="user name is empty"):
-            _get_or_put(port, put=b"127.0.0.1:1")  # no password: refused
+        tls_dir = run_dir / "etcd-tls"
+        ca, cert, key = (str(tls_dir / n) for n in ("ca.pem", "client.pem", "client.key"))
+        assert all(Path(k).stat().st_mode & 0o077 == 0 for k in (key, tls_dir / "server.key"))
+        assert not (tls_dir / "ca.key").exists()  # the CA signs once: its key is gone
         password = password_file.read_text().strip()
+        # with the password but in plain text, or over TLS without the client certificate: no answer
+        for without in (EtcdAuth("kvpool", password), EtcdAuth("kvpool", password, ca_file=ca)):
+            with pytest.raises(Exception):  # noqa: B017 - refused at the connection, in grpc's words
+                _get_or_put(port, without, put=b"127.0.0.1:1")
         masters = re.findall(r"master\d\s+(127\.0\.0\.1:\d+)", text)
         assert len(masters) == 2, up.tail()
-        leader = _get_or_put(port, user="kvpool", password=password)  # the masters elected with it
+        auth = EtcdAuth("kvpool", password, ca, cert, key)
+        leader = _get_or_put(port, auth)  # the masters elected over TLS with the password
         assert leader.split(b" ")[0].decode() in masters, leader
     finally:
         out = up.stop()

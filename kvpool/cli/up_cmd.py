@@ -164,13 +164,31 @@ def _membership_env(log_dir: Path, secured: bool) -> tuple[dict[str, str], dict[
     return secret_env, master_env, member_env
 
 
-def _etcd_auth(endpoint: str, log_dir: Path) -> dict[str, str]:
+def _etcd_tls(plan: Any, log_dir: Path) -> tuple[Any, Any]:
+    """A secured cluster's etcd serves its clients over TLS with client certificates (a fresh CA in
+    `log_dir/etcd-tls`) and answers its readiness check on a plain /health port: (the plan so changed, its
+    `EtcdTls`); without openssl, the plan unchanged and None, said in one line (docs/ha.md)."""
+    import dataclasses
+
+    from kvpool.cluster.etcd import free_port, new_etcd_tls
+    from kvpool.errors import FailedPrecondition
+
+    try:
+        tls = new_etcd_tls(log_dir / "etcd-tls", plan.host)
+    except FailedPrecondition as exc:
+        typer.echo(f"kvpool up: etcd without TLS: {exc}", err=True)
+        return plan, None
+    return dataclasses.replace(plan, tls=tls.server, health_port=free_port(plan.host)), tls
+
+
+def _etcd_auth(endpoint: str, log_dir: Path, tls: Any) -> dict[str, str]:
     """A secured cluster's etcd takes writes from its masters only: auth on, a root user and the `kvpool`
     user (the election's keys only), their passwords in 0600 files in `log_dir`; returns the masters' entries
-    naming the user and its password file (docs/ha.md)."""
+    naming the user and its password file, and with `tls` (an `EtcdTls`) the CA and client certificate
+    (docs/ha.md)."""
     from kvpool.cluster.etcd import enable_etcd_auth
 
-    return enable_etcd_auth(endpoint, log_dir)
+    return enable_etcd_auth(endpoint, log_dir, tls=tls)
 
 
 def _vllm_model_dir(spec: object, log_dir: Path) -> str:
@@ -197,9 +215,11 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     assert isinstance(spec, ClusterSpec)
     layout = ModelInfo.load(spec.cluster.model or None, block_size=spec.cluster.block_size).layout
     log_dir = Path(tempfile.mkdtemp(prefix="kvpool-up-"))
-    etcd = None
+    etcd = etcd_tls = None
     if spec.cluster.masters > 1:  # masters in HA: they elect their leader on an embedded etcd
         etcd = EtcdPlan.on(log_dir / "etcd", client_port=spec.master.etcd_port)
+        if secured:
+            etcd, etcd_tls = _etcd_tls(etcd, log_dir)
     launches = plan(spec, layout.fingerprint(), etcd=etcd)
     secret_env, master_env, member_env = _membership_env(log_dir, secured)
     policy = RestartPolicy.of(spec.cluster)
@@ -242,7 +262,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                 logs.append(proc.log_path)
                 _ready(proc, timeout_s, stop)
                 if secured and etcd is not None:
-                    master_env = master_env | _etcd_auth(etcd.endpoint, log_dir)
+                    master_env = master_env | _etcd_auth(etcd.endpoint, log_dir, etcd_tls)
                 endpoints.append(
                     f"  {launch.name:<8} {etcd.endpoint if etcd else ''}  (data: {log_dir / 'etcd'})"
                 )

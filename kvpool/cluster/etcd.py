@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvpool.errors import FailedPrecondition
 
@@ -70,6 +71,8 @@ class EtcdPlan:
     tls: tuple[str, str, str] | None = None
     """(server certificate, its key, the CA of client certificates), PEM files: clients reach it over TLS
     with a certificate that CA signed (`--client-cert-auth`); None: plain HTTP."""
+    health_port: int = 0
+    """With `tls`: a plain-HTTP port on `host` serving only /health and /metrics (the readiness check)."""
 
     @classmethod
     def on(
@@ -86,6 +89,8 @@ class EtcdPlan:
 
     @property
     def health_url(self) -> str:
+        if self.tls and self.health_port:
+            return f"http://{self.host}:{self.health_port}/health"
         return f"{'https' if self.tls else 'http'}://{self.endpoint}/health"
 
     @property
@@ -101,6 +106,8 @@ class EtcdPlan:
                 f"--trusted-ca-file={ca}",
                 "--client-cert-auth",
             ]
+            if self.health_port:
+                tls.append(f"--listen-metrics-urls=http://{self.host}:{self.health_port}")
         return [
             self.binary,
             f"--name={self.name}",
@@ -178,13 +185,20 @@ def _write_secret(path: Path, text: str) -> None:
 
 
 def enable_etcd_auth(
-    endpoint: str, directory: Path, *, prefix: str = "/kvpool/", timeout_s: float = 10.0
+    endpoint: str,
+    directory: Path,
+    *,
+    prefix: str = "/kvpool/",
+    timeout_s: float = 10.0,
+    tls: EtcdTls | None = None,
 ) -> dict[str, str]:
     """Turn etcd's auth on at `endpoint` (a fresh etcd, auth still off): a `root` user (role root) and the
     user `kvpool`, whose role may read and write the keys under `prefix` only. Each password is random and
     written to a 0600 file in `directory` (`etcd_root_password`, `etcd_password`). Returns the masters'
-    environment entries (`KVPOOL_ETCD_USER`, `KVPOOL_ETCD_PASSWORD_FILE`). From then on, a write to etcd
-    (a forged leader key) needs a password. Raises `RuntimeError` naming the etcd call that failed."""
+    environment entries (`KVPOOL_ETCD_USER`, `KVPOOL_ETCD_PASSWORD_FILE`; with `tls`, the etcd reached over
+    TLS with its client certificate, and the entries naming its CA and that certificate too). From then on,
+    a write to etcd (a forged leader key) needs a password. Raises `RuntimeError` naming the etcd call that
+    failed."""
     import grpc
     from aetcd import rpc
 
@@ -212,11 +226,86 @@ def enable_etcd_auth(
         ),
         ("AuthEnable", "AuthEnable", rpc.AuthEnableRequest()),
     ]
-    with grpc.insecure_channel(endpoint) as channel:
+    if tls is None:
+        channel = grpc.insecure_channel(endpoint)
+    else:
+        channel = grpc.secure_channel(endpoint, tls.credentials())
+    with channel:
         stub = rpc.AuthStub(channel)
         for what, method, request in calls:
             try:
                 getattr(stub, method)(request, timeout=timeout_s)
             except grpc.RpcError as exc:
                 raise RuntimeError(f"etcd at {endpoint}: {what}: {exc.details()}") from None
-    return {"KVPOOL_ETCD_USER": ETCD_USER, "KVPOOL_ETCD_PASSWORD_FILE": str(directory / "etcd_password")}
+    env = {"KVPOOL_ETCD_USER": ETCD_USER, "KVPOOL_ETCD_PASSWORD_FILE": str(directory / "etcd_password")}
+    return env | (tls.env() if tls is not None else {})
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdTls:
+    """The PEM files of an etcd on TLS: a CA, the server's certificate (for 127.0.0.1) and key, and a
+    client certificate (CN `kvpool`) and key the masters present (`--client-cert-auth`)."""
+
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+
+    @property
+    def server(self) -> tuple[str, str, str]:
+        """`EtcdPlan.tls`."""
+        return (self.server_cert, self.server_key, self.ca)
+
+    def env(self) -> dict[str, str]:
+        """The masters' entries (kvpool.master.settings: `etcd_ca_file`, `etcd_cert_file`, `etcd_key_file`)."""
+        return {
+            "KVPOOL_ETCD_CA_FILE": self.ca,
+            "KVPOOL_ETCD_CERT_FILE": self.client_cert,
+            "KVPOOL_ETCD_KEY_FILE": self.client_key,
+        }
+
+    def credentials(self) -> Any:
+        """grpc channel credentials of a client of this etcd."""
+        import grpc
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=Path(self.ca).read_bytes(),
+            private_key=Path(self.client_key).read_bytes(),
+            certificate_chain=Path(self.client_cert).read_bytes(),
+        )
+
+
+def new_etcd_tls(directory: Path, host: str = "127.0.0.1") -> EtcdTls:
+    """A fresh CA (its key dropped once it signed), a server certificate for `host` and a client certificate,
+    made by the `openssl` binary in `directory` (keys 0600). Raises `FailedPrecondition` without openssl or
+    when it fails."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise FailedPrecondition("no openssl binary: etcd cannot get a TLS certificate")
+    directory.mkdir(parents=True, exist_ok=True)
+    d = directory
+    san = f"IP:{host}" if host.replace(".", "").isdigit() else f"DNS:{host}"
+    (d / "server.ext").write_text(f"subjectAltName={san}\nextendedKeyUsage=serverAuth,clientAuth\n")
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    steps = [
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "3650",
+         "-subj", "/CN=kvpool-etcd-ca"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", f"/CN={host}"],
+        ["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "server.pem", "-days", "3650", "-extfile", "server.ext"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "client.key", "-out", "client.csr", "-subj", "/CN=kvpool"],
+        ["x509", "-req", "-in", "client.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "client.pem", "-days", "3650", "-extfile", "client.ext"],
+    ]  # fmt: skip
+    old = os.umask(0o077)
+    try:
+        for step in steps:
+            done = subprocess.run([openssl, *step], cwd=d, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise FailedPrecondition(f"openssl {step[0]} failed: {done.stderr.strip()[-300:]}")
+    finally:
+        os.umask(old)
+    for name in ("ca.key", "server.csr", "client.csr", "ca.srl"):
+        (d / name).unlink(missing_ok=True)
+    return EtcdTls(*(str(d / n) for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")))
