@@ -255,4 +255,3 @@ def test_etcd_killed_under_traffic_serving_never_stops(cluster: Cluster) -> None
         f"{t_back - t_kill:.1f} s), 0 failed, 0 wrong; hit rate with etcd down {_hit_rate(during):.2f}"
     )
     assert len(during) >= 3, during
-
