@@ -216,6 +216,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     layout = ModelInfo.load(spec.cluster.model or None, block_size=spec.cluster.block_size).layout
     log_dir = Path(tempfile.mkdtemp(prefix="kvpool-up-"))
     etcd = etcd_tls = None
+    etcd_env: dict[str, str] = {}  # the masters' etcd credentials (a secured cluster's etcd: TLS and auth)
     if spec.cluster.masters > 1:  # masters in HA: they elect their leader on an embedded etcd
         etcd = EtcdPlan.on(log_dir / "etcd", client_port=spec.master.etcd_port)
         if secured:
@@ -253,7 +254,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                 continue
             role_env = secret_env if holds_secret else member_env
             if launch.role == "master":
-                role_env = role_env | master_env
+                role_env = role_env | master_env | etcd_env
             env = dict(os.environ) | role_env | launch.env
             if launch.role == "etcd":  # the masters' etcd: it serves before they start
                 proc = SupervisedRole(launch.name, [], log_path=log_dir / "etcd.log", env=env, argv=launch.argv,
@@ -262,7 +263,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                 logs.append(proc.log_path)
                 _ready(proc, timeout_s, stop)
                 if secured and etcd is not None:
-                    master_env = master_env | _etcd_auth(etcd.endpoint, log_dir, etcd_tls)
+                    etcd_env = _etcd_auth(etcd.endpoint, log_dir, etcd_tls)
                 endpoints.append(
                     f"  {launch.name:<8} {etcd.endpoint if etcd else ''}  (data: {log_dir / 'etcd'})"
                 )
