@@ -12,6 +12,10 @@ keep-alive succeeded since (before etcd can expire its key), and at once when a 
 gone or the key holds someone else: it becomes `deposed` (stops taking writes, see `kvpool.master.ha.gate`)
 until it reaches etcd again, where it stands by or wins a new, higher epoch. A master stopping cleanly
 revokes its lease: the standbys take over within a watch round trip, not a TTL.
+
+With the cluster secret, what a master puts at the leader key is a claim MAC'd under it
+(`kvpool.membership.leader_claim`): a key anyone else wrote names no leader (see `Election`). etcd is
+reached as `EtcdAuth` says (user and password, TLS: `kvpool.master.ha.etcd_client`).
 """
 
 from __future__ import annotations
