@@ -142,3 +142,20 @@ def test_a_store_takes_a_higher_epoch_only_with_the_leader_s_proof(cluster: Any)
         err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         and "fenced: epoch 4 < 5" in err.value.details()
     )
+
+
+def test_the_nonce_cache_forgets_after_two_skews_and_is_bounded() -> None:
+    """The store's nonce cache (`kvpool.membership.CallNonces`): a nonce is refused again until two skew
+    windows passed (by then a replay is refused for its age), and past `max_entries` live nonces a call is
+    refused rather than a nonce forgotten early."""
+    from kvpool.membership import CallNonces
+
+    nonces = CallNonces(keep_ms=2 * MASTER_CALL_SKEW_MS, max_entries=3)
+    assert nonces.spend(b"a", 0) is None and nonces.spend(b"a", 1) == "credential replayed (nonce seen)"
+    assert nonces.spend(b"a", 2 * MASTER_CALL_SKEW_MS - 1) is not None  # still remembered
+    assert nonces.spend(b"b", 1) is None and nonces.spend(b"c", 2) is None
+    full = nonces.spend(b"d", 3)
+    assert full is not None and "nonce cache full" in full and len(nonces) == 3
+    assert nonces.spend(b"a", 2 * MASTER_CALL_SKEW_MS) is None  # forgotten (and "b" still held)
+    assert len(nonces) == 3 and nonces.spend(b"b", 2 * MASTER_CALL_SKEW_MS) is not None
+    assert nonces.spend(b"d", 2 * MASTER_CALL_SKEW_MS + 2) is None and len(nonces) == 2  # "b", "c" gone
