@@ -14,11 +14,16 @@ A cluster is *secured* when its master holds the cluster secret (`kvpool.capabil
   operator rotates or revokes tokens without touching the stores (which never see them) or restarting
   the master.
 
-The master's control calls to a store (reserve, commit, free, inventory, copy) carry a short-lived
-credential keyed by the same secret (`master_call_credential`), so a process that reaches a store's gRPC
-port cannot free, overwrite or list its slots.
+The master's control calls to a store (reserve, commit, free, inventory, copy) carry a single-use
+credential keyed by the same secret, bound to the store, the method and the request body, valid a few
+seconds (`master_call_credential`), so a process that reaches a store's gRPC port cannot free, overwrite or
+list its slots, nor replay a captured call elsewhere, with another body, or twice (`CallNonces`).
 
-This module is shared by the master, the store and the CLI; it holds no state.
+Leadership (`kvpool.master.ha`) is proven the same way: the leader key a master writes in etcd carries a
+MAC over its address and lease (`leader_claim`), and its orders carry a MAC over its address and epoch
+(`leader_proof`), which a store needs before it takes a higher epoch.
+
+This module is shared by the master, the store and the CLI; only `CallNonces` holds state.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import re
 import secrets
 import struct
 import tempfile
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from kvpool.capability import Capabilities
@@ -219,23 +226,131 @@ def _write_secret_file(path: Path, value: str) -> None:
 
 MASTER_CALL_METADATA = "kvpool-master-call"
 """gRPC metadata key of the credential on the master's control calls to a store of a secured cluster."""
-MASTER_CALL_SKEW_MS = 60_000
-"""How far apart master and store wall clocks (and a credential's age) may be."""
-_CALL_TAG = b"\x0fkvpool-master-call-v1\x00"
+MASTER_CALL_SKEW_MS = 5_000
+"""How far apart master and store wall clocks (and a credential's age) may be, either way."""
+CALL_NONCE_NBYTES = 16
+"""Random bytes of a credential's nonce."""
+MAX_CALL_NONCES = 200_000
+"""Nonces a store remembers at once (two skew windows' worth of calls); past it, a call is refused."""
+_CALL_TAG = b"\x0fkvpool-master-call-v2\x00"
 
 
-def master_call_credential(key: Capabilities, method: str, now_ms: int) -> str:
-    """`"<ms>.<hex HMAC-SHA256(secret, tag, method, ms)>"`: proves a store control call (reserve, commit,
-    free, inventory, copy) comes from a holder of the cluster secret, for this method, now."""
-    return f"{now_ms}.{key.proof(_CALL_TAG + _lp(method.encode()) + _U64.pack(now_ms)).hex()}"
+def _call_message(store: str, method: str, body: bytes, now_ms: int, nonce: bytes) -> bytes:
+    digest = hashlib.sha256(body).digest()
+    return _CALL_TAG + _lp(store.encode()) + _lp(method.encode()) + digest + _U64.pack(now_ms) + _lp(nonce)
 
 
-def check_master_call(key: Capabilities, method: str, value: str, now_ms: int) -> None:
-    """Raise `Unauthenticated` unless `value` is `master_call_credential(key, method, t)` with `t` within
-    `MASTER_CALL_SKEW_MS` of `now_ms`."""
-    stamp, _, mac = value.partition(".")
+def master_call_credential(
+    key: Capabilities, store: str, method: str, body: bytes, now_ms: int, nonce: bytes | None = None
+) -> str:
+    """`"<ms>.<nonce hex>.<hex HMAC-SHA256(secret, tag, store, method, SHA-256(body), ms, nonce)>"`: proves a
+    store control call (reserve, commit, free, inventory, copy) comes from a holder of the cluster secret,
+    for this store (its gRPC address, as the master dials it), this method and this request body
+    (its serialized bytes), now, once (a fresh random `nonce` unless given)."""
+    nonce = secrets.token_bytes(CALL_NONCE_NBYTES) if nonce is None else nonce
+    mac = key.proof(_call_message(store, method, body, now_ms, nonce))
+    return f"{now_ms}.{nonce.hex()}.{mac.hex()}"
+
+
+class CallNonces:
+    """The nonces of the master's credentials a store has taken, each kept `keep_ms` (two skew windows:
+    long enough that a replay is refused by its age once its nonce is forgotten), at most `max_entries`.
+    Thread-safe; `now_ms` is a monotonic clock (ms)."""
+
+    def __init__(self, *, keep_ms: int = 2 * MASTER_CALL_SKEW_MS, max_entries: int = MAX_CALL_NONCES) -> None:
+        self.keep_ms = keep_ms
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._seen: OrderedDict[bytes, int] = OrderedDict()  # nonce -> forget after (monotonic ms)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def spend(self, nonce: bytes, now_ms: int) -> str | None:
+        """Record `nonce`; None when new, else why it is refused (seen already, or the cache is full)."""
+        with self._lock:
+            seen = self._seen
+            while seen and next(iter(seen.values())) <= now_ms:
+                seen.popitem(last=False)
+            if nonce in seen:
+                return "credential replayed (nonce seen)"
+            if len(seen) >= self.max_entries:
+                return f"{self.max_entries} credentials in {self.keep_ms} ms: nonce cache full"
+            seen[nonce] = now_ms + self.keep_ms
+            return None
+
+
+def check_master_call(
+    key: Capabilities,
+    store: str,
+    method: str,
+    body: bytes,
+    value: str,
+    now_ms: int,
+    nonces: CallNonces,
+    mono_ms: int,
+) -> None:
+    """Raise `Unauthenticated` unless `value` is `master_call_credential(key, store, method, body, t, n)`
+    with `t` within `MASTER_CALL_SKEW_MS` of `now_ms` (wall clock) and a nonce `n` not spent on this store
+    (`nonces`, at monotonic `mono_ms`)."""
+    stamp, _, rest = value.partition(".")
+    nonce_hex, _, mac = rest.partition(".")
     if not stamp.isdigit() or abs(int(stamp) - now_ms) > MASTER_CALL_SKEW_MS:
         raise Unauthenticated(f"{method}: only the master may call this (missing or stale credential)")
-    expected = master_call_credential(key, method, int(stamp))
-    if not hmac.compare_digest(expected.encode(), value.encode()):
+    try:
+        nonce, given = bytes.fromhex(nonce_hex), bytes.fromhex(mac)
+    except ValueError:
+        raise Unauthenticated(f"{method}: only the master may call this (malformed credential)") from None
+    expected = key.proof(_call_message(store, method, body, int(stamp), nonce))
+    if len(nonce) != CALL_NONCE_NBYTES or not hmac.compare_digest(expected, given):
         raise Unauthenticated(f"{method}: only the master may call this (bad credential)")
+    why = nonces.spend(nonce, mono_ms)
+    if why is not None:
+        raise Unauthenticated(f"{method}: only the master may call this ({why})")
+
+
+# ---- who leads (kvpool.master.ha) ------------------------------------------------------------------
+
+LEADER_PROOF_METADATA = "kvpool-leader-proof"
+"""gRPC metadata key of a leader's proof of its epoch on its orders to a store (`leader_proof`)."""
+_LEADER_TAG = b"\x0fkvpool-leader-v1\x00"
+_CLAIM_TAG = b"\x0fkvpool-leader-claim-v1\x00"
+
+
+def leader_proof(key: Capabilities, address: str, epoch: int) -> str:
+    """`"<hex HMAC-SHA256(secret, tag, epoch, address)>.<address>"`: the master at `address` won leader
+    `epoch` (a store takes a higher epoch only with this proof; `kvpool.store.fence`)."""
+    mac = key.proof(_LEADER_TAG + _U64.pack(epoch) + _lp(address.encode()))
+    return f"{mac.hex()}.{address}"
+
+
+def check_leader_proof(key: Capabilities, epoch: int, value: str) -> str:
+    """The leader's address proven by `value` for `epoch`; raise `Unauthenticated` when it proves nothing."""
+    _, _, address = value.partition(".")
+    if not address or not hmac.compare_digest(leader_proof(key, address, epoch).encode(), value.encode()):
+        raise Unauthenticated(f"leader epoch {epoch} comes without a valid leader proof")
+    return address
+
+
+def leader_claim(key: Capabilities | None, address: str, lease_id: int) -> bytes:
+    """The value a master puts at the election's leader key: its address and, in a secured cluster, a MAC
+    under the secret over (address, etcd lease id), so a key written by anyone else names no leader."""
+    if key is None:
+        return address.encode()
+    mac = key.proof(_CLAIM_TAG + _U64.pack(lease_id) + _lp(address.encode()))
+    return f"{address} {mac.hex()}".encode()
+
+
+def read_leader_claim(key: Capabilities | None, value: bytes, lease_id: int) -> str | None:
+    """The address a leader key's `value` (held under etcd lease `lease_id`) names; None when it is not a
+    master's claim (a forged key: no MAC, a wrong one, or one made for another lease)."""
+    try:
+        text = value.decode()
+    except UnicodeDecodeError:
+        return None
+    if key is None:
+        return text or None
+    address, _, _ = text.partition(" ")
+    if not address or not hmac.compare_digest(leader_claim(key, address, lease_id), value):
+        return None
+    return address

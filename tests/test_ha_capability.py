@@ -8,6 +8,7 @@ import pytest
 
 from kvpool.capability import CAPABILITY_NBYTES, EPOCH_NBYTES, READ, WRITE, Capabilities, CapabilityKey
 from kvpool.errors import FailedPrecondition, PermissionDenied
+from kvpool.membership import leader_proof
 from kvpool.store import Segment, SlotTable
 from kvpool.store.slots import Reservation
 from kvpool.types import FakeClock
@@ -54,7 +55,7 @@ def test_a_leader_s_capability_carries_its_epoch_under_the_mac() -> None:
 def test_a_slot_table_refuses_the_capabilities_of_a_deposed_leader() -> None:
     c = caps()
     table = SlotTable(Segment(16 * NB, NB, pin_memory="off"), capabilities=c, node_id=NODE)
-    table.fence.check(4)  # the leader at epoch 4 ordered this store
+    table.fence.check(4, leader_proof(c, "m:1", 4))  # the leader at epoch 4 ordered this store (its proof)
     table.reserve([Reservation(1, 1, NS, H)], 60_000)
     old = c.sign(WRITE, NS, H, NODE, 1, 1, NOW + 60_000, epoch=3)
     with pytest.raises(PermissionDenied, match="fenced: epoch 3 < 4"):
@@ -68,7 +69,9 @@ def test_a_slot_table_refuses_the_capabilities_of_a_deposed_leader() -> None:
     read4 = c.sign(READ, NS, H, NODE, 1, 1, NOW + 60_000, epoch=4)
     table.begin_read(1, 1, NB, read4, NOW + 60_000)
     table.end_read(1)
-    table.fence.check(5)  # a newer leader ordered it: epoch 4's capabilities are dead
+    table.fence.check(
+        5, leader_proof(c, "m:2", 5)
+    )  # a newer leader ordered it: epoch 4's capabilities are dead
     with pytest.raises(PermissionDenied, match="fenced: epoch 4 < 5"):
         table.begin_read(1, 1, NB, read4, NOW + 60_000)
     with pytest.raises(FailedPrecondition, match="fenced: epoch 4 < 5"):

@@ -29,7 +29,7 @@ def test_a_standby_s_refusal_is_redirected_once_to_the_leader(two_masters: list[
     leader = leader_of(two_masters)
     standby = next(s for s in two_masters if s is not leader)
     wait_until(lambda: standby.master.election.view().leader == leader.address, 10, "the leader known")  # type: ignore[union-attr]
-    with MasterClient(standby.address) as c:
+    with MasterClient(f"{standby.address},{leader.address}") as c:  # the standby first
         assert c.evict(0.5) == (0, 0)  # not idempotent, yet safe: the standby did not run it
         assert c.address == leader.address and c.masters().role == "leader"
 

@@ -118,13 +118,14 @@ def test_a_master_leading_again_forgets_the_previous_term(etcd: ThrowawayEtcd, s
         ea = a.master.election
         assert ea is not None
         wait_until(lambda: ea.is_leader, 10, "a leads")
-        store_of.append(start_store(a.address, "s0"))
-        wait_until(lambda: "s0" in a.master.st.nodes and a.master.st.nodes["s0"].alive, 10, "s0 registers")
-        first = a.master.st.nodes["s0"].registered_ms
-        e1 = a.master.stores.leader_epoch
         b = ha_master(etcd.endpoint, prefix="/again")
         eb = b.master.election
         assert eb is not None
+        # the store's list names both: a client follows a leader only within its list
+        store_of.append(start_store(f"{a.address},{b.address}", "s0"))
+        wait_until(lambda: "s0" in a.master.st.nodes and a.master.st.nodes["s0"].alive, 10, "s0 registers")
+        first = a.master.st.nodes["s0"].registered_ms
+        e1 = a.master.stores.leader_epoch
         wait_until(lambda: eb.view().leader == a.address, 10, "b sees a")
         ea._loop.call_soon_threadsafe(time.sleep, 3.5)  # a stalls: its lease lapses
         wait_until(lambda: eb.is_leader, 10, "b takes over")

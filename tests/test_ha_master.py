@@ -82,7 +82,8 @@ def test_standby_refuses_writes_naming_the_leader(two_masters_long_lease: list[M
     two_masters = two_masters_long_lease
     leader = leader_of(two_masters)
     standby = next(s for s in two_masters if s is not leader)
-    with MasterClient(leader.address) as lc, MasterClient(standby.address) as sc:
+    # sc starts at the standby; a client follows a leader only within its list
+    with MasterClient(leader.address) as lc, MasterClient(f"{standby.address},{leader.address}") as sc:
         wait_until(lambda: sc.masters().leader == leader.address, 10, "the standby knows the leader")
         status = sc.masters()
         assert status.ha and status.role == "standby" and status.address == standby.address
@@ -152,17 +153,27 @@ def test_admin_and_metrics_name_the_leader(two_masters: list[MasterServer]) -> N
     assert status["leader"] == leader.address and status["standbys"] == standby.address
     assert status["epoch"] == leader.master.stores.leader_epoch and status["master"] == standby.address
     assert status["etcd"] == leader.master.election.view().endpoints[0]  # type: ignore[union-attr]
+    assert "the leader is not in --master" in status["figures"]  # not called: the figures are the standby's
     listed_masters = f"127.0.0.1:1,{standby.address}"  # the first is down: the admin CLI moves on
     out = runner.invoke(app, ["admin", "--master", listed_masters, "status", "--json"])
     assert out.exit_code == 0, out.output
     assert json.loads(out.output)["leader"] == leader.address
+    out = runner.invoke(app, ["admin", "--master", f"{standby.address},{leader.address}", "status", "--json"])
+    assert out.exit_code == 0 and "figures" not in json.loads(out.output)  # listed: the leader's figures
     assert runner.invoke(app, ["admin", "--master", "127.0.0.1:1,nohost", "status"]).exit_code == 2
-    out = runner.invoke(app, ["admin", "--master", standby.address, "masters", "--json"])
+    out = runner.invoke(
+        app, ["admin", "--master", f"{standby.address},{leader.address}", "masters", "--json"]
+    )
     assert out.exit_code == 0, out.output
     listed = json.loads(out.output)
     assert listed["ha"] and listed["leader"] == leader.address and listed["lease_ttl_s"] == TTL_S
     roles = {m["address"]: m["role"] for m in listed["masters"]}
     assert roles == {leader.address: "leader", standby.address: "standby"}
+    out = runner.invoke(
+        app, ["admin", "--master", standby.address, "masters", "--json"]
+    )  # the leader unlisted
+    roles = {m["address"]: m["role"] for m in json.loads(out.output)["masters"]}
+    assert roles == {leader.address: "not asked (not in --master)", standby.address: "standby"}
     out = runner.invoke(app, ["admin", "--master", standby.address, "masters"])
     assert out.exit_code == 0 and "standby" in out.output and leader.address in out.output
 

@@ -330,14 +330,16 @@ def test_only_the_master_may_call_a_secured_store(cluster: Any) -> None:
     store = cluster.stores[0].info["grpc_address"]
     before = _nodes(cluster)["store0"].num_used_slots
     now_ms = int(time.time() * 1000)
-    forged = master_call_credential(_caps(b"x" * 32), "/kvpool.v1.Store/FreeSlots", now_ms)
+    free = pb.FreeSlotsRequest(slots=[pb.SlotRef(slot=0, generation=1)])
+    forged = master_call_credential(
+        _caps(b"x" * 32), store, "/kvpool.v1.Store/FreeSlots", free.SerializeToString(), now_ms
+    )
     with grpc.insecure_channel(store) as ch:
         stub = pb_grpc.StoreStub(ch)
         assert stub.GetInfo(pb.GetInfoRequest(), timeout=5).node.node_id == "store0"  # identity stays open
         for metadata in ((), ((MASTER_CALL_METADATA, forged),), ((MASTER_CALL_METADATA, "1.00"),)):
             with pytest.raises(grpc.RpcError) as err:
-                stub.FreeSlots(pb.FreeSlotsRequest(slots=[pb.SlotRef(slot=0, generation=1)]), timeout=5,
-                               metadata=metadata)  # fmt: skip
+                stub.FreeSlots(free, timeout=5, metadata=metadata)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
             assert "only the master" in err.value.details()
         with pytest.raises(grpc.RpcError) as err:
@@ -348,8 +350,8 @@ def test_only_the_master_may_call_a_secured_store(cluster: Any) -> None:
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     caps = cluster.capabilities()  # a credential made with the secret
     if caps is not None:
-        stale = master_call_credential(caps, "/kvpool.v1.Store/Inventory", now_ms - 120_000)
-        good = master_call_credential(caps, "/kvpool.v1.Store/Inventory", now_ms)
+        stale = master_call_credential(caps, store, "/kvpool.v1.Store/Inventory", b"", now_ms - 120_000)
+        good = master_call_credential(caps, store, "/kvpool.v1.Store/Inventory", b"", now_ms)
         with grpc.insecure_channel(store) as ch:
             stub = pb_grpc.StoreStub(ch)
             with pytest.raises(grpc.RpcError) as err:

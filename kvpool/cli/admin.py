@@ -70,10 +70,12 @@ def status(as_json: bool = JSON) -> None:
 
         ha = ha_summary(c)
         leader = ha.get("leader", "unknown")
-        if leader not in ("unknown", c.address):
+        if leader not in ("unknown", c.address) and leader in c.addresses:
             with MasterClient(leader, timeout_s=_Ctx.timeout_s) as lc:
                 s = lc.stats()
-        else:
+        else:  # never call (nor send the token to) a leader outside --master: a forged etcd key may name it
+            if leader not in ("unknown", c.address):
+                ha["figures"] = f"{c.address}'s: the leader is not in --master"
             s = c.stats()
         stores = [n for n in s.nodes if n.node.role == "store"]
         parts = degraded_parts(s.nodes, time.time())

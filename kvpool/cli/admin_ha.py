@@ -1,8 +1,9 @@
 """`kvpool admin masters`: the masters of a pool in high availability (etcd), each as it sees itself.
 
 Any master answers `Masters`, standbys included; the one given by `--master` names the leader and the
-standbys, and each of them is then asked for its own role, epoch, elections won and failovers seen (one
-that does not answer is listed as `unreachable`). A single master without etcd is listed alone, leading.
+standbys, and each of them that `--master` lists is then asked for its own role, epoch, elections won and
+failovers seen (one that does not answer is listed as `unreachable`; one not in `--master` is listed, never
+called: its address comes from etcd). A single master without etcd is listed alone, leading.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def _one(address: str) -> dict[str, Any]:
     }
 
 
+def _not_asked(address: str) -> dict[str, Any]:
+    """A master named by the election but not in `--master`: never called (nor given the token), since an
+    address read from etcd may be forged."""
+    return {"address": address, "role": "not asked (not in --master)"}
+
+
 @admin_app.command()
 def masters(as_json: bool = JSON) -> None:
     """The pool's masters: the leader and the standbys, with each one's role, epoch, elections and failovers
@@ -62,7 +69,7 @@ def masters(as_json: bool = JSON) -> None:
             "epoch": m.epoch,
             "etcd_endpoints": list(m.etcd_endpoints),
             "lease_ttl_s": m.lease_ttl_s,
-            "masters": [_one(a) for a in names],
+            "masters": [_one(a) if a in c.addresses else _not_asked(a) for a in names],
         }
 
     def render(r: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -172,6 +173,33 @@ def _tenant_salt_env(log_dir: Path) -> dict[str, str]:
     return {SALT_KEY_ENV: str(new_salt_key_file(log_dir))}
 
 
+def _etcd_tls(plan: Any, log_dir: Path) -> tuple[Any, Any]:
+    """A secured cluster's etcd serves its clients over TLS with client certificates (a fresh CA in
+    `log_dir/etcd-tls`) and answers its readiness check on a plain /health port: (the plan so changed, its
+    `EtcdTls`); without openssl, the plan unchanged and None, said in one line (docs/ha.md)."""
+    import dataclasses
+
+    from kvpool.cluster.etcd import free_port, new_etcd_tls
+    from kvpool.errors import FailedPrecondition
+
+    try:
+        tls = new_etcd_tls(log_dir / "etcd-tls", plan.host)
+    except FailedPrecondition as exc:
+        typer.echo(f"kvpool up: etcd without TLS: {exc}", err=True)
+        return plan, None
+    return dataclasses.replace(plan, tls=tls.server, health_port=free_port(plan.host)), tls
+
+
+def _etcd_auth(endpoint: str, log_dir: Path, tls: Any) -> dict[str, str]:
+    """A secured cluster's etcd takes writes from its masters only: auth on, a root user and the `kvpool`
+    user (the election's keys only), their passwords in 0600 files in `log_dir`; returns the masters' entries
+    naming the user and its password file, and with `tls` (an `EtcdTls`) the CA and client certificate
+    (docs/ha.md)."""
+    from kvpool.cluster.etcd import enable_etcd_auth
+
+    return enable_etcd_auth(endpoint, log_dir, tls=tls)
+
+
 def _vllm_model_dir(spec: object, log_dir: Path) -> str:
     """The model directory vLLM engines serve: the spec's, else the embedded model exported (with a
     tokenizer vLLM loads offline) under `log_dir`."""
@@ -197,9 +225,12 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     assert isinstance(spec, ClusterSpec)
     layout = ModelInfo.load(spec.cluster.model or None, block_size=spec.cluster.block_size).layout
     log_dir = Path(tempfile.mkdtemp(prefix="kvpool-up-"))
-    etcd = None
+    etcd = etcd_tls = None
+    etcd_env: dict[str, str] = {}  # the masters' etcd credentials (a secured cluster's etcd: TLS and auth)
     if spec.cluster.masters > 1:  # masters in HA: they elect their leader on an embedded etcd
         etcd = EtcdPlan.on(log_dir / "etcd", client_port=spec.master.etcd_port)
+        if secured:
+            etcd, etcd_tls = _etcd_tls(etcd, log_dir)
     launches = plan(spec, layout.fingerprint(), etcd=etcd)
     creds = _credentials(log_dir, secured)
     salt_env = _tenant_salt_env(log_dir)
@@ -228,6 +259,8 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                 continue
             # the operator's environment less every credential, then this role's own (least privilege)
             role_env = creds.env_for(launch.role) | (salt_env if launch.role in ("master", "router") else {})
+            if launch.role == "master":
+                role_env = role_env | etcd_env
             env = scrubbed(os.environ) | role_env | launch.env
             if launch.role == "etcd":  # the masters' etcd: it serves before they start
                 proc = SupervisedRole(launch.name, [], log_path=log_dir / "etcd.log", env=env, argv=launch.argv,
@@ -235,6 +268,8 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                 procs.append(proc)
                 logs.append(proc.log_path)
                 _ready(proc, timeout_s, stop)
+                if secured and etcd is not None:
+                    etcd_env = _etcd_auth(etcd.endpoint, log_dir, etcd_tls)
                 endpoints.append(
                     f"  {launch.name:<8} {etcd.endpoint if etcd else ''}  (data: {log_dir / 'etcd'})"
                 )
@@ -304,6 +339,8 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
         stop.set()
         stop_roles(procs, _say)
         creds.remove_files()  # logs stay; credentials do not
-        (log_dir / "tenant_salt_key").unlink(missing_ok=True)
+        for name in ("tenant_salt_key", "etcd_password", "etcd_root_password"):
+            (log_dir / name).unlink(missing_ok=True)
+        shutil.rmtree(log_dir / "etcd-tls", ignore_errors=True)
         typer.echo("kvpool cluster stopped")
     return code

@@ -49,13 +49,14 @@ class Masters:
             return pb_grpc.MasterStub(ch)
 
     def use(self, address: str) -> None:
-        """Send the following calls to `address` (a leader named by a refusal may be outside the list)."""
+        """Send the following calls to `address` (one of `addresses`: a client never follows a leader named
+        outside its list)."""
         stub = self._stub_for(address)
         self.stub, self.address = stub, address
 
     def next_after(self, address: str) -> str:
-        """The master after `address` in the list: the first one for a leader outside the list (followed
-        after a redirect), "" for the only one."""
+        """The master after `address` in the list: the first one for an address outside it, "" for the
+        only one."""
         if address not in self.addresses:
             return self.addresses[0]
         if len(self.addresses) < 2:

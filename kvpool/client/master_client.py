@@ -52,8 +52,9 @@ class MasterClient:
 
     `address` may list several masters in high availability ("a:1,b:2,c:3"; the first is tried first).
     A call that did not run, refused by a master that does not lead (UNAVAILABLE "not the leader (leader is
-    X)") or not connected at all, is sent again to X (or, with no leader named, to the next master of the
-    list), at most `_MAX_MOVES` times; later calls go there too. Idempotent calls retried on UNAVAILABLE
+    X)") or not connected at all, is sent again to X when X is in the list (else, or with no leader named,
+    to the next master of the list: a leader named outside the list is never called, so a forged etcd key
+    receives no call and no join token), at most `_MAX_MOVES` times; later calls go there too. Idempotent calls retried on UNAVAILABLE
     also move on to the next master of the list. `address` is the master in use."""
 
     def __init__(self, address: str, *, timeout_s: float = 5.0) -> None:
@@ -98,8 +99,10 @@ class MasterClient:
                 details = exc.details() if hasattr(exc, "details") else ""
                 leader = not_leader_redirect(details)
                 if (leader is not None or never_sent(details)) and moves < _MAX_MOVES:
-                    # the call did not run there: send it once more, to the leader named or the next master
-                    target = leader if leader and leader != address else ms.next_after(address)
+                    # the call did not run there: send it once more, to the leader named (only one of the
+                    # masters configured: a standby may repeat a forged etcd key) or the next master
+                    named = leader if leader and leader != address and leader in ms.addresses else ""
+                    target = named or ms.next_after(address)
                     if target and target != address:
                         moves += 1
                         ms.use(target)

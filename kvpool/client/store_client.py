@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -35,14 +36,35 @@ _GET_INFO_STUBS: dict[
 }
 """The roles whose nodes serve `GetInfo`, and the service each serves it on."""
 
-CallSigner = Callable[[str], list[tuple[str, str]]]
-"""The metadata to send with a call to the method named ("/kvpool.v1.Store/ReserveSlots"...)."""
+CallSigner = Callable[[str, str, bytes], list[tuple[str, str]]]
+"""The metadata to send with a call: (the store's address, the method "/kvpool.v1.Store/ReserveSlots"..., the
+request's serialized bytes) -> metadata pairs."""
+
+
+class SignedCalls(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `sign(address, method, request bytes)` to every call of a channel to one store (all its calls
+    send one request message)."""
+
+    def __init__(self, address: str, sign: CallSigner) -> None:
+        self._address = address
+        self._sign = sign
+
+    def _signed(self, details: Any, request: Any) -> Any:
+        body = request if isinstance(request, bytes) else request.SerializeToString()  # the bytes sent
+        return CallMetadata(lambda method: self._sign(self._address, method, body))._details(details)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._signed(details, request), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._signed(details, request), request)
 
 
 class StoreClient:
     """One channel per store gRPC address ("host:port"), reused until `forget` or `close`; thread-safe.
-    With `sign`, every call carries the metadata it returns for the call's method (a secured cluster: the
-    master's credential, `kvpool.membership.master_call_credential`)."""
+    With `sign`, every call carries the metadata it returns for the store's address, the call's method and
+    its request's bytes (a secured cluster: the master's credential,
+    `kvpool.membership.master_call_credential`)."""
 
     def __init__(self, *, sign: CallSigner | None = None) -> None:
         self._sign = sign
@@ -55,7 +77,7 @@ class StoreClient:
             if entry is None:
                 ch = channel(address)
                 if self._sign is not None:
-                    ch = grpc.intercept_channel(ch, CallMetadata(self._sign))
+                    ch = grpc.intercept_channel(ch, SignedCalls(address, self._sign))
                 entry = (ch, pb_grpc.StoreStub(ch))
                 self._stubs[address] = entry
             return entry[1]

@@ -36,6 +36,11 @@ CREDENTIAL_ENV = (
     DIGEST_ENV,
     "VLLM_API_KEY",
     SALT_KEY_ENV,
+    "KVPOOL_ETCD_USER",
+    "KVPOOL_ETCD_PASSWORD_FILE",
+    "KVPOOL_ETCD_CA_FILE",
+    "KVPOOL_ETCD_CERT_FILE",
+    "KVPOOL_ETCD_KEY_FILE",
 )
 """Every variable that carries a credential: none passes from the operator's environment to a role."""
 

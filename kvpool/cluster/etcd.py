@@ -9,6 +9,9 @@ tmpfs, killed and removed by `stop()`.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -16,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvpool.errors import FailedPrecondition
 
@@ -64,6 +68,11 @@ class EtcdPlan:
     peer_port: int
     data_dir: str
     name: str = "kvpool"
+    tls: tuple[str, str, str] | None = None
+    """(server certificate, its key, the CA of client certificates), PEM files: clients reach it over TLS
+    with a certificate that CA signed (`--client-cert-auth`); None: plain HTTP."""
+    health_port: int = 0
+    """With `tls`: a plain-HTTP port on `host` serving only /health and /metrics (the readiness check)."""
 
     @classmethod
     def on(
@@ -80,12 +89,25 @@ class EtcdPlan:
 
     @property
     def health_url(self) -> str:
-        return f"http://{self.endpoint}/health"
+        if self.tls and self.health_port:
+            return f"http://{self.host}:{self.health_port}/health"
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}/health"
 
     @property
     def argv(self) -> list[str]:
-        client = f"http://{self.endpoint}"
+        client = f"{'https' if self.tls else 'http'}://{self.endpoint}"
         peer = f"http://{self.host}:{self.peer_port}"
+        tls = []
+        if self.tls is not None:
+            cert, key, ca = self.tls
+            tls = [
+                f"--cert-file={cert}",
+                f"--key-file={key}",
+                f"--trusted-ca-file={ca}",
+                "--client-cert-auth",
+            ]
+            if self.health_port:
+                tls.append(f"--listen-metrics-urls=http://{self.host}:{self.health_port}")
         return [
             self.binary,
             f"--name={self.name}",
@@ -96,17 +118,26 @@ class EtcdPlan:
             f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster={self.name}={peer}",
             "--log-level=warn",
+            *tls,
         ]
 
 
 class ThrowawayEtcd:
     """A single-node etcd on loopback ports, started now and gone after `stop()` (process and data), for
-    tests and benchmarks; `endpoint` is "127.0.0.1:PORT", `log` its output. Its data lives on tmpfs
-    (/dev/shm) where there is one, so a busy disk never delays a keep-alive past a short lease, unless
-    `tmpfs=False` (then under `log_dir`, fsyncs included, as a deployment's). Raises `FailedPrecondition`
-    (`NO_ETCD`) without a binary, `RuntimeError` when it does not listen within `timeout_s`."""
+        tests and benchmarks; `endpoint` is "127.0.0.1:PORT", `log` its output. Its data lives on tmpfs
+        (/dev/shm) where there is one, so a busy disk never delays a keep-alive past a short lease, unless
+        `tmpfs=False` (then under `log_dir`, fsyncs included, as a deployment's); with `tls` (`EtcdPlan.tls`) its
+    clients need TLS and a certificate. Raises `FailedPrecondition`
+        (`NO_ETCD`) without a binary, `RuntimeError` when it does not listen within `timeout_s`."""
 
-    def __init__(self, *, log_dir: Path | None = None, tmpfs: bool = True, timeout_s: float = 20.0) -> None:
+    def __init__(
+        self,
+        *,
+        log_dir: Path | None = None,
+        tmpfs: bool = True,
+        timeout_s: float = 20.0,
+        tls: tuple[str, str, str] | None = None,
+    ) -> None:
         shm = Path("/dev/shm")
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -114,6 +145,8 @@ class ThrowawayEtcd:
         self._data = Path(tempfile.mkdtemp(prefix="kvpool-etcd-", dir=parent))
         try:
             plan = EtcdPlan.on(self._data / "data")
+            if tls is not None:  # clients over TLS with certificates (`EtcdPlan.tls`)
+                plan = dataclasses.replace(plan, tls=tls)
         except BaseException:
             shutil.rmtree(self._data, ignore_errors=True)
             raise
@@ -139,3 +172,140 @@ class ThrowawayEtcd:
             self.proc.wait(10)
         self._log_file.close()
         shutil.rmtree(self._data, ignore_errors=True)
+
+
+ETCD_USER = "kvpool"
+"""The etcd user `enable_etcd_auth` creates for the masters (read-write on the election's prefix only)."""
+
+
+def _write_secret(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+
+
+def enable_etcd_auth(
+    endpoint: str,
+    directory: Path,
+    *,
+    prefix: str = "/kvpool/",
+    timeout_s: float = 10.0,
+    tls: EtcdTls | None = None,
+) -> dict[str, str]:
+    """Turn etcd's auth on at `endpoint` (a fresh etcd, auth still off): a `root` user (role root) and the
+    user `kvpool`, whose role may read and write the keys under `prefix` only. Each password is random and
+    written to a 0600 file in `directory` (`etcd_root_password`, `etcd_password`). Returns the masters'
+    environment entries (`KVPOOL_ETCD_USER`, `KVPOOL_ETCD_PASSWORD_FILE`; with `tls`, the etcd reached over
+    TLS with its client certificate, and the entries naming its CA and that certificate too). From then on,
+    a write to etcd (a forged leader key) needs a password. Raises `RuntimeError` naming the etcd call that
+    failed."""
+    import grpc
+    from aetcd import rpc
+
+    directory.mkdir(parents=True, exist_ok=True)
+    root_password, password = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    _write_secret(directory / "etcd_root_password", root_password)
+    _write_secret(directory / "etcd_password", password)
+    end = prefix[:-1].encode() + bytes([prefix.encode()[-1] + 1])  # the first key past the prefix
+    perm = rpc.Permission(permType=rpc.Permission.READWRITE, key=prefix.encode(), range_end=end)
+    calls = [
+        ("UserAdd root", "UserAdd", rpc.AuthUserAddRequest(name="root", password=root_password)),
+        ("RoleAdd root", "RoleAdd", rpc.AuthRoleAddRequest(name="root")),
+        ("UserGrantRole root", "UserGrantRole", rpc.AuthUserGrantRoleRequest(user="root", role="root")),
+        ("RoleAdd kvpool", "RoleAdd", rpc.AuthRoleAddRequest(name=ETCD_USER)),
+        (
+            f"RoleGrantPermission {prefix}",
+            "RoleGrantPermission",
+            rpc.AuthRoleGrantPermissionRequest(name=ETCD_USER, perm=perm),
+        ),  # fmt: skip
+        ("UserAdd kvpool", "UserAdd", rpc.AuthUserAddRequest(name=ETCD_USER, password=password)),
+        (
+            "UserGrantRole kvpool",
+            "UserGrantRole",
+            rpc.AuthUserGrantRoleRequest(user=ETCD_USER, role=ETCD_USER),
+        ),
+        ("AuthEnable", "AuthEnable", rpc.AuthEnableRequest()),
+    ]
+    if tls is None:
+        channel = grpc.insecure_channel(endpoint)
+    else:
+        channel = grpc.secure_channel(endpoint, tls.credentials())
+    with channel:
+        stub = rpc.AuthStub(channel)
+        for what, method, request in calls:
+            try:
+                getattr(stub, method)(request, timeout=timeout_s)
+            except grpc.RpcError as exc:
+                raise RuntimeError(f"etcd at {endpoint}: {what}: {exc.details()}") from None
+    env = {"KVPOOL_ETCD_USER": ETCD_USER, "KVPOOL_ETCD_PASSWORD_FILE": str(directory / "etcd_password")}
+    return env | (tls.env() if tls is not None else {})
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdTls:
+    """The PEM files of an etcd on TLS: a CA, the server's certificate (for 127.0.0.1) and key, and a
+    client certificate (CN `kvpool`) and key the masters present (`--client-cert-auth`)."""
+
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+
+    @property
+    def server(self) -> tuple[str, str, str]:
+        """`EtcdPlan.tls`."""
+        return (self.server_cert, self.server_key, self.ca)
+
+    def env(self) -> dict[str, str]:
+        """The masters' entries (kvpool.master.settings: `etcd_ca_file`, `etcd_cert_file`, `etcd_key_file`)."""
+        return {
+            "KVPOOL_ETCD_CA_FILE": self.ca,
+            "KVPOOL_ETCD_CERT_FILE": self.client_cert,
+            "KVPOOL_ETCD_KEY_FILE": self.client_key,
+        }
+
+    def credentials(self) -> Any:
+        """grpc channel credentials of a client of this etcd."""
+        import grpc
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=Path(self.ca).read_bytes(),
+            private_key=Path(self.client_key).read_bytes(),
+            certificate_chain=Path(self.client_cert).read_bytes(),
+        )
+
+
+def new_etcd_tls(directory: Path, host: str = "127.0.0.1") -> EtcdTls:
+    """A fresh CA (its key dropped once it signed), a server certificate for `host` and a client certificate,
+    made by the `openssl` binary in `directory` (keys 0600). Raises `FailedPrecondition` without openssl or
+    when it fails."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise FailedPrecondition("no openssl binary: etcd cannot get a TLS certificate")
+    directory.mkdir(parents=True, exist_ok=True)
+    d = directory
+    san = f"IP:{host}" if host.replace(".", "").isdigit() else f"DNS:{host}"
+    (d / "server.ext").write_text(f"subjectAltName={san}\nextendedKeyUsage=serverAuth,clientAuth\n")
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    steps = [
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "3650",
+         "-subj", "/CN=kvpool-etcd-ca"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", f"/CN={host}"],
+        ["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "server.pem", "-days", "3650", "-extfile", "server.ext"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "client.key", "-out", "client.csr", "-subj", "/CN=kvpool"],
+        ["x509", "-req", "-in", "client.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "client.pem", "-days", "3650", "-extfile", "client.ext"],
+    ]  # fmt: skip
+    old = os.umask(0o077)
+    try:
+        for step in steps:
+            done = subprocess.run([openssl, *step], cwd=d, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise FailedPrecondition(f"openssl {step[0]} failed: {done.stderr.strip()[-300:]}")
+    finally:
+        os.umask(old)
+    for name in ("ca.key", "server.csr", "client.csr", "ca.srl"):
+        (d / name).unlink(missing_ok=True)
+    return EtcdTls(*(str(d / n) for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")))

@@ -105,21 +105,32 @@ def _elect(master: Master, settings: MasterSettings) -> grpc.aio.ServerIntercept
         from kvpool.master.ha.election import Election
     except ImportError as exc:
         raise RuntimeError(f"--etcd needs the etcd client: pip install 'kvpool[ha]' ({exc})") from None
-    from kvpool.master.ha.endpoints import parse_endpoints
+    from kvpool.master.ha.endpoints import parse_endpoints, read_etcd_auth
     from kvpool.master.ha.gate import LeaderGate
 
     def on_lead(epoch: int) -> None:
+        election = master.election
+        assert election is not None
         previous = master.leader_epoch
-        if previous not in (0, epoch):
+        if previous not in (0, epoch) and not election.continued:  # continued: a forged key, deleted
             forget_previous_term(master, previous, epoch)
-        # set before the role turns leader: every store order and capability carries it
-        master.stores.leader_epoch = master.leader_epoch = epoch
+        # set before the role turns leader: every store order (with the leader's proof) and capability carries it
+        master.stores.lead(master.capabilities, election.address, epoch)
+        master.leader_epoch = epoch
 
     master.election = Election(
         parse_endpoints(settings.etcd),
         prefix=settings.ha_prefix,
         lease_ttl_s=settings.ha_lease_ttl_s,
         on_lead=on_lead,
+        key=master.capabilities,
+        etcd_auth=read_etcd_auth(
+            settings.etcd_user,
+            settings.etcd_password_file,
+            settings.etcd_ca_file,
+            settings.etcd_cert_file,
+            settings.etcd_key_file,
+        ),
     )
     return LeaderGate(master.election)
 

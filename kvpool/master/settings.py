@@ -157,6 +157,17 @@ class MasterSettings(KVPoolSettings):
         "(sent every TTL/3); a leader with no keep-alive answered for TTL - max(0.5, TTL/5) s stops taking "
         "writes",
     )
+    etcd_user: str = Field(
+        default="", description="etcd user of the election (etcd auth on); with etcd_password_file"
+    )
+    etcd_password_file: str = Field(
+        default="", description="file holding etcd_user's password (first line; mode 0600)"
+    )
+    etcd_ca_file: str = Field(default="", description="PEM CA of etcd's TLS certificate: reach etcd over TLS")
+    etcd_cert_file: str = Field(
+        default="", description="PEM client certificate for etcd (with etcd_key_file)"
+    )
+    etcd_key_file: str = Field(default="", description="PEM key of etcd_cert_file")
     advertise_address: str = Field(
         default="",
         description="HOST:PORT other masters and clients reach this master at (named as the leader); empty: "

@@ -13,7 +13,12 @@ from kvpool.capability import Capabilities, WallClock
 from kvpool.client.store_client import CallSigner, StoreClient, node_identity
 from kvpool.errors import KVPoolError
 from kvpool.master.grants import read_grant
-from kvpool.membership import MASTER_CALL_METADATA, master_call_credential
+from kvpool.membership import (
+    LEADER_PROOF_METADATA,
+    MASTER_CALL_METADATA,
+    leader_proof,
+    master_call_credential,
+)
 from kvpool.types import InventoryItem, Location, SlotOrder
 
 __all__ = ["InventoryItem", "SlotOrder", "StoreCalls", "copy_into"]
@@ -29,13 +34,34 @@ class StoreCalls:
     deadline is `timeout_s` seconds (an inventory's 4x, a copy's 2x). With `capabilities` (a secured
     cluster), every call carries the master's credential (`kvpool.membership.master_call_credential`). Every
     order (reserve, commit, free, copy) carries `leader_epoch`: 0 for a single master, else the epoch this
-    master won its leadership with (`kvpool.master.ha`); stores refuse one older than the newest they have
-    seen."""
+    master won its leadership with (`kvpool.master.ha`, set by `lead`); stores refuse one older than the
+    newest they have seen, and a newer one without the leader's proof."""
 
     def __init__(self, timeout_s: float, capabilities: Capabilities | None = None) -> None:
         self.timeout_s = timeout_s
         self.leader_epoch = 0
-        self._client = StoreClient(sign=_signer(capabilities) if capabilities is not None else None)
+        self.leader_proof = ""
+        """In HA with a cluster secret: `kvpool.membership.leader_proof` of `leader_epoch`, sent with every
+        call (a store takes a higher epoch only with it)."""
+        self._client = StoreClient(sign=self._signer(capabilities) if capabilities is not None else None)
+
+    def lead(self, caps: Capabilities | None, address: str, epoch: int) -> None:
+        """Order the stores as the leader at `address` of `epoch` from now on (with its proof)."""
+        self.leader_proof = leader_proof(caps, address, epoch) if caps is not None and epoch else ""
+        self.leader_epoch = epoch
+
+    def _signer(self, caps: Capabilities) -> CallSigner:
+        """The master's credential for each call to a store (`kvpool.membership.master_call_credential`),
+        and the leader's proof of its epoch when it has one."""
+        clock = WallClock()
+
+        def sign(address: str, method: str, body: bytes) -> list[tuple[str, str]]:
+            cred = master_call_credential(caps, address, method, body, clock.now_ms())
+            proof = self.leader_proof
+            pairs = [(MASTER_CALL_METADATA, cred)]
+            return [*pairs, (LEADER_PROOF_METADATA, proof)] if proof else pairs
+
+        return sign
 
     def forget(self, address: str) -> None:
         self._client.forget(address)
@@ -88,16 +114,6 @@ class StoreCalls:
             leader_epoch=self.leader_epoch,
             timeout_s=self.timeout_s * _COPY_TIMEOUTS,
         )
-
-
-def _signer(caps: Capabilities) -> CallSigner:
-    """The master's credential for each call to a store (`kvpool.membership.master_call_credential`)."""
-    clock = WallClock()
-
-    def sign(method: str) -> list[tuple[str, str]]:
-        return [(MASTER_CALL_METADATA, master_call_credential(caps, method, clock.now_ms()))]
-
-    return sign
 
 
 def copy_into(

@@ -8,37 +8,51 @@ An order at epoch 0 comes from a single master (masters in HA never send 0) and 
 or fuzzed order with a huge epoch must not lock a single master out of its stores. Without a cluster
 secret anyone may send a store orders, so fencing protects HA pools against deposed leaders, not against
 hostile clients; with one, only the master's credential opens the store's control calls
-(`kvpool.membership`).
+(`kvpool.membership`), and a store takes a higher epoch only with the leader's proof of it (a MAC under
+the secret over its address and that epoch, `kvpool.membership.leader_proof`): an epoch read from a forged
+etcd key, or set in a forged order, fences no one.
 """
 
 from __future__ import annotations
 
 import threading
 
-from kvpool.errors import FailedPrecondition
+from kvpool.capability import Capabilities
+from kvpool.errors import FailedPrecondition, Unauthenticated
+from kvpool.membership import check_leader_proof
 
 
 class EpochFence:
     """The newest master leader epoch this store has taken an order from; an order carrying an older one
     (a deposed or partitioned leader's) is refused. Epoch 0 (a single master, no HA) is never refused.
-    Thread-safe."""
+    With `key` (a secured store), a higher epoch is taken only with its leader proof. Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: Capabilities | None = None) -> None:
+        self._key = key
         self._lock = threading.Lock()
         self.highest = 0
         self.epochs: list[int] = []
         """The epochs this store took orders from, in the order first taken (each newer than the last)."""
         self.num_refused = 0
         """Orders refused as fenced (an older epoch's)."""
+        self.num_unproven = 0
+        """Orders refused for a higher epoch without a valid leader proof."""
 
-    def check(self, epoch: int) -> None:
-        """Record `epoch`, or raise FailedPrecondition "fenced: epoch N < M" when it is older."""
+    def check(self, epoch: int, proof: str = "") -> None:
+        """Record `epoch`, or raise FailedPrecondition "fenced: epoch N < M" when it is older, and (a secured
+        store) `Unauthenticated` when it is newer and `proof` is not its `leader_proof`."""
         if epoch == self.highest or epoch == 0:  # the steady state (or a single master): no lock
             return
         with self._lock:
             if epoch < self.highest:
                 self.num_refused += 1
                 raise FailedPrecondition(f"fenced: epoch {epoch} < {self.highest}")
+            if epoch > self.highest and self._key is not None:
+                try:
+                    check_leader_proof(self._key, epoch, proof)
+                except Unauthenticated:
+                    self.num_unproven += 1
+                    raise
             if epoch > self.highest:  # another thread may have taken the same new epoch first
                 self.epochs.append(epoch)
                 self.highest = epoch

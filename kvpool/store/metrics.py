@@ -53,6 +53,12 @@ class StoreCollector(Collector):
             "or partitioned master's).",
             value=t.fence.num_refused,
         )
+        yield CounterMetricFamily(
+            P + "unproven_epochs",
+            "Orders refused because they carried a newer leader epoch without the leader's proof of it (a "
+            "forged order or etcd key; secured stores only).",
+            value=t.fence.num_unproven,
+        )
 
 
 class StoreMetrics:

@@ -9,15 +9,17 @@ import os
 import secrets
 import socket
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from kvpool.capability import Capabilities, WallClock, process_capabilities
 from kvpool.client import MasterClient
 from kvpool.client.master_link import HeartbeatReport, MasterLink
 from kvpool.errors import KVPoolError, Unauthenticated
-from kvpool.membership import MASTER_CALL_METADATA, check_master_call, store_proof
+from kvpool.membership import MASTER_CALL_METADATA, CallNonces, check_master_call, store_proof
 from kvpool.metrics import MetricsServer, address_of, maybe_start
-from kvpool.rpc.guards import MetadataGuard
+from kvpool.rpc.guards import RequestGuard
 from kvpool.rpc.server import GrpcServer, start_server
 from kvpool.store.metrics import MeteredHandler, StoreMetrics
 from kvpool.store.segment import Segment
@@ -135,7 +137,7 @@ class StoreNode:
             port=self.settings.grpc_port,
             max_workers=self.settings.max_workers,
             max_concurrent_rpcs=self.settings.max_concurrent_rpcs,
-            interceptors=master_calls_only(self.table.capabilities),
+            interceptors=master_calls_only(self.table.capabilities, lambda: self.grpc_address),
         )
         s = self.settings
         self._metrics_server = maybe_start(
@@ -251,20 +253,33 @@ class StoreNode:
         return [(b[2], b[3], e) for b, e in zip(blocks, errors, strict=True)]
 
 
-def master_calls_only(caps: Capabilities | None) -> list[MetadataGuard]:
+def master_calls_only(caps: Capabilities | None, address: Callable[[], str]) -> list[RequestGuard]:
     """A secured store serves its control calls (reserve, commit, free, inventory, copy) to the master
-    only: each must carry the master's credential (`kvpool.membership.check_master_call`). `GetInfo`
-    stays open (duplicate-id probes, health of a node's identity)."""
+    only: each must carry the master's credential for this store (`address()`, its gRPC address), the
+    method and the request's bytes (as they came on the wire: `kvpool.rpc.status.DecodeErrors` parses them
+    after this guard), made within the skew and never seen here before
+    (`kvpool.membership.check_master_call`). `GetInfo` stays open (duplicate-id probes, health of a node's
+    identity)."""
     if caps is None:
         return []
     clock = WallClock()
+    nonces = CallNonces()
 
-    def check(method: str, metadata: Any) -> str | None:
+    def check(method: str, metadata: Any, request: Any) -> str | None:
         value = next((v for k, v in metadata if k == MASTER_CALL_METADATA), "")
         try:
-            check_master_call(caps, method, value if isinstance(value, str) else "", clock.now_ms())
+            check_master_call(
+                caps,
+                address(),
+                method,
+                request if isinstance(request, bytes) else request.SerializeToString(),
+                value if isinstance(value, str) else "",
+                clock.now_ms(),
+                nonces,
+                time.monotonic_ns() // 1_000_000,
+            )
         except Unauthenticated as exc:
             return str(exc)
         return None
 
-    return [MetadataGuard(check, frozenset({"/kvpool.v1.Store/GetInfo"}))]
+    return [RequestGuard(check, frozenset({"/kvpool.v1.Store/GetInfo"}))]

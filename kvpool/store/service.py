@@ -10,6 +10,7 @@ import grpc
 import psutil
 
 from kvpool.errors import InvalidArgument, ResourceExhausted
+from kvpool.membership import LEADER_PROOF_METADATA
 from kvpool.rpc.status import rpc_errors
 from kvpool.store.slots import Reservation, SlotTable
 from kvpool.v1 import kvpool_pb2 as pb
@@ -23,6 +24,12 @@ INVENTORY_CHUNK = 1024
 CopyFn = Callable[[str, list[tuple[int, int, int, int, int, bytes, int]]], list[tuple[int, int, str]]]
 """(src data address, [(src slot, src gen, dst slot, dst gen, checksum, src read capability, its expiry
 ms)]) -> [(dst slot, dst gen, error)]."""
+
+
+def _leader_proof(context: grpc.ServicerContext) -> str:
+    """The leader's proof of its epoch the call carries (`kvpool.membership.leader_proof`), "" if none."""
+    value = next((v for k, v in context.invocation_metadata() or () if k == LEADER_PROOF_METADATA), "")
+    return value if isinstance(value, str) else ""
 
 
 class StoreServicer(pb_grpc.StoreServicer):
@@ -70,7 +77,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         self, request: pb.ReserveSlotsRequest, context: grpc.ServicerContext
     ) -> pb.ReserveSlotsResponse:
         self._check_batch(len(request.slots))
-        self.fence.check(request.leader_epoch)
+        self.fence.check(request.leader_epoch, _leader_proof(context))
         self._table.reserve(
             [
                 Reservation(s.slot, s.generation, s.namespace, s.block_hash, s.parent_hash)
@@ -85,7 +92,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         self, request: pb.CommitSlotsRequest, context: grpc.ServicerContext
     ) -> pb.CommitSlotsResponse:
         self._check_batch(len(request.slots))
-        self.fence.check(request.leader_epoch)
+        self.fence.check(request.leader_epoch, _leader_proof(context))
         results = self._table.commit((s.slot, s.generation) for s in request.slots)
         return pb.CommitSlotsResponse(
             results=[pb.SlotResult(slot=s, generation=g, ok=not e, error=e) for s, g, e in results]
@@ -97,7 +104,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         for s in request.slots:  # all-or-nothing on malformed input
             if s.slot >= self._table.num_slots:
                 raise InvalidArgument(f"slot {s.slot} out of range [0, {self._table.num_slots})")
-        self.fence.check(request.leader_epoch)
+        self.fence.check(request.leader_epoch, _leader_proof(context))
         freed = self._table.free((s.slot, s.generation) for s in request.slots)
         return pb.FreeSlotsResponse(
             slots=[
@@ -138,7 +145,7 @@ class StoreServicer(pb_grpc.StoreServicer):
                 raise InvalidArgument(
                     f"destination slot {b.dst.slot} out of range [0, {self._table.num_slots})"
                 )
-        self.fence.check(request.leader_epoch)
+        self.fence.check(request.leader_epoch, _leader_proof(context))
         results = self._copy(
             request.src_data_address,
             [

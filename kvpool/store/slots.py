@@ -83,7 +83,7 @@ class SlotTable(SlotDataPlane):
     ) -> None:
         self.segment = segment
         self.capabilities = capabilities
-        self.fence = EpochFence()
+        self.fence = EpochFence(capabilities)
         """The newest master leader epoch seen (`kvpool.store.fence`): older orders and capabilities fail."""
         self.node_id = node_id
         self.block_nbytes = segment.block_nbytes

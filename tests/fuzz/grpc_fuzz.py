@@ -9,9 +9,9 @@ import grpc
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from kvpool.client.store_client import SignedCalls
 from kvpool.cluster.local import LocalCluster
 from kvpool.membership import MASTER_CALL_METADATA, master_call_credential
-from kvpool.rpc.security import CallMetadata
 from kvpool.rpc.server import channel
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
@@ -69,10 +69,14 @@ def connect(cluster: LocalCluster) -> Servers:
     if caps is not None:  # a secured store serves the master only: the fuzzer signs as the master does
         channels["store"] = grpc.intercept_channel(
             channels["store"],
-            CallMetadata(
-                lambda m: [
-                    (MASTER_CALL_METADATA, master_call_credential(caps, m, time.time_ns() // 1_000_000))
-                ]
+            SignedCalls(
+                addresses["store"],
+                lambda a, m, body: [
+                    (
+                        MASTER_CALL_METADATA,
+                        master_call_credential(caps, a, m, body, time.time_ns() // 1_000_000),
+                    )
+                ],
             ),
         )
     s = Servers(channels, {}, 0, [])

@@ -12,6 +12,10 @@ keep-alive succeeded since (before etcd can expire its key), and at once when a 
 gone or the key holds someone else: it becomes `deposed` (stops taking writes, see `kvpool.master.ha.gate`)
 until it reaches etcd again, where it stands by or wins a new, higher epoch. A master stopping cleanly
 revokes its lease: the standbys take over within a watch round trip, not a TTL.
+
+With the cluster secret, what a master puts at the leader key is a claim MAC'd under it
+(`kvpool.membership.leader_claim`): a key anyone else wrote names no leader (see `Election`). etcd is
+reached as `EtcdAuth` says (user and password, TLS: `kvpool.master.ha.etcd_client`).
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aetcd
 
-from kvpool.master.ha.endpoints import parse_endpoints
+from kvpool.capability import Capabilities
+from kvpool.master.ha.endpoints import EtcdAuth, parse_endpoints
+from kvpool.master.ha.etcd_client import EtcdClient
+from kvpool.membership import leader_claim, read_leader_claim
 from kvpool.rpc.loop import new_event_loop
 
 __all__ = ["DEPOSED", "LEADER", "STANDBY", "Election", "HaView", "parse_endpoints"]
@@ -57,7 +65,12 @@ class Election:
 
     `on_lead(epoch)` runs (on the election thread) after a win and before `role` turns LEADER, so what it
     sets (the epoch of store orders) is in place before any write is taken. `lease_ttl_s` is etcd's integer
-    TTL in seconds (>= 2); `op_timeout_s` bounds each etcd call.
+    TTL in seconds (>= 2); `op_timeout_s` bounds each etcd call; `etcd_auth`: etcd's user, password and TLS.
+
+    With `key` (the cluster secret), the leader key holds a MAC over the address and the lease
+    (`kvpool.membership.leader_claim`): a key that does not carry one (written by anyone without the secret)
+    names no leader. A leader whose key is replaced so deletes it and campaigns again, leading on without
+    a break (at a new epoch); a standby ignores it, and deletes it after a lease TTL (no leader to do so).
     """
 
     def __init__(
@@ -68,6 +81,8 @@ class Election:
         lease_ttl_s: int = 5,
         op_timeout_s: float = 1.0,
         on_lead: Callable[[int], None] | None = None,
+        key: Capabilities | None = None,
+        etcd_auth: EtcdAuth | None = None,
     ) -> None:
         if lease_ttl_s < 2:
             raise ValueError(f"lease_ttl_s must be >= 2, got {lease_ttl_s}")
@@ -77,6 +92,14 @@ class Election:
         self._op_s = op_timeout_s
         self._margin_s = max(0.5, lease_ttl_s * 0.2)
         self._on_lead = on_lead
+        self._key = key
+        self._auth = etcd_auth or EtcdAuth()
+        self.continued = False
+        """During `on_lead`: this master led until this new epoch, with no other leader between (its key
+        was replaced by a forged one, which it deleted)."""
+        self._forged: tuple[int, float] = (0, 0.0)  # (mod revision, monotonic s first seen) of a forged key
+        self.num_forged = 0
+        """Leader keys seen that no master wrote (no valid claim)."""
         self._lock = threading.Lock()
         self._address = ""
         self._role = STANDBY
@@ -92,6 +115,11 @@ class Election:
         self._watch_from: int | None = None
         self._lease_id = 0  # kept across connections (any endpoint can keep it alive) until it lapses
         self._deadline = 0.0  # monotonic s: etcd keeps the lease at least until then
+
+    @property
+    def address(self) -> str:
+        """This master's advertised address ("" before `start`)."""
+        return self._address
 
     @property
     def leader_key(self) -> bytes:
@@ -184,7 +212,7 @@ class Election:
         while not self._stop.is_set():
             host, port = self._endpoints[turn % len(self._endpoints)]
             turn += 1
-            client = aetcd.Client(host=host, port=port, timeout=self._op_s)
+            client = EtcdClient(host, port, self._auth, self._op_s)
             try:
                 await self._session(client)
             except Exception as exc:  # noqa: BLE001 - etcd unreachable or the lease lost: retry
@@ -235,36 +263,69 @@ class Election:
                 self._step_down(f"no keep-alive answered within {self.lease_ttl_s} s")
             await asyncio.sleep(0.05)
 
-    async def _campaign(self, client: aetcd.Client, lease_id: int) -> None:
-        key, me = self.leader_key, self._address.encode()
+    async def _campaign(self, client: aetcd.Client, lease_id: int, *, again: bool = True) -> None:
+        key, me = self.leader_key, self._address
         tx = client.transactions
         won, responses = await client.transaction(
-            compare=[tx.create(key) == 0], success=[tx.put(key, me, lease_id)], failure=[tx.get(key)]
+            compare=[tx.create(key) == 0],
+            success=[tx.put(key, leader_claim(self._key, me, lease_id), lease_id)],
+            failure=[tx.get(key)],
         )
         current = (
             await client.get(key) if won else (responses[0][0][1] if responses and responses[0] else None)
         )
         if current is None:
             return  # gone between the two: the next round campaigns again
-        if current.value == me and current.lease == lease_id:
+        named = read_leader_claim(self._key, current.value, current.lease)
+        if named is None:
+            if await self._forged_key(client, current) and again:
+                await self._campaign(client, lease_id, again=False)
+            return
+        if named == me and current.lease == lease_id:
             if self._role != LEADER or self._epoch != current.create_revision:
                 epoch = current.create_revision
+                self.continued = self.role == LEADER
                 if self._on_lead is not None:
                     self._on_lead(epoch)
+                self.continued = False
                 if epoch != self._epoch:
                     with self._lock:
                         self._elections += 1
                 self._set(leader=self._address, epoch=epoch, role=LEADER)
                 log.info("master %s leads (epoch %d)", self._address, epoch)
             return
-        self._step_down(f"the leader key holds {current.value.decode()!r}")
+        self._step_down(f"the leader key names {named!r}")
         self._watch_from = current.mod_revision + 1
-        if current.value == me:  # under a lease of ours that lapsed here: end it now, campaign afresh
+        if named == me:  # under a lease of ours that lapsed here: end it now, campaign afresh
             self._set(role=STANDBY, leader="", epoch=0)
             with contextlib.suppress(Exception):
                 await client.revoke_lease(current.lease)
             return
-        self._set(role=STANDBY, leader=current.value.decode(), epoch=current.create_revision)
+        self._set(role=STANDBY, leader=named, epoch=current.create_revision)
+
+    async def _forged_key(self, client: aetcd.Client, current: Any) -> bool:
+        """The leader key holds no master's claim: a leader deletes it (True: campaign again at once); a
+        standby keeps the leader it knew and deletes the key once it outlived a lease TTL."""
+        revision = current.mod_revision
+        if self._forged[0] != revision:
+            self._forged = (revision, time.monotonic())
+            with self._lock:
+                self.num_forged += 1
+            log.warning(
+                "master %s: the etcd key %s holds %r, which no master wrote (no valid claim): ignored",
+                self._address,
+                self.leader_key.decode(),
+                current.value[:64],
+            )
+        self._watch_from = revision + 1
+        leading = self.role == LEADER
+        if not leading and time.monotonic() - self._forged[1] < self.lease_ttl_s:
+            return False
+        tx = client.transactions
+        await client.transaction(
+            compare=[tx.mod(self.leader_key) == revision], success=[tx.delete(self.leader_key)], failure=[]
+        )
+        return leading
 
     async def _wait_round(self, client: aetcd.Client) -> None:
         """A leader sleeps a keep-alive interval; a standby watches the leader key as long (wakes on a change)."""
