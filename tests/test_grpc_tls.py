@@ -148,3 +148,23 @@ def test_the_up_plans_master_serves_tls_and_the_admin_cli_uses_the_export_line(t
     finally:
         master.kill()
         tls.remove_files()
+
+
+def test_kvpool_tls_makes_one_set_for_a_cluster_across_hosts(tmp_path: Path) -> None:
+    spec = tmp_path / "cluster.toml"
+    spec.write_text('[master]\nhost = "10.0.0.1"\n[store]\nhosts = ["10.0.0.2"]\n')
+    out = tmp_path / "tls"
+    cmd = [sys.executable, "-m", "kvpool.cli.main", "tls", str(out), "-c", str(spec), "--host", "kv.example"]
+    made = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    exported = dict(w.split("=", 1) for w in made.stdout.strip().removeprefix("export ").split())
+    assert exported == tls_env({"ca": out / "ca.pem", "cert": out / "cert.pem", "key": out / "key.pem"})
+    assert (out / "key.pem").stat().st_mode & 0o777 == 0o600
+    cert = x509.load_pem_x509_certificate((out / "cert.pem").read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"10.0.0.1", "10.0.0.2"} <= {str(ip) for ip in san.get_values_for_type(x509.IPAddress)}
+    assert "kv.example" in san.get_values_for_type(x509.DNSName)
+    ca = (out / "ca.pem").read_bytes()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "not empty" in again.stderr
+    assert (out / "ca.pem").read_bytes() == ca  # never overwritten
