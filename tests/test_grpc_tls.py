@@ -18,7 +18,7 @@ from kvpool.client import MasterClient
 from kvpool.cluster.launch import plan
 from kvpool.cluster.spec import ClusterSpec
 from kvpool.cluster.tls import TLS_ENV, UpTls, spec_hosts, tls_env, write_cluster_tls
-from kvpool.errors import Unavailable
+from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.master.procs import LAYOUT, start, start_master
 from kvpool.rpc.security import security
 
@@ -81,16 +81,37 @@ def test_spec_hosts_reach_the_certificate(tmp_path: Path) -> None:
     assert not Path(tls.env["KVPOOL_TLS_KEY_FILE"]).exists()
 
 
-def test_up_tls_off_or_the_operators_files() -> None:
-    operator = {"KVPOOL_TLS_CERT_FILE": "/etc/kv/cert.pem", "KVPOOL_TLS_KEY_FILE": "/etc/kv/key.pem",
-                "KVPOOL_TLS_CA_FILE": "/etc/kv/ca.pem", "PATH": "/bin"}  # fmt: skip
-    kept = UpTls.make(Path("/nonexistent"), [], enabled=True, environ=operator)
+def test_up_tls_off_or_the_operators_files(tmp_path: Path) -> None:
+    files = write_cluster_tls(tmp_path / "mine", [])
+    operator = {"KVPOOL_TLS_CERT_FILE": str(files["cert"]), "KVPOOL_TLS_KEY_FILE": str(files["key"]),
+                "KVPOOL_TLS_CA_FILE": str(files["ca"]), "PATH": "/bin"}  # fmt: skip
+    kept = UpTls.make(tmp_path / "run", [], enabled=True, environ=operator)
     assert kept.env == {k: v for k, v in operator.items() if k != "PATH"} and kept.made == []
-    off = UpTls.make(Path("/nonexistent"), [], enabled=False, environ=operator)
+    assert not (tmp_path / "run").exists()  # nothing made
+    off = UpTls.make(tmp_path / "run", [], enabled=False, environ=operator)
     environ = dict(operator)
     off.apply(environ)
     assert environ == {"PATH": "/bin"}  # `tls = false`: no role gets the operator's TLS settings
     assert off.export_line() == ""
+    missing = operator | {"KVPOOL_TLS_KEY_FILE": str(tmp_path / "nope.pem")}
+    with pytest.raises(InvalidArgument, match="KVPOOL_TLS_KEY_FILE=.*nope.pem: cannot read it"):
+        UpTls.make(tmp_path / "run", [], enabled=True, environ=missing)
+
+
+def test_up_refuses_unreadable_operator_tls_files_in_one_line(tmp_path: Path) -> None:
+    spec = tmp_path / "cluster.toml"
+    spec.write_text("[master]\nport = 0\n[router]\nport = 0\n")
+    env = {k: v for k, v in os.environ.items() if k not in TLS_ENV}
+    env["KVPOOL_TLS_CERT_FILE"] = str(tmp_path / "missing-cert.pem")
+    r = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "up", "-c", str(spec), "--quiet"],
+                       env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert (
+        last
+        == f"kvpool up: KVPOOL_TLS_CERT_FILE={tmp_path}/missing-cert.pem: cannot read it (the operator's TLS files)"
+    )
+    assert "ready in" not in r.stderr and "Traceback" not in r.stderr
 
 
 def test_a_tls_master_refuses_plaintext_and_clients_without_the_clusters_certificate(

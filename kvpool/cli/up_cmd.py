@@ -135,9 +135,14 @@ def _cluster_tls(spec: Any, log_dir: Path) -> Any:
     """gRPC TLS for every role and this process (`kvpool.cluster.tls.UpTls`): a fresh CA and certificate
     under `log_dir/tls`, the operator's `KVPOOL_TLS_*` files when set, none with `[cluster] tls = false`."""
     from kvpool.cluster.tls import UpTls, spec_hosts
+    from kvpool.errors import InvalidArgument
     from kvpool.rpc.security import security
 
-    tls = UpTls.make(log_dir, spec_hosts(spec), enabled=spec.cluster.tls, environ=os.environ)
+    try:
+        tls = UpTls.make(log_dir, spec_hosts(spec), enabled=spec.cluster.tls, environ=os.environ)
+    except InvalidArgument as exc:
+        typer.echo(f"kvpool up: {exc}", err=True)
+        raise typer.Exit(2) from None
     tls.apply(os.environ)  # the roles inherit it; this process's health checks use it too
     security.cache_clear()
     return tls

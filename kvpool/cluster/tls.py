@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvpool.cluster.spec import ClusterSpec
+from kvpool.errors import InvalidArgument
 
 TLS_ENV = ("KVPOOL_TLS_CA_FILE", "KVPOOL_TLS_CERT_FILE", "KVPOOL_TLS_KEY_FILE", "KVPOOL_TLS_CLIENT_AUTH")
 """The variables that configure gRPC TLS (`kvpool.rpc.security.RpcSecurity`)."""
@@ -147,11 +148,16 @@ class UpTls:
         cls, directory: Path, hosts: Iterable[str], *, enabled: bool, environ: Mapping[str, str]
     ) -> UpTls:
         """Disabled: no TLS (the operator's `KVPOOL_TLS_*` are to be dropped). The operator's environment
-        names a certificate: those files, as they are. Otherwise fresh files under `directory/tls`."""
+        names a certificate: those files, as they are (`InvalidArgument` naming the variable when one cannot
+        be read). Otherwise fresh files under `directory/tls`."""
         if not enabled:
             return cls()
         if environ.get("KVPOOL_TLS_CERT_FILE"):
-            return cls({k: environ[k] for k in TLS_ENV if environ.get(k)})
+            env = {k: environ[k] for k in TLS_ENV if environ.get(k)}
+            for name, path in env.items():
+                if name.endswith("_FILE") and not os.access(path, os.R_OK):
+                    raise InvalidArgument(f"{name}={path}: cannot read it (the operator's TLS files)")
+            return cls(env)
         paths = write_cluster_tls(directory / "tls", hosts)
         return cls(tls_env(paths), [paths["key"]])
 
