@@ -233,8 +233,8 @@ def aio_channel(address: str) -> tuple[grpc.aio.Channel, tuple[tuple[str, str], 
     carrying the bearer token and the join token (empty without them). Create it inside the event loop that
     will use it."""
     sec = security()
-    creds = channel_credentials(sec)
-    if creds is not None:
+    if sec.tls_ca_file:
+        creds = channel_credentials(sec)
         ch = grpc.aio.secure_channel(address, creds, options=channel_options(_CHANNEL_OPTIONS, sec))
     else:
         ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)

@@ -137,11 +137,10 @@ def server_credentials(sec: RpcSecurity) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=True)
 
 
-def channel_credentials(sec: RpcSecurity) -> grpc.ChannelCredentials | None:
-    """TLS credentials for a channel (None without `tls_ca_file`: plaintext): the CA to verify servers
-    against, and this process's certificate and key as its client certificate when both are set."""
-    if not sec.tls_ca_file:
-        return None
+def channel_credentials(sec: RpcSecurity) -> grpc.ChannelCredentials:
+    """TLS credentials for a channel (callers use them when `tls_ca_file` is set; without it, plaintext):
+    the CA to verify servers against, and this process's certificate and key as its client certificate
+    when both are set. `InvalidArgument` naming the setting when a file cannot be read."""
     ca = _read(sec.tls_ca_file, "tls_ca_file")
     if sec.tls_cert_file and sec.tls_key_file:
         return grpc.ssl_channel_credentials(
@@ -247,8 +246,8 @@ class _Details(grpc.ClientCallDetails):
 def secure_channel(address: str, options: list[tuple[str, Any]], sec: RpcSecurity) -> grpc.Channel:
     """A channel with TLS (when a CA is configured), the bearer token and the join token (when
     configured)."""
-    creds = channel_credentials(sec)
-    if creds is not None:
+    if sec.tls_ca_file:
+        creds = channel_credentials(sec)
         ch = grpc.secure_channel(address, creds, options=channel_options(options, sec))
     else:
         ch = grpc.insecure_channel(address, options=options)
