@@ -1,8 +1,8 @@
 """Run the README's quickstart as written and check what it claims (`make quickstart-check`).
 
 Takes the shell blocks under "## Quickstart" in README.md: the first starts the cluster (`kvpool up`), the
-rest run against it after the `export KVPOOL_JOIN_TOKEN_FILE=...` line the cluster printed, as the README
-tells a user to do. Checks: the cluster prints its endpoints and that export line; the other blocks exit 0;
+rest run against it after the `export KVPOOL_...=...` lines the cluster printed (the join token, the
+gRPC TLS files), as the README tells a user to do. Checks: the cluster prints its endpoints and that export line; the other blocks exit 0;
 the `openai` snippet prints `prompt_tokens cached_tokens` per request and the repeated request has
 cached_tokens > 0; Ctrl-C (SIGINT) stops the cluster with exit 0. Everything within `--budget-s` (180 s).
 Exit 0 when all hold, 1 otherwise, with one line per failed check and the cluster's output tail.
@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 READY_LINE = "Ctrl-C stops everything"  # the last line `kvpool up` prints once every role serves
 EXPORT_RE = re.compile(r"export KVPOOL_JOIN_TOKEN_FILE=\S+")
+EXPORTS_RE = re.compile(r"export KVPOOL_\w+=\S+(?: KVPOOL_\w+=\S+)*")  # every export the cluster printed
 USAGE_RE = re.compile(r"^(\d+) (\d+)$", re.M)  # the snippet prints "prompt_tokens cached_tokens"
 
 
@@ -72,7 +73,7 @@ def run(budget_s: float) -> int:
         export = EXPORT_RE.search(text)
         if export is None:
             failures.append("kvpool up printed no `export KVPOOL_JOIN_TOKEN_FILE=...` line")
-        prelude = (export.group(0) + "\n") if export else ""
+        prelude = "".join(m.group(0) + "\n" for m in EXPORTS_RE.finditer(text))
         for i, block in enumerate(blocks[1:], start=2):
             t1 = time.monotonic()
             try:

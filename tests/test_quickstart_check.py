@@ -37,6 +37,11 @@ def test_the_checks_parsing() -> None:
     assert (
         check.EXPORT_RE.search(text).group(0) == "export KVPOOL_JOIN_TOKEN_FILE=/tmp/kvpool-up-x/join_token"
     )
+    tls = "gRPC TLS (mutual) ...: export KVPOOL_TLS_CA_FILE=/t/ca.pem KVPOOL_TLS_CLIENT_AUTH=true\n"
+    assert [m.group(0) for m in check.EXPORTS_RE.finditer(text + "\n" + tls)] == [
+        "export KVPOOL_JOIN_TOKEN_FILE=/tmp/kvpool-up-x/join_token",
+        "export KVPOOL_TLS_CA_FILE=/t/ca.pem KVPOOL_TLS_CLIENT_AUTH=true",
+    ]
     with pytest.raises(ValueError, match='no "## Quickstart"'):
         check.quickstart_blocks("# kvpool\n## Other\n```bash\nls\n```\n")
     with pytest.raises(ValueError, match="1 bash block"):

@@ -151,7 +151,9 @@ def test_a_secured_up_keeps_the_operators_secret_from_non_secret_roles(tmp_path:
         admin = subprocess.run(
             [sys.executable, "-m", "kvpool.cli.main", "admin", "--master", master, "evict", "--fraction", "0.1"],
             capture_output=True, text=True, timeout=60,
-            env=scrubbed(os.environ) | {"KVPOOL_JOIN_TOKEN_FILE": children["router"]["KVPOOL_JOIN_TOKEN_FILE"]},
+            env=scrubbed(os.environ)
+            | {"KVPOOL_JOIN_TOKEN_FILE": children["router"]["KVPOOL_JOIN_TOKEN_FILE"]}
+            | {k: v for k, v in children["router"].items() if k.startswith("KVPOOL_TLS_")},
         )  # fmt: skip
         assert admin.returncode != 0 and "may not call Evict" in admin.stderr, admin.stderr[-2000:]
     finally:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -158,12 +160,29 @@ def _kill_mid_stream(up: _Up, url: str) -> tuple[list[str], float]:
     return events, killed
 
 
-def test_up_restarts_each_killed_role_on_its_port(tmp_path: Path) -> None:
+@pytest.fixture
+def up_tls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[_Up], None]]:
+    """Gives this process's gRPC (`_serves`' health checks) the TLS files a `kvpool up` printed."""
+    from kvpool.rpc.security import security
+
+    def use(up: _Up) -> None:
+        line = next(x for x in up.lines if "export KVPOOL_TLS_" in x)
+        for name, value in re.findall(r"(KVPOOL_TLS_\w+)=(\S+)", line):
+            monkeypatch.setenv(name, value)
+        security.cache_clear()
+
+    yield use
+    monkeypatch.undo()
+    security.cache_clear()
+
+
+def test_up_restarts_each_killed_role_on_its_port(tmp_path: Path, up_tls: Callable[[_Up], None]) -> None:
     spec = tmp_path / "cluster.toml"
     spec.write_text(SPEC)
     up = _Up(spec)
     try:
         up.wait_line("Ctrl-C stops everything", 240)
+        up_tls(up)  # the roles serve gRPC with mutual TLS
         addresses = up.endpoints()
         url = f"http://{addresses['router']}"
         _complete(url, "hello")

@@ -20,6 +20,7 @@ from kvpool.cli.roles import register_role_commands
 from kvpool.cli.router_cmd import register_router_command
 from kvpool.cli.serving_cmd import register_serving_commands
 from kvpool.cli.store_cmd import register_store_command
+from kvpool.cli.tls_cmd import register_tls_command
 from kvpool.cli.token_cmd import token_app
 from kvpool.cli.up_cmd import register_up_command
 
@@ -37,6 +38,7 @@ register_store_command(app)
 register_master_command(app)
 register_router_command(app)
 register_up_command(app)
+register_tls_command(app)
 app.add_typer(admin_app, name="admin")
 app.add_typer(model_app, name="model")
 app.add_typer(token_app, name="token")

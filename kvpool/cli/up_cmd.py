@@ -132,6 +132,23 @@ def _say(line: str) -> None:
     typer.echo(f"kvpool up: {line}", err=True)
 
 
+def _cluster_tls(spec: Any, log_dir: Path) -> Any:
+    """gRPC TLS for every role and this process (`kvpool.cluster.tls.UpTls`): a fresh CA and certificate
+    under `log_dir/tls`, the operator's `KVPOOL_TLS_*` files when set, none with `[cluster] tls = false`."""
+    from kvpool.cluster.tls import UpTls, spec_hosts
+    from kvpool.errors import InvalidArgument
+    from kvpool.rpc.security import security
+
+    try:
+        tls = UpTls.make(log_dir, spec_hosts(spec), enabled=spec.cluster.tls, environ=os.environ)
+    except InvalidArgument as exc:
+        typer.echo(f"kvpool up: {exc}", err=True)
+        raise typer.Exit(2) from None
+    tls.apply(os.environ)  # the roles inherit it; this process's health checks use it too
+    security.cache_clear()
+    return tls
+
+
 def _echo_logs(paths: list[Path], stop: threading.Event) -> None:
     offsets: dict[Path, int] = {}
     while not stop.is_set():
@@ -225,6 +242,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
     assert isinstance(spec, ClusterSpec)
     layout = ModelInfo.load(spec.cluster.model or None, block_size=spec.cluster.block_size).layout
     log_dir = Path(tempfile.mkdtemp(prefix="kvpool-up-"))
+    tls = _cluster_tls(spec, log_dir)
     etcd = etcd_tls = None
     etcd_env: dict[str, str] = {}  # the masters' etcd credentials (a secured cluster's etcd: TLS and auth)
     if spec.cluster.masters > 1:  # masters in HA: they elect their leader on an embedded etcd
@@ -327,6 +345,11 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
                 typer.echo(
                     "UNSECURED (--insecure): any process that reaches the master may join, read and write"
                 )
+            typer.echo(
+                f"gRPC TLS (mutual) for the admin CLI and roles on other hosts (copy the files): {tls.export_line()}"
+                if tls.env
+                else "gRPC in plaintext ([cluster] tls = false)"
+            )
             typer.echo(f"logs in {log_dir}; Ctrl-C stops everything")
         _supervise(procs, timeout_s, stop)
     except GaveUp as exc:
@@ -343,4 +366,5 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
             (log_dir / name).unlink(missing_ok=True)
         shutil.rmtree(log_dir / "etcd-tls", ignore_errors=True)
         typer.echo("kvpool cluster stopped")
+        tls.remove_files()  # the key this run made (never the operator's)
     return code

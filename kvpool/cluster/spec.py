@@ -9,6 +9,7 @@
     max_restarts = 5            # restarts allowed within restart_window_s; one more crash: kvpool up stops
     restart_window_s = 60.0
     masters = 1             # > 1: masters in HA on an embedded etcd (docs/ha.md)
+    tls = true              # gRPC TLS: a fresh CA and certificate for every role (kvpool.cluster.tls); false = plaintext
 
     [master]
     host = "127.0.0.1"
@@ -91,6 +92,11 @@ class ClusterSection(_Section):
         ge=1,
         le=7,
         description="masters; > 1: high availability on an embedded single-node etcd (docs/ha.md)",
+    )
+    tls: bool = Field(
+        default=True,
+        description="gRPC TLS between every role: a fresh CA and certificate (kvpool.cluster.tls); "
+        "false = plaintext gRPC (debugging)",
     )
 
     @model_validator(mode="after")

@@ -18,7 +18,6 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent import futures
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -28,7 +27,14 @@ from grpc_reflection.v1alpha import reflection
 from kvpool import errors
 from kvpool.membership import JOIN_TOKEN_METADATA
 from kvpool.rpc.loop import new_event_loop
-from kvpool.rpc.security import _OPEN_METHODS, bind, join_token, security
+from kvpool.rpc.security import (
+    _OPEN_METHODS,
+    bind,
+    channel_credentials,
+    channel_options,
+    join_token,
+    security,
+)
 from kvpool.rpc.server import _CHANNEL_OPTIONS, _SERVER_OPTIONS
 from kvpool.rpc.status import status_for
 
@@ -228,8 +234,8 @@ def aio_channel(address: str) -> tuple[grpc.aio.Channel, tuple[tuple[str, str], 
     will use it."""
     sec = security()
     if sec.tls_ca_file:
-        creds = grpc.ssl_channel_credentials(root_certificates=Path(sec.tls_ca_file).read_bytes())
-        ch = grpc.aio.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
+        creds = channel_credentials(sec)
+        ch = grpc.aio.secure_channel(address, creds, options=channel_options(_CHANNEL_OPTIONS, sec))
     else:
         ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
     metadata: tuple[tuple[str, str], ...] = (

@@ -4,8 +4,11 @@ Configured once per process from `KVPOOL_AUTH_TOKEN`, `KVPOOL_TLS_CERT_FILE`, `K
 `KVPOOL_TLS_CA_FILE` (or a TOML file; see `RpcSecurity`). With a token, every server refuses calls that do
 not carry `authorization: Bearer <token>` with UNAUTHENTICATED (the health check stays open for probes),
 and every channel made by `kvpool.rpc.server.channel` sends it. With a certificate and key, servers
-listen with TLS; with a CA file, channels verify the server against it. Tokens are compared in constant
-time (`hmac.compare_digest`).
+listen with TLS; with a CA file, channels verify the server against it (and present the certificate and
+key as their client certificate when both are set). `KVPOOL_TLS_CLIENT_AUTH=true` makes servers refuse a
+connection without a client certificate signed by the CA (mutual TLS; `kvpool up` turns it on). Tokens
+are compared in constant time (`hmac.compare_digest`). Every server and channel of the cluster gets its
+credentials here (`server_credentials`, `channel_credentials`).
 
 Separately, a node or client of a secured cluster presents its **join token** (`KVPOOL_JOIN_TOKEN`, or
 the file named by `KVPOOL_JOIN_TOKEN_FILE`; `kvpool.membership`) in the `kvpool-join-token` metadata of
@@ -38,7 +41,15 @@ class RpcSecurity(KVPoolSettings):
     auth_token: str = Field(default="", description="shared bearer token; empty = no authentication")
     tls_cert_file: str = Field(default="", description="server certificate (PEM); empty = no TLS")
     tls_key_file: str = Field(default="", description="server private key (PEM)")
-    tls_ca_file: str = Field(default="", description="CA bundle clients verify servers against (PEM)")
+    tls_ca_file: str = Field(
+        default="", description="CA bundle clients verify servers against (and servers verify clients, PEM)"
+    )
+    tls_client_auth: bool = Field(
+        default=False, description="servers require a client certificate signed by tls_ca_file (mutual TLS)"
+    )
+    tls_server_name: str = Field(
+        default="", description="name the servers' certificate is checked for; '' = the address's host"
+    )
     join_token: str = Field(default="", description="join token presented to a secured master")
     join_token_file: str = Field(default="", description="file holding the join token (first line)")
 
@@ -101,6 +112,57 @@ def server_interceptors(sec: RpcSecurity) -> list[grpc.ServerInterceptor]:
     return ([_AuthInterceptor(sec.auth_token)] if sec.auth_token else []) + server_gate()
 
 
+def _read(path: str, setting: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        from kvpool.errors import InvalidArgument
+
+        raise InvalidArgument(
+            f"cannot read {setting} {path} (KVPOOL_{setting.upper()}): {exc.strerror}"
+        ) from None
+
+
+def server_credentials(sec: RpcSecurity) -> grpc.ServerCredentials | None:
+    """TLS credentials for a server (None without `tls_cert_file`): the certificate and key, and with
+    `tls_client_auth` the CA that client certificates must chain to. `InvalidArgument` naming the setting
+    when a file cannot be read or `tls_client_auth` has no CA."""
+    if not sec.tls_cert_file:
+        return None
+    pair = [(_read(sec.tls_key_file, "tls_key_file"), _read(sec.tls_cert_file, "tls_cert_file"))]
+    if not sec.tls_client_auth:
+        return grpc.ssl_server_credentials(pair)
+    if not sec.tls_ca_file:
+        from kvpool.errors import InvalidArgument
+
+        raise InvalidArgument(
+            "KVPOOL_TLS_CLIENT_AUTH needs KVPOOL_TLS_CA_FILE (the CA client certificates chain to)"
+        )
+    ca = _read(sec.tls_ca_file, "tls_ca_file")
+    return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=True)
+
+
+def channel_credentials(sec: RpcSecurity) -> grpc.ChannelCredentials:
+    """TLS credentials for a channel (callers use them when `tls_ca_file` is set; without it, plaintext):
+    the CA to verify servers against, and this process's certificate and key as its client certificate
+    when both are set. `InvalidArgument` naming the setting when a file cannot be read."""
+    ca = _read(sec.tls_ca_file, "tls_ca_file")
+    if sec.tls_cert_file and sec.tls_key_file:
+        return grpc.ssl_channel_credentials(
+            root_certificates=ca,
+            private_key=_read(sec.tls_key_file, "tls_key_file"),
+            certificate_chain=_read(sec.tls_cert_file, "tls_cert_file"),
+        )
+    return grpc.ssl_channel_credentials(root_certificates=ca)
+
+
+def channel_options(options: list[tuple[str, Any]], sec: RpcSecurity) -> list[tuple[str, Any]]:
+    """`options` plus the TLS name override (`tls_server_name`) when one is set."""
+    if sec.tls_ca_file and sec.tls_server_name:
+        return [*options, ("grpc.ssl_target_name_override", sec.tls_server_name)]
+    return options
+
+
 def bind(server: grpc.Server, address: str, sec: RpcSecurity) -> int:
     """Add the listening port, with TLS when a certificate is configured. Returns the bound port.
 
@@ -108,11 +170,10 @@ def bind(server: grpc.Server, address: str, sec: RpcSecurity) -> int:
     host this machine does not have): checked with a plain socket first, so gRPC's own C-core error log
     is not printed for the common case."""
     check_listen_address(address)
+    creds = server_credentials(sec)
     try:
-        if sec.tls_cert_file:
-            key = Path(sec.tls_key_file).read_bytes()
-            cert = Path(sec.tls_cert_file).read_bytes()
-            return server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        if creds is not None:
+            return server.add_secure_port(address, creds)
         return server.add_insecure_port(address)
     except RuntimeError as exc:  # taken between the check and gRPC's bind
         raise OSError(f"cannot listen on {address}: {exc}") from None
@@ -191,8 +252,8 @@ def secure_channel(address: str, options: list[tuple[str, Any]], sec: RpcSecurit
     """A channel with TLS (when a CA is configured), the bearer token and the join token (when
     configured), and the serving key on `Prefill`/`Decode` calls (when `KVPOOL_SERVING_KEY_FILE` is set)."""
     if sec.tls_ca_file:
-        creds = grpc.ssl_channel_credentials(root_certificates=Path(sec.tls_ca_file).read_bytes())
-        ch = grpc.secure_channel(address, creds, options=options)
+        creds = channel_credentials(sec)
+        ch = grpc.secure_channel(address, creds, options=channel_options(options, sec))
     else:
         ch = grpc.insecure_channel(address, options=options)
     metadata = [("authorization", f"Bearer {sec.auth_token}")] if sec.auth_token else []

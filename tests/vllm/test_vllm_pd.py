@@ -121,12 +121,14 @@ def test_engines_register_and_the_router_serves_them(up: dict[str, Any]) -> None
     assert set(up["urls"]) == {"vllm-prefill0", "vllm-decode0", "vllm-decode1"}, up["text"]
     token_file = re.search(r"KVPOOL_JOIN_TOKEN_FILE=(\S+)", up["text"]).group(1)  # type: ignore[union-attr]
     master = re.search(r"^\s+master\s+(\S+)", up["text"], re.M).group(1)  # type: ignore[union-attr]
+    tls = dict(re.findall(r"(KVPOOL_TLS_\w+)=(\S+)", up["text"]))  # the engines' gRPC runs mutual TLS
+    assert tls, up["text"]
     nodes = subprocess.run(
         [sys.executable, "-m", "kvpool.cli.main", "admin", "--master", master, "nodes", "--json"],
         capture_output=True,
         text=True,
         timeout=60,
-        env=os.environ | {"KVPOOL_JOIN_TOKEN_FILE": token_file},
+        env=os.environ | {"KVPOOL_JOIN_TOKEN_FILE": token_file} | tls,
     )
     assert nodes.returncode == 0, nodes.stderr
     listed = {n["node"]["node_id"]: n for n in json.loads(nodes.stdout)}
