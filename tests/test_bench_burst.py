@@ -40,7 +40,7 @@ def test_overlap_counts_under_threads() -> None:
 
 
 @pytest.mark.slow
-def test_a_small_burst_pulls_and_is_not_slower_than_recomputing(tmp_path: Path) -> None:
+def test_a_small_burst_runs_both_arms_and_reports_the_summary_keys(tmp_path: Path) -> None:
     if (why := pytest.importorskip("transfer").ucx_available()) is not None:
         pytest.skip(f"UCX unavailable: {why}")
     from kvpool.bench.burst import run_burst
