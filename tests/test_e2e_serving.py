@@ -117,42 +117,6 @@ def test_second_chat_turn_hits_first_answer(orch: Orchestrator) -> None:
     assert second.prefill["num_reused_tokens"] > len(turn1)
 
 
-def test_failed_pull_reuses_exactly_the_blocks_before(
-    cluster: LocalCluster, orch: Orchestrator, runner
-) -> None:  # type: ignore[no-untyped-def]
-    """B18 with 0 < k < n: the prompt's 20 blocks span both stores (placement puts runs of 16 consecutive
-    new blocks on one store, each run on the store with the most free slots), the store holding blocks
-    k.. is killed, and the node reuses exactly blocks 0..k-1, recomputes the rest, and answers as a cold
-    run of the same model in this process."""
-    from kvpool.client import MasterClient
-    from kvpool.hashing import hash_blocks
-
-    n = 20  # > one placement run (16 blocks): two stores hold the prompt
-    prompt = _prompt(11, n * BLOCK + 2)
-    sampling = SamplingParams(max_tokens=5)
-    reference = runner.generate(prompt, params=sampling)
-    orch.run(prompt, sampling=sampling, request_id="f-publish")
-    ns = runner.namespace().digest()
-    hashes = hash_blocks(ns, prompt, BLOCK)
-    master = MasterClient(cluster.master_address)
-    try:
-        match = master.match(ns, hashes, count_hit=False, lease_ttl_ms=0)
-    finally:
-        master.close()
-    assert match.num_matched == n
-    owners = [reps[0].node_id for reps in match.replicas]
-    assert len(set(owners)) == 2, owners  # the case k = 0 (every block on the victim) proves less
-    k = next(i for i, o in enumerate(owners) if o != owners[0])
-    victim = owners[k]
-    assert 0 < k < n
-    store = next(p for p in cluster.stores if p.info["node_id"] == victim)
-    store.kill()
-    result = orch.run(prompt, sampling=sampling, publish=False, request_id="f-after-kill")
-    assert result.prefill["num_reused_tokens"] == k * BLOCK  # blocks 0..k-1, not one more or fewer
-    assert result.prefill["num_failed_blocks"] >= 1
-    assert result.tokens == reference
-
-
 def _decode_queue_length(cluster: LocalCluster) -> float:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
@@ -217,3 +181,40 @@ def test_the_crossover_benchmarks_prefill_caller_reports_ttft_stats_and_publish(
     assert ttft_s > 0 and stats["ttft_s"] > 0
     assert stats["num_prompt_tokens"] == len(prompt) and stats["num_reused_tokens"] == 0
     assert stats["publish_status"] == "committed"
+
+
+def test_failed_pull_reuses_exactly_the_blocks_before(
+    cluster: LocalCluster, orch: Orchestrator, runner
+) -> None:  # type: ignore[no-untyped-def]
+    """B18 with 0 < k < n: the prompt's 20 blocks span both stores (placement puts runs of 16 consecutive
+    new blocks on one store, each run on the store with the most free slots), the store holding blocks
+    k.. is killed, and the node reuses exactly blocks 0..k-1, recomputes the rest, and answers as a cold
+    run of the same model in this process. Last in the module: the killed store stays listed (heartbeat
+    timeout 30 s), so a later publish placed on it would fail."""
+    from kvpool.client import MasterClient
+    from kvpool.hashing import hash_blocks
+
+    n = 20  # > one placement run (16 blocks): two stores hold the prompt
+    prompt = _prompt(11, n * BLOCK + 2)
+    sampling = SamplingParams(max_tokens=5)
+    reference = runner.generate(prompt, params=sampling)
+    orch.run(prompt, sampling=sampling, request_id="f-publish")
+    ns = runner.namespace().digest()
+    hashes = hash_blocks(ns, prompt, BLOCK)
+    master = MasterClient(cluster.master_address)
+    try:
+        match = master.match(ns, hashes, count_hit=False, lease_ttl_ms=0)
+    finally:
+        master.close()
+    assert match.num_matched == n
+    owners = [reps[0].node_id for reps in match.replicas]
+    assert len(set(owners)) == 2, owners  # the case k = 0 (every block on the victim) proves less
+    k = next(i for i, o in enumerate(owners) if o != owners[0])
+    victim = owners[k]
+    assert 0 < k < n
+    store = next(p for p in cluster.stores if p.info["node_id"] == victim)
+    store.kill()
+    result = orch.run(prompt, sampling=sampling, publish=False, request_id="f-after-kill")
+    assert result.prefill["num_reused_tokens"] == k * BLOCK  # blocks 0..k-1, not one more or fewer
+    assert result.prefill["num_failed_blocks"] >= 1
+    assert result.tokens == reference
