@@ -4,8 +4,9 @@ during publish; greedy requests through the router, each checked against a cold 
 - corrupt: committed blocks are overwritten in the store processes' memory (/proc/<pid>/mem, as a RAM
   fault would); every read of them must fail its checksum (100 % detected), the replica is dropped from
   the index, the request recomputes: 0 wrong tokens, 0 failed requests.
-- slow reader: a reader holds a match past its lease while the blocks are evicted and their slots
-  reused; its late read must be an error, never the bytes now in the slot.
+- slow reader: a reader's lease ends (its read capabilities still valid) while the blocks are evicted and
+  their slots reused; its late read must be refused by the generation check (`StaleGeneration`), never
+  answered with the bytes now in the slot.
 - cancel during publish: clients hang up right after their first token, while the prefill node
   publishes; no reservation leaks (all reclaimed within the write lease) and later answers are right.
 
