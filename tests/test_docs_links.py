@@ -104,3 +104,12 @@ def test_every_failure_class_names_a_test_that_exists() -> None:
             assert any(f"def {name}(" in (ROOT / t).read_text() for t in tests), (
                 f"{case}: no test named {name}"
             )
+        # each linked test file is followed by the names of the tests in it that prove the guarantee
+        links = list(re.finditer(r"\(\.\./(tests/[\w/]+\.py)\)", section))
+        for link, after in zip(links, [*links[1:], None], strict=True):
+            cited = section[link.end() : after.start() if after else len(section)]
+            names = re.findall(r"`((?:test_|Test)\w+)`", cited)
+            assert names, f"{case}: {link.group(1)} is cited without the name of a test in it"
+            text = (ROOT / link.group(1)).read_text()
+            for name in names:
+                assert f"def {name}(" in text or f"{name} = " in text, f"{case}: no {name} in {link.group(1)}"

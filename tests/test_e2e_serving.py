@@ -55,7 +55,7 @@ def _prompt(seed: int, n: int, vocab: int = 256) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, size=n)]
 
 
-def test_greedy_with_hits_equals_without(orch: Orchestrator) -> None:
+def test_greedy_with_hits_equals_without(orch: Orchestrator, runner) -> None:  # type: ignore[no-untyped-def]
     shared = _prompt(1, 8 * BLOCK)
     prompts = [shared + _prompt(100 + i, 5 + i) for i in range(20)]
     sampling = SamplingParams(max_tokens=6)
@@ -73,9 +73,12 @@ def test_greedy_with_hits_equals_without(orch: Orchestrator) -> None:
             or warm.decode["decision"] == "recompute"
         )
     assert num_hits >= 19  # every prompt after the first hits the shared prefix
-    # a fully cached prompt still computes its last token (B06)
-    again = orch.run(prompts[0][: 8 * BLOCK], sampling=sampling, request_id="full")
+    # a fully cached prompt still computes its last token (B06), and answers as a cold run of the same
+    # model in this process (no pool anywhere)
+    full = prompts[0][: 8 * BLOCK]
+    again = orch.run(full, sampling=sampling, request_id="full")
     assert again.prefill["num_reused_tokens"] == 7 * BLOCK
+    assert again.tokens == runner.generate(full, params=sampling)
 
 
 def test_seeded_temperature_same_warm_and_cold(orch: Orchestrator) -> None:
@@ -112,35 +115,6 @@ def test_second_chat_turn_hits_first_answer(orch: Orchestrator) -> None:
     # the reuse reaches into the first turn's answer, not just its prompt
     assert second.prefill["num_reused_tokens"] >= (len(turn1) + len(first.tokens) - 1) // BLOCK * BLOCK
     assert second.prefill["num_reused_tokens"] > len(turn1)
-
-
-def test_failed_pull_reuses_exactly_the_blocks_before(
-    cluster: LocalCluster, orch: Orchestrator, runner
-) -> None:  # type: ignore[no-untyped-def]
-    from kvpool.client import MasterClient
-    from kvpool.hashing import hash_blocks
-
-    prompt = _prompt(11, 10 * BLOCK + 2)
-    sampling = SamplingParams(max_tokens=5)
-    reference = orch.run(prompt, sampling=sampling, use_cache=False, publish=False, request_id="f-ref")
-    orch.run(prompt, sampling=sampling, request_id="f-publish")
-    ns = runner.namespace().digest()
-    hashes = hash_blocks(ns, prompt, BLOCK)
-    master = MasterClient(cluster.master_address)
-    try:
-        match = master.match(ns, hashes, count_hit=False, lease_ttl_ms=0)
-    finally:
-        master.close()
-    assert match.num_matched == 10
-    owners = [reps[0].node_id for reps in match.replicas]
-    victim = owners[0] if len(set(owners)) == 1 else next(o for o in owners if o != owners[0])
-    k = owners.index(victim)
-    store = next(p for p in cluster.stores if p.info["node_id"] == victim)
-    store.kill()
-    result = orch.run(prompt, sampling=sampling, publish=False, request_id="f-after-kill")
-    assert result.prefill["num_reused_tokens"] == k * BLOCK
-    assert result.prefill["num_failed_blocks"] >= 1
-    assert result.tokens == reference.tokens
 
 
 def _decode_queue_length(cluster: LocalCluster) -> float:
@@ -207,3 +181,40 @@ def test_the_crossover_benchmarks_prefill_caller_reports_ttft_stats_and_publish(
     assert ttft_s > 0 and stats["ttft_s"] > 0
     assert stats["num_prompt_tokens"] == len(prompt) and stats["num_reused_tokens"] == 0
     assert stats["publish_status"] == "committed"
+
+
+def test_failed_pull_reuses_exactly_the_blocks_before(
+    cluster: LocalCluster, orch: Orchestrator, runner
+) -> None:  # type: ignore[no-untyped-def]
+    """B18 with 0 < k < n: the prompt's 20 blocks span both stores (placement puts runs of 16 consecutive
+    new blocks on one store, each run on the store with the most free slots), the store holding blocks
+    k.. is killed, and the node reuses exactly blocks 0..k-1, recomputes the rest, and answers as a cold
+    run of the same model in this process. Last in the module: the killed store stays listed (heartbeat
+    timeout 30 s), so a later publish placed on it would fail."""
+    from kvpool.client import MasterClient
+    from kvpool.hashing import hash_blocks
+
+    n = 20  # > one placement run (16 blocks): two stores hold the prompt
+    prompt = _prompt(11, n * BLOCK + 2)
+    sampling = SamplingParams(max_tokens=5)
+    reference = runner.generate(prompt, params=sampling)
+    orch.run(prompt, sampling=sampling, request_id="f-publish")
+    ns = runner.namespace().digest()
+    hashes = hash_blocks(ns, prompt, BLOCK)
+    master = MasterClient(cluster.master_address)
+    try:
+        match = master.match(ns, hashes, count_hit=False, lease_ttl_ms=0)
+    finally:
+        master.close()
+    assert match.num_matched == n
+    owners = [reps[0].node_id for reps in match.replicas]
+    assert len(set(owners)) == 2, owners  # the case k = 0 (every block on the victim) proves less
+    k = next(i for i, o in enumerate(owners) if o != owners[0])
+    victim = owners[k]
+    assert 0 < k < n
+    store = next(p for p in cluster.stores if p.info["node_id"] == victim)
+    store.kill()
+    result = orch.run(prompt, sampling=sampling, publish=False, request_id="f-after-kill")
+    assert result.prefill["num_reused_tokens"] == k * BLOCK  # blocks 0..k-1, not one more or fewer
+    assert result.prefill["num_failed_blocks"] >= 1
+    assert result.tokens == reference

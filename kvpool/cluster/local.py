@@ -32,7 +32,7 @@ class LocalClusterSpec:
     num_prefill: int = 1
     num_decode: int = 1
     segment_size: str = "256MiB"
-    num_replicas: int = 1
+    num_replicas: int = 1  # the master's --replicas and the replicas each prefill and decode node publishes
     block_size: int = 64
     model_dir: str | None = None
     device: str = "cpu"
@@ -108,8 +108,9 @@ class LocalCluster:
         for proc in self.stores:
             proc.wait_ready(timeout_s)
         model_args = ["--model", s.model_dir] if s.model_dir else []
+        # the nodes publish `num_replicas` replicas (a node's own setting: it names the count in each Reserve)
         common = ["--master", self.master_address, "--listen", s.host, "--port", "0", "--device", s.device,
-                  "--block-size", str(s.block_size), *model_args]  # fmt: skip
+                  "--block-size", str(s.block_size), "--replicas", str(s.num_replicas), *model_args]  # fmt: skip
         for i in range(s.num_prefill):
             self.prefill.append(self._spawn(f"prefill{i}", ["prefill", "--node-id", f"prefill{i}", *common]))
         for i in range(s.num_decode):
