@@ -118,13 +118,13 @@ def test_a_slow_master_costs_hits_never_requests_nor_steps(runs: dict[str, Any])
         assert r["num_cached_tokens"] == 0
         # the request did not wait for the answer (it arrives >= 8 s later: one round trip through the proxy)
         assert r["kvpool"]["decision"] == "no_answer", r["kvpool"]
-        assert r["ttft_s"] < 6.0, r
+        assert r["ttft_s"] < 7.5, r  # a request that waited would take >= 8 s; a loaded host is slow, not 8 s
 
 
 def test_a_dead_master_costs_hits_never_requests(runs: dict[str, Any]) -> None:
     _equal_to_a(runs, "master_down")
     assert all(r["num_cached_tokens"] == 0 for r in runs["master_down"])
-    assert all(r["ttft_s"] < 6.0 for r in runs["master_down"]), [r["ttft_s"] for r in runs["master_down"]]
+    assert all(r["ttft_s"] < 7.5 for r in runs["master_down"]), [r["ttft_s"] for r in runs["master_down"]]
 
 
 def test_pooled_prompts_hit_before_the_faults(runs: dict[str, Any]) -> None:
