@@ -85,6 +85,7 @@ class UpCluster:
     engines: dict[str, str] = field(default_factory=dict)  # vllm-prefill0 -> http://host:port
     router: str = ""
     log_dir: str = ""
+    engine_headers: dict[str, str] = field(default_factory=dict)  # the engines' API key (kvpool up's)
 
     @property
     def output(self) -> str:
@@ -125,19 +126,25 @@ def start_up(spec_path: Path, *, timeout_s: float = START_TIMEOUT_S) -> UpCluste
     log_dir = re.search(r"^logs in (\S+);", text, re.M)
     up.router = router.group(1) if router else ""
     up.log_dir = log_dir.group(1) if log_dir else ""
+    key_file = re.search(r"KVPOOL_SERVING_KEY_FILE=(\S+)", text)  # engines take it as their API key
+    if key_file:
+        up.engine_headers = {"Authorization": f"Bearer {Path(key_file.group(1)).read_text().strip()}"}
     if not up.router or not any(n.startswith("vllm-decode") for n in up.engines):
         up.stop()
         raise Unavailable(f"kvpool up printed no router or vLLM decode URL:\n{text}")
     return up
 
 
-def _stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One streamed `POST {url}/v1/completions`: TTFT (first chunk with tokens), token ids, usage."""
+def _stream_completion(
+    client: Any, url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """One streamed `POST {url}/v1/completions` (with `headers`, e.g. an engine's API key): TTFT (first
+    chunk with tokens), token ids, usage."""
     t0 = time.perf_counter()
     ttft: float | None = None
     tokens: list[int] = []
     usage: dict[str, Any] = {}
-    with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+    with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
         if resp.status_code != 200:
             raise FailedPrecondition(
                 f"{url}: HTTP {resp.status_code}: {resp.read().decode(errors='replace')}"
@@ -169,12 +176,18 @@ def _stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str,
 
 
 def serve_vllm_workload(
-    router_url: str, cold_url: str, requests: Sequence[DemoRequest], max_tokens: int, *, progress: Any = None
+    router_url: str,
+    cold_url: str,
+    requests: Sequence[DemoRequest],
+    max_tokens: int,
+    *,
+    progress: Any = None,
+    cold_headers: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Serve each request warm through the router and cold on one engine; one record per request, in order.
 
     `router_url` is kvpool's router in vLLM mode and `cold_url` a vLLM engine's base URL (a decode engine's:
-    it is the one that answers through the router), both without `/v1`. Each request is a streamed
+    it is the one that answers through the router; `cold_headers` its API key), both without `/v1`. Each request is a streamed
     `POST /v1/completions` of its token ids with temperature 0, `max_tokens`, `return_token_ids` and usage
     in the last chunk (the engines need `--enable-prompt-tokens-details`, which `kvpool up` adds). The
     cold one carries a fresh `cache_salt` (`cold-<uuid>`): nothing of its namespace is in the pool or in the
@@ -198,7 +211,8 @@ def serve_vllm_workload(
         for req in requests:
             body = base | {"prompt": list(req.token_ids)}
             warm = _stream_completion(client, router_url, body)
-            cold = _stream_completion(client, cold_url, body | {"cache_salt": f"cold-{uuid.uuid4().hex}"})
+            cold_body = body | {"cache_salt": f"cold-{uuid.uuid4().hex}"}
+            cold = _stream_completion(client, cold_url, cold_body, cold_headers)
             record = {
                 "scenario": req.scenario,
                 "request_id": req.request_id,
@@ -324,7 +338,12 @@ def run_vllm_demo(
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("serving requests", total=len(requests))
             records = serve_vllm_workload(
-                up.router, decode, requests, max_tokens, progress=lambda _: progress.advance(task)
+                up.router,
+                decode,
+                requests,
+                max_tokens,
+                progress=lambda _: progress.advance(task),
+                cold_headers=up.engine_headers,
             )
     finally:
         code = up.stop()

@@ -215,15 +215,29 @@ STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 """Keys of `stream_options` accepted (`include_obfuscation` changes nothing here: no obfuscation)."""
 
 
-def refuse_unsupported(raw: dict[str, Any], cls: type[CommonBody]) -> dict[str, Any]:
+VLLM_SAMPLING = (
+    "ignore_eos",
+    "min_tokens",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+"""Sampling controls vLLM engines implement and the native nodes do not: the vLLM router passes them on at
+any value (they change which tokens are drawn, never which KV is read or written, nor who may read it)."""
+
+
+def refuse_unsupported(
+    raw: dict[str, Any], cls: type[CommonBody], passed: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """`raw` without its neutral fields, or an `APIError` (400, `param` = the field) for the first field
-    the router does not implement: an allow-list (the fields of `cls`, then `NEUTRAL`), so a field nobody
-    listed (`prompt_embeds`, `guided_json`, `lora_request`, …) is refused, never served as if absent.
+    the router does not implement: an allow-list (the fields of `cls` and `passed`, then `NEUTRAL`), so a
+    field nobody listed (`prompt_embeds`, `guided_json`, `lora_request`, …) is refused, never served as if absent.
     Chat messages: `role`, `content` (a string or text parts) and `NEUTRAL_IN_MESSAGE`; an image, audio,
     file or video part is refused naming its place and type (field case B32)."""
     out: dict[str, Any] = {}
     for key, value in raw.items():
-        if key in cls.model_fields:
+        if key in cls.model_fields or key in passed:
             out[key] = value
         elif key not in NEUTRAL or not _neutral(value, NEUTRAL[key]):
             raise _refused(key, key if key not in NEUTRAL else f"{key}={json.dumps(value)[:40]}", cls)

@@ -40,6 +40,7 @@ from kvpool import errors
 from kvpool.client.types import NodeStatus
 from kvpool.router.admission import Admission
 from kvpool.router.schemas import (
+    VLLM_SAMPLING,
     APIError,
     ChatBody,
     CompletionBody,
@@ -69,10 +70,11 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 def _allowed(raw: dict[str, Any], kind: str) -> dict[str, Any]:
     """`raw` through the native router's allow-list (`refuse_unsupported`: neutral fields dropped, any
-    field it does not implement a 400 naming it) and its text check; types are left to vLLM."""
+    field it does not implement a 400 naming it) and its text check, vLLM's own sampling controls
+    (`VLLM_SAMPLING`: `ignore_eos`, `min_tokens`, ...) passed on; types are left to vLLM."""
     if (where := first_invalid_text(raw)) is not None:
         raise APIError(400, f"{where}: not valid Unicode text (a lone surrogate code point)", param=where)
-    return refuse_unsupported(raw, CompletionBody if kind == "completions" else ChatBody)
+    return refuse_unsupported(raw, CompletionBody if kind == "completions" else ChatBody, VLLM_SAMPLING)
 
 
 class EngineUnreachable(Exception):

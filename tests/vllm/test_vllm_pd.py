@@ -23,8 +23,10 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -84,7 +86,16 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Any:
     text = "".join(lines)
     urls = dict(re.findall(r"(vllm-\w+)\s+(http://\S+)/v1", text))
     router = re.search(r"router\s+(http://\S+)/v1", text).group(1)  # type: ignore[union-attr]
-    yield {"proc": proc, "text": text, "urls": urls, "router": router, "lines": lines}
+    key_file = re.search(r"KVPOOL_SERVING_KEY_FILE=(\S+)", text).group(1)  # type: ignore[union-attr]
+    engine_headers = {"Authorization": f"Bearer {Path(key_file).read_text().strip()}"}  # the engines' API key
+    yield {
+        "proc": proc,
+        "text": text,
+        "urls": urls,
+        "router": router,
+        "lines": lines,
+        "engine_headers": engine_headers,
+    }
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
@@ -93,15 +104,19 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Any:
             proc.kill()
 
 
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def _post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"} | (headers or {})
+    )
     with urllib.request.urlopen(req, timeout=300) as resp:
         out: dict[str, Any] = json.loads(resp.read())
         return out
 
 
-def _model(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as resp:
+def _model(url: str, headers: dict[str, str] | None = None) -> str:
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{url}/v1/models", headers=headers or {}), timeout=30
+    ) as resp:
         return str(json.loads(resp.read())["data"][0]["id"])
 
 
@@ -114,7 +129,8 @@ def _client(router: str) -> Any:
 def _cold(up: dict[str, Any], path: str, body: dict[str, Any]) -> dict[str, Any]:
     """The same request on one decode engine alone, computed cold: a fresh cache salt (the pool and vLLM's
     own prefix cache hold nothing of that namespace)."""
-    return _post(f"{up['urls']['vllm-decode0']}/v1/{path}", body | {"cache_salt": f"cold-{uuid.uuid4().hex}"})
+    cold = body | {"cache_salt": f"cold-{uuid.uuid4().hex}"}
+    return _post(f"{up['urls']['vllm-decode0']}/v1/{path}", cold, up["engine_headers"])
 
 
 def test_engines_register_and_the_router_serves_them(up: dict[str, Any]) -> None:
@@ -137,7 +153,11 @@ def test_engines_register_and_the_router_serves_them(up: dict[str, Any]) -> None
         assert listed[name]["node"]["role"] == name.rstrip("01")
     with urllib.request.urlopen(f"{up['router']}/health", timeout=30) as resp:
         assert json.loads(resp.read()) | {"status": "ok"} == {"status": "ok", "prefill": 1, "decode": 2}
-    assert _model(up["router"]) == _model(up["urls"]["vllm-prefill0"])
+    assert _model(up["router"]) == _model(up["urls"]["vllm-prefill0"], up["engine_headers"])
+    for url in up["urls"].values():  # no door around the router: an engine takes no call without its key
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _model(url)
+        assert refused.value.code == 401
 
 
 def test_pd_through_the_router_equals_a_cold_engine(up: dict[str, Any]) -> None:
@@ -172,7 +192,9 @@ def test_the_demo_workload_through_pd_equals_a_cold_engine(up: dict[str, Any]) -
     from kvpool.demo.workload import chat_requests, default_chat_trace
 
     turns = chat_requests(default_chat_trace(), vocab_size=256, num_conversations=1, max_prompt_tokens=1500)
-    records = serve_vllm_workload(up["router"], up["urls"]["vllm-decode0"], turns[:3], 4)
+    records = serve_vllm_workload(
+        up["router"], up["urls"]["vllm-decode0"], turns[:3], 4, cold_headers=up["engine_headers"]
+    )
     assert len(records) == 3 and all(r["greedy_equal"] for r in records), records
     assert records[-1]["cached_tokens"] > 0, records
 
