@@ -24,6 +24,7 @@ from kvpool.cluster.launch import Launch, plan
 from kvpool.cluster.spec import ClusterSpec
 from kvpool.membership import read_token_roles, token_digest
 from kvpool.rpc.serving_key import DIGEST_ENV, KEY_FILE_ENV
+from kvpool.tenants import SALT_KEY_ENV
 from kvpool.types import DEFAULT_LAYOUT
 
 SECRETS = ("KVPOOL_CLUSTER_SECRET", "KVPOOL_CLUSTER_SECRET_FILE")
@@ -108,6 +109,28 @@ def test_up_gives_every_serving_node_and_engine_a_token_of_its_own(tmp_path: Pat
     assert str(tmp_path / "join_token.serving-decode2") in note and "serving-decode1" not in note
     with pytest.raises(KeyError, match="prefill5"):  # never a shared fallback for a node it was not given
         creds.env_for(Launch("prefill5", "prefill", "127.0.0.1"))
+
+
+def test_the_commands_for_other_hosts_name_every_credential_their_role_needs(tmp_path: Path) -> None:
+    launches = _launches()
+    creds = UpCredentials.make(tmp_path, {}, launches.values())
+    salt = {SALT_KEY_ENV: str(tmp_path / "tenant_salt_key")}
+    notes = {
+        name: creds.remote_note(launches[name], salt) for name in ("master", "store0", "router", "prefill0")
+    }
+    salt_line = f"{SALT_KEY_ENV} = a 0600 copy of {tmp_path / 'tenant_salt_key'}"
+    for name in ("master", "router"):  # the two that derive tenants' salts must share the key
+        assert salt_line in notes[name], notes[name]
+    for name in ("store0", "prefill0"):
+        assert SALT_KEY_ENV not in notes[name], notes[name]
+    assert "KVPOOL_CLUSTER_SECRET_FILE" in notes["master"] and "KVPOOL_CLUSTER_SECRET_FILE" in notes["store0"]
+    router = notes["router"]
+    assert f"{KEY_FILE_ENV} = a 0600 copy of {creds.caller_env[KEY_FILE_ENV]}" in router
+    assert f"KVPOOL_JOIN_TOKEN_FILE = a 0600 copy of {tmp_path / 'join_token.router'}" in router
+    assert f"{DIGEST_ENV}=" in notes["prefill0"] and KEY_FILE_ENV not in notes["prefill0"]
+    insecure = UpCredentials()  # --insecure: no secret, no tokens, but the salt key still
+    assert insecure.remote_note(launches["router"], salt) == f"  ({salt_line})"
+    assert insecure.remote_note(launches["store0"], salt) == ""
 
 
 def test_a_wildcard_listen_address_is_refused_for_nodes() -> None:

@@ -154,22 +154,25 @@ class UpCredentials:
         for path in self.made:
             path.unlink(missing_ok=True)
 
-    def remote_note(self, launch: Launch) -> str:
-        """What `launch`, started by hand on another host, must be given (printed beside its command line)."""
-        if not self.secured:
-            return ""
+    def remote_note(self, launch: Launch, salt_env: Mapping[str, str] | None = None) -> str:
+        """What `launch`, started by hand on another host, must be given (printed beside its command line):
+        the cluster secret (master, store), its join token and the serving key or its digest (router,
+        serving nodes, engines), and for the master and the router the tenants' salt key of `salt_env`
+        (`kvpool.tenants.SALT_KEY_ENV`: the two must share it, secured or not)."""
         role = launch.role
-        if role in SECRET_HOLDERS:
+        parts: list[str] = []
+        if self.secured and role in SECRET_HOLDERS:
             where = ", ".join(f"{k} = {v}" for k, v in self.secret_env.items() if k.endswith("_FILE"))
-            return f"  (the cluster secret: {where or 'the same KVPOOL_CLUSTER_SECRET'}, a 0600 copy)"
+            parts.append(f"the cluster secret: {where or 'the same KVPOOL_CLUSTER_SECRET'}, a 0600 copy")
         token_role = TOKEN_ROLE.get(role)
-        if token_role is None:
-            return ""
-        note = f"KVPOOL_JOIN_TOKEN_FILE = a 0600 copy of {self.token_file(launch)}"
-        if role == "router":
-            note += f"; {KEY_FILE_ENV} = a 0600 copy of {self.caller_env[KEY_FILE_ENV]}"
-        elif token_role == "serving":
-            note += f"; {DIGEST_ENV}={self.node_env[DIGEST_ENV]}"
-        else:
-            note += f"; VLLM_API_KEY = the first line of {self.caller_env[KEY_FILE_ENV]}"
-        return f"  ({note})"
+        if self.secured and token_role is not None:
+            parts.append(f"KVPOOL_JOIN_TOKEN_FILE = a 0600 copy of {self.token_file(launch)}")
+            if role == "router":
+                parts.append(f"{KEY_FILE_ENV} = a 0600 copy of {self.caller_env[KEY_FILE_ENV]}")
+            elif token_role == "serving":
+                parts.append(f"{DIGEST_ENV}={self.node_env[DIGEST_ENV]}")
+            else:
+                parts.append(f"VLLM_API_KEY = the first line of {self.caller_env[KEY_FILE_ENV]}")
+        if role in ("master", "router") and salt_env and salt_env.get(SALT_KEY_ENV):
+            parts.append(f"{SALT_KEY_ENV} = a 0600 copy of {salt_env[SALT_KEY_ENV]}")
+        return f"  ({'; '.join(parts)})" if parts else ""
