@@ -193,18 +193,14 @@ def _tenant_salt_env(log_dir: Path) -> dict[str, str]:
 
 def _etcd_tls(plan: Any, log_dir: Path) -> tuple[Any, Any]:
     """A secured cluster's etcd serves its clients over TLS with client certificates (a fresh CA in
-    `log_dir/etcd-tls`) and answers its readiness check on a plain /health port: (the plan so changed, its
-    `EtcdTls`); without openssl, the plan unchanged and None, said in one line (docs/ha.md)."""
+    `log_dir/etcd-tls`, made as the gRPC one: `kvpool.cluster.tls.write_etcd_tls`) and answers its readiness
+    check on a plain /health port: (the plan so changed, its `EtcdTls`) (docs/ha.md)."""
     import dataclasses
 
-    from kvpool.cluster.etcd import free_port, new_etcd_tls
-    from kvpool.errors import FailedPrecondition
+    from kvpool.cluster.etcd import free_port
+    from kvpool.cluster.tls import write_etcd_tls
 
-    try:
-        tls = new_etcd_tls(log_dir / "etcd-tls", plan.host)
-    except FailedPrecondition as exc:
-        typer.echo(f"kvpool up: etcd without TLS: {exc}", err=True)
-        return plan, None
+    tls = write_etcd_tls(log_dir / "etcd-tls", plan.host)
     return dataclasses.replace(plan, tls=tls.server, health_port=free_port(plan.host)), tls
 
 
@@ -273,7 +269,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
             if stop.is_set():
                 break
             if not launch.local:
-                note = creds.remote_note(launch)
+                note = creds.remote_note(launch, salt_env)
                 remote.append(f"  on {launch.host}: {launch.command(master, model_dir)}" + note)
                 continue
             # the operator's environment less every credential, then this role's own (least privilege)
