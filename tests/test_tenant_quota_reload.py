@@ -105,3 +105,43 @@ def test_the_master_follows_tenants_file_edits(cluster: tuple[Proc, Path]) -> No
             assert sum(c.match(ns_b, h).num_matched for h in [*b_chains, more, extra]) == 7
     finally:
         transport.close()
+
+
+def test_a_tenant_whose_quota_is_removed_has_no_share_when_the_pool_fills(tmp_path: Path) -> None:
+    """Quotas 60 (a) and 16 (b) on a 64-slot pool; b writes its 16, then its quota is removed from the
+    file (a's share is now its whole quota): when a fills the pool, b's blocks go first, as those of a
+    namespace without a quota, rather than being kept as a share b no longer has."""
+    from tests.test_tenant_shares import NUM_SLOTS, TENANTS, _start_pool
+    from tests.test_tenant_shares import chain as chain64
+    from tests.test_tenant_shares import data as data64
+
+    tenants = TENANTS.replace("= 20", "= 16")  # a: 60 (with b's 16, more than the pool: shares scaled)
+    m, store = _start_pool(tmp_path, tenants, KVPOOL_HIGH_WATERMARK="1.0", KVPOOL_LOW_WATERMARK="1.0")
+    transport = transfer.UcxTransport()
+    block_nbytes = KVLayout.from_fingerprint(LAYOUT).block_nbytes
+    try:
+        with (
+            MasterClient(m.grpc_address) as c,
+            PoolClient(m.grpc_address, transport, block_nbytes=block_nbytes) as pc,
+        ):
+            ns_a, _ = c.register_namespace("gone", "v1", LAYOUT, cache_salt="salt-a")
+            ns_b, _ = c.register_namespace("gone", "v1", LAYOUT, cache_salt="salt-b")
+            b_chains = [chain64(ns_b, 1_000 * i, 4) for i in range(4)]
+            for h in b_chains:
+                assert pc.put_blocks(ns_b, None, h, data64(4)).num_committed == 4
+            b_id = tenant_id("salt-b")
+            _until(m, f'kvpool_master_tenant_pool_quota_blocks{{tenant="{b_id}"}} 16.0')
+            write_private(tmp_path / "tenants.toml", tenants.replace("pool_quota_blocks = 16\n", ""))
+            deadline = time.monotonic() + 30
+            while f'tenant="{b_id}"' in _metrics(m):  # the master took the edit
+                assert time.monotonic() < deadline, "the master did not reload the tenants file"
+                time.sleep(0.2)
+            a_chains = [chain64(ns_a, 1_000 * i, 4) for i in range(14)]  # 56 blocks: past the pool
+            for h in a_chains:
+                assert pc.put_blocks(ns_a, None, h, data64(4)).num_committed == 4
+            b_left = sum(c.match(ns_b, h).num_matched for h in b_chains)
+            assert b_left == NUM_SLOTS - 56 and c.stats().num_blocks == NUM_SLOTS
+    finally:
+        transport.close()
+        store.kill()
+        m.kill()
