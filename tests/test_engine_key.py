@@ -127,13 +127,15 @@ def test_up_starts_vllm_engines_with_the_serving_key_as_their_api_key(tmp_path: 
     spec = ClusterSpec.model_validate(
         {"prefill": {"engine": "vllm", "python": "python"}, "decode": {"engine": "vllm", "python": "python"}}
     )
-    creds = UpCredentials.make(tmp_path, {})
+    launches = plan(spec, DEFAULT_LAYOUT)
+    creds = UpCredentials.make(tmp_path, {}, launches)
     key = Path(creds.caller_env[KEY_FILE_ENV]).read_text().strip()
-    engines = [x for x in plan(spec, DEFAULT_LAYOUT) if x.argv]
+    engines = [x for x in launches if x.argv]
     assert {x.role for x in engines} == {"vllm-prefill", "vllm-decode"}
     for launch in engines:
-        assert creds.env_for(launch.role)["VLLM_API_KEY"] == key
+        assert creds.env_for(launch)["VLLM_API_KEY"] == key
         assert key not in " ".join(launch.argv)  # never on the command line (/proc/PID/cmdline is public)
         host = launch.argv[launch.argv.index("--host") + 1]
         assert host == "127.0.0.1"  # the configured host, not every interface
-    assert creds.env_for("router")[KEY_FILE_ENV] == creds.caller_env[KEY_FILE_ENV]
+    router = next(x for x in launches if x.role == "router")
+    assert creds.env_for(router)[KEY_FILE_ENV] == creds.caller_env[KEY_FILE_ENV]

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvpool.client import MasterClient
 from kvpool.cluster.launch import plan
 from kvpool.cluster.spec import ClusterSpec
-from kvpool.cluster.tls import TLS_ENV, UpTls, spec_hosts, tls_env, write_cluster_tls
+from kvpool.cluster.tls import TLS_ENV, UpTls, spec_hosts, tls_env, write_cluster_tls, write_etcd_tls
 from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.master.procs import LAYOUT, start, start_master
 from kvpool.rpc.security import security
@@ -65,6 +66,44 @@ def test_the_cluster_certificate_covers_the_hosts_and_its_key_is_0600(tmp_path: 
     assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usage)
     key = serialization.load_pem_private_key(paths["key"].read_bytes(), password=None)
     assert key.public_key().public_numbers() == cert.public_key().public_numbers()  # type: ignore[union-attr]
+
+
+def test_etcds_certificates_come_from_the_same_ca_code(tmp_path: Path) -> None:
+    """`kvpool up`'s etcd TLS (`write_etcd_tls`, no openssl binary): a CA of its own whose key is never
+    written, a server certificate for etcd's host, a client-only certificate (CN kvpool) for the masters."""
+    tls = write_etcd_tls(tmp_path / "etcd-tls", "10.1.2.3")
+    d = tmp_path / "etcd-tls"
+    assert sorted(p.name for p in d.iterdir()) == [
+        "ca.pem",
+        "client.key",
+        "client.pem",
+        "server.key",
+        "server.pem",
+    ]
+    assert (d.stat().st_mode & 0o777) == 0o700
+    assert all((d / n).stat().st_mode & 0o777 == 0o600 for n in ("server.key", "client.key"))
+    ca = x509.load_pem_x509_certificate(Path(tls.ca).read_bytes())
+    server = x509.load_pem_x509_certificate(Path(tls.server_cert).read_bytes())
+    client = x509.load_pem_x509_certificate(Path(tls.client_cert).read_bytes())
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    for cert, key_file in ((server, tls.server_key), (client, tls.client_key)):
+        cert.verify_directly_issued_by(ca)
+        assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+        key = serialization.load_pem_private_key(Path(key_file).read_bytes(), password=None)
+        assert key.public_key().public_numbers() == cert.public_key().public_numbers()  # type: ignore[union-attr]
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"10.1.2.3", "127.0.0.1"} <= {str(ip) for ip in san.get_values_for_type(x509.IPAddress)}
+    assert (
+        ExtendedKeyUsageOID.SERVER_AUTH
+        in server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    )
+    assert list(client.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
+        ExtendedKeyUsageOID.CLIENT_AUTH
+    ]
+    assert client.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "kvpool"
+    other = write_etcd_tls(tmp_path / "other")  # every call a fresh CA: another run's certificates fail
+    with pytest.raises(InvalidSignature):
+        x509.load_pem_x509_certificate(Path(other.server_cert).read_bytes()).verify_directly_issued_by(ca)
 
 
 def test_spec_hosts_reach_the_certificate(tmp_path: Path) -> None:

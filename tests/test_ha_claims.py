@@ -7,7 +7,6 @@ refused."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -16,9 +15,10 @@ import pytest
 
 from kvpool.capability import Capabilities, CapabilityKey
 from kvpool.cluster.etcd import ThrowawayEtcd, enable_etcd_auth
+from kvpool.cluster.tls import write_etcd_tls
 from kvpool.master.ha.election import LEADER, Election, parse_endpoints
 from kvpool.master.ha.endpoints import EtcdAuth, read_etcd_auth
-from tests.capabilities import require_etcd, skip
+from tests.capabilities import require_etcd
 from tests.etcd_server import etcd, start_etcd  # noqa: F401 - the fixture
 from tests.test_ha_election import wait_until
 
@@ -80,25 +80,11 @@ def test_a_forged_key_with_no_leader_is_cleared_by_a_standby(etcd: ThrowawayEtcd
         b.stop()
 
 
-def _certificate(tmp: Path) -> tuple[str, str]:
-    """A self-signed certificate for 127.0.0.1 (its own CA): (cert, key) PEM paths."""
-    key, cert = tmp / "key.pem", tmp / "cert.pem"
-    try:
-        subprocess.run(
-            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-             "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-            check=True, capture_output=True,
-        )  # fmt: skip
-    except (OSError, subprocess.CalledProcessError) as exc:
-        skip("openssl", f"openssl could not make a certificate: {exc}")
-    return str(cert), str(key)
-
-
 def test_the_election_reaches_etcd_over_tls_with_a_client_certificate(tmp_path: Path) -> None:
     require_etcd()
-    cert, key = _certificate(tmp_path)
-    server = ThrowawayEtcd(log_dir=tmp_path / "etcd", tls=(cert, key, cert))
-    tls = EtcdAuth(ca_file=cert, cert_file=cert, key_file=key)
+    files = write_etcd_tls(tmp_path / "etcd-tls")  # what kvpool up makes: etcd's CA, server and client certs
+    server = ThrowawayEtcd(log_dir=tmp_path / "etcd", tls=files.server)
+    tls = EtcdAuth(ca_file=files.ca, cert_file=files.client_cert, key_file=files.client_key)
     a = Election(parse_endpoints(server.endpoint), prefix="/c3", lease_ttl_s=2, key=KEY, etcd_auth=tls)
     plain = Election(parse_endpoints(server.endpoint), prefix="/c3", lease_ttl_s=2, key=KEY)
     try:

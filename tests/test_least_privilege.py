@@ -20,7 +20,7 @@ import pytest
 
 os.environ.setdefault("UCX_TLS", "tcp")  # noqa: E402 - before UCX initialises
 
-from kvpool.membership import JOIN_TOKEN_METADATA, add_token  # noqa: E402
+from kvpool.membership import JOIN_TOKEN_METADATA, add_token, revoke_token  # noqa: E402
 from kvpool.rpc import PROTOCOL_VERSION  # noqa: E402
 from kvpool.v1 import kvpool_pb2 as pb  # noqa: E402
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc  # noqa: E402
@@ -48,7 +48,11 @@ def cluster() -> Iterator[Any]:
 
 def _token(cluster: Any, name: str, role: str) -> tuple[tuple[str, str], ...]:
     """A fresh token of `role` in the cluster's token file, as call metadata (once the master sees it)."""
-    token = add_token(cluster.log_dir / "join_tokens.json", name, role=role)
+    return _seen(cluster, add_token(cluster.log_dir / "join_tokens.json", name, role=role))
+
+
+def _seen(cluster: Any, token: str) -> tuple[tuple[str, str], ...]:
+    """`token` (already in the cluster's token file) as call metadata, once the master sees it."""
     md = ((JOIN_TOKEN_METADATA, token),)
     with grpc.insecure_channel(cluster.master_address) as ch:
         stub = pb_grpc.MasterStub(ch)
@@ -71,9 +75,9 @@ def _code(call: Any, *args: Any, **kw: Any) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def _register(stub: Any, md: Any, node_id: str, role: str = "prefill") -> grpc.StatusCode:
+def _register(stub: Any, md: Any, node_id: str, role: str = "prefill", epoch: int = 1) -> grpc.StatusCode:
     req = pb.RegisterNodeRequest(
-        node=pb.NodeEndpoint(node_id=node_id, role=role, grpc_address="127.0.0.1:1", epoch=1),
+        node=pb.NodeEndpoint(node_id=node_id, role=role, grpc_address="127.0.0.1:1", epoch=epoch),
         protocol_version=PROTOCOL_VERSION,
         layout_fingerprint=LAYOUT,
     )
@@ -160,12 +164,25 @@ def test_a_serving_node_cannot_write_as_another_node(cluster: Any) -> None:
                 call(req, timeout=10, metadata=bob)
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
         assert _code(stub.Abort, pb.AbortRequest(reservation_id=rid), metadata=alice) == grpc.StatusCode.OK
+        # nor can it take alice's node id by registering it again (same epoch, or a new one)
+        for epoch in (1, 2):
+            assert _register(stub, bob, "pa", epoch=epoch) == grpc.StatusCode.PERMISSION_DENIED, epoch
+        with pytest.raises(grpc.RpcError) as err:
+            reserve(bob, "pa", b"3" * 16)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert _register(stub, alice, "pa") == grpc.StatusCode.OK  # alice refreshes her own
         # a serving token writes and matches, but runs no admin operation either
         for name, req in (
             ("Evict", pb.EvictRequest(fraction=0.5)),
             ("Drain", pb.DrainRequest(node_id="store0")),
         ):
             assert _code(getattr(stub, name), req, metadata=alice) == grpc.StatusCode.PERMISSION_DENIED, name
+        # once alice's token is revoked, her node id is free for another member (a token rotation)
+        assert revoke_token(cluster.log_dir / "join_tokens.json", "serving-a")
+        deadline = time.monotonic() + 10  # the master re-reads tokens every 0.5 s; "pa" lives 30 s unbeaten
+        while _register(stub, bob, "pa", epoch=3) != grpc.StatusCode.OK:
+            assert time.monotonic() < deadline, "the master did not free a revoked token's node id"
+            time.sleep(0.2)
 
 
 def test_a_cluster_secret_file_others_can_read_is_refused(tmp_path: Path) -> None:
@@ -243,3 +260,50 @@ def test_a_member_cannot_end_or_renew_another_members_read_lease(cluster: Any) -
             _code(stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=lease), metadata=alice)
             == grpc.StatusCode.OK
         )
+
+
+def test_up_binds_each_serving_node_to_its_own_token(cluster: Any, tmp_path: Path) -> None:
+    """`kvpool up`'s credentials for a plan of three serving nodes, given to a real secured master: each
+    node's token registers and reserves as that node only."""
+    from kvpool.cluster.credentials import TOKEN_ROLE, UpCredentials, token_name
+    from kvpool.cluster.launch import plan
+    from kvpool.cluster.spec import ClusterSpec
+
+    spec = ClusterSpec.model_validate({"prefill": {"count": 2}, "decode": {"count": 1}})
+    launches = [x for x in plan(spec, LAYOUT) if x.role in ("prefill", "decode")]
+    creds = UpCredentials.make(tmp_path, {"KVPOOL_CLUSTER_SECRET": "s" * 64}, launches)
+    md = {}
+    for launch in launches:  # the master's token file learns each node's token, as kvpool up's would
+        token = creds.token_file(launch).read_text().strip()
+        add_token(
+            cluster.log_dir / "join_tokens.json",
+            f"up-{token_name(launch)}",
+            token,
+            role=TOKEN_ROLE[launch.role],
+        )
+        md[launch.name] = _seen(cluster, token)
+    assert len({m[0][1] for m in md.values()}) == 3
+    with grpc.insecure_channel(cluster.master_address) as ch:
+        stub = pb_grpc.MasterStub(ch)
+        for launch in launches:
+            assert _register(stub, md[launch.name], launch.name, launch.role) == grpc.StatusCode.OK
+        ns = stub.RegisterNamespace(
+            pb.RegisterNamespaceRequest(model_id="m", weights_version="v", layout_fingerprint=LAYOUT),
+            timeout=10,
+            metadata=md["prefill0"],
+        ).namespace
+        for caller, writer, expected in (
+            ("prefill1", "prefill0", grpc.StatusCode.PERMISSION_DENIED),
+            ("decode0", "prefill1", grpc.StatusCode.PERMISSION_DENIED),
+            ("prefill0", "prefill0", grpc.StatusCode.OK),
+        ):
+            req = pb.ReserveRequest(
+                namespace=ns,
+                block_hashes=[f"up-{caller}-{writer}".encode().ljust(16, b"-")[:16]],
+                num_replicas=1,
+                block_nbytes=8192,
+                write_lease_ms=10_000,
+                writer_node_id=writer,
+            )
+            assert _code(stub.Reserve, req, metadata=md[caller]) == expected, (caller, writer)
+        assert _register(stub, md["prefill1"], "prefill0", "prefill", 7) == grpc.StatusCode.PERMISSION_DENIED

@@ -19,10 +19,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from kvpool.cluster.credentials import CREDENTIAL_ENV, UpCredentials, scrubbed
+from kvpool.cluster.credentials import CREDENTIAL_ENV, UpCredentials, scrubbed, token_name
+from kvpool.cluster.launch import Launch, plan
 from kvpool.cluster.spec import ClusterSpec
 from kvpool.membership import read_token_roles, token_digest
 from kvpool.rpc.serving_key import DIGEST_ENV, KEY_FILE_ENV
+from kvpool.tenants import SALT_KEY_ENV
+from kvpool.types import DEFAULT_LAYOUT
 
 SECRETS = ("KVPOOL_CLUSTER_SECRET", "KVPOOL_CLUSTER_SECRET_FILE")
 
@@ -38,36 +41,96 @@ def _operator(tmp_path: Path) -> dict[str, str]:
     }
 
 
+def _launches(spec: dict[str, object] | None = None) -> dict[str, Launch]:
+    """The launch plan of `spec` (default: one of each role), by launch name."""
+    return {x.name: x for x in plan(ClusterSpec.model_validate(spec or {}), DEFAULT_LAYOUT)}
+
+
 def test_up_gives_the_secret_only_to_master_and_stores_even_from_the_operators_environment(
     tmp_path: Path,
 ) -> None:
     operator = _operator(tmp_path)
     (tmp_path / "up").mkdir()
-    creds = UpCredentials.make(tmp_path / "up", operator)
+    launches = _launches()
+    creds = UpCredentials.make(tmp_path / "up", operator, launches.values())
     roles = read_token_roles(Path(creds.master_env["KVPOOL_JOIN_TOKENS_FILE"]))
     by_name = {name: role for name, role in roles.values()}
-    assert by_name == {"admin": "admin", "router": "router", "serving": "serving", "engine": "engine"}
-    for role in ("master", "store"):
-        env = scrubbed(operator) | creds.env_for(role)
-        assert env["KVPOOL_CLUSTER_SECRET_FILE"] == operator["KVPOOL_CLUSTER_SECRET_FILE"], role
+    assert by_name == {
+        "admin": "admin",
+        "router": "router",
+        "serving-prefill0": "serving",
+        "serving-decode0": "serving",
+    }
+    for name in ("master", "store0"):
+        env = scrubbed(operator) | creds.env_for(launches[name])
+        assert env["KVPOOL_CLUSTER_SECRET_FILE"] == operator["KVPOOL_CLUSTER_SECRET_FILE"], name
         assert "KVPOOL_JOIN_TOKEN" not in env and KEY_FILE_ENV not in env and "VLLM_API_KEY" not in env
-    expected_token = {"router": "router", "prefill": "serving", "decode": "serving", "vllm-prefill": "engine"}
-    for role, token_role in expected_token.items():
-        env = scrubbed(operator) | creds.env_for(role)
-        assert not set(env) & set(SECRETS), role  # the operator's secret never reaches it
+    expected_token = {"router": "router", "prefill0": "serving", "decode0": "serving"}
+    for name, token_role in expected_token.items():
+        env = scrubbed(operator) | creds.env_for(launches[name])
+        assert not set(env) & set(SECRETS), name  # the operator's secret never reaches it
         assert "KVPOOL_JOIN_TOKEN" not in env  # nor the operator's own token
         token = Path(env["KVPOOL_JOIN_TOKEN_FILE"]).read_text().strip()
-        assert roles[token_digest(token)][1] == token_role, role
+        assert roles[token_digest(token)][1] == token_role, name
     key = Path(creds.caller_env[KEY_FILE_ENV]).read_text().strip()
-    assert creds.env_for("router")[KEY_FILE_ENV] == creds.caller_env[KEY_FILE_ENV]
-    assert creds.env_for("prefill")[DIGEST_ENV] == token_digest(key) and KEY_FILE_ENV not in creds.env_for(
-        "decode"
-    )
-    assert creds.env_for("vllm-decode")["VLLM_API_KEY"] == key
-    assert creds.env_for("etcd") == {}
+    assert creds.env_for(launches["router"])[KEY_FILE_ENV] == creds.caller_env[KEY_FILE_ENV]
+    prefill, decode = creds.env_for(launches["prefill0"]), creds.env_for(launches["decode0"])
+    assert prefill[DIGEST_ENV] == token_digest(key) and KEY_FILE_ENV not in decode
     creds.remove_files()
     assert Path(operator["KVPOOL_CLUSTER_SECRET_FILE"]).exists()  # the operator's file is not ours to remove
     assert not list((tmp_path / "up").iterdir())
+
+
+def test_up_gives_every_serving_node_and_engine_a_token_of_its_own(tmp_path: Path) -> None:
+    """Writes and leases are bound to the token that made them (tests/test_least_privilege.py), so nodes
+    sharing one could write as each other: each serving node and engine holds its own, of its role."""
+    launches = _launches({"prefill": {"count": 2}, "decode": {"count": 3}})
+    engines = _launches(
+        {
+            "prefill": {"engine": "vllm", "python": "python", "count": 2},
+            "decode": {"engine": "vllm", "python": "python"},
+        }
+    )
+    everything = [*launches.values(), *(x for x in engines.values() if x.argv)]
+    creds = UpCredentials.make(tmp_path, {}, everything)
+    roles = read_token_roles(Path(creds.master_env["KVPOOL_JOIN_TOKENS_FILE"]))
+    members = [x for x in everything if x.role in ("prefill", "decode", "vllm-prefill", "vllm-decode")]
+    assert len(members) == 8
+    tokens: dict[str, str] = {}
+    for launch in members:
+        token = Path(creds.env_for(launch)["KVPOOL_JOIN_TOKEN_FILE"]).read_text().strip()
+        name, role = roles[token_digest(token)]
+        assert role == ("engine" if launch.argv else "serving"), launch.name
+        assert name == f"{role}-{launch.name}" == token_name(launch)  # named after the node
+        tokens[launch.name] = token
+    assert len(set(tokens.values())) == len(members)  # none shared
+    assert all(f"--node-id {x.name}" in " ".join(x.args) for x in members if not x.argv)
+    note = creds.remote_note(launches["decode2"])
+    assert str(tmp_path / "join_token.serving-decode2") in note and "serving-decode1" not in note
+    with pytest.raises(KeyError, match="prefill5"):  # never a shared fallback for a node it was not given
+        creds.env_for(Launch("prefill5", "prefill", "127.0.0.1"))
+
+
+def test_the_commands_for_other_hosts_name_every_credential_their_role_needs(tmp_path: Path) -> None:
+    launches = _launches()
+    creds = UpCredentials.make(tmp_path, {}, launches.values())
+    salt = {SALT_KEY_ENV: str(tmp_path / "tenant_salt_key")}
+    notes = {
+        name: creds.remote_note(launches[name], salt) for name in ("master", "store0", "router", "prefill0")
+    }
+    salt_line = f"{SALT_KEY_ENV} = a 0600 copy of {tmp_path / 'tenant_salt_key'}"
+    for name in ("master", "router"):  # the two that derive tenants' salts must share the key
+        assert salt_line in notes[name], notes[name]
+    for name in ("store0", "prefill0"):
+        assert SALT_KEY_ENV not in notes[name], notes[name]
+    assert "KVPOOL_CLUSTER_SECRET_FILE" in notes["master"] and "KVPOOL_CLUSTER_SECRET_FILE" in notes["store0"]
+    router = notes["router"]
+    assert f"{KEY_FILE_ENV} = a 0600 copy of {creds.caller_env[KEY_FILE_ENV]}" in router
+    assert f"KVPOOL_JOIN_TOKEN_FILE = a 0600 copy of {tmp_path / 'join_token.router'}" in router
+    assert f"{DIGEST_ENV}=" in notes["prefill0"] and KEY_FILE_ENV not in notes["prefill0"]
+    insecure = UpCredentials()  # --insecure: no secret, no tokens, but the salt key still
+    assert insecure.remote_note(launches["router"], salt) == f"  ({salt_line})"
+    assert insecure.remote_note(launches["store0"], salt) == ""
 
 
 def test_a_wildcard_listen_address_is_refused_for_nodes() -> None:
@@ -138,6 +201,8 @@ def test_a_secured_up_keeps_the_operators_secret_from_non_secret_roles(tmp_path:
         assert children["master"]["KVPOOL_CLUSTER_SECRET_FILE"] == operator["KVPOOL_CLUSTER_SECRET_FILE"]
         assert KEY_FILE_ENV in children["router"] and KEY_FILE_ENV not in children["prefill"]
         assert DIGEST_ENV in children["prefill"] and DIGEST_ENV in children["decode"]
+        own = {children[r]["KVPOOL_JOIN_TOKEN_FILE"] for r in ("prefill", "decode", "router")}
+        assert len(own) == 3, own  # each node its own token
         # the cluster serves through the router (which holds the serving key) ...
         url = next(x.split()[1] for x in lines if x.startswith("  router")).removesuffix("/v1")
         r = httpx.post(

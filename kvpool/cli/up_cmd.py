@@ -165,9 +165,10 @@ def _echo_logs(paths: list[Path], stop: threading.Event) -> None:
         stop.wait(0.2)
 
 
-def _credentials(log_dir: Path, secured: bool) -> Any:
-    """Each role's credentials (`kvpool.cluster.credentials.UpCredentials`); unsecured: none, and the
-    secret variables of this environment are dropped."""
+def _credentials(log_dir: Path, secured: bool, launches: list[Any]) -> Any:
+    """Each role's credentials (`kvpool.cluster.credentials.UpCredentials`: a join token of its own for
+    every serving node and engine of `launches`); unsecured: none, and the secret variables of this
+    environment are dropped."""
     from kvpool.cluster.credentials import SECRET_ENV, UpCredentials
     from kvpool.master.members import UNSECURED_WARNING
 
@@ -176,7 +177,7 @@ def _credentials(log_dir: Path, secured: bool) -> Any:
             os.environ.pop(name, None)
         typer.echo(f"kvpool up: --insecure: {UNSECURED_WARNING}", err=True)
         return UpCredentials()
-    return UpCredentials.make(log_dir, os.environ)
+    return UpCredentials.make(log_dir, os.environ, launches)
 
 
 def _tenant_salt_env(log_dir: Path) -> dict[str, str]:
@@ -192,18 +193,14 @@ def _tenant_salt_env(log_dir: Path) -> dict[str, str]:
 
 def _etcd_tls(plan: Any, log_dir: Path) -> tuple[Any, Any]:
     """A secured cluster's etcd serves its clients over TLS with client certificates (a fresh CA in
-    `log_dir/etcd-tls`) and answers its readiness check on a plain /health port: (the plan so changed, its
-    `EtcdTls`); without openssl, the plan unchanged and None, said in one line (docs/ha.md)."""
+    `log_dir/etcd-tls`, made as the gRPC one: `kvpool.cluster.tls.write_etcd_tls`) and answers its readiness
+    check on a plain /health port: (the plan so changed, its `EtcdTls`) (docs/ha.md)."""
     import dataclasses
 
-    from kvpool.cluster.etcd import free_port, new_etcd_tls
-    from kvpool.errors import FailedPrecondition
+    from kvpool.cluster.etcd import free_port
+    from kvpool.cluster.tls import write_etcd_tls
 
-    try:
-        tls = new_etcd_tls(log_dir / "etcd-tls", plan.host)
-    except FailedPrecondition as exc:
-        typer.echo(f"kvpool up: etcd without TLS: {exc}", err=True)
-        return plan, None
+    tls = write_etcd_tls(log_dir / "etcd-tls", plan.host)
     return dataclasses.replace(plan, tls=tls.server, health_port=free_port(plan.host)), tls
 
 
@@ -250,7 +247,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
         if secured:
             etcd, etcd_tls = _etcd_tls(etcd, log_dir)
     launches = plan(spec, layout.fingerprint(), etcd=etcd)
-    creds = _credentials(log_dir, secured)
+    creds = _credentials(log_dir, secured, launches)
     salt_env = _tenant_salt_env(log_dir)
     policy = RestartPolicy.of(spec.cluster)
     procs: list[SupervisedRole] = []
@@ -272,11 +269,11 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
             if stop.is_set():
                 break
             if not launch.local:
-                note = creds.remote_note(launch.role)
+                note = creds.remote_note(launch, salt_env)
                 remote.append(f"  on {launch.host}: {launch.command(master, model_dir)}" + note)
                 continue
             # the operator's environment less every credential, then this role's own (least privilege)
-            role_env = creds.env_for(launch.role) | (salt_env if launch.role in ("master", "router") else {})
+            role_env = creds.env_for(launch) | (salt_env if launch.role in ("master", "router") else {})
             if launch.role == "master":
                 role_env = role_env | etcd_env
             env = scrubbed(os.environ) | role_env | launch.env

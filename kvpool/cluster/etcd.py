@@ -244,7 +244,8 @@ def enable_etcd_auth(
 @dataclass(frozen=True, slots=True)
 class EtcdTls:
     """The PEM files of an etcd on TLS: a CA, the server's certificate (for 127.0.0.1) and key, and a
-    client certificate (CN `kvpool`) and key the masters present (`--client-cert-auth`)."""
+    client certificate (CN `kvpool`) and key the masters present (`--client-cert-auth`); `kvpool up` makes
+    them with `kvpool.cluster.tls.write_etcd_tls`."""
 
     ca: str
     server_cert: str
@@ -274,38 +275,3 @@ class EtcdTls:
             private_key=Path(self.client_key).read_bytes(),
             certificate_chain=Path(self.client_cert).read_bytes(),
         )
-
-
-def new_etcd_tls(directory: Path, host: str = "127.0.0.1") -> EtcdTls:
-    """A fresh CA (its key dropped once it signed), a server certificate for `host` and a client certificate,
-    made by the `openssl` binary in `directory` (keys 0600). Raises `FailedPrecondition` without openssl or
-    when it fails."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        raise FailedPrecondition("no openssl binary: etcd cannot get a TLS certificate")
-    directory.mkdir(parents=True, exist_ok=True)
-    d = directory
-    san = f"IP:{host}" if host.replace(".", "").isdigit() else f"DNS:{host}"
-    (d / "server.ext").write_text(f"subjectAltName={san}\nextendedKeyUsage=serverAuth,clientAuth\n")
-    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    steps = [
-        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "3650",
-         "-subj", "/CN=kvpool-etcd-ca"],
-        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", f"/CN={host}"],
-        ["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-         "-out", "server.pem", "-days", "3650", "-extfile", "server.ext"],
-        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "client.key", "-out", "client.csr", "-subj", "/CN=kvpool"],
-        ["x509", "-req", "-in", "client.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-         "-out", "client.pem", "-days", "3650", "-extfile", "client.ext"],
-    ]  # fmt: skip
-    old = os.umask(0o077)
-    try:
-        for step in steps:
-            done = subprocess.run([openssl, *step], cwd=d, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                raise FailedPrecondition(f"openssl {step[0]} failed: {done.stderr.strip()[-300:]}")
-    finally:
-        os.umask(old)
-    for name in ("ca.key", "server.csr", "client.csr", "ca.srl"):
-        (d / name).unlink(missing_ok=True)
-    return EtcdTls(*(str(d / n) for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")))

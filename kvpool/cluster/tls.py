@@ -13,7 +13,8 @@ and gives every role (and itself, for its health checks) `KVPOOL_TLS_CA_FILE`, `
 listens with TLS and refuses a connection without a certificate the CA signed, every channel verifies the
 server's certificate and presents the cluster's. An operator whose environment already names
 `KVPOOL_TLS_CERT_FILE` (their own PKI, or files copied from another host's `kvpool up`) keeps those files.
-The key is removed when the cluster stops. UCX (the data plane) is not covered: it stays clear on the wire
+The key is removed when the cluster stops. A secured HA cluster's etcd gets its own CA, server and
+client certificates the same way (`write_etcd_tls`: no openssl binary involved). UCX (the data plane) is not covered: it stays clear on the wire
 (docs/security.md).
 """
 
@@ -26,12 +27,14 @@ import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from kvpool.cluster.etcd import EtcdTls
 from kvpool.cluster.spec import ClusterSpec
 from kvpool.errors import InvalidArgument
 
@@ -55,15 +58,10 @@ def _general_name(name: str) -> x509.GeneralName:
         return x509.DNSName(name)
 
 
-def write_cluster_tls(directory: Path, hosts: Iterable[str], *, days: int = VALID_DAYS) -> dict[str, Path]:
-    """Make `directory` (0700) with a fresh CA certificate (`ca`), a certificate it signed for server and
-    client authentication whose SAN covers `san_names(hosts)` (`cert`), and that certificate's key
-    (`key`, 0600). Returns {"ca", "cert", "key": path}. The CA's key is never written."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.UTC)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+def _ca(common_name: str, start: datetime.datetime, end: datetime.datetime) -> tuple[Any, x509.Certificate]:
+    """A fresh self-signed CA (ECDSA P-256; it signs certificates only): (its key, its certificate)."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvpool cluster CA")])
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     ca = (
         x509.CertificateBuilder()
         .subject_name(ca_name)
@@ -90,38 +88,97 @@ def write_cluster_tls(directory: Path, hosts: Iterable[str], *, days: int = VALI
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
+    return ca_key, ca
+
+
+def _issue(
+    ca_key: Any,
+    ca: x509.Certificate,
+    common_name: str,
+    names: list[str],
+    usages: list[x509.ObjectIdentifier],
+    start: datetime.datetime,
+    end: datetime.datetime,
+) -> tuple[Any, x509.Certificate]:
+    """A fresh key (ECDSA P-256) and its certificate signed by `ca`: subject `common_name`, extended key
+    usages `usages`, subject alternative names `names` (none when empty)."""
     key = ec.generate_private_key(ec.SECP256R1())
-    names = san_names(hosts)
-    cert = (
+    builder = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvpool cluster")]))
-        .issuer_name(ca_name)
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+        .issuer_name(ca.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(start)
         .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName([_general_name(n) for n in names]), critical=False)
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
         )
-        .sign(ca_key, hashes.SHA256())
     )
-    paths = {"ca": directory / "ca.pem", "cert": directory / "cert.pem", "key": directory / "key.pem"}
-    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    if names:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([_general_name(n) for n in names]), critical=False
+        )
+    return key, builder.sign(ca_key, hashes.SHA256())
+
+
+def _write_pem(path: Path, cert: x509.Certificate) -> None:
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _write_key(path: Path, key: Any) -> None:
     key_pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    fd = os.open(paths["key"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         os.fchmod(f.fileno(), 0o600)  # an existing file keeps its mode through O_CREAT: set it
         f.write(key_pem)
+
+
+def _validity(days: int) -> tuple[datetime.datetime, datetime.datetime]:
+    now = datetime.datetime.now(datetime.UTC)
+    return now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+
+
+def write_cluster_tls(directory: Path, hosts: Iterable[str], *, days: int = VALID_DAYS) -> dict[str, Path]:
+    """Make `directory` (0700) with a fresh CA certificate (`ca`), a certificate it signed for server and
+    client authentication whose SAN covers `san_names(hosts)` (`cert`), and that certificate's key
+    (`key`, 0600). Returns {"ca", "cert", "key": path}. The CA's key is never written."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    start, end = _validity(days)
+    ca_key, ca = _ca("kvpool cluster CA", start, end)
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    key, cert = _issue(ca_key, ca, "kvpool cluster", san_names(hosts), usages, start, end)
+    paths = {"ca": directory / "ca.pem", "cert": directory / "cert.pem", "key": directory / "key.pem"}
+    _write_pem(paths["ca"], ca)
+    _write_pem(paths["cert"], cert)
+    _write_key(paths["key"], key)
     return paths
+
+
+def write_etcd_tls(directory: Path, host: str = "127.0.0.1", *, days: int = VALID_DAYS) -> EtcdTls:
+    """The TLS files of a secured `kvpool up`'s etcd, made as the cluster's (`write_cluster_tls`), in
+    `directory` (0700): a fresh CA of its own (its key never written), the server's certificate (SAN over
+    `san_names([host])`) and the client certificate the masters present (CN `kvpool`, client use only),
+    keys 0600."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    start, end = _validity(days)
+    ca_key, ca = _ca("kvpool etcd CA", start, end)
+    server_usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    server_key, server = _issue(ca_key, ca, host, san_names([host]), server_usages, start, end)
+    client_key, client = _issue(ca_key, ca, "kvpool", [], [ExtendedKeyUsageOID.CLIENT_AUTH], start, end)
+    tls = EtcdTls(
+        *(str(directory / n) for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key"))
+    )
+    _write_pem(Path(tls.ca), ca)
+    _write_pem(Path(tls.server_cert), server)
+    _write_key(Path(tls.server_key), server_key)
+    _write_pem(Path(tls.client_cert), client)
+    _write_key(Path(tls.client_key), client_key)
+    return tls
 
 
 def tls_env(paths: Mapping[str, Path]) -> dict[str, str]:

@@ -26,6 +26,12 @@ tenant at or under its share are never evicted to make room: the write is refuse
 per-node policy order. Dropping a spare replica (the block stays on another node) always comes first.
 Cost: O(1) per reserve under the quota (the tenant's resident blocks are an index group count, its
 reserved blocks a counter); eviction to make room costs what `RadixIndex.evict` does.
+Reload: the master re-reads the tenants file when it changes (the router's mechanism,
+`kvpool.tenants.Tenants.refresh`: its modification time looked at most every `RELOAD_CHECK_S`), at the
+next `Reserve`, pool-full eviction or `/metrics` scrape: changed quotas apply from then on, a tenant given
+a quota has its namespaces grouped for it, and a tenant whose quota was removed is no longer limited
+(its blocks are evicted as those of a namespace without a quota). A file that no longer loads keeps the
+previous quotas (logged).
 Metrics (a tenant by its opaque id, never its name): `kvpool_master_tenant_pool_blocks{tenant}`, `..._tenant_pool_quota_blocks{tenant}`,
 `..._tenant_quota_evictions_total`, `..._tenant_quota_refusals_total`.
 """
@@ -53,24 +59,49 @@ class TenantQuotas:
     resident blocks are counted by the index (the tenant is the index *group* of its namespaces), so
     `usage` and the check in `make_room` are O(1)."""
 
-    def __init__(self, tenants: dict[str, Tenant]) -> None:
-        self.quota_blocks = {salt: t.pool_quota_blocks or 0 for salt, t in tenants.items()}
+    def __init__(self, tenants: dict[str, Tenant], source: Tenants | None = None) -> None:
+        self.quota_blocks: dict[str, int] = {}
         """Tenant cache salt -> quota in blocks."""
-        self.ids = {salt: t.tenant_id for salt, t in tenants.items()}
+        self.ids: dict[str, str] = {}
         """Tenant cache salt -> its opaque id (metrics never name a tenant)."""
-        self._reserved = dict.fromkeys(self.quota_blocks, 0)  # tenant salt -> new blocks reserved
+        self._reserved: dict[str, int] = {}  # tenant salt -> new blocks reserved (every salt ever grouped)
+        self._source = source  # the tenants file, re-read when it changes (`refresh`)
+        self._set(tenants)
         self.num_quota_evictions = 0
         self.num_refused = 0
 
     @classmethod
     def from_file(cls, path: str | None, salt_key_file: str | None = None) -> TenantQuotas:
         """Quotas of a tenants file (None: no quotas), its derived salts keyed by the salt key in
-        `salt_key_file`. `InvalidArgument` on a bad file."""
-        return cls(Tenants.from_settings(path, salt_key_file).with_pool_quota())
+        `salt_key_file`; the file is re-read when it changes (`refresh`). `InvalidArgument` on a bad file."""
+        tenants = Tenants.from_settings(path, salt_key_file)
+        return cls(tenants.with_pool_quota(), tenants if path else None)
+
+    def _set(self, tenants: dict[str, Tenant]) -> None:
+        self.quota_blocks = {salt: t.pool_quota_blocks or 0 for salt, t in tenants.items()}
+        self.ids = {salt: t.tenant_id for salt, t in tenants.items()}
+        for salt in self.quota_blocks:
+            self._reserved.setdefault(salt, 0)
+
+    def refresh(self, m: Master) -> bool:
+        """Under the lock: re-read the tenants file if it changed (module docstring); True when new
+        quotas took effect. The namespaces of a tenant newly given a quota join its index group."""
+        if self._source is None or not self._source.refresh():
+            return False
+        before = set(self._reserved)
+        self._set(self._source.with_pool_quota())
+        new = set(self.quota_blocks) - before
+        if new:
+            for record in m.namespaces.records():
+                if record.tenant in new and m.namespaces.is_active(record.digest):
+                    m.index.register_namespace(NamespaceId(record.digest), record.tenant)
+        log.info("tenant quotas reloaded: %d tenants with a pool quota", len(self.quota_blocks))
+        return True
 
     def group(self, tenant: str | None) -> str | None:
-        """The index group of a namespace of tenant salt `tenant`: the tenant when it has a quota."""
-        return tenant if tenant is not None and tenant in self.quota_blocks else None
+        """The index group of a namespace of tenant salt `tenant`: the tenant when it has (or had, since
+        this master started) a quota."""
+        return tenant if tenant is not None and tenant in self._reserved else None
 
     def usage(self, m: Master, salt: str) -> int:
         """Resident + reserved blocks of the tenant with cache salt `salt` (blocks); O(1)."""
@@ -83,13 +114,15 @@ class TenantQuotas:
 
     def usage_by_tenant(self, m: Master) -> dict[str, tuple[int, int]]:
         """Under the lock: tenant id (`kvpool.tenants.tenant_id`) -> (blocks used, quota in blocks)."""
+        self.refresh(m)
         return {self.ids[s]: (self.usage(m, s), q) for s, q in self.quota_blocks.items()}
 
     def make_room(self, m: Master, ns: bytes, num_new: int, keep: Sequence[bytes]) -> None:
         """Under the lock, before placing `num_new` new blocks under `ns`: evict the tenant's own leaves
         until they fit, or raise `ResourceExhausted`. `keep`: blocks of the reservation (never evicted)."""
+        self.refresh(m)
         salt = self.group(m.namespaces.tenant_of(ns))
-        if salt is None or num_new <= 0:
+        if salt is None or salt not in self.quota_blocks or num_new <= 0:
             return
         quota = self.quota_blocks[salt]
         over = self.usage(m, salt) + num_new - quota
@@ -132,17 +165,19 @@ class TenantQuotas:
         docstring): over-share tenants and namespaces without a quota first, then the writer's own
         leaves (`writer_ns`: the namespace written, None for background eviction), never another
         tenant's under its share. The caller accounts the dropped blocks (`on_dropped`)."""
+        self.refresh(m)
         if not self.quota_blocks:
             return m.index.evict(want, node_id=node_id)
         shares = self.shares(m)
         budgets: dict[str | None, int] = {None: want}
+        budgets |= {salt: want for salt in self._reserved if salt not in shares}  # quota removed: no share
         for salt, share in shares.items():
             if (excess := min(m.index.num_blocks_in_group(salt), self.usage(m, salt) - share)) > 0:
                 budgets[salt] = excess
         first = m.index.evict(want, node_id=node_id, group_budgets=budgets)
         left = want - first.num_freed_on_node
         writer = self.group(m.namespaces.tenant_of(writer_ns)) if writer_ns is not None else None
-        if left <= 0 or writer is None:
+        if left <= 0 or writer is None or writer not in shares:
             return first
         own = m.index.evict(left, node_id=node_id, group_budgets={writer: left})
         self.num_quota_evictions += len(own.dropped)

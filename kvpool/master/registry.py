@@ -74,7 +74,8 @@ class NodeRegistry:
     ) -> None:
         """Add or refresh a node. A new epoch replaces everything the node had (B22). The caller admitted
         it (`Membership`): `session` is what its heartbeats must carry, `join_token` the name of the token
-        it joined with ("" for a store or an unsecured cluster)."""
+        it joined with ("" for a store or an unsecured cluster). Raises `PermissionDenied` when a live
+        node holds `node_id` under another active join token (a member never takes another's node id)."""
         if not node_id:
             raise InvalidArgument("node_id must be non-empty")
         if role not in ROLES:
@@ -98,6 +99,16 @@ class NodeRegistry:
             self._refuse_live_duplicate(node_id, role, epoch, grpc_address)
         with self.lock:
             old = self.st.nodes.get(node_id)
+            if (
+                old is not None
+                and old.alive
+                and old.join_token != join_token
+                and self._active(old.join_token)
+            ):
+                raise PermissionDenied(
+                    f"node id {node_id!r} is held by a live node that joined with another join token: a "
+                    "member registers only as itself"
+                )
             now = self.clock.now_ms()
             if old is not None and old.epoch == epoch and old.alive and old.role == role:
                 old.grpc_address, old.data_address, old.last_seen_ms = grpc_address, data_address, now
@@ -117,6 +128,14 @@ class NodeRegistry:
                 self.st.to_adopt.add(node_id)
                 self.wake.set()
             log.info("node %s (%s) registered, epoch %d", node_id, role, epoch)
+
+    def _active(self, token_name: str) -> bool:
+        """Whether join token `token_name` is still active ("" for a store or an unsecured cluster: yes)."""
+        try:
+            self.members.check_still_active(token_name)
+        except PermissionDenied:
+            return False
+        return True
 
     def _refuse_live_duplicate(self, node_id: str, role: str, epoch: int, grpc_address: str) -> None:
         """Raise `AlreadyExists` when another live node holds `node_id`: two stores (or prefill, or decode

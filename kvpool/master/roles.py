@@ -1,6 +1,7 @@
 """What each join-token role may ask of a secured master (least privilege, `kvpool.membership.TOKEN_ROLES`).
 
-A join token carries one role (`kvpool token new NAME --role ROLE`; `kvpool up` issues one per role):
+A join token carries one role (`kvpool token new NAME --role ROLE`; `kvpool up` issues one to each serving
+node and engine, one to the router and one for the operator):
 
 | role | may call (besides joining: `JoinChallenge`, `RegisterNode`, `Heartbeat`, `DeregisterNode`) |
 |---|---|
