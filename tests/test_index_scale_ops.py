@@ -1,0 +1,277 @@
+"""The index's vectorised / incremental forms against simple references (issue #37, item 3).
+
+`remove_node` and the watermark's spare-replica drops must leave exactly the index the old per-row
+loops left (kept here verbatim as references), and the protected-block counter must equal a full scan
+of the columns after any sequence of operations.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import hypothesis.strategies as st
+import numpy as np
+from hypothesis import given, settings
+
+from kvpool.errors import FailedPrecondition, NotFound
+from kvpool.index import RadixIndex
+from kvpool.index import eviction as ev
+from kvpool.index.columns import _COLUMNS, _RAW
+from kvpool.index.results import DroppedBlock
+from kvpool.types import BlockHash, FakeClock, Location, NamespaceId
+
+NODES = ("s0", "s1", "s2", "s3")
+NAMESPACES = (NamespaceId(b"A" * 16), NamespaceId(b"B" * 16))
+
+# ---- references: the per-row loops the vectorised forms replaced ------------------------------------
+
+
+def remove_node_reference(index: RadixIndex, node_id: str) -> list[DroppedBlock]:
+    c, orphans = index._c, []
+    for row in sorted(index._space.rows_on(node_id)):
+        for loc in c.locations[row]:
+            if loc.node_id == node_id:
+                index._remove_location_row(row, loc)
+        if not c.locations[row]:
+            orphans.append(row)
+    index._space.forget(node_id)
+    dropped: list[DroppedBlock] = []
+    for row in orphans:
+        if c.alive[row]:
+            dropped.extend(index._drop_subtree(row, "orphan"))
+    return dropped
+
+
+def drop_spare_replicas_reference(index: RadixIndex, budget: int, node_id: str) -> list[DroppedBlock]:
+    c = index._c
+    candidates = [
+        row
+        for row in index._space.rows_on(node_id)
+        if c.lock_ref[row] == 0
+        and c.num_leases[row] == 0
+        and index._ns_valid[c.ns_slot[row]]
+        and any(loc.node_id != node_id and not loc.local for loc in c.locations[row])
+    ]
+    if not candidates:
+        return []
+    rows = np.array(candidates, dtype=np.int64)
+    order = rows[np.lexsort((rows, c.last_access_ms[rows]))]
+    dropped: list[DroppedBlock] = []
+    for row in order.tolist():
+        if len(dropped) >= budget:
+            break
+        block_hash = c.hashes[row]
+        assert block_hash is not None
+        for loc in c.locations[row]:
+            if loc.node_id == node_id and len(dropped) < budget:
+                index._remove_location_row(row, loc)
+                ns = index._ns_ids[int(c.ns_slot[row])]
+                dropped.append(DroppedBlock(ns, block_hash, (loc,), "replica"))
+    return dropped
+
+
+def clone(index: RadixIndex) -> RadixIndex:
+    """A deep copy whose columns are views of its own records again (deepcopy detaches views)."""
+    out = copy.deepcopy(index)
+    c = out._c
+    c._raw = c.records.view(_RAW)
+    for name in _COLUMNS:
+        setattr(c, name, c.records[name])
+    return out
+
+
+def protected_scan(index: RadixIndex) -> int:
+    c = index._c
+    return int(np.count_nonzero(c.alive & ((c.lock_ref > 0) | (c.num_leases > 0))))
+
+
+def fingerprint(index: RadixIndex) -> tuple[object, ...]:
+    """Everything the index holds (rows, maps, accounting, free list, eviction heap); a row without
+    replicas (`rep_node` -1) has no meaningful slot, generation or local flag, so those are blanked."""
+    c, n = index._c, index._c._next_row
+    records = c.records[:n].copy()
+    for name in ("rep_slot", "rep_gen", "rep_local"):
+        records[name][records["rep_node"] < 0] = 0
+    return (
+        records.tobytes(),
+        c.hashes[:n],
+        dict(c.extra),
+        list(c._free),
+        c.num_alive,
+        c.num_protected,
+        dict(index._space._slots),
+        dict(index._space._bytes),
+        [dict(m) for m in index._ns_rows],
+        dict(index._group_blocks),
+        sorted(index._heap),
+        index._seq,
+    )
+
+
+# ---- random indexes -----------------------------------------------------------------------------
+
+_OP = st.one_of(
+    st.tuples(
+        st.just("insert"),
+        st.integers(0, 1),
+        st.integers(-1, 10**6),
+        st.lists(
+            st.lists(st.tuples(st.sampled_from(NODES), st.booleans()), min_size=1, max_size=3),
+            min_size=1,
+            max_size=4,
+        ),
+    ),
+    st.tuples(st.just("lock"), st.integers(0, 1), st.integers(0, 10**6)),
+    st.tuples(st.just("unlock"), st.integers(0, 10**6)),
+    st.tuples(st.just("lease"), st.integers(0, 1), st.integers(0, 10**6), st.integers(0, 100)),
+    st.tuples(st.just("release"), st.integers(0, 10**6)),
+    st.tuples(st.just("advance"), st.integers(1, 80)),
+    st.tuples(st.just("remove_location"), st.integers(0, 1), st.integers(0, 10**6)),
+    st.tuples(st.just("remove_node"), st.sampled_from(NODES)),
+    st.tuples(st.just("evict"), st.integers(0, 4), st.sampled_from((None, *NODES))),
+    st.tuples(st.just("invalidate"), st.integers(0, 1)),
+    st.tuples(st.just("reclaim"), st.integers(0, 4)),
+)
+
+
+class Driver:
+    """Applies random operations to an index, keeping what it needs to pick valid arguments."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock(1000)
+        self.index = RadixIndex(clock=self.clock, policy="lru")
+        self.next_id = 1
+        self.locks: list[tuple[NamespaceId, list[BlockHash]]] = []
+        self.leases: list[int] = []
+        for ns in NAMESPACES:
+            self.index.register_namespace(ns)
+
+    def blocks(self, ns: NamespaceId) -> list[BlockHash]:
+        slot = self.index._ns_active[ns]
+        return list(self.index._ns_rows[slot])
+
+    def chain_to(self, ns: NamespaceId, h: BlockHash) -> list[BlockHash]:
+        out = [h]
+        while (info := self.index.lookup(ns, out[-1])) is not None and info.parent is not None:
+            out.append(info.parent)
+        return out[::-1]
+
+    def apply(self, op: tuple[object, ...]) -> None:  # noqa: C901 (one branch per operation)
+        ix, kind = self.index, op[0]
+        if kind == "insert":
+            _, ns_i, pick, reps = op
+            ns = NAMESPACES[int(ns_i)]  # type: ignore[call-overload]
+            existing = self.blocks(ns)
+            parent = existing[int(pick) % len(existing)] if existing and int(pick) >= 0 else None  # type: ignore[call-overload]
+            hashes, locs = [], []
+            for block_reps in reps:  # type: ignore[union-attr]
+                hashes.append(BlockHash(self.next_id.to_bytes(16, "big")))
+                row_locs = []
+                for node, local in block_reps:
+                    row_locs.append(Location(node, 0 if local else self.next_id * 10 + len(row_locs), 0, local))
+                locs.append(list(dict.fromkeys(row_locs)))
+                self.next_id += 1
+            ix.insert(ns, hashes, parent=parent, locations=locs, size_bytes=64)
+        elif kind in ("lock", "lease"):
+            ns = NAMESPACES[int(op[1])]  # type: ignore[call-overload]
+            existing = self.blocks(ns)
+            if not existing:
+                return
+            chain = self.chain_to(ns, existing[int(op[2]) % len(existing)])  # type: ignore[call-overload]
+            if kind == "lock":
+                ix.lock(ns, chain)
+                self.locks.append((ns, chain))
+            else:
+                res = ix.match_prefix(ns, chain, count_hit=True, lease_ttl_ms=int(op[3]))  # type: ignore[call-overload]
+                if res.lease_id is not None:
+                    self.leases.append(res.lease_id)
+        elif kind == "unlock" and self.locks:
+            ns, chain = self.locks.pop(int(op[1]) % len(self.locks))  # type: ignore[call-overload]
+            try:
+                ix.unlock(ns, chain)
+            except (NotFound, FailedPrecondition):
+                pass
+        elif kind == "release" and self.leases:
+            ix.release_lease(self.leases.pop(int(op[1]) % len(self.leases)))  # type: ignore[call-overload]
+        elif kind == "advance":
+            self.clock.advance(int(op[1]))  # type: ignore[call-overload]
+        elif kind == "remove_location":
+            ns = NAMESPACES[int(op[1])]  # type: ignore[call-overload]
+            existing = self.blocks(ns)
+            if existing:
+                h = existing[int(op[2]) % len(existing)]  # type: ignore[call-overload]
+                info = ix.lookup(ns, h)
+                assert info is not None
+                ix.remove_location(ns, h, info.locations[0])
+        elif kind == "remove_node":
+            ix.remove_node(str(op[1]))
+        elif kind == "evict":
+            ix.evict(int(op[1]), node_id=op[2])  # type: ignore[call-overload, arg-type]
+        elif kind == "invalidate":
+            ns = NAMESPACES[int(op[1])]  # type: ignore[call-overload]
+            ix.invalidate_namespace(ns)
+            ix.register_namespace(ns)
+        elif kind == "reclaim":
+            ix.reclaim_invalidated(int(op[1]))  # type: ignore[call-overload]
+
+
+# ---- tests --------------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(_OP, max_size=40))
+def test_protected_counter_equals_a_full_scan_after_every_operation(ops: list[tuple[object, ...]]) -> None:
+    d = Driver()
+    for op in ops:
+        d.apply(op)
+        assert d.index._c.num_protected == protected_scan(d.index)
+        assert d.index.num_protected_blocks == protected_scan(d.index)  # (after expiring due leases)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(_OP, max_size=40), node=st.sampled_from(NODES))
+def test_remove_node_leaves_what_the_per_row_loop_left(ops: list[tuple[object, ...]], node: str) -> None:
+    d = Driver()
+    for op in ops:
+        d.apply(op)
+    ref = clone(d.index)
+    got = d.index.remove_node(node)
+    want = remove_node_reference(ref, node)
+    assert got == want
+    assert fingerprint(d.index) == fingerprint(ref)
+    d.index.check_invariants()
+    # and they go on alike: evict everything evictable
+    assert d.index.evict(10**6) == ref.evict(10**6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(_OP, max_size=40), node=st.sampled_from(NODES), budget=st.integers(0, 8))
+def test_spare_replica_drops_match_the_per_row_loop(
+    ops: list[tuple[object, ...]], node: str, budget: int
+) -> None:
+    d = Driver()
+    for op in ops:
+        d.apply(op)
+    ref = clone(d.index)
+    got = ev._drop_spare_replicas(d.index, budget, node)
+    want = drop_spare_replicas_reference(ref, budget, node)
+    assert got == want
+    assert fingerprint(d.index) == fingerprint(ref)
+    d.index.check_invariants()
+
+
+def test_remove_node_of_a_replicated_store_keeps_the_other_replicas_in_order() -> None:
+    """Multi-replica rows (the Python path of `remove_node`) beside single-replica ones."""
+    d = Driver()
+    ns = NAMESPACES[0]
+    a, b, c = (Location(n, s, 0) for n, s in (("s0", 1), ("s1", 2), ("s2", 3)))
+    hs = [BlockHash(i.to_bytes(16, "big")) for i in (1, 2, 3)]
+    d.index.insert(ns, hs, parent=None, locations=[[a, b, c], [b, Location("s0", 4, 0)], [Location("s0", 5, 0)]],
+                   size_bytes=8)
+    ref = clone(d.index)
+    got = d.index.remove_node("s0")
+    assert got == remove_node_reference(ref, "s0")
+    assert [x.block_hash for x in got] == [hs[2]]
+    assert d.index.lookup(ns, hs[0]).locations == (b, c)  # type: ignore[union-attr]
+    assert d.index.lookup(ns, hs[1]).locations == (b,)  # type: ignore[union-attr]
+    assert fingerprint(d.index) == fingerprint(ref)
