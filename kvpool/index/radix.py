@@ -233,11 +233,9 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
             if not c.locations[row]:
                 orphans.append(np.array([row], dtype=np.int64))
         space.forget(node_id)  # (its slots and bytes: every replica counted there is gone)
-        dropped: list[DroppedBlock] = []
-        for row in np.sort(np.concatenate(orphans)).tolist():
-            if c.alive[row]:
-                dropped.extend(self._drop_subtree(row, "orphan"))
-        return dropped
+        from kvpool.index.bulk_drop import drop_subtrees
+
+        return drop_subtrees(self, np.sort(np.concatenate(orphans)).tolist(), "orphan")
 
     def num_blocks_on_node(self, node_id: str) -> int:
         """Slots (replicas) the index places on `node_id`."""
