@@ -24,6 +24,7 @@ from kvpool.types import BlockHash, FakeClock, Location, NamespaceId
 
 NODES = ("s0", "s1", "s2", "s3")
 NAMESPACES = (NamespaceId(b"A" * 16), NamespaceId(b"B" * 16))
+GROUPS = ("tenant-a", None)  # (a tenant's quota group, and a namespace without one)
 
 # ---- references: the per-row loops the vectorised forms replaced ------------------------------------
 
@@ -152,8 +153,8 @@ class Driver:
         self.next_id = 1
         self.locks: list[tuple[NamespaceId, list[BlockHash]]] = []
         self.leases: list[int] = []
-        for ns in NAMESPACES:
-            self.index.register_namespace(ns)
+        for ns, group in zip(NAMESPACES, GROUPS, strict=True):
+            self.index.register_namespace(ns, group)
 
     def blocks(self, ns: NamespaceId) -> list[BlockHash]:
         slot = self.index._ns_active[ns]
@@ -219,7 +220,7 @@ class Driver:
         elif kind == "invalidate":
             ns = NAMESPACES[int(op[1])]
             ix.invalidate_namespace(ns)
-            ix.register_namespace(ns)
+            ix.register_namespace(ns, GROUPS[int(op[1])])
         elif kind == "reclaim":
             ix.reclaim_invalidated(int(op[1]))
 
@@ -289,3 +290,39 @@ def test_remove_node_of_a_replicated_store_keeps_the_other_replicas_in_order() -
     assert d.index.lookup(ns, hs[0]).locations == (b, c)
     assert d.index.lookup(ns, hs[1]).locations == (b,)
     assert fingerprint(d.index) == fingerprint(ref)
+
+
+def test_remove_node_drops_a_reused_lower_row_below_its_parent_once() -> None:
+    """Rows are reused, so an orphan may sit below another orphan with a higher row number: the
+    sorted walk meets the child first, and the parent's subtree must not drop it again."""
+    d = Driver()
+    ns, ix = NAMESPACES[0], d.index
+    a, p, q = (BlockHash(i.to_bytes(16, "big")) for i in (1, 2, 3))
+    ix.insert(ns, [a], parent=None, locations=[[Location("s1", 1, 0)]], size_bytes=8)  # row 0
+    ix.insert(ns, [p], parent=None, locations=[[Location("s0", 2, 0)]], size_bytes=8)  # row 1
+    ix.remove_location(ns, a, Location("s1", 1, 0))  # row 0 is free again
+    ix.insert(ns, [q], parent=p, locations=[[Location("s0", 3, 0)]], size_bytes=8)  # row 0, below row 1
+    assert ix._ns_rows[ix._ns_active[ns]] == {p: 1, q: 0}
+    ref = clone(ix)
+    got = ix.remove_node("s0")
+    assert got == remove_node_reference(ref, "s0")
+    assert [x.block_hash for x in got] == [q, p]
+    assert fingerprint(ix) == fingerprint(ref) and ix.num_blocks == 0
+    ix.check_invariants()
+
+
+def test_remove_node_of_an_invalidated_namespace_keeps_its_group_count() -> None:
+    """Blocks awaiting reclamation no longer count for their group; a node death drops them anyway."""
+    d = Driver()
+    ns, ix = NAMESPACES[0], d.index
+    hs = [BlockHash(i.to_bytes(16, "big")) for i in (1, 2)]
+    ix.insert(ns, hs, parent=None, locations=[[Location("s0", 1, 0)], [Location("s0", 2, 0)]], size_bytes=8)
+    ix.invalidate_namespace(ns)
+    ix.register_namespace(ns, GROUPS[0])
+    ix.insert(ns, hs[:1], parent=None, locations=[[Location("s1", 3, 0)]], size_bytes=8)
+    ref = clone(ix)
+    got = ix.remove_node("s0")
+    assert got == remove_node_reference(ref, "s0") and len(got) == 2
+    assert ix.num_blocks_in_group(GROUPS[0]) == 1
+    assert fingerprint(ix) == fingerprint(ref)
+    ix.check_invariants()
