@@ -55,11 +55,12 @@ def drop_subtrees(index: RadixIndex, roots: list[int], reason: str) -> list[Drop
     rows = np.array(order, dtype=np.int64)
     slots = c.ns_slot[rows].tolist()
     ns_ids, ns_rows, hashes = index._ns_ids, index._ns_rows, c.hashes
+    reps = c.rep_node[rows].tolist()  # -1: no replica left (the orphans themselves)
     dropped: list[DroppedBlock] = []
-    for row, slot in zip(order, slots, strict=True):
+    for row, slot, rep in zip(order, slots, reps, strict=True):
         block_hash = hashes[row]
         assert block_hash is not None
-        dropped.append(DroppedBlock(ns_ids[slot], block_hash, c.replicas(row), reason))
+        dropped.append(DroppedBlock(ns_ids[slot], block_hash, c.replicas(row) if rep >= 0 else (), reason))
         del ns_rows[slot][block_hash]
         hashes[row] = None
     _release_space(index, rows)
