@@ -123,8 +123,8 @@ def _drop_spare_replicas(index: RadixIndex, budget: int, node_id: str) -> list[D
     several replicas can qualify: they are picked by one vectorised pass over the columns, sorted, and
     checked one by one in that order until the budget is spent (no Python work per single-replica row)."""
     c = index._c
-    if budget <= 0 or not index._space.has(node_id):
-        return []
+    if budget <= 0 or not c.extra or not index._space.has(node_id):
+        return []  # (no row has a second replica: nothing to scan)
     n = c._next_row
     valid = np.array(index._ns_valid, dtype=np.bool_)
     mask = c.has_extra[:n] & (c.lock_ref[:n] == 0) & (c.num_leases[:n] == 0)
