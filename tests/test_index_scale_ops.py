@@ -13,7 +13,7 @@ from typing import Any
 
 import hypothesis.strategies as st
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 from kvpool.errors import FailedPrecondition, NotFound
 from kvpool.index import RadixIndex
@@ -228,8 +228,23 @@ class Driver:
 # ---- tests --------------------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+_INSERT = ("insert", 0, -1, [[("s0", False)], [("s1", False)]])
+
+
+@settings(max_examples=400, deadline=None)
 @given(ops=st.lists(_OP, max_size=40))
+@example(ops=[_INSERT, ("lock", 0, 1), ("lock", 0, 0), ("unlock", 0), ("unlock", 0)])
+@example(
+    ops=[
+        _INSERT,
+        ("lease", 0, 1, 50),
+        ("lease", 0, 0, 0),
+        ("release", 0),
+        ("lease", 0, 1, 20),
+        ("advance", 30),
+    ]
+)
+@example(ops=[_INSERT, ("lock", 0, 1), ("lease", 0, 1, 50), ("remove_node", "s0")])
 def test_protected_counter_equals_a_full_scan_after_every_operation(ops: list[tuple[Any, ...]]) -> None:
     d = Driver()
     for op in ops:
