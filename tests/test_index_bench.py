@@ -98,3 +98,7 @@ def test_cli_index(tmp_path: Path) -> None:
     summary = json.loads(out.read_text())["summary"]
     for key in ("match_blocks_per_s", "insert_blocks_per_s", "bytes_per_block"):
         assert summary[key] > 0
+    # lock-held work (issue #37): a quarter of the blocks die with store-0; store-1's tick frees slots
+    assert 0 < summary["node_death_blocks"] < 3000 and 0 < summary["watermark_tick_slots"] <= 1024
+    for key in ("protected_count_ms", "watermark_tick_ms", "node_death_lock_ms"):
+        assert summary[key] >= 0

@@ -1,13 +1,18 @@
 """`kvpool bench index`: in-process throughput and memory of `RadixIndex` at N resident blocks.
 
-The index is filled with chains of `chain_len` blocks (one namespace, 8 store nodes, one replica per
-block: a distinct `Location` each, as the master would hold). Measured:
+The index is filled with chains of `chain_len` blocks (one namespace, 4 store nodes each holding whole
+chains, a quarter of the blocks; one replica per block: a distinct `Location` each, as the master
+would hold). Measured:
 - `insert_blocks_per_s`: whole-chain inserts into an empty index until N blocks are resident.
 - `match_blocks_per_s`: full-chain matches of random resident chains, `count_hit=True`, locations
   returned (as replica columns: node index, slot, generation per block), no lease; hit counts and
   recency are updated by each match.
 - `bytes_per_block`: tracemalloc delta of a second, identical build (hashes and locations included:
   the index keeps them), divided by N.
+- Lock-held work (issue #37), on the second build: `protected_count_ms` (`num_protected_blocks` with
+  100 leases live), `watermark_tick_ms` (one watermark eviction of 1,024 slots on a store:
+  `evict(1024, node_id=...)`, `watermark_tick_slots` freed) and `node_death_lock_ms` (`remove_node` of a store holding a quarter of
+  the blocks, `node_death_blocks` dropped): the index's part of what the master does under its lock.
 Baseline measured in the same run: a plain `dict` from hash to location tuple walked block by block
 (no tree check, no counters). Rates are wall-clock; the `_cpu_` twins divide by this process's CPU
 time (steadier on a shared machine), and `match_vs_baseline` is the same-run wall-clock ratio.
@@ -38,9 +43,9 @@ def _chains(
     raw = np.random.default_rng(seed).bytes(16 * num_blocks)
     hashes = [BlockHash(raw[i : i + 16]) for i in range(0, 16 * num_blocks, 16)]
     chains = [hashes[i : i + chain_len] for i in range(0, num_blocks, chain_len)]
-    nodes = [f"store-{k}" for k in range(8)]
+    nodes = [f"store-{k}" for k in range(4)]
     locs = [
-        [(Location(nodes[(c + j) % 8], c * chain_len + j, 1),) for j in range(len(chain))]
+        [(Location(nodes[c % 4], c * chain_len + j, 1),) for j in range(len(chain))]
         for c, chain in enumerate(chains)
     ]
     return chains, locs
@@ -73,6 +78,30 @@ def _match_dict(table_map: dict[BlockHash, tuple[Location]], picks: list[list[Bl
             found.append(loc)
         matched += len(found)
     return matched
+
+
+def _lock_held(index: RadixIndex, chains: list[list[BlockHash]]) -> dict[str, Any]:
+    """Milliseconds of the index's lock-held operations that once grew with N (see the docstring)."""
+    for chain in chains[:100]:
+        index.match_prefix(_NS, chain, count_hit=False, lease_ttl_ms=3_600_000)
+    t0 = time.perf_counter()
+    protected = index.num_protected_blocks
+    protected_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tick = index.evict(1024, node_id="store-1")
+    tick_s = time.perf_counter() - t0
+    before = index.num_blocks
+    t0 = time.perf_counter()
+    dropped = index.remove_node("store-0")
+    death_s = time.perf_counter() - t0
+    assert protected > 0 and len(dropped) == before - index.num_blocks
+    return {
+        "protected_count_ms": round(protected_s * 1e3, 3),
+        "watermark_tick_ms": round(tick_s * 1e3, 2),
+        "watermark_tick_slots": tick.num_freed_on_node,
+        "node_death_lock_ms": round(death_s * 1e3, 1),
+        "node_death_blocks": len(dropped),
+    }
 
 
 TARGET_MATCH_BLOCKS_PER_S = 2_000_000
@@ -140,6 +169,7 @@ def run_index_bench(
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     assert index.num_blocks == num_blocks
+    lock_held = _lock_held(index, chains)
 
     summary: dict[str, Any] = {
         "num_blocks": num_blocks,
@@ -152,6 +182,7 @@ def run_index_bench(
         "match_vs_baseline": round((matched / match_s) / (base_matched / base_s), 2),
         "match_cpu_blocks_per_s": round(matched / match_cpu_s),
         "baseline_dict_match_cpu_blocks_per_s": round(base_matched / base_cpu_s),
+        **lock_held,
         "target_match_blocks_per_s": TARGET_MATCH_BLOCKS_PER_S,
         "target_bytes_per_block": TARGET_BYTES_PER_BLOCK,
     }

@@ -106,6 +106,9 @@ class Columns:
         self._free: list[int] = []
         self._next_row = 0
         self.num_alive = 0
+        self.num_protected = 0
+        """Alive rows with `lock_ref > 0` or `num_leases > 0`, kept on every change of either (and on
+        `free`), so counting protected blocks is O(1): change those two columns only through `pin`."""
         self._grow(capacity)
 
     # numpy columns (set in __init__ from _COLUMNS; declared for type checkers)
@@ -240,7 +243,20 @@ class Columns:
             self.run_head[rows] = heads
         return rows
 
+    def pin(self, rows: np.ndarray, *, locks: int = 0, leases: int = 0) -> None:
+        """Add `locks` to `lock_ref` and `leases` to `num_leases` of the distinct alive `rows`,
+        keeping `num_protected`. O(len(rows)) vectorised."""
+        before = np.count_nonzero((self.lock_ref[rows] > 0) | (self.num_leases[rows] > 0))
+        if locks:
+            self.lock_ref[rows] += locks
+        if leases:
+            self.num_leases[rows] += leases
+        after = np.count_nonzero((self.lock_ref[rows] > 0) | (self.num_leases[rows] > 0))
+        self.num_protected += int(after) - int(before)
+
     def free(self, row: int) -> None:
+        if self.lock_ref[row] > 0 or self.num_leases[row] > 0:
+            self.num_protected -= 1
         self.alive[row] = False
         self.gen[row] += 1
         self.hashes[row] = None
@@ -251,6 +267,19 @@ class Columns:
         self.heap_seq[row] = -1
         self._free.append(row)
         self.num_alive -= 1
+
+    def free_many(self, rows: np.ndarray) -> None:
+        """`free` of each of the distinct `rows` in order (hashes left to the caller), vectorised."""
+        self.num_protected -= int(np.count_nonzero((self.lock_ref[rows] > 0) | (self.num_leases[rows] > 0)))
+        self.alive[rows] = False
+        self.gen[rows] += 1
+        for row in rows[self.has_extra[rows]].tolist():
+            del self.extra[row]
+        self.has_extra[rows] = False
+        self.rep_node[rows] = -1
+        self.heap_seq[rows] = -1
+        self._free.extend(rows.tolist())
+        self.num_alive -= len(rows)
 
     def link_child(self, parent: int, child: int) -> None:
         """Make `child` the first child of `parent` (`parent` may be NO_ROW: nothing to link). Sets

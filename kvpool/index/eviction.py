@@ -118,26 +118,33 @@ def _evict_leaves(
 
 
 def _drop_spare_replicas(index: RadixIndex, budget: int, node_id: str) -> list[DroppedBlock]:
+    """Drop up to `budget` of `node_id`'s replicas of unprotected blocks of active namespaces that
+    keep a pool replica on another node, least recently used first (then by row). Only rows with
+    several replicas can qualify: they are picked by one vectorised pass over the columns, sorted, and
+    checked one by one in that order until the budget is spent (no Python work per single-replica row)."""
     c = index._c
-    candidates = [
-        row
-        for row in index._space.rows_on(node_id)
-        if c.lock_ref[row] == 0
-        and c.num_leases[row] == 0
-        and index._ns_valid[c.ns_slot[row]]
-        and any(loc.node_id != node_id and not loc.local for loc in c.locations[row])
-    ]
-    if not candidates:
+    if budget <= 0 or not c.extra or not index._space.has(node_id):
+        return []  # (no row has a second replica: nothing to scan)
+    n = c._next_row
+    valid = np.array(index._ns_valid, dtype=np.bool_)
+    mask = c.has_extra[:n] & (c.lock_ref[:n] == 0) & (c.num_leases[:n] == 0)
+    rows = np.flatnonzero(mask)
+    rows = rows[valid[c.ns_slot[rows]]]
+    if not rows.size:
         return []
-    rows = np.array(candidates, dtype=np.int64)
     order = rows[np.lexsort((rows, c.last_access_ms[rows]))]
     dropped: list[DroppedBlock] = []
     for row in order.tolist():
         if len(dropped) >= budget:
             break
+        locs = c.locations[row]
+        if not any(x.node_id == node_id for x in locs) or not any(
+            x.node_id != node_id and not x.local for x in locs
+        ):
+            continue
         block_hash = c.hashes[row]
         assert block_hash is not None
-        for loc in c.locations[row]:
+        for loc in locs:
             if loc.node_id == node_id and len(dropped) < budget:
                 index._remove_location_row(row, loc)
                 ns = index._ns_ids[int(c.ns_slot[row])]

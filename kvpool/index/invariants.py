@@ -85,6 +85,9 @@ def check_invariants(index: RadixIndex) -> None:
         if index._evictable(row) and int(c.heap_seq[row]) not in heap_seqs:
             _fail(f"evictable leaf row {row} has no heap entry")
     _check_depth(index, alive)
+    protected = sum(1 for row in alive if c.lock_ref[row] > 0 or c.num_leases[row] > 0)
+    if c.num_protected != protected:
+        _fail(f"protected-block counter {c.num_protected} but {protected} rows are locked or leased")
     for node in index._space.nodes():
         if index.num_blocks_on_node(node) != slots[node] or index.bytes_on_node(node) != nbytes[node]:
             _fail(

@@ -160,7 +160,7 @@ class LeaseLockMixin:
         """Pin the chain `block_hashes` and every ancestor of its first block (SGLang's `inc_lock_ref`
         up to the root). Raises `NotFound` (absent block) or `InvalidArgument` (not a chain)."""
         rows = self._chain_rows(ns, block_hashes)
-        self._c.lock_ref[rows] += 1
+        self._c.pin(rows, locks=1)
 
     def unlock(self, ns: NamespaceId, block_hashes: Sequence[BlockHash]) -> None:
         """Undo one `lock` of the same chain. Raises `FailedPrecondition` if any block is not locked
@@ -169,7 +169,7 @@ class LeaseLockMixin:
         c = self._c
         if rows.size and (c.lock_ref[rows] <= 0).any():
             raise FailedPrecondition("unlock of a block that is not locked")
-        c.lock_ref[rows] -= 1
+        c.pin(rows, locks=-1)
         for row in rows[(c.lock_ref[rows] == 0) & (c.num_children[rows] == 0)]:
             self._push(int(row))
 
@@ -189,6 +189,6 @@ class LeaseLockMixin:
     def _unpin(self, lease: Lease) -> None:
         c = self._c
         rows = lease.rows[(c.gen[lease.rows] == lease.gens) & c.alive[lease.rows]]
-        c.num_leases[rows] -= 1
+        c.pin(rows, leases=-1)
         for row in rows[(c.num_leases[rows] == 0) & (c.num_children[rows] == 0)]:
             self._push(int(row))

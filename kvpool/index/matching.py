@@ -85,7 +85,7 @@ def match_prefix(
         if lease_ttl_ms > 0:
             index.expire_leases()
             rows = np.arange(sel.start, sel.stop) if isinstance(sel, slice) else sel
-            c.num_leases[rows] += 1
+            c.pin(rows, leases=1)
             expiry_ms = now + lease_ttl_ms
             lease_id = index._leases.grant(expiry_ms, rows, rec["gen"].copy())
         elif c.num_children[last] == 0:

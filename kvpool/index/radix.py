@@ -216,20 +216,26 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
 
     def remove_node(self, node_id: str) -> list[DroppedBlock]:
         """A store node died: forget all its replicas; blocks left without any are dropped with their
-        descendants (reason "orphan", with the replicas elsewhere that must be freed)."""
-        c, orphans = self._c, []
-        for row in sorted(self._space.rows_on(node_id)):
-            for loc in c.locations[row]:
-                if loc.node_id == node_id:
-                    self._remove_location_row(row, loc)
+        descendants (reason "orphan", with the replicas elsewhere that must be freed). Rows whose only
+        replica was there are cleared with one vectorised pass over the replica column; Python work
+        per row is left for rows with several replicas and for the dropped blocks themselves."""
+        c, space = self._c, self._space
+        if not space.has(node_id):
+            return []
+        k = c.node_index(node_id)
+        first_here = c.rep_node[: c._next_row] == k
+        single = np.flatnonzero(first_here & ~c.has_extra[: c._next_row])
+        c.rep_node[single] = -1  # their only replica was there: orphans
+        orphans = [single]
+        multi = [r for r, locs in c.extra.items() if first_here[r] or any(x.node_id == node_id for x in locs)]
+        for row in multi:  # replica_num > 1: keep the others, in order
+            c.set_replicas(row, tuple(x for x in c.replicas(row) if x.node_id != node_id))
             if not c.locations[row]:
-                orphans.append(row)
-        self._space.forget(node_id)
-        dropped: list[DroppedBlock] = []
-        for row in orphans:
-            if c.alive[row]:
-                dropped.extend(self._drop_subtree(row, "orphan"))
-        return dropped
+                orphans.append(np.array([row], dtype=np.int64))
+        space.forget(node_id)  # (its slots and bytes: every replica counted there is gone)
+        from kvpool.index.bulk_drop import drop_subtrees
+
+        return drop_subtrees(self, np.sort(np.concatenate(orphans)).tolist(), "orphan")
 
     def num_blocks_on_node(self, node_id: str) -> int:
         """Slots (replicas) the index places on `node_id`."""
@@ -263,10 +269,10 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
 
     @property
     def num_protected_blocks(self) -> int:
-        """Blocks under a live lease or a lock (never evicted, nor their ancestors)."""
+        """Blocks under a live lease or a lock (never evicted, nor their ancestors). O(1) past the
+        expiry of due leases: a counter kept on every lock, unlock, lease grant and end, and drop."""
         self.expire_leases()
-        c, live = self._c, self._c.alive
-        return int(np.count_nonzero(live & ((c.lock_ref > 0) | (c.num_leases > 0))))
+        return self._c.num_protected
 
     @property
     def num_unprotected_blocks(self) -> int:

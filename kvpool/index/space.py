@@ -25,6 +25,17 @@ class NodeSpace:
         self._slots[node_id] -= 1
         self._bytes[node_id] -= size_bytes
 
+    def remove_many(self, node_id: str, num_slots: int, size_bytes: int) -> None:
+        """`num_slots` replicas of `size_bytes` in all left `node_id`."""
+        if node_id not in self._slots:
+            return
+        self._slots[node_id] -= num_slots
+        self._bytes[node_id] -= size_bytes
+
+    def has(self, node_id: str) -> bool:
+        """Whether any replica was ever counted on `node_id` since it was last forgotten."""
+        return node_id in self._slots
+
     def rows_on(self, node_id: str) -> set[int]:
         return self._c.rows_with_node(node_id) if node_id in self._slots else set()
 
