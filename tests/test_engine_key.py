@@ -8,15 +8,11 @@ launch plan's environment is checked below)."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -33,6 +29,7 @@ from kvpool.router.vllm_pd import VllmEngines
 from kvpool.rpc import PROTOCOL_VERSION
 from kvpool.rpc.serving_key import KEY_FILE_ENV
 from kvpool.types import DEFAULT_LAYOUT
+from tests.asgi_server import AsgiServer
 
 KEY = "k" * 43
 
@@ -51,18 +48,11 @@ class KeyedEngine:
                 Route("/v1/models", self._answer),
             ]
         )
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        self._server = AsgiServer(app)
+        self.url = self._server.url
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
+        self._server.stop()
 
     async def _answer(self, request: Request) -> Response:
         if request.headers.get("authorization") != f"Bearer {KEY}":

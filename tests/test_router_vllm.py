@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -33,6 +31,7 @@ from kvpool.router.vllm_pd import VllmEngines, decode_body, prefill_body, tokeni
 from kvpool.rpc import PROTOCOL_VERSION
 from kvpool.types import DEFAULT_LAYOUT
 from kvpool.vllm.pd import prefill_blocks, wait_committed
+from tests.asgi_server import AsgiServer
 
 REPORT = {"num_saved_blocks": 3, "decision": "none"}
 
@@ -52,18 +51,11 @@ class FakeEngine:
                 Route("/v1/models", self._models),
             ]
         )
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        self._server = AsgiServer(app)
+        self.url = self._server.url
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
+        self._server.stop()
 
     async def _tokenize(self, request: Request) -> Response:
         body = await request.json()
