@@ -15,11 +15,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvpool.cluster.local import LocalCluster, LocalClusterSpec  # noqa: E402
+from kvpool.cluster.local import LocalCluster  # noqa: E402
 from kvpool.demo.orchestrator import Orchestrator  # noqa: E402
 from kvpool.sampling import SamplingParams  # noqa: E402
-
-BLOCK = 16
+from tests.test_e2e_serving import BLOCK, e2e_spec  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +30,8 @@ def runner():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def cluster(runner) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
-    spec = LocalClusterSpec(
-        layout=runner.layout.fingerprint(),
-        block_size=BLOCK,
-        segment_size="64MiB",
-        num_replicas=2,
-        heartbeat_timeout_ms=30_000,  # the killed store stays listed: its replicas are offered and fail
-        # no node-local tier, pulls forced: every hit is a pull from the stores (as in test_e2e_serving)
-        extra_env={"KVPOOL_LOCAL_TIER_BYTES": "0", "KVPOOL_FORCE_DECISION": "pull"},
-    )
-    with LocalCluster(spec) as c:
+    # two replicas of every block; the killed store stays listed: its replicas are offered and fail
+    with LocalCluster(e2e_spec(runner, num_replicas=2)) as c:
         yield c
 
 

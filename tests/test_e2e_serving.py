@@ -26,9 +26,9 @@ def runner():  # type: ignore[no-untyped-def]
     return ModelRunner.load(None, block_size=BLOCK)
 
 
-@pytest.fixture(scope="module")
-def cluster(runner) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
-    spec = LocalClusterSpec(
+def e2e_spec(runner, **overrides) -> LocalClusterSpec:  # type: ignore[no-untyped-def]
+    """The serving tests' cluster: the embedded model's layout, 64 MiB stores, a killed store listed 30 s."""
+    return LocalClusterSpec(
         layout=runner.layout.fingerprint(),
         block_size=BLOCK,
         segment_size="64MiB",
@@ -37,7 +37,13 @@ def cluster(runner) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
         # these tests check the exactness of reuse, and with 128-token prefixes on a loaded 2-core host the
         # cost model (rightly, once it has learned the per-pull overhead) often prefers recomputing
         extra_env={"KVPOOL_LOCAL_TIER_BYTES": "0", "KVPOOL_FORCE_DECISION": "pull"},
+        **overrides,
     )
+
+
+@pytest.fixture(scope="module")
+def cluster(runner) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
+    spec = e2e_spec(runner)
     with LocalCluster(spec) as c:
         yield c
 
