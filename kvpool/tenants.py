@@ -112,8 +112,8 @@ def derived_salt(name: str, salt_key: bytes) -> str:
     return hmac.new(salt_key, b"kvpool-tenant-salt\0" + name.encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def _private_file(p: Path, what: str) -> str:
-    """`p`'s text; `InvalidArgument` when it cannot be read or is readable or writable by group or others."""
+def _private_file(p: Path, what: str) -> bytes:
+    """`p`'s bytes; `InvalidArgument` when it cannot be read or is readable or writable by group or others."""
     try:
         mode = p.stat().st_mode
         if mode & 0o077:
@@ -121,16 +121,21 @@ def _private_file(p: Path, what: str) -> str:
                 f"{p}: the {what} is readable or writable by group or others (mode "
                 f"{stat.S_IMODE(mode):04o}): chmod 600 {p}"
             )
-        return p.read_text()
+        return p.read_bytes()
     except OSError as exc:
         raise InvalidArgument(f"{p}: cannot read {what}: {exc.strerror}") from None
 
 
 def load_salt_key(path: str | Path) -> bytes:
-    """The salt key in a 0600 file (its text, surrounding whitespace stripped, at least 16 bytes);
+    """The salt key in a 0600 file, at least 16 bytes: its text with surrounding whitespace stripped (what
+    `new_salt_key_file` writes), or its raw bytes when they are not UTF-8 text (`head -c 32 /dev/urandom`).
     `InvalidArgument` naming the file otherwise."""
     p = Path(path)
-    key = _private_file(p, "salt key file").strip().encode()
+    raw = _private_file(p, "salt key file")
+    try:
+        key = raw.decode().strip().encode()
+    except UnicodeDecodeError:
+        key = raw
     if len(key) < MIN_SALT_KEY_BYTES:
         raise InvalidArgument(f"{p}: the salt key must be at least {MIN_SALT_KEY_BYTES} bytes")
     return key
@@ -148,8 +153,8 @@ def new_salt_key_file(directory: str | Path) -> Path:
 def _parse(p: Path, salt_key: bytes | None) -> dict[str, Tenant]:
     """API key -> tenant, from the tenants file `p`; `InvalidArgument` naming the file and the field."""
     try:
-        data = tomllib.loads(_private_file(p, "tenants file"))
-    except tomllib.TOMLDecodeError as exc:
+        data = tomllib.loads(_private_file(p, "tenants file").decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"{p}: {exc}") from None
     try:
         parsed = _TenantsFile.model_validate(data)
@@ -174,13 +179,16 @@ def _parse(p: Path, salt_key: bytes | None) -> dict[str, Tenant]:
     return by_key
 
 
-def _version(path: Path | None) -> tuple[int, int, int] | None:
-    """What tells a changed file: (modification time in ns, size, inode); None without one."""
+def _version(path: Path | None) -> tuple[int, ...] | None:
+    """What tells a changed file: (modification and change times in ns, size, inode, mode); the change time
+    moves on a chmod, so a file refused for its mode is read again once fixed. None without one."""
     try:
         st = path.stat() if path is not None else None
     except OSError:
         return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino) if st is not None else None
+    if st is None:
+        return None
+    return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_mode)
 
 
 class Tenants:
@@ -225,9 +233,12 @@ class Tenants:
         with self._lock:
             self._next_check = time.monotonic() + RELOAD_CHECK_S
             version = _version(self._path)
-            if version == self._seen or version is None:
+            if version == self._seen:
                 return False
             self._seen = version
+            if version is None:
+                log.error("tenants file %s is gone; the previous tenants stay until it is back", self._path)
+                return False
             try:
                 self._by_key = _parse(self._path, self._salt_key)
             except InvalidArgument as exc:

@@ -46,3 +46,13 @@ def test_admin_against_a_dead_list_is_one_line_naming_both() -> None:
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvpool admin: Unavailable: "), result.output
     assert f"none of {dead[0]}, {dead[1]} answered" in lines[0], lines
+
+
+def test_admin_without_tls_settings_says_how_to_reach_a_tls_cluster(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    dead = _dead_addresses(1)
+    monkeypatch.delenv("KVPOOL_TLS_CA_FILE", raising=False)
+    result = CliRunner().invoke(app, ["admin", "--master", dead[0], "--timeout", "2", "status"])
+    assert result.exit_code == 1 and "export KVPOOL_TLS_CA_FILE=" in result.output, result.output
+    monkeypatch.setenv("KVPOOL_TLS_CA_FILE", "/nonexistent/ca.pem")  # TLS configured: no such hint
+    result = CliRunner().invoke(app, ["admin", "--master", dead[0], "--timeout", "2", "status"])
+    assert result.exit_code != 0 and "export KVPOOL_TLS_CA_FILE=" not in result.output, result.output

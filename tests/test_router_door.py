@@ -9,6 +9,7 @@ test controls exactly which bytes of a request are sent; a real `kvpool master` 
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -221,6 +222,13 @@ def test_the_tenants_file_is_reloaded_when_it_changes(router: tuple[str, Path]) 
         write_private(tfile, changed.replace('"sk-acme"', '"sk-acme-2"'))  # a key removed
         wait_for("sk-acme", 401)
         assert _get(address, "/v1/models", "sk-acme-2") == 200
+        # an edit refused for the file's mode applies once the mode is fixed: the chmod alone, no new content
+        tfile.write_text(changed.replace('"sk-acme"', '"sk-acme-3"'))
+        os.chmod(tfile, 0o644)
+        time.sleep(1.5)
+        assert _get(address, "/v1/models", "sk-acme-3") == 401
+        os.chmod(tfile, 0o600)
+        wait_for("sk-acme-3", 200)
     finally:
         write_private(tfile, TENANTS)
         wait_for("sk-acme", 200)

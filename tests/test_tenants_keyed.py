@@ -73,7 +73,7 @@ def test_a_tenants_file_readable_by_others_stops_the_router_with_one_line(tmp_pa
          "--master", "127.0.0.1:1", "--tenants", str(f)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert out.returncode != 0, out
+    assert out.returncode == 2, out  # a bad setting: exit 2 (kvpool up does not restart it)
     assert "Traceback" not in out.stderr and f"chmod 600 {f}" in out.stderr, out.stderr
 
 
@@ -106,3 +106,16 @@ def test_the_salt_key_file_must_be_private(tmp_path: Path) -> None:
     write_private(key, "short")
     with pytest.raises(InvalidArgument, match="at least 16 bytes"):
         load_salt_key(key)
+
+
+def test_a_salt_key_of_raw_random_bytes_is_a_key(tmp_path: Path) -> None:
+    from kvpool.tenants import load_salt_key
+
+    raw = bytes([0xA1, 0xFF, 0x00, 0x80]) * 8  # not UTF-8 (head -c 32 /dev/urandom)
+    f = tmp_path / "raw.key"
+    f.write_bytes(raw)
+    os.chmod(f, 0o600)
+    assert load_salt_key(f) == raw
+    (tmp_path / "hex.key").write_text("  " + "ab" * 16 + "\n")
+    os.chmod(tmp_path / "hex.key", 0o600)
+    assert load_salt_key(tmp_path / "hex.key") == b"ab" * 16  # text keys: whitespace stripped

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -87,6 +88,19 @@ def _admin(
     _Ctx.master, _Ctx.timeout_s = master, timeout_s
 
 
+def _tls_hint(exc: Exception) -> str:
+    """For a master that did not answer while no TLS is configured: say how a `kvpool up` cluster's
+    mutual TLS is reached (a plaintext call to it reads as a closed socket)."""
+    from kvpool.errors import Unavailable
+
+    if isinstance(exc, Unavailable) and not os.environ.get("KVPOOL_TLS_CA_FILE"):
+        return (
+            " (a cluster under `kvpool up` serves gRPC over mutual TLS: run the `export KVPOOL_TLS_CA_FILE=... "
+            "KVPOOL_TLS_CERT_FILE=... KVPOOL_TLS_KEY_FILE=...` line it printed)"
+        )
+    return ""
+
+
 def _run(fn: Callable[[Any], Any], as_json: bool, render: Callable[[Any], None]) -> None:
     """Call `fn(client)`; print JSON or a table; one line and exit 1 on any kvpool error."""
     from kvpool.client import MasterClient
@@ -96,7 +110,7 @@ def _run(fn: Callable[[Any], Any], as_json: bool, render: Callable[[Any], None])
         with MasterClient(_Ctx.master, timeout_s=_Ctx.timeout_s) as client:
             result = fn(client)
     except KVPoolError as exc:
-        typer.echo(f"kvpool admin: {type(exc).__name__}: {exc}", err=True)
+        typer.echo(f"kvpool admin: {type(exc).__name__}: {exc}{_tls_hint(exc)}", err=True)
         raise typer.Exit(1) from None
     except ValueError as exc:
         typer.echo(f"kvpool admin: {exc}", err=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable
 
@@ -12,9 +13,11 @@ log = logging.getLogger("kvpool.cli")
 
 def run_or_exit(role: str, fn: Callable[[], None]) -> None:
     """Run `fn` (a role's serve loop). An exception becomes `kvpool ROLE: Type: message` on stderr and exit
-    status 1, or 2 when the master refused this process as a member (no or a revoked join token); the
-    traceback is logged at debug level (`kvpool -v ...`). Ctrl-C and exits pass through."""
-    from kvpool.errors import PermissionDenied, Unauthenticated
+    status 1, or 2 when it is a setting that cannot work (`InvalidArgument`: a bad file or value; an address
+    that cannot be bound: in use, not this host's, not permitted) or the master refused this process as a
+    member (no or a revoked join token): `kvpool up` does not restart a role that exits 2. The traceback is
+    logged at debug level (`kvpool -v ...`). Ctrl-C and exits pass through."""
+    from kvpool.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
     try:
         fn()
@@ -23,4 +26,10 @@ def run_or_exit(role: str, fn: Callable[[], None]) -> None:
     except Exception as exc:  # noqa: BLE001 - one clear line, no traceback
         log.debug("%s failed", role, exc_info=True)
         typer.echo(f"kvpool {role}: {type(exc).__name__}: {exc}", err=True)
-        raise typer.Exit(2 if isinstance(exc, (Unauthenticated, PermissionDenied)) else 1) from None
+        refused = isinstance(exc, (Unauthenticated, PermissionDenied, InvalidArgument))
+        unbindable = isinstance(exc, OSError) and exc.errno in _UNBINDABLE
+        raise typer.Exit(2 if refused or unbindable else 1) from None
+
+
+_UNBINDABLE = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+"""A listening address that will not work on a retry: in use, not an address of this host, not permitted."""
