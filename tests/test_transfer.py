@@ -112,6 +112,22 @@ def test_idle_connections_do_not_spin(transport: UcxTransport) -> None:
         s.kill()
 
 
+def _stop(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP `pid` and wait until every one of its threads is stopped: `kill` returns when the signal is
+    sent, and a thread of a busy store may still answer a request until the stop reaches it."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = set()
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.add(f.read().rsplit(")", 1)[1].split()[0])
+        if states <= {"T", "t"}:
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped: thread states {states}"
+        time.sleep(0.01)
+
+
 def test_a_stalled_peer_costs_no_cpu_while_the_transfer_waits(transport: UcxTransport) -> None:
     """A read waiting on a SIGSTOPped store until its deadline: the busy regime naps once nothing moves
     and the worker arms (transfer/ucx_wait.py); it used to poll the worker without pause, a whole core for
@@ -122,12 +138,12 @@ def test_a_stalled_peer_costs_no_cpu_while_the_transfer_waits(transport: UcxTran
         put_blocks(s, transport, [0, 1, 2, 3], data)
         res, _ = read(transport, s, [0, 1, 2, 3])  # the connections are open
         assert all(r.ok for r in res)
-        os.kill(s.proc.pid, signal.SIGSTOP)
+        _stop(s.proc.pid)
         me = psutil.Process()
         c0, t0 = _cpu_s(me), time.monotonic()
         res, _ = read(transport, s, [0, 1, 2, 3], timeout_s=2.0)
         cpu_s, wall_s = _cpu_s(me) - c0, time.monotonic() - t0
-        assert not any(r.ok for r in res)
+        assert not any(r.ok for r in res), res
         assert cpu_s < 0.4 * wall_s, (cpu_s, wall_s)  # spinning: ~1.0 x wall
     finally:
         s.kill()
