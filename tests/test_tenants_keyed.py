@@ -73,7 +73,7 @@ def test_a_tenants_file_readable_by_others_stops_the_router_with_one_line(tmp_pa
          "--master", "127.0.0.1:1", "--tenants", str(f)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert out.returncode == 2, out  # a bad setting: exit 2 (kvpool up does not restart it)
+    assert out.returncode == 1, out  # a node that cannot start: one line, exit 1 (README)
     assert "Traceback" not in out.stderr and f"chmod 600 {f}" in out.stderr, out.stderr
 
 
