@@ -29,6 +29,7 @@ import pytest
 
 from kvpool.client import MasterClient
 from kvpool.errors import KVPoolError
+from kvpool.rpc.security import security
 from tests.capabilities import require_etcd, require_ucx
 from tests.test_up_supervised import _Up
 
@@ -189,8 +190,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     spec = Path(tmp_path_factory.mktemp("ha-serving")) / "cluster.toml"
     spec.write_text(SPEC)
     up = _Up(spec)
+    tls = pytest.MonkeyPatch()
     try:
         up.wait_line("Ctrl-C stops everything", 240)
+        for name, value in up.tls_env().items():  # the masters serve mutual TLS: this process's checks too
+            tls.setenv(name, value)
+        security.cache_clear()
         at = up.endpoints()
         masters = [at[f"master{i}"] for i in range(3)]
         c = Cluster(up, f"http://{at['router']}", masters, int(at["etcd"].rsplit(":", 1)[1]))
@@ -198,6 +203,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
     finally:
         out = up.stop()
+        tls.undo()
+        security.cache_clear()
     assert up.proc.returncode == 0, out[-3000:]
     assert "giving up" not in out
 

@@ -54,6 +54,11 @@ class _Up:
         self.reader = threading.Thread(target=lambda: self.lines.extend(iter(pipe.readline, "")), daemon=True)
         self.reader.start()
 
+    def tls_env(self) -> dict[str, str]:
+        """The `KVPOOL_TLS_*` settings of the export line it printed (its roles serve mutual TLS)."""
+        line = next(x for x in self.lines if "export KVPOOL_TLS_" in x)
+        return dict(re.findall(r"(KVPOOL_TLS_\w+)=(\S+)", line))
+
     def tail(self) -> str:
         return "".join(self.lines[-60:])
 
@@ -166,8 +171,7 @@ def up_tls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[_Up], None]]:
     from kvpool.rpc.security import security
 
     def use(up: _Up) -> None:
-        line = next(x for x in up.lines if "export KVPOOL_TLS_" in x)
-        for name, value in re.findall(r"(KVPOOL_TLS_\w+)=(\S+)", line):
+        for name, value in up.tls_env().items():
             monkeypatch.setenv(name, value)
         security.cache_clear()
 
