@@ -1,4 +1,4 @@
-"""`kvpool bench failover`: kill -9 the leading master under steady serving traffic (issue #30).
+"""`kvpool bench failover`: kill -9 the leading master under steady serving traffic.
 
 A real pool in high availability (`kvpool.bench.failover_cluster`: a single-node etcd, `masters` processes
 of `kvpool master --etcd` with lease `lease_ttl_s`, one `kvpool store` given all of them) and one serving

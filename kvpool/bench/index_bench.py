@@ -9,7 +9,7 @@ would hold). Measured:
   recency are updated by each match.
 - `bytes_per_block`: tracemalloc delta of a second, identical build (hashes and locations included:
   the index keeps them), divided by N.
-- Lock-held work (issue #37), on the second build: `protected_count_ms` (`num_protected_blocks` with
+- Lock-held work, on the second build: `protected_count_ms` (`num_protected_blocks` with
   100 leases live), `watermark_tick_ms` (one watermark eviction of 1,024 slots on a store:
   `evict(1024, node_id=...)`, `watermark_tick_slots` freed) and `node_death_lock_ms` (`remove_node` of a store holding a quarter of
   the blocks, `node_death_blocks` dropped): the index's part of what the master does under its lock.

@@ -1,6 +1,6 @@
 """`kvpool bench master-churn`: match latency and master memory before vs after client-created churn.
 
-Issue 24's figure: repeating an operation a client can issue at will leaves O(1) state on the master and
+The figure: repeating an operation a client can issue at will leaves O(1) state on the master and
 does not slow its hot path. A master process and one store process on 127.0.0.1; `prompts` chains of
 `blocks` blocks are published for real (as in `kvpool bench master`). Then, in order:
 

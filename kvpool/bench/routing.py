@@ -1,4 +1,4 @@
-"""`kvpool bench routing` (issue #11): routing policies compared on the conversation trace.
+"""`kvpool bench routing`: routing policies compared on the conversation trace.
 
 Mode "sim": `kvpool.bench.routing_sim` (the real router, index and load decision in a discrete-event
 simulation whose service times are **measured** TTFTs, `kvpool.bench.routing_service`, not the cost model
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench.routing_service import SHIPPED_TABLE, ServiceTimes, table_profile
+from kvpool.bench.routing_service import ServiceTimes, table_profile
 from kvpool.bench.routing_sim import SimConfig, simulate
 from kvpool.bench.routing_workload import EMBEDDED_CPU, PROFILES, SimProfile, build_workload
 from kvpool.errors import InvalidArgument
@@ -222,7 +222,9 @@ def run_routing(
             "seed": seed,
             "profile_source": sim_profile.source,
             "service_times": {
-                "path": str(service_times or SHIPPED_TABLE),
+                "path": "(shipped) kvpool/data/routing_service_times.json"
+                if service_times is None
+                else str(service_times),
                 "noise_sigma": round(service.noise_sigma, 4),
                 "block_tokens": service.block_tokens,
             }

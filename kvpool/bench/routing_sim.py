@@ -1,4 +1,4 @@
-"""Discrete-event simulation of prefill routing (`kvpool bench routing`, mode "sim"; issue #11).
+"""Discrete-event simulation of prefill routing (`kvpool bench routing`, mode "sim").
 
 What is real, what is measured and what is modelled:
 - **Real**: the router's placement code (`kvpool.router.state.node_states` on a peek, `Inflight`,
@@ -12,7 +12,7 @@ What is real, what is measured and what is modelled:
   prefill node (`kvpool.bench.routing_service.ServiceTimes`, `SimConfig.service`), times a lognormal
   factor whose sigma is the spread of that table's repetitions. The cost model's own prediction
   (`predicted_total_s`) only drives the router's bookkeeping (`Inflight`), never the service time: the
-  `cost` policy is graded against measurements, not against the model it scores with (issue #45).
+  `cost` policy is graded against measurements, not against the model it scores with.
 - **Modelled**: one request at a time per node; the request's first token ends its service (TTFT = end
   − arrival); then its full blocks are published into the pool (the index, evicted down to
   `pool_capacity_frac` of the trace's unique blocks) and into the node's local tier (an LRU of

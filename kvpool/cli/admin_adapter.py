@@ -1,4 +1,4 @@
-"""`kvpool admin adapter register|reload|unload|list`: adapters by name, keyed by content (issue #26).
+"""`kvpool admin adapter register|reload|unload|list`: adapters by name, keyed by content.
 
 An adapter is named by the digest of its files (`--digest`, or `--path DIR` to compute it here exactly as
 the vLLM connector does, `kvpool.vllm.identity.directory_digest`). Reload and unload print how many

@@ -1,7 +1,7 @@
 """Online correction of a node's cost model from the loads and forwards it really runs.
 
 The start-up calibrations drift: a recompute model fitted once at node start is off by the factor the
-machine's load has changed since (issue 10 measured 3× on a shared 2-core host), and a link's Hockney
+machine's load has changed since (3× measured on a shared 2-core host), and a link's Hockney
 `alpha_s` from a ping probe misses the per-pull software cost (request set-up, per-block headers, thread
 hand-offs: tens of ms here, more than the wire latency). Both biases flip pull/recompute decisions near
 the break-even. `OnlineCalibration` removes them with two exponentially weighted estimates:

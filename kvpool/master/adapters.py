@@ -1,4 +1,4 @@
-"""Adapters are content; reloading one is an operation (issue #26 item 3, field case B01).
+"""Adapters are content; reloading one is an operation (field case B01).
 
 A namespace's adapter field is the adapter's content digest (`kvpool.hashing.check_adapter_digest`),
 never its name: engines derive it from the adapter's files (`kvpool.vllm.identity.directory_digest`), so

@@ -1,4 +1,4 @@
-"""Bounded master state (issue 24): the caps and expiries on what clients create, in one place.
+"""Bounded master state: the caps and expiries on what clients create, in one place.
 
 What a client can create on the master, and what bounds it (settings of `MasterSettings`):
 - namespaces (`RegisterNamespace`, a distinct cache salt each): `max_namespaces`,

@@ -6,7 +6,7 @@ Invalidating a namespace flushes it (its blocks become unreachable at once); an 
 empty, and `flush_epoch` counts the flushes (and the version switches that fence namespaces) so serving
 nodes drop their local tiers too.
 
-Bounded (issue 24; settings in `MasterSettings`): at most `max_namespaces` records, `max_namespaces_per_tenant`
+Bounded (settings in `MasterSettings`): at most `max_namespaces` records, `max_namespaces_per_tenant`
 per tenant (the cache salt's part before the first "/", `kvpool.tenants.tenant_salt`) and `max_models`
 model ids; past a cap `register` raises `ResourceExhausted` naming the setting. A namespace not
 registered or matched for `namespace_idle_expiry_s` and holding no blocks is forgotten by `expire`
@@ -15,7 +15,7 @@ its namespaces: a model's record is dropped only to admit a new model id at the 
 when it has no namespaces left and its version was never set by `SetModelVersion`. Every operation is
 O(1) but `set_version` and `refresh_models` (O(the models' namespaces)) and `expire` (O(records it looks at)).
 
-Adapters (`kvpool.master.adapters`, issue 26): a namespace whose adapter digest is fenced for its model (the
+Adapters (`kvpool.master.adapters`): a namespace whose adapter digest is fenced for its model (the
 digest a reload or unload replaced) is inactive too; `refresh_models` turns such a change into the digests
 made inactive and active, counting a flush as `set_version` does.
 """
@@ -183,7 +183,7 @@ class NamespaceRegistry:
         self._idle_models.pop(model_id, None)
         now_active = {d for d in mine if self.is_active(d)}
         off = sorted(was_active - now_active)
-        if off:  # unreachable now: serving nodes drop their local tiers too (issue 26)
+        if off:  # unreachable now: serving nodes drop their local tiers too
             self.flush_epoch += 1
         return previous, off, sorted(now_active - was_active)
 
@@ -198,7 +198,7 @@ class NamespaceRegistry:
         result = change()
         now_active = {d for d in mine if self.is_active(d)}
         off = sorted(was_active - now_active)
-        if off:  # unreachable now: serving nodes drop their local tiers too (issue 26)
+        if off:  # unreachable now: serving nodes drop their local tiers too
             self.flush_epoch += 1
         return result, off, sorted(now_active - was_active)
 

@@ -96,7 +96,7 @@ class MasterSettings(KVPoolSettings):
         ge=1,
         description="peer addresses with a token bucket at once (the least recently seen is forgotten)",
     )
-    # ---- bounded state (issue 24): everything a client can create has a cap or an expiry -----------
+    # ---- bounded state: everything a client can create has a cap or an expiry -----------
     max_namespaces: int = Field(
         default=100_000,
         ge=1,

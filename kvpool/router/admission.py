@@ -1,4 +1,4 @@
-"""The router's door (issue 46): who may send a request, and how many, decided before its body is read.
+"""The router's door: who may send a request, and how many, decided before its body is read.
 
 `Admission` wraps the HTTP app (native and vLLM routers alike). For every `/v1/...` request it reads only
 the headers:

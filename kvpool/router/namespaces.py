@@ -1,4 +1,4 @@
-"""The router's namespace digests, one per cache salt, in a bounded LRU (issue #24: bounded state).
+"""The router's namespace digests, one per cache salt, in a bounded LRU (bounded state).
 
 Every request hashes its prompt in its namespace (`kvpool.hashing.Namespace`: model, weights, layout and
 cache salt), whose digest the router registers with the master the first time it sees the salt. A
