@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NewType, Protocol
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvpool.hashing import EngineNamespace
 
 HASH_NBYTES = 16
@@ -124,6 +126,34 @@ class InventoryItem:
     generation: int
     checksum: int
     size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryBatch:
+    """Committed blocks of one store node, as columns (one entry per block, `n` entries): what a master adopts
+    from a store's `Inventory` stream, one batch per message.
+
+    `namespaces`: the distinct namespace digests (16 bytes each) of this batch; `ns_index` (n,) int32 indexes
+    into it. `block_hashes` and `parent_hashes`: (n, 16) uint8, one hash per row; `has_parent` (n,) bool is
+    False for the first block of a chain (its `parent_hashes` row is zeros). `slots`, `generations` (n,)
+    uint64; `checksums` (n,) uint64 (xxh3_64 of the block's bytes); `size_bytes` (n,) uint64.
+    `next_slot`: the resume cursor, the first slot after this batch (ask again from it after a broken
+    stream); -1 when the inventory is complete.
+    """
+
+    namespaces: list[bytes]
+    ns_index: np.ndarray
+    block_hashes: np.ndarray
+    parent_hashes: np.ndarray
+    has_parent: np.ndarray
+    slots: np.ndarray
+    generations: np.ndarray
+    checksums: np.ndarray
+    size_bytes: np.ndarray
+    next_slot: int
+
+    def __len__(self) -> int:
+        return len(self.slots)
 
 
 @dataclass(frozen=True, slots=True)

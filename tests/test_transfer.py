@@ -88,6 +88,27 @@ def _cpu_s(proc: psutil.Process) -> float:
     return float(t.user + t.system)
 
 
+def _thread_cpu_s() -> dict[int, float]:
+    """CPU seconds of each thread of this process, by native thread id."""
+    return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+
+
+def _busy_threads(before: dict[int, float], min_s: float = 0.2) -> list[tuple[str, float]]:
+    """The threads of this process that used more than `min_s` of CPU since `before`: (name, seconds),
+    named by Python where it started them, else by the kernel's comm (UCX, gRPC and library threads)."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out = []
+    for tid, cpu_s in _thread_cpu_s().items():
+        used_s = cpu_s - before.get(tid, 0.0)
+        if used_s > min_s:
+            name = names.get(tid)
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f.read().strip()
+            out.append((f"{name} ({tid})", round(used_s, 2)))
+    return out
+
+
 def test_idle_connections_do_not_spin(transport: UcxTransport) -> None:
     """A store with open connections and a client holding them, both idle, use ~no CPU: ucxx's blocking
     mode left the worker's event fd unarmed and polled posted receives with sleep(0), which spun one core
@@ -102,10 +123,11 @@ def test_idle_connections_do_not_spin(transport: UcxTransport) -> None:
         res, out = read(transport, s, [0, 1, 2, 3])  # connections are open and have carried traffic
         assert all(r.ok for r in res) and np.array_equal(out, data)
         store, me = psutil.Process(s.proc.pid), psutil.Process()
-        c0, m0 = _cpu_s(store), _cpu_s(me)
+        c0, m0, threads0 = _cpu_s(store), _cpu_s(me), _thread_cpu_s()
         time.sleep(2.0)
         store_s, me_s = _cpu_s(store) - c0, _cpu_s(me) - m0
-        assert store_s < 0.5 and me_s < 0.5, (store_s, me_s)  # a spinning loop thread: ~2 s each
+        # a spinning loop thread: ~2 s each
+        assert store_s < 0.5 and me_s < 0.5, (store_s, me_s, _busy_threads(threads0))
         res, out = read(transport, s, [0, 1, 2, 3])  # and an idle connection still answers at once
         assert all(r.ok for r in res) and np.array_equal(out, data)
     finally:
@@ -140,11 +162,11 @@ def test_a_stalled_peer_costs_no_cpu_while_the_transfer_waits(transport: UcxTran
         assert all(r.ok for r in res)
         _stop(s.proc.pid)
         me = psutil.Process()
-        c0, t0 = _cpu_s(me), time.monotonic()
+        c0, t0, threads0 = _cpu_s(me), time.monotonic(), _thread_cpu_s()
         res, _ = read(transport, s, [0, 1, 2, 3], timeout_s=2.0)
         cpu_s, wall_s = _cpu_s(me) - c0, time.monotonic() - t0
         assert not any(r.ok for r in res), res
-        assert cpu_s < 0.4 * wall_s, (cpu_s, wall_s)  # spinning: ~1.0 x wall
+        assert cpu_s < 0.4 * wall_s, (cpu_s, wall_s, _busy_threads(threads0))  # spinning: ~1.0 x wall
     finally:
         s.kill()
 
