@@ -192,6 +192,24 @@ def test_a_connection_attempt_to_a_stopped_peer_costs_no_cpu() -> None:
         t.close()
 
 
+def test_transport_code_never_waits_on_a_ucxx_request_by_polling() -> None:
+    """ucxx's own waits (`Endpoint.am_send/send/recv/am_recv`, `UCXRequest.wait`) poll the loop; the
+    transport waits through `transfer/ucx_wait.py` only (a polling wait on a stopped peer spins a core)."""
+    import re
+    from pathlib import Path
+
+    polling = re.compile(r"\.am_send\(|\bawait [\w.]+\.(send|recv|am_recv)\(|\.wait\(\)")
+    root = Path(__file__).resolve().parents[1] / "transfer"
+    found = [
+        f"{path.name}:{n}: {line.strip()}"
+        for path in sorted(root.glob("*.py"))
+        if path.name != "ucx_wait.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if polling.search(line)
+    ]
+    assert not found, found
+
+
 def test_tagged_messages_interoperate_with_plain_ucxx() -> None:
     """`tag_send`/`tag_recv` put the same tags on the wire as ucxx's `Endpoint.send`/`recv` (the raw-UCX
     baseline and any ucxx peer use those), in both directions."""

@@ -245,6 +245,27 @@ async def am_recv(ep: Any, waker: ProgressWaker) -> Any:
     return req.recv_buffer
 
 
+async def am_send(ep: Any, buf: Any, waker: ProgressWaker) -> None:
+    """`ep.am_send(buf)` (a ucxx `Endpoint`; `buf` bytes-like, kept referenced until sent) waited for by
+    `waker`: ucxx's own wait polls, which spun the loop thread while a send waited on a peer that had
+    stopped reading. Raises as ucxx does (`UCXCloseError`, the endpoint's or the request's error; a send
+    cancelled while its endpoint is still open ends quietly, as in ucxx)."""
+    if not waker.installed:
+        await ep.am_send(buf)
+        return
+    from ucxx._lib.arr import Array
+    from ucxx.exceptions import UCXCanceled
+
+    _check_open(ep)
+    ep._send_count += 1  # noqa: SLF001 - the counters ucxx keeps for its own am_send
+    req = ep._ep.am_send(Array(buf))  # noqa: SLF001
+    try:
+        await waker.wait(req)
+    except UCXCanceled:
+        if getattr(ep, "_ep", None) is None:
+            raise
+
+
 def _ucxx_tag(ep: Any, key: str, tag: int) -> Any:
     """The wire tag ucxx's `Endpoint.send`/`recv` use for user tag `tag` (hashed with the endpoint's own
     tag, agreed at connection time, so that receives posted on the worker match this endpoint only)."""
