@@ -43,6 +43,7 @@ class SlotDataPlane:
     _state: np.ndarray
     _readers: np.ndarray
     _flags: np.ndarray
+    _flag_bytes: bytearray
 
     if TYPE_CHECKING:  # the table's checks (lock held)
 
@@ -186,11 +187,11 @@ class SlotDataPlane:
                 )
             if state != _RESERVED or self._freeing(slot):
                 raise FailedPrecondition(f"slot {slot} is not reserved")
-            if int(self._flags[slot]) & _WRITING:
+            if self._flag_bytes[slot] & _WRITING:
                 raise FailedPrecondition(f"slot {slot} is being written by another transfer")
             if self._lease_expiry_ms(slot) <= self._clock.now_ms():
                 raise LeaseExpired(f"the write lease of slot {slot} expired")
-            self._flags[slot] |= np.uint8(_WRITING)
+            self._flag_bytes[slot] |= _WRITING
             self.num_inflight += 1
             return self.segment.slot_view(slot)
 
@@ -204,9 +205,9 @@ class SlotDataPlane:
         else:
             got = block_checksum(self.segment.slot_view(slot))
         with self._lock:
-            if not int(self._flags[slot]) & _WRITING:
+            if not self._flag_bytes[slot] & _WRITING:
                 return
-            self._flags[slot] &= np.uint8(0xFF ^ _WRITING)
+            self._flag_bytes[slot] &= 0xFF ^ _WRITING
             self.num_inflight -= 1
             try:
                 if self._freeing(slot) or int(self._gen[slot]) != generation:

@@ -60,7 +60,7 @@ from transfer.slot_state import SharedSlotState
 log = logging.getLogger(__name__)
 
 _NEVER_MS = 1 << 63
-_NOT_FREEING = np.uint8(0xFF ^ _FREEING)
+_NOT_FREEING = 0xFF ^ _FREEING
 _INVENTORY_ALL = 1 << 62
 
 
@@ -108,7 +108,10 @@ class SlotTable(SlotDataPlane):
             self._checksum = np.zeros(n, dtype=np.uint64)
             self._readable = np.zeros(n, dtype=np.uint8)  # 1: COMMITTED and no free pending
         self._state = np.zeros(n, dtype=np.uint8)
-        self._flags = np.zeros(n, dtype=np.uint8)  # _WRITING | _FREEING | _HAS_PARENT (slot_types.py)
+        # _WRITING | _FREEING | _HAS_PARENT (slot_types.py): one slot's through the bytearray (a tenth of a
+        # microsecond a bit, a quarter of a numpy scalar's), many at once through its array view
+        self._flag_bytes = bytearray(n)
+        self._flags = np.frombuffer(self._flag_bytes, dtype=np.uint8)
         self._readers = np.zeros(n, dtype=np.int32)
         # the block each slot holds, or held last when FREE (so a capability for an older generation is
         # checked, then refused as stale, and a caller without one learns nothing of the slot), its lease
@@ -156,13 +159,13 @@ class SlotTable(SlotDataPlane):
         )
 
     def _in_flight(self, slot: int) -> bool:
-        return bool(self._readers[slot] > 0 or int(self._flags[slot]) & _WRITING)
+        return bool(self._flag_bytes[slot] & _WRITING or self._readers[slot] > 0)
 
     def _freeing(self, slot: int) -> bool:
-        return bool(int(self._flags[slot]) & _FREEING)
+        return bool(self._flag_bytes[slot] & _FREEING)
 
     def _lease_expiry_ms(self, slot: int) -> int:
-        return self._cols.lease_expiry_ms(slot)
+        return self._cols.lease_base_ms + int(self._cols.lease[slot])
 
     def _release(self, slot: int) -> int:
         """Free `slot` now: bump its generation. Returns the new generation."""
@@ -170,7 +173,7 @@ class SlotTable(SlotDataPlane):
         if int(self._state[slot]) != _FREE:
             self._num_used -= 1
         self._state[slot] = _FREE
-        self._flags[slot] &= _NOT_FREEING
+        self._flag_bytes[slot] &= _NOT_FREEING
         self._gen[slot] += 1
         return int(self._gen[slot])
 
@@ -179,7 +182,7 @@ class SlotTable(SlotDataPlane):
         self._readable[slots] = 0
         self._num_used -= int(np.count_nonzero(self._state[slots] != _FREE))
         self._state[slots] = _FREE
-        self._flags[slots] &= _NOT_FREEING
+        self._flags[slots] &= np.uint8(_NOT_FREEING)
         self._gen[slots] += np.uint64(1)
         return self._gen[slots]
 
@@ -271,7 +274,7 @@ class SlotTable(SlotDataPlane):
                 if gen != current or int(self._state[slot]) == _FREE:
                     out.append(FreeResult(slot, current, False))
                 elif self._in_flight(slot):
-                    self._flags[slot] |= np.uint8(_FREEING)
+                    self._flag_bytes[slot] |= _FREEING
                     self._readable[slot] = 0
                     out.append(FreeResult(slot, current + 1, True))
                 else:
