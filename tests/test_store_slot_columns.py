@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.errors import InvalidArgument, LeaseExpired
+from kvpool.errors import InvalidArgument, LeaseExpired, StaleGeneration
 from kvpool.store import Segment, SlotState, SlotTable
 from kvpool.store.slot_columns import MAX_WRITE_LEASE_MS
 from kvpool.store.slots import Reservation
@@ -102,6 +102,7 @@ def test_inventory_batch_columns_and_cursor() -> None:
     assert b.namespaces == [_ns(1), _ns(2)] and b.ns_index.tolist() == [0, 1, 1]  # this batch's only
     assert b.has_parent.tolist() == [True, True, True]
     assert t.inventory_batch(6, 5).next_slot == -1  # 6, 7, 20, 31: nothing after them
+    assert t.inventory_batch(0, 7).next_slot == -1  # exactly the last one: nothing follows
     assert t.inventory_batch(21, 1).slots.tolist() == [31] and t.inventory_batch(21, 1).next_slot == -1
     assert t.inventory_batch(32, 1).next_slot == -1 and len(t.inventory_batch(10**9, 4)) == 0
     for bad in ((-1, 4), (0, 0), (0, -3), (True, 4), (0, 2.0)):
@@ -257,6 +258,23 @@ def test_reap_skips_only_while_no_lease_can_have_ended() -> None:
     assert t.reap_expired() == 1 and t.drain_freed() == [(1, 2), (2, 2)]
     clock.set(2000)
     assert t.reap_expired() == 1 and t.state(0) == (SlotState.FREE, 2)
+
+
+def test_an_expired_lease_waits_for_the_write_in_flight() -> None:
+    """A reservation whose lease ends while its write is in flight is reclaimed when the write ends (its
+    bytes are not kept), not under the writer; others that ended are reclaimed at once."""
+    clock = FakeClock(1000)
+    t = _table(4, clock)
+    t.reserve([Reservation(s, 1, _ns(0), _h(s)) for s in (0, 1, 2)], 100)
+    buf = t.begin_write(1, 1, NB)
+    clock.advance(100)
+    assert t.reap_expired() == 2 and sorted(t.drain_freed()) == [(0, 2), (2, 2)]
+    assert t.state(1) == (SlotState.RESERVED, 1)  # the writer still holds it
+    assert t.reap_expired() == 0 and t.drain_freed() == []  # asked again: still waiting, not doubled
+    buf[:] = b"w" * NB
+    with pytest.raises(StaleGeneration):
+        t.end_write(1, 1, checksum(b"w" * NB), True)
+    assert t.state(1) == (SlotState.FREE, 2) and t.drain_freed() == [(1, 2)] and t.num_used == 0
 
 
 def test_no_python_object_per_slot() -> None:
