@@ -115,7 +115,7 @@ def test_inventory_batch_resumes_across_commits_and_frees() -> None:
     the next batch from the cursor shows the table as it is then, never a freed block."""
     t = _table()
     for s in range(10):
-        _put(t, s)
+        _put(t, s, parent=_h(s, 1))
     first = t.inventory_batch(0, 4)
     assert first.slots.tolist() == [0, 1, 2, 3] and first.next_slot == 4
     t.free([(4, 1), (2, 1)])  # one ahead of the cursor, one behind it
@@ -126,12 +126,12 @@ def test_inventory_batch_resumes_across_commits_and_frees() -> None:
     second = t.inventory_batch(first.next_slot, 4)
     assert second.slots.tolist() == [6, 7, 8, 9] and second.next_slot == 10
     t.free([(12, 1)])
-    _put(t, 4, gen=2, salt=7)  # the freed slot 4 holds a new block, behind the cursor now
+    _put(t, 4, gen=2, salt=7)  # the freed slot 4 holds a new block (a first one), behind the cursor now
     third = t.inventory_batch(second.next_slot, 4)
     assert len(third) == 0 and third.next_slot == -1
     t.end_read(5)
-    assert [(i.slot, i.generation, i.block_hash) for i in t.inventory()] == [
-        (s, 2 if s == 4 else 1, _h(4, 7) if s == 4 else _h(s)) for s in (0, 1, 3, 4, 6, 7, 8, 9)
+    assert [(i.slot, i.generation, i.block_hash, i.parent_hash) for i in t.inventory()] == [
+        (s, 2, _h(4, 7), b"") if s == 4 else (s, 1, _h(s), _h(s, 1)) for s in (0, 1, 3, 4, 6, 7, 8, 9)
     ]
 
 
