@@ -277,6 +277,34 @@ def test_an_expired_lease_waits_for_the_write_in_flight() -> None:
     assert t.state(1) == (SlotState.FREE, 2) and t.drain_freed() == [(1, 2)] and t.num_used == 0
 
 
+def test_capabilities_are_checked_against_the_block_a_slot_last_held() -> None:
+    """With capabilities, a freed slot still knows its last block: a capability for it at the old
+    generation is valid and the read is refused as stale; a slot that never held a block refuses every
+    capability as invalid, so a caller without one learns nothing of either."""
+    from kvpool.capability import READ, Capabilities, CapabilityKey
+    from kvpool.errors import PermissionDenied
+
+    clock = FakeClock(10_000)
+    caps = Capabilities(CapabilityKey(b"k" * 32), clock=clock, skew_ms=1000)
+    t = SlotTable(Segment(4 * NB, NB, pin_memory="off"), clock, capabilities=caps, node_id="s")
+    t.reserve([Reservation(1, 1, _ns(5), _h(1))], 1000)
+    t.begin_copy_write(1, 1, NB)[:] = b"a" * NB
+    t.end_write(1, 1, checksum(b"a" * NB), True)
+    assert t.commit([(1, 1)]) == [(1, 1, "")]
+    exp = 20_000
+    good = caps.sign(READ, _ns(5), _h(1), "s", 1, 1, exp)
+    t.begin_read(1, 1, NB, good, exp)
+    t.end_read(1)
+    t.free([(1, 1)])
+    with pytest.raises(StaleGeneration):
+        t.begin_read(1, 1, NB, good, exp)
+    with pytest.raises(PermissionDenied, match="invalid"):
+        t.begin_read(1, 1, NB, caps.sign(READ, _ns(6), _h(1), "s", 1, 1, exp), exp)  # another namespace's
+    for ns, h in ((b"", b""), (_ns(5), bytes(16)), (_ns(5), _h(2))):  # slot 2 never held a block
+        with pytest.raises(PermissionDenied, match="invalid"):
+            t.begin_read(2, 1, NB, caps.sign(READ, ns, h, "s", 2, 1, exp) if ns else b"x" * 16, exp)
+
+
 def test_no_python_object_per_slot() -> None:
     """Filling every slot allocates no Python memory per slot (the columns are allocated up front), and
     the columns cost at most 60 bytes a slot."""
