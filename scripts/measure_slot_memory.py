@@ -1,12 +1,14 @@
 """Bytes of bookkeeping per slot of a store's slot table, filled with committed blocks.
 
-Usage: python scripts/measure_slot_memory.py NUM_SLOTS [--private]
+Usage: python scripts/measure_slot_memory.py NUM_SLOTS [--private] [--timings]
 
 Builds a store segment of NUM_SLOTS slots in the tiny layout (`kv1:float16:b1:l1:h1:d1`, 4 B a block;
 shared with same-host readers as a store does by default, `--private` not), reserves, writes and commits
 every slot through the table's own calls (64-block chains under 4 namespaces, fresh `bytes` objects per
 order as a parsed gRPC message gives), then prints one JSON line: the VmRSS growth after gc minus the
-segment's own bytes, per slot.
+segment's own bytes, per slot. `--timings` adds, once filled: the seconds to read the whole inventory in
+65,536-block batches (`inventory_batch`) and the longest batch (the table's lock is held for each), the
+legacy `inventory()` list, and one `reap_expired` scan over every slot.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 
 from kvpool.store import Segment, SlotTable
 from kvpool.store.slots import Reservation
+from kvpool.types import FakeClock
 
 BLOCK_NBYTES = 4  # kv1:float16:b1:l1:h1:d1
 BATCH = 1 << 14
@@ -39,7 +42,8 @@ def main() -> None:
     gc.collect()
     before = vm_rss_bytes()
     t0 = time.perf_counter()
-    table = SlotTable(Segment(n * BLOCK_NBYTES, BLOCK_NBYTES, pin_memory="off", share=share))
+    clock = FakeClock(1000)
+    table = SlotTable(Segment(n * BLOCK_NBYTES, BLOCK_NBYTES, pin_memory="off", share=share), clock)
     data = b"\x01\x02\x03\x04"
     for start in range(0, n, BATCH):
         slots = range(start, min(start + BATCH, n))
@@ -65,18 +69,41 @@ def main() -> None:
     after = vm_rss_bytes()
     assert table.num_used == n
     seg = table.segment.nbytes
-    print(
-        json.dumps(
-            {
-                "num_slots": n,
-                "shared": table.shared_state is not None,
-                "rss_growth_bytes": after - before,
-                "segment_bytes": seg,
-                "bytes_per_slot": round((after - before - seg) / n, 1),
-                "fill_s": round(fill_s, 1),
-            }
-        )
-    )
+    out = {
+        "num_slots": n,
+        "shared": table.shared_state is not None,
+        "rss_growth_bytes": after - before,
+        "segment_bytes": seg,
+        "bytes_per_slot": round((after - before - seg) / n, 1),
+        "fill_s": round(fill_s, 1),
+    }
+    if "--timings" in sys.argv[2:]:
+        out.update(timings(table, clock, n))
+    print(json.dumps(out))
+
+
+def timings(table: SlotTable, clock: FakeClock, n: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if hasattr(table, "inventory_batch"):
+        t0, longest, cursor, seen = time.perf_counter(), 0.0, 0, 0
+        while cursor != -1:
+            b0 = time.perf_counter()
+            batch = table.inventory_batch(cursor, 65_536)
+            longest = max(longest, time.perf_counter() - b0)
+            cursor, seen = batch.next_slot, seen + len(batch)
+        assert seen == n
+        out["inventory_batch_all_s"] = round(time.perf_counter() - t0, 3)
+        out["inventory_batch_longest_ms"] = round(longest * 1000, 2)
+    t0 = time.perf_counter()
+    assert len(table.inventory()) == n
+    out["inventory_list_s"] = round(time.perf_counter() - t0, 2)
+    table.free([(0, 1)])
+    table.reserve([Reservation(0, 2, bytes(16), bytes(16))], 1)
+    clock.advance(1)
+    t0 = time.perf_counter()
+    assert table.reap_expired() == 1
+    out["reap_scan_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+    return out
 
 
 if __name__ == "__main__":
