@@ -135,6 +135,29 @@ def test_inventory_batch_resumes_across_commits_and_frees() -> None:
     ]
 
 
+def test_inventory_batch_scans_a_sparse_table_in_windows() -> None:
+    """A table larger than one scan window with few committed blocks far apart: each batch finds them
+    across windows and in order, at any limit."""
+    t = SlotTable(Segment(300_000 * 4, 4, pin_memory="off"), FakeClock(1000))
+    where = [5, 65_535, 65_536, 140_001, 262_143, 299_999]
+    for s in where:
+        t.reserve([Reservation(s, 1, _ns(s % 2), _h(s))], 1000)
+        t.begin_write(s, 1, 4)[:] = b"abcd"
+        t.end_write(s, 1, checksum(b"abcd"), True)
+        t.commit([(s, 1)])
+    for limit in (1, 2, 4, 6, 100_000):
+        got = []
+        cursor = 0
+        while cursor != -1:
+            b = t.inventory_batch(cursor, limit)
+            got += b.slots.tolist()
+            assert [x.block_hash for x in _rows(b)] == [_h(s) for s in b.slots.tolist()]
+            cursor = b.next_slot
+        assert got == where
+    assert t.inventory_batch(140_002, 1).slots.tolist() == [262_143]
+    assert t.inventory_batch(262_144, 1).next_slot == -1
+
+
 _OP = st.tuples(st.sampled_from(["put", "free", "read", "end", "reserve", "reap"]), st.integers(0, 23))
 
 

@@ -100,9 +100,10 @@ class SlotColumns:
     @staticmethod
     def find(mask: np.ndarray, after_slot: int, limit: int) -> tuple[np.ndarray, int]:
         """The first `limit` slots ≥ `after_slot` where `mask` (n,) is set, as int64, and the cursor after
-        the last of them, -1 when no set slot follows it. Scans windows that double from `_SCAN_MIN`."""
+        the last of them, -1 when no set slot follows it. Scans windows that double from `limit` + 1 (or
+        `_SCAN_MIN`): a dense table is read once, a sparse one in a few passes."""
         n, pos = len(mask), after_slot
-        window, total, found = max(4 * limit, _SCAN_MIN), 0, []
+        window, total, found = max(limit + 1, _SCAN_MIN), 0, []
         while pos < n and total <= limit:
             end = min(pos + window, n)
             idx = np.flatnonzero(mask[pos:end])
@@ -126,10 +127,15 @@ class SlotColumns:
     ) -> InventoryBatch:
         """The blocks of slots `idx` as an `InventoryBatch` (copies; generations, checksums and flags are the
         table's columns)."""
-        uniq, inverse = np.unique(self.ns[idx], return_inverse=True)
+        ids = self.ns[idx]
+        present = np.zeros(len(self.namespaces), dtype=np.bool_)
+        present[ids] = True
+        used = np.flatnonzero(present)  # this batch's namespaces, in table order
+        renumber = np.zeros(len(self.namespaces), dtype=np.int32)
+        renumber[used] = np.arange(len(used), dtype=np.int32)
         return InventoryBatch(
-            namespaces=[self.namespaces[k] for k in uniq.tolist()],
-            ns_index=inverse.astype(np.int32).reshape(-1),
+            namespaces=[self.namespaces[k] for k in used.tolist()],
+            ns_index=renumber[ids],
             block_hashes=self.block_hash[idx],
             parent_hashes=self.parent_hash[idx],
             has_parent=(flags[idx] & _HAS_PARENT) != 0,
