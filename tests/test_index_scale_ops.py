@@ -125,7 +125,11 @@ def fingerprint(index: RadixIndex) -> tuple[Any, ...]:
         ns_maps(index),
         list(index._ns_count),
         dict(index._group_blocks),
-        [(key, last_ms, row) for key, last_ms, seq, row in sorted(index._heap) if c.heap_seq[row] == seq_tag(seq)],
+        [
+            (key, last_ms, row)
+            for key, last_ms, seq, row in sorted(index._heap)
+            if c.heap_seq[row] == seq_tag(seq)
+        ],
     )
 
 
@@ -160,7 +164,7 @@ class Driver:
 
     def __init__(self) -> None:
         self.clock = FakeClock(1000)
-        self.index = RadixIndex(clock=self.clock, policy="lru")
+        self.index = RadixIndex(clock=self.clock, policy="lru", max_blocks=4096)
         self.next_id = 1
         self.locks: list[tuple[NamespaceId, list[BlockHash]]] = []
         self.leases: list[int] = []

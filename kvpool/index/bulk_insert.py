@@ -28,7 +28,12 @@ if TYPE_CHECKING:
 
 
 def _hash_rows(value: object, n: int | None, what: str) -> np.ndarray:
-    if not isinstance(value, np.ndarray) or value.dtype != np.uint8 or value.ndim != 2 or value.shape[1] != 16:
+    if (
+        not isinstance(value, np.ndarray)
+        or value.dtype != np.uint8
+        or value.ndim != 2
+        or value.shape[1] != 16
+    ):
         raise InvalidArgument(f"{what} must be an (n, 16) uint8 array")
     if n is not None and len(value) != n:
         raise InvalidArgument(f"{what} has {len(value)} rows for {n} blocks")
@@ -36,7 +41,12 @@ def _hash_rows(value: object, n: int | None, what: str) -> np.ndarray:
 
 
 def _column(value: object, n: int, what: str, limit: int) -> np.ndarray:
-    if not isinstance(value, np.ndarray) or value.ndim != 1 or len(value) != n or value.dtype.kind not in "iu":
+    if (
+        not isinstance(value, np.ndarray)
+        or value.ndim != 1
+        or len(value) != n
+        or value.dtype.kind not in "iu"
+    ):
         raise InvalidArgument(f"{what} must be an ({n},) integer array")
     if n and (int(value.min()) < 0 or int(value.max()) > limit):
         raise InvalidArgument(f"{what} must hold ints in [0, {limit}]")
@@ -223,7 +233,9 @@ def _link(index: RadixIndex, rows: np.ndarray, parents: np.ndarray) -> None:
     c.num_children[heads] += np.diff(np.append(np.flatnonzero(start), len(ps))).astype(np.int32)
 
 
-def _merge(index: RadixIndex, rows: np.ndarray, node_id: str, slots: np.ndarray, generations: np.ndarray) -> None:
+def _merge(
+    index: RadixIndex, rows: np.ndarray, node_id: str, slots: np.ndarray, generations: np.ndarray
+) -> None:
     """Add the replica (node_id, slot, generation) to each present row that lacks it (vectorised check
     of the first replica; a Python step only for rows that gain one or hold several)."""
     c = index._c

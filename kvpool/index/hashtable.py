@@ -4,8 +4,10 @@ Layout: `table` is an int32 array of power-of-two length `capacity`; an entry ho
 index's columns, `EMPTY` (-1, never used) or `TOMB` (-2, deleted). The key itself is not stored: an
 entry's key is read from the row's hash and `ns_slot` columns (`Columns.h64`, `Columns.ns_slot`), so a
 table entry costs 4 bytes. Block hashes are uniformly random 128-bit values, so the home position of a
-key is the hash's low 64 bits XORed with the namespace slot times a 64-bit odd constant (one hash in
-two namespaces lands in two places), masked to the capacity; collisions probe linearly.
+key mixes the hash's two 64-bit halves (XOR, then the high 32 bits folded down), XORs the namespace
+slot times a 64-bit odd constant (one hash in two namespaces lands in two places) and takes the top
+bits of that times another (Fibonacci hashing: hashes that are not random, tests' small integers, still
+spread); collisions probe linearly.
 
 Deletion leaves a tombstone (vectorised: a batch of rows is deleted in one pass per probe round);
 inserts reuse tombstones on their probe path. When entries plus tombstones pass `_MAX_LOAD` of the
@@ -27,8 +29,12 @@ EMPTY = -1
 TOMB = -2
 _MIX = 0x9E3779B97F4A7C15
 """Odd 64-bit constant (2**64 / golden ratio): spreads namespace slots over the home positions."""
+_FIB = 0xBF58476D1CE4E5B9
+"""Odd 64-bit multiplier whose top bits pick the home position."""
 _M64 = (1 << 64) - 1
 _MIN_CAPACITY = 1024
+_SCALAR_TAIL = 24
+"""`find_many` finishes this many or fewer keys with scalar probes (numpy calls cost more per round)."""
 _MAX_LOAD = 0.7
 _GROW_LOAD = 0.6
 
@@ -47,7 +53,7 @@ class HashTable:
     def bind(self, h64: np.ndarray, ns_slot: np.ndarray) -> None:
         self._h64 = h64
         self._ns = ns_slot
-        self._hmv = memoryview(h64).cast("B")
+        self._hmv = h64.data.cast("B")
         self._ns_item = ns_slot.item
 
     def __getstate__(self) -> dict[str, object]:
@@ -56,28 +62,36 @@ class HashTable:
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self.bind(self._h64, self._ns)
-        self._tmv = memoryview(self.table)
+        self._tmv = self.table.data
 
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
         self.mask = capacity - 1
+        self.shift = 64 - (capacity.bit_length() - 1)
         self.table = np.full(capacity, EMPTY, dtype=np.int32)
-        self._tmv = memoryview(self.table)
+        self._tmv = self.table.data
 
     @property
     def nbytes(self) -> int:
         return int(self.table.nbytes)
 
     # ---- positions ---------------------------------------------------------------------------------
-    def _homes(self, slots: np.ndarray, lo: np.ndarray) -> np.ndarray:
-        mixed = lo ^ (slots.astype(np.uint64) * np.uint64(_MIX))
-        return (mixed & np.uint64(self.mask)).astype(np.int64)
+    def _homes(self, slots: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Home positions ((n,) int64) of `keys` ((n, 2) uint64) under `slots` ((n,) ints)."""
+        x = keys[:, 0] ^ keys[:, 1]
+        x ^= x >> np.uint64(32)
+        x ^= slots.astype(np.uint64) * np.uint64(_MIX)
+        x *= np.uint64(_FIB)
+        return (x >> np.uint64(self.shift)).astype(np.int64)
 
     # ---- lookups -----------------------------------------------------------------------------------
     def find(self, slot: int, block_hash: bytes) -> int:
         """The row of (`slot`, `block_hash`) (16 bytes), or -1. Pure Python probing (no numpy call)."""
         mask, tmv, hmv, ns_of = self.mask, self._tmv, self._hmv, self._ns_item
-        pos = (int.from_bytes(block_hash, "little") ^ ((slot * _MIX) & _M64)) & mask
+        x = int.from_bytes(block_hash, "little")
+        x = (x ^ (x >> 64)) & _M64
+        x ^= (x >> 32) ^ ((slot * _MIX) & _M64)
+        pos = ((x * _FIB) & _M64) >> self.shift
         while True:
             row = tmv[pos]
             if row == EMPTY:
@@ -94,10 +108,15 @@ class HashTable:
         if n == 0:
             return out
         slots_arr = np.broadcast_to(np.asarray(slots, dtype=np.int64), (n,))
-        pos = self._homes(slots_arr, keys[:, 0])
+        pos = self._homes(slots_arr, keys)
         todo = np.arange(n)
         table, h64, ns, mask = self.table, self._h64, self._ns, self.mask
         while todo.size:
+            if todo.size <= _SCALAR_TAIL:  # a few keys left (the long probes): one by one is cheaper
+                raw = keys[todo].tobytes()
+                for j, i in enumerate(todo.tolist()):
+                    out[i] = self.find(int(slots_arr[i]), raw[16 * j : 16 * j + 16])
+                break
             rows = table[pos].astype(np.int64)
             live = rows >= 0
             safe = np.where(live, rows, 0)
@@ -114,7 +133,7 @@ class HashTable:
         if n == 0:
             return out
         rows = np.asarray(rows, dtype=np.int64)
-        pos = self._homes(self._ns[rows], self._h64[rows, 0])
+        pos = self._homes(self._ns[rows], self._h64[rows])
         todo = np.arange(n)
         table, mask = self.table, self.mask
         guard = 0
@@ -139,7 +158,7 @@ class HashTable:
 
     def _place(self, rows: np.ndarray) -> None:
         table, mask = self.table, self.mask
-        pos = self._homes(self._ns[rows], self._h64[rows, 0])
+        pos = self._homes(self._ns[rows], self._h64[rows])
         todo = rows
         while todo.size:
             free = table[pos] < 0

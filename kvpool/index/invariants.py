@@ -23,8 +23,10 @@ def check_invariants(index: RadixIndex) -> None:
     if len(alive) != c.num_alive:
         _fail(f"num_alive {c.num_alive} != {len(alive)} alive rows")
     _check_table(index, alive)
-    counts = np.bincount(c.ns_slot[alive], minlength=len(index._ns_ids)).tolist() if alive else [0] * len(
-        index._ns_ids
+    counts = (
+        np.bincount(c.ns_slot[alive], minlength=len(index._ns_ids)).tolist()
+        if alive
+        else [0] * len(index._ns_ids)
     )
     free = set(index._ns_free)
     if len(free) != len(index._ns_free):

@@ -57,7 +57,9 @@ class BlockMetaMixin:
         if len(block_hashes) != len(checksums):
             raise InvalidArgument(f"{len(checksums)} checksums for {len(block_hashes)} blocks")
         if not isinstance(target_replicas, int) or not 1 <= target_replicas <= _MAX_TARGET:
-            raise InvalidArgument(f"target_replicas must be an int in [1, {_MAX_TARGET}], got {target_replicas!r}")
+            raise InvalidArgument(
+                f"target_replicas must be an int in [1, {_MAX_TARGET}], got {target_replicas!r}"
+            )
         hashes = [v.check_hash(h, f"block_hashes[{i}]") for i, h in enumerate(block_hashes)]
         for i, value in enumerate(checksums):
             if not isinstance(value, int | np.integer) or not 0 <= int(value) < 2**64:
@@ -108,9 +110,7 @@ class BlockMetaMixin:
         if limit is not None:
             rows = rows[:limit]
         ns_ids = self._ns_ids
-        return list(
-            zip([ns_ids[s] for s in c.ns_slot[rows].tolist()], c.hashes_of(rows), strict=True)
-        )
+        return list(zip([ns_ids[s] for s in c.ns_slot[rows].tolist()], c.hashes_of(rows), strict=True))
 
     def insert_bulk(
         self,

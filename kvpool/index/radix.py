@@ -23,8 +23,8 @@ from kvpool.index import validate as v
 from kvpool.index.columns import DEFAULT_CAPACITY, NO_ROW, Columns, seq_tag
 from kvpool.index.hashtable import HashTable
 from kvpool.index.leases import LeaseLockMixin, LeaseTable
-from kvpool.index.meta import BlockMetaMixin
 from kvpool.index.matching import match_prefix as _match_prefix
+from kvpool.index.meta import BlockMetaMixin
 from kvpool.index.ns_slots import NamespaceSlotsMixin
 from kvpool.index.policies import DEFAULT_POLICY, BlockStats, EvictionPolicy, make_policy
 from kvpool.index.results import BlockInfo, DroppedBlock, EvictResult, InsertResult, MatchResult
