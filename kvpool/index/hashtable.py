@@ -88,10 +88,7 @@ class HashTable:
     def find(self, slot: int, block_hash: bytes) -> int:
         """The row of (`slot`, `block_hash`) (16 bytes), or -1. Pure Python probing (no numpy call)."""
         mask, tmv, hmv, ns_of = self.mask, self._tmv, self._hmv, self._ns_item
-        x = int.from_bytes(block_hash, "little")
-        x = (x ^ (x >> 64)) & _M64
-        x ^= (x >> 32) ^ ((slot * _MIX) & _M64)
-        pos = ((x * _FIB) & _M64) >> self.shift
+        pos = self._home(slot, block_hash)
         while True:
             row = tmv[pos]
             if row == EMPTY:
@@ -156,31 +153,65 @@ class HashTable:
             self._rebuild(self.count + n)
         self._place(np.asarray(rows, dtype=np.int64))
 
+    def _home(self, slot: int, key: bytes | memoryview) -> int:
+        """The home position of one key (the scalar twin of `_homes`)."""
+        x = int.from_bytes(key, "little")
+        x = (x ^ (x >> 64)) & _M64
+        x ^= (x >> 32) ^ ((slot * _MIX) & _M64)
+        return ((x * _FIB) & _M64) >> self.shift
+
     def _place(self, rows: np.ndarray) -> None:
+        if len(rows) <= _SCALAR_TAIL:
+            self._place_scalar(rows.tolist())
+            return
         table, mask = self.table, self.mask
         pos = self._homes(self._ns[rows], self._h64[rows])
         todo = rows
         while todo.size:
-            free = table[pos] < 0
+            if todo.size <= _SCALAR_TAIL:
+                self._place_scalar(todo.tolist())
+                return
+            was = table[pos]
+            free = was < 0
             cand_pos, cand_rows = pos[free], todo[free]
-            # one key per free position per round: the first asking wins, the others probe on
-            _, first = np.unique(cand_pos, return_index=True)
-            won_pos, won_rows = cand_pos[first], cand_rows[first]
-            self.tombs -= int(np.count_nonzero(table[won_pos] == TOMB))
-            table[won_pos] = won_rows
-            self.count += len(won_rows)
+            # one key per free position per round: of those asking for one, the last write wins
+            table[cand_pos] = cand_rows
+            won = table[cand_pos] == cand_rows
+            self.tombs -= int(np.count_nonzero(was[free][won] == TOMB))
+            self.count += int(np.count_nonzero(won))
             placed = np.zeros(len(todo), dtype=np.bool_)
-            placed[np.flatnonzero(free)[first]] = True
+            placed[np.flatnonzero(free)[won]] = True
             todo, pos = todo[~placed], (pos[~placed] + 1) & mask
+
+    def _place_scalar(self, rows: list[int]) -> None:
+        tmv, hmv, mask, ns_of = self._tmv, self._hmv, self.mask, self._ns_item
+        for row in rows:
+            pos = self._home(ns_of(row), hmv[row * 16 : row * 16 + 16])
+            while tmv[pos] >= 0:
+                pos = (pos + 1) & mask
+            if tmv[pos] == TOMB:
+                self.tombs -= 1
+            tmv[pos] = row
+            self.count += 1
 
     def delete_many(self, rows: np.ndarray) -> None:
         """Remove the (present, distinct) `rows` ((n,) ints); their keys are still in the columns."""
-        if len(rows) == 0:
+        n = len(rows)
+        if n == 0:
             return
-        pos = self.positions_of(rows)
-        self.table[pos] = TOMB
-        self.count -= len(pos)
-        self.tombs += len(pos)
+        if n <= _SCALAR_TAIL:
+            tmv, hmv, mask, ns_of = self._tmv, self._hmv, self.mask, self._ns_item
+            for row in rows.tolist():
+                pos = self._home(ns_of(row), hmv[row * 16 : row * 16 + 16])
+                while tmv[pos] != row:
+                    if tmv[pos] == EMPTY:
+                        raise RuntimeError("hash table: a row to delete is not in the table")
+                    pos = (pos + 1) & mask
+                tmv[pos] = TOMB
+        else:
+            self.table[self.positions_of(rows)] = TOMB
+        self.count -= n
+        self.tombs += n
 
     def _rebuild(self, need: int) -> None:
         """Re-enter the live rows into a clean table sized for `need` entries."""

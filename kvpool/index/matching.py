@@ -89,10 +89,13 @@ def match_prefix(
         c.last_access_ms[sel] = now
         if count_hit:
             index.num_hit_blocks += k
-            hits = c.hit_count[sel]
-            np.add(hits, 1, out=hits, where=hits < HIT_COUNT_MAX)  # saturates (uint32)
-            if not isinstance(sel, slice):
-                c.hit_count[sel] = hits
+            # a counted match hits every ancestor of what it hits, so the top row's count is the
+            # largest: below the limit there, a plain increment cannot wrap (uint32 saturates)
+            if c.hit_count[_top(sel)] < HIT_COUNT_MAX:
+                c.hit_count[sel] += 1
+            else:
+                hits = c.hit_count[sel]
+                c.hit_count[sel] = np.where(hits < HIT_COUNT_MAX, hits + 1, hits)
             if index.policy.half_life_ms is not None:
                 c.decayed[sel] += index._hit_weight(now)
         if lease_ttl_ms > 0:
@@ -111,6 +114,10 @@ def match_prefix(
         rows_of = range(sel.start, sel.stop) if isinstance(sel, slice) else sel.tolist()
         extra = {i: c.extra[rows_of[i]] for i in np.flatnonzero(rec["has_extra"]).tolist()}
     return MatchResult(k, lease_id, expiry_ms, node_ids=c.node_ids, records=rec, extra=extra)
+
+
+def _top(sel: slice | np.ndarray) -> int:
+    return int(sel.start) if isinstance(sel, slice) else int(sel[0])
 
 
 def _runs(c: Columns, joined: bytes, k: int, last: int) -> slice | np.ndarray | None:

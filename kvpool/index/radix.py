@@ -130,7 +130,14 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
                 raise NotFound(f"parent block {parent.hex()} is not in the index")
             prev = got
         num_existing, expected = 0, prev
-        found = [find(slot, h) for h in hashes]
+        found: list[int] = []
+        for h in hashes:  # the present leading blocks, then one batch lookup of the rest
+            found.append(find(slot, h))
+            if found[-1] < 0:
+                break
+        if len(found) < n:
+            rest = np.frombuffer(b"".join(hashes[len(found) :]), "<u8").reshape(-1, 2)
+            found.extend(self._table.find_many(slot, rest).tolist())
         for row in found:
             if row < 0:
                 break
