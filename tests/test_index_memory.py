@@ -33,7 +33,9 @@ _CHILD = textwrap.dedent(
 @pytest.mark.slow
 def test_memory_bytes_is_within_ten_percent_of_rss_growth_at_1m_blocks() -> None:
     """Reserved capacity (4x the blocks) must not be counted: only touched rows, the table, the heap."""
-    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=600, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=600, check=True
+    )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["blocks"] == 1_000_000
     assert abs(got["accounted"] - got["grown"]) <= 0.1 * got["grown"], got

@@ -7,7 +7,7 @@ next-sibling / prev-sibling rows, so a child is unlinked in O(1) and descendants
 children dict per node. Freed rows are reused; `gen[row]` is bumped on every free so stale references
 (leases, heap entries, reclamation work) can tell.
 
-Per row (one packed 101-byte record, plus 16 bytes of hash): parent, first_child, next_sibling,
+Per row (one 104-byte record: 101 bytes of fields, aligned, plus 16 bytes of hash): parent, first_child, next_sibling,
 prev_sibling, num_children, lock_ref, num_leases, ns_slot, run_head (int32: rows and counts stay below
 2**31), gen (uint32), hit_count (uint32, saturating: a match never wraps it), last_access_ms (int64),
 decayed (float64: hits accumulated as sum of 2**((t - epoch)/half_life), whose exponent reaches 512),
@@ -56,7 +56,7 @@ def seq_tag(seq: int) -> int:
 
 
 _COLUMNS: dict[str, type] = {
-    # 8-byte fields first, then 4-byte, then 1-byte (packed, no padding)
+    # 8-byte fields first, then 4-byte, then 1-byte (aligned at every offset in a 104-byte record)
     "last_access_ms": np.int64,
     "decayed": np.float64,
     "checksum": np.uint64,
@@ -101,9 +101,11 @@ _RESET: dict[str, object] = {
 }
 """Fields a freshly allocated row starts with (`gen` is kept from its previous life; the rest is set
 by the inserter)."""
-_ROW = np.dtype({"names": list(_COLUMNS), "formats": list(_COLUMNS.values())})
-"""One packed record per row (row-major), so a match touches two cache lines per block, not one per
-column; each column is a strided view of its field."""
+_ROW = np.dtype({"names": list(_COLUMNS), "formats": list(_COLUMNS.values()), "itemsize": 104})
+"""One record per row (row-major), so a match touches two cache lines per block, not one per column;
+each column is a strided view of its field. The 101 bytes of fields are padded to 104, a multiple of
+8, so every field of every row is aligned: numpy's strided loops over unaligned fields took the
+match path's column updates from ~7 to ~12.5 us per 64-block match."""
 _RAW = np.dtype((np.void, _ROW.itemsize))
 """The same records as opaque bytes: numpy gathers these ~10x faster than structured records."""
 HIT_COUNT_MAX = np.iinfo(np.uint32).max
