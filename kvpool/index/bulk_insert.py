@@ -135,9 +135,8 @@ def insert_bulk(
             break
         depth += depth[ptr]
         ptr = nxt
-    terminal = ptr
-    reached = ptr[ptr] == ptr  # False: in or under a cycle of the batch
-    ins = cand & reached & ~dead[terminal] & p_known[terminal]
+    terminal = ptr  # (in or under a cycle of the batch: a block of the cycle, never anchored)
+    ins = cand & ~dead[terminal] & p_known[terminal]
     waiting = cand & ~ins
 
     new = np.flatnonzero(ins)
