@@ -60,14 +60,28 @@ class HashTable:
         assert offset % 4 == 0 and ns_slot.strides[0] % 4 == 0 and base.flags.c_contiguous
         self._nmv = base.data.cast("B").cast("i")
         self._ns_step, self._ns_off = ns_slot.strides[0] // 4, offset // 4
+        self._set_probe()
+
+    def _set_probe(self) -> None:
+        """The values `find` reads, in one tuple (one attribute load on the match path)."""
+        if hasattr(self, "_tmv"):
+            self._probe = (
+                self.mask,
+                self._tmv,
+                self._qmv,
+                self._nmv,
+                self.shift,
+                self._ns_step,
+                self._ns_off,
+            )
 
     def __getstate__(self) -> dict[str, object]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_qmv", "_tmv", "_nmv")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_qmv", "_tmv", "_nmv", "_probe")}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
-        self.bind(self._h64, self._ns)
         self._tmv = self.table.data
+        self.bind(self._h64, self._ns)
 
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
@@ -75,6 +89,7 @@ class HashTable:
         self.shift = 64 - (capacity.bit_length() - 1)
         self.table = np.full(capacity, EMPTY, dtype=np.int32)
         self._tmv = self.table.data
+        self._set_probe()
 
     @property
     def nbytes(self) -> int:
@@ -91,22 +106,25 @@ class HashTable:
     # ---- lookups -----------------------------------------------------------------------------------
     def find(self, slot: int, block_hash: bytes) -> int:
         """The row of (`slot`, `block_hash`) (16 bytes), or -1. Pure Python probing (no numpy call)."""
-        mask, tmv, qmv, nmv = self.mask, self._tmv, self._qmv, self._nmv
+        mask, tmv, qmv, nmv, shift, step, off = self._probe
         x = int.from_bytes(block_hash, "little")  # (`_home`, inlined: the match path's hot call)
-        pos = (((x ^ (x >> 64) ^ (slot * _MIX)) * _FIB) & _M64) >> self.shift
-        lo, hi = x & _M64, x >> 64
+        pos = (((x ^ (x >> 64) ^ (slot * _MIX)) * _FIB) & _M64) >> shift
+        row = tmv[pos]
+        if row == EMPTY:
+            return -1
+        lo = x & _M64
         while True:
-            row = tmv[pos]
-            if row == EMPTY:
-                return -1
             if (
                 row >= 0
                 and qmv[2 * row] == lo
-                and qmv[2 * row + 1] == hi
-                and nmv[row * self._ns_step + self._ns_off] == slot
+                and qmv[2 * row + 1] == x >> 64
+                and nmv[row * step + off] == slot
             ):
                 return row
             pos = (pos + 1) & mask
+            row = tmv[pos]
+            if row == EMPTY:
+                return -1
 
     def find_many(self, slots: np.ndarray | int, keys: np.ndarray) -> np.ndarray:
         """Rows ((n,) int64, -1 where absent) of the keys `keys` ((n, 2) uint64 hash halves) under
