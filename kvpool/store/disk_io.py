@@ -1,0 +1,188 @@
+"""The disk tier's data file I/O: page-aligned, batched, off the caller's thread.
+
+`DataFile` holds `blocks.data` open with `O_DIRECT` where the file system allows it (the page cache is
+bypassed: a disk tier that filled the page cache would evict the memory the pool exists to use), else
+buffered (one log line). Every transfer is a list of jobs `(offset, buffers)`: one `os.pwritev` /
+`os.preadv` per job, run on a small thread pool (the calls release the GIL), so a batch of consecutive
+slots is one system call per `CHUNK_NBYTES` and several of them are in flight at once. Buffers are
+page-aligned (`aligned_empty`: anonymous `mmap`, page-aligned by construction) and whole pages long.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+PAGE_NBYTES = mmap.PAGESIZE
+CHUNK_NBYTES = 1 << 20
+"""The most bytes one system call moves: a 4 MiB batch of consecutive slots is 4 calls in flight at once."""
+IO_THREADS = 4
+_IOV_MAX = 1024
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """(nbytes,) uint8, page-aligned (an anonymous mapping; zero-filled), `nbytes` > 0."""
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+
+
+def is_aligned(a: np.ndarray) -> bool:
+    """Whether `a` starts on a page and each of its rows is whole pages (usable for direct I/O as is)."""
+    row = a.strides[0] if a.ndim > 1 else a.nbytes
+    return a.ctypes.data % PAGE_NBYTES == 0 and row % PAGE_NBYTES == 0 and a.flags.c_contiguous
+
+
+def round_up(n: int, to: int = PAGE_NBYTES) -> int:
+    return -(-n // to) * to
+
+
+def chunk_runs(sorted_slots: np.ndarray, max_run: int) -> list[tuple[int, int]]:
+    """[(a, b)]: positions of `sorted_slots` (int64, ascending, distinct) cut into runs of consecutive slot
+    numbers, each at most `max_run` long."""
+    n = len(sorted_slots)
+    if n == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(sorted_slots) != 1) + 1
+    out = []
+    for a, b in zip(np.r_[0, breaks].tolist(), np.r_[breaks, n].tolist(), strict=True):
+        out.extend((x, min(x + max_run, b)) for x in range(a, b, max_run))
+    return out
+
+
+Job = tuple[int, list[memoryview]]
+"""(file offset in bytes, page-aligned buffers written or read back to back from it)."""
+
+
+class DataFile:
+    """`blocks.data` of `nbytes` bytes (sparse: the file system allocates on first write), created 0600.
+    Raises `OSError` when it cannot be opened or sized."""
+
+    def __init__(self, path: Path, nbytes: int, *, direct: bool) -> None:
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        self.direct = False
+        fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                fd = os.open(path, flags | os.O_DIRECT, 0o600)
+                self.direct = True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+        if fd < 0:
+            fd = os.open(path, flags, 0o600)
+        self.fd = fd
+        if os.fstat(fd).st_size < nbytes:
+            os.ftruncate(fd, nbytes)
+        if self.direct and not self._direct_works():
+            os.close(fd)
+            self.fd = os.open(path, flags, 0o600)
+            self.direct = False
+        if direct and not self.direct:
+            log.warning("disk tier %s: the file system refuses O_DIRECT; using the page cache", path)
+        self.pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvpool-disk")
+
+    def _direct_works(self) -> bool:
+        buf = aligned_empty(PAGE_NBYTES)
+        try:
+            os.preadv(self.fd, [memoryview(buf)], 0)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False
+            raise
+        return True
+
+    def run(self, jobs: list[Job], *, write: bool) -> list[OSError | None]:
+        """Do every job (all writes or all reads), several at once; each job's error (None: done)."""
+        fn = _write_all if write else _read_all
+        if len(jobs) == 1:
+            return [fn(self.fd, *jobs[0])]
+        return list(self.pool.map(lambda job: fn(self.fd, *job), jobs))
+
+    def sync(self) -> OSError | None:
+        try:
+            os.fdatasync(self.fd)
+        except OSError as exc:
+            return exc
+        return None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        os.close(self.fd)
+
+
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    while bufs and n >= len(bufs[0]):
+        n -= len(bufs[0])
+        bufs = bufs[1:]
+    return [bufs[0][n:], *bufs[1:]] if bufs and n else bufs
+
+
+def _write_all(fd: int, offset: int, bufs: list[memoryview]) -> OSError | None:
+    try:
+        while bufs:
+            n = os.pwritev(fd, bufs[:_IOV_MAX], offset)
+            if n == 0:
+                return OSError(errno.ENOSPC, "short write")
+            bufs, offset = _advance(bufs, n), offset + n
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _read_all(fd: int, offset: int, bufs: list[memoryview]) -> OSError | None:
+    try:
+        while bufs:
+            n = os.preadv(fd, bufs[:_IOV_MAX], offset)
+            if n == 0:
+                return OSError(errno.EIO, "read past the end of the data file")
+            bufs, offset = _advance(bufs, n), offset + n
+    except OSError as exc:
+        return exc
+    return None
+
+
+def probe_alpha_beta(directory: Path, *, direct: bool, nbytes: int = 16 << 20) -> tuple[float, float]:
+    """(α seconds, β seconds per byte) of reads from `directory`'s file system: the median time of a
+    one-page read is α, the median of `nbytes` reads gives β = (t - α) / bytes. Writes a scratch file
+    (removed after; 0600). Raises `OSError`."""
+    path = directory / "probe.tmp"
+    f = DataFile(path, nbytes, direct=direct)
+    try:
+        buf = aligned_empty(nbytes)
+        buf[:] = 0x5A
+        jobs: list[Job] = [
+            (a, [memoryview(buf[a : a + CHUNK_NBYTES])]) for a in range(0, nbytes, CHUNK_NBYTES)
+        ]
+        for err in [*f.run(jobs, write=True), f.sync()]:
+            if err is not None:
+                raise err
+        small, big = [], []
+        for k in range(9):
+            t0 = time.perf_counter()
+            err = f.run(
+                [((k * 97 % (nbytes // PAGE_NBYTES)) * PAGE_NBYTES, [memoryview(buf[:PAGE_NBYTES])])],
+                write=False,
+            )[0]
+            small.append(time.perf_counter() - t0)
+            if err is not None:
+                raise err
+        for _ in range(3):
+            t0 = time.perf_counter()
+            errs = f.run(jobs, write=False)
+            big.append(time.perf_counter() - t0)
+            if any(errs):
+                raise next(e for e in errs if e is not None)
+        alpha = statistics.median(small)
+        return alpha, max(statistics.median(big) - alpha, 0.0) / nbytes
+    finally:
+        f.close()
+        path.unlink(missing_ok=True)

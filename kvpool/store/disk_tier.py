@@ -1,0 +1,440 @@
+"""A store's disk tier: fixed-size, page-aligned block slots in a file under `--disk-path`, with a record of
+the committed ones that survives a restart.
+
+Layout of the directory (locked with `flock` against a second live store; files created 0600):
+- `lock`: the `flock` (holds the owner's pid, for the refusal's message);
+- `blocks.data`: slot i at byte i * `slot_nbytes` (the block size rounded up to a page), sparse;
+- `slots.meta`: the header and one record per slot (`kvpool.store.disk_journal`).
+
+Crash rule: a block is written and the data file synced, then its record is written and synced. At start-up
+only slots whose record is intact and committed are read back, and each block is kept only when its bytes
+match the recorded xxh3_64: a crash in the middle of a write exposes no partial block. Every block recovered
+gets a new generation (persisted), so a location handed out before the restart is refused; a free raises the
+slot's generation and records it before it returns, so a generation never goes back.
+
+Per-slot state is numpy columns (no Python object per slot): generation and checksum (uint64), flags
+(uint8) and the namespace/hash columns of `kvpool.store.slot_columns.SlotColumns`, about 60 bytes a slot.
+
+Faults never raise out of `write`/`read`/`free`: a failed system call (ENOSPC, EROFS, EIO...) is reported per
+slot and switches the tier to `degraded` (one log line, `counters.degradations`): writes are then refused,
+reads and frees still tried. A block whose bytes no longer match its checksum is dropped (its slot freed,
+`counters.dropped_blocks`) without degrading the tier: one bad block says nothing about the others.
+Calls are serialised by one lock; the I/O itself runs on the data file's thread pool (`kvpool.store.disk_io`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import logging
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from kvpool.errors import InvalidArgument
+from kvpool.store import disk_journal as dj
+from kvpool.store.disk_io import (
+    CHUNK_NBYTES,
+    DataFile,
+    Job,
+    chunk_runs,
+    is_aligned,
+    probe_alpha_beta,
+    round_up,
+)
+from kvpool.store.slot_columns import SlotColumns
+from kvpool.store.slot_types import _HAS_PARENT, FIRST_GENERATION
+from kvpool.types import HASH_NBYTES, InventoryBatch
+from transfer import checksums
+
+log = logging.getLogger(__name__)
+
+_COMMITTED = 1  # bit of the tier's flags column (`_HAS_PARENT` is the slot table's bit)
+_RECOVER_NBYTES = 64 << 20  # bytes read back per step at start-up
+
+
+class DiskTierError(InvalidArgument):
+    """The disk tier cannot be opened at this path (missing, not writable, held by another store, too small,
+    made for another geometry). The message names the path."""
+
+
+@dataclasses.dataclass
+class DiskCounters:
+    """What the tier did since it opened (bytes and blocks moved, faults)."""
+
+    resident_blocks: int = 0
+    resident_bytes: int = 0
+    read_blocks: int = 0
+    read_bytes: int = 0
+    written_blocks: int = 0
+    written_bytes: int = 0
+    freed_blocks: int = 0
+    dropped_blocks: int = 0  # checksum mismatches (at start-up or on a read)
+    io_errors: int = 0  # failed system calls
+    degradations: int = 0
+
+
+class DiskTier:
+    """Open with `DiskTier.open`. Slot numbers are `first_slot` .. `first_slot + num_slots - 1`."""
+
+    def __init__(self) -> None:  # use `open`
+        raise TypeError("use DiskTier.open(path, size_bytes, block_nbytes, first_slot=...)")
+
+    @classmethod
+    def open(
+        cls, path: Path, size_bytes: int, block_nbytes: int, *, first_slot: int, direct: bool = True
+    ) -> DiskTier:
+        """The tier in directory `path` with room for `size_bytes` // (`block_nbytes` rounded up to a page)
+        slots; recovers the verified blocks of an earlier run (`recovered()`). `direct`: bypass the page
+        cache where the file system allows it. Raises `DiskTierError` (one line, the path in it)."""
+        self = object.__new__(cls)
+        self.path = path = Path(path)
+        if block_nbytes <= 0 or first_slot < 0:
+            raise DiskTierError(f"disk tier {path}: block_nbytes and first_slot must be positive")
+        self.block_nbytes, self.slot_nbytes = block_nbytes, round_up(block_nbytes)
+        self.num_slots, self.first_slot = size_bytes // self.slot_nbytes, first_slot
+        if self.num_slots < 1:
+            raise DiskTierError(
+                f"disk tier {path}: {size_bytes} bytes do not hold one {self.slot_nbytes}-byte block slot"
+            )
+        if not path.is_dir():
+            raise DiskTierError(f"disk tier {path}: no such directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise DiskTierError(f"disk tier {path}: not writable by this process")
+        self._lock_fd = _lock(path)
+        meta_fd = -1
+        try:
+            meta_fd = os.open(path / "slots.meta", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._journal = dj.Journal(
+                meta_fd, block_nbytes=block_nbytes, slot_nbytes=self.slot_nbytes, num_slots=self.num_slots
+            )
+            self._data = DataFile(path / "blocks.data", self.num_slots * self.slot_nbytes, direct=direct)
+        except (OSError, dj.JournalMismatch) as exc:
+            if meta_fd >= 0:
+                os.close(meta_fd)
+            os.close(self._lock_fd)
+            raise DiskTierError(f"disk tier {path}: {_why(exc)}") from None
+        self.direct = self._data.direct
+        n = self.num_slots
+        self.gen = np.full(n, FIRST_GENERATION, dtype=np.uint64)
+        self.checksum = np.zeros(n, dtype=np.uint64)
+        self.flags = np.zeros(n, dtype=np.uint8)
+        self.cols = SlotColumns(n, 0)
+        self.counters = DiskCounters()
+        self.degraded: str | None = None
+        self.alpha_beta: tuple[float, float] | None = None
+        self._mutex = threading.Lock()
+        self._stage = np.zeros((0, self.slot_nbytes), dtype=np.uint8)
+        from kvpool.store.disk_recovery import recover  # noqa: PLC0415 - split for size
+
+        try:
+            self._recovered = recover(self)
+        except OSError as exc:
+            self.close()
+            raise DiskTierError(f"disk tier {path}: reading back its blocks failed: {_why(exc)}") from None
+        return self
+
+    # ------------------------------------------------------------------ the API
+
+    def write(
+        self,
+        slots: np.ndarray,
+        generations: np.ndarray,
+        blocks: np.ndarray,
+        namespaces: list[bytes],
+        block_hashes: np.ndarray,
+        parent_hashes: np.ndarray,
+        has_parent: np.ndarray,
+        checksums_: np.ndarray,
+    ) -> list[str]:
+        """Write k blocks and record them. `slots`, `generations`, `checksums_` (k,) integers (xxh3_64 of
+        each block, checked before anything is written); `blocks` (k, block_nbytes) uint8; `namespaces` k
+        digests of at most 32 bytes; `block_hashes`, `parent_hashes` (k, 16) uint8; `has_parent` (k,) bool.
+        Each slot must be free at that generation. Returns k error lines ("" for a block now committed).
+        Raises `InvalidArgument` only for a malformed batch (shapes, types)."""
+        k = len(slots)
+        s, g, cs = _ints(slots, k), _ints(generations, k), _ints(checksums_, k).astype(np.uint64)
+        if blocks.shape != (k, self.block_nbytes) or blocks.dtype != np.uint8 or len(namespaces) != k:
+            raise InvalidArgument(f"blocks must be ({k}, {self.block_nbytes}) uint8 with {k} namespaces")
+        for h in (block_hashes, parent_hashes):
+            if h.shape != (k, HASH_NBYTES) or h.dtype != np.uint8:
+                raise InvalidArgument(f"hashes must be ({k}, {HASH_NBYTES}) uint8")
+        with self._mutex:
+            idx, errors = self._check(s, g, want_committed=False)
+            for i, ns in enumerate(namespaces):
+                if not errors[i] and not 0 < len(ns) <= dj.NS_MAX_NBYTES:
+                    errors[i] = f"InvalidArgument: a namespace is 1 to {dj.NS_MAX_NBYTES} bytes"
+            if self.degraded:
+                errors = [e or f"Unavailable: disk tier degraded ({self.degraded})" for e in errors]
+            sel = np.array([i for i in range(k) if not errors[i]], dtype=np.int64)
+            if len(sel):
+                got = np.asarray(checksums(np.ascontiguousarray(blocks[sel])), dtype=np.uint64)
+                for i in sel[got != cs[sel]].tolist():
+                    errors[i] = "ChecksumMismatch: the block's bytes do not match its checksum"
+                sel = sel[got == cs[sel]]
+            if not len(sel):
+                return errors
+            sel = sel[np.argsort(idx[sel], kind="stable")]
+            rows = idx[sel]
+            if is_aligned(blocks) and self.slot_nbytes == self.block_nbytes:
+                bufs = [memoryview(blocks[i]) for i in sel.tolist()]  # type: ignore[arg-type]
+            else:
+                stage = self._staging(len(sel))
+                stage[:, : self.block_nbytes] = blocks[sel]
+                bufs = [memoryview(r) for r in stage]  # type: ignore[arg-type]
+            failed = self._io(rows, bufs, write=True)
+            if not failed.any():
+                err = self._data.sync()
+                if err is not None:
+                    failed[:] = True
+                    self._fault("syncing the data file", err)
+            ok = ~failed
+            okrows = rows[ok]
+            self.checksum[okrows] = cs[sel][ok]
+            ids = np.array([self.cols.ns_id(namespaces[i]) for i in sel[ok].tolist()], dtype=np.int64)
+            self.cols.ns[okrows] = ids
+            self.cols.block_hash[okrows] = block_hashes[sel[ok]]
+            self.cols.parent_hash[okrows] = parent_hashes[sel[ok]] * has_parent[sel[ok], None]
+            self.flags[okrows] = _COMMITTED | np.where(has_parent[sel[ok]], _HAS_PARENT, 0).astype(np.uint8)
+            if len(okrows) and not self._record(okrows, "recording written blocks"):
+                self.flags[okrows] = 0
+                ok[:] = False
+            for j, i in enumerate(sel.tolist()):
+                if not ok[j]:
+                    errors[i] = f"Unavailable: disk write failed ({self.degraded})"
+            done = int(ok.sum())
+            c = self.counters
+            c.written_blocks += done
+            c.written_bytes += done * self.block_nbytes
+            c.resident_blocks += done
+            c.resident_bytes += done * self.block_nbytes
+            return errors
+
+    def read(self, slots: np.ndarray, generations: np.ndarray, out: np.ndarray) -> list[str]:
+        """Read k committed blocks into `out` (k, block_nbytes) uint8 (writable), each checked against its
+        recorded xxh3_64. Returns k error lines ("" for a verified block); a block whose bytes do not match is
+        dropped (its slot freed) and counted. Raises `InvalidArgument` only for a malformed batch."""
+        k = len(slots)
+        s, g = _ints(slots, k), _ints(generations, k)
+        if out.shape != (k, self.block_nbytes) or out.dtype != np.uint8 or not out.flags.writeable:
+            raise InvalidArgument(f"out must be a writable ({k}, {self.block_nbytes}) uint8 array")
+        with self._mutex:
+            idx, errors = self._check(s, g, want_committed=True)
+            sel = np.array([i for i in range(k) if not errors[i]], dtype=np.int64)
+            if not len(sel):
+                return errors
+            sel = sel[np.argsort(idx[sel], kind="stable")]
+            rows = idx[sel]
+            direct_out = is_aligned(out) and self.slot_nbytes == self.block_nbytes
+            if direct_out:
+                bufs = [memoryview(out[i]) for i in sel.tolist()]  # type: ignore[arg-type]
+            else:
+                stage = self._staging(len(sel))
+                bufs = [memoryview(r) for r in stage]  # type: ignore[arg-type]
+            failed = self._io(rows, bufs, write=False)
+            if not direct_out:
+                out[sel] = stage[:, : self.block_nbytes]
+            got = np.asarray(checksums([out[i] for i in sel.tolist()]), dtype=np.uint64)
+            bad = ~failed & (got != self.checksum[rows])
+            for j, i in enumerate(sel.tolist()):
+                if failed[j]:
+                    errors[i] = f"Unavailable: disk read failed ({self.degraded})"
+                elif bad[j]:
+                    errors[i] = "ChecksumMismatch: the block's bytes on disk are damaged; block dropped"
+            if bad.any():
+                self._drop(rows[bad])
+            good = int((~failed & ~bad).sum())
+            self.counters.read_blocks += good
+            self.counters.read_bytes += good * self.block_nbytes
+            return errors
+
+    def free(self, slots: np.ndarray, generations: np.ndarray) -> list[str]:
+        """Free k slots at their current generation (a reserved slot never written too): each generation is
+        raised by one and recorded. Returns k error lines ("" for freed)."""
+        k = len(slots)
+        s, g = _ints(slots, k), _ints(generations, k)
+        with self._mutex:
+            idx, errors = self._check(s, g, want_committed=None)
+            rows = idx[[i for i in range(k) if not errors[i]]]
+            held = int(np.count_nonzero(self.flags[rows] & _COMMITTED))
+            self.flags[rows] = 0
+            self.gen[rows] += np.uint64(1)
+            self._record(rows, "recording frees")  # a failure degrades; the slot is free here either way
+            c = self.counters
+            c.freed_blocks += held
+            c.resident_blocks -= held
+            c.resident_bytes -= held * self.block_nbytes
+            return errors
+
+    def generation_of(self, slots: np.ndarray) -> np.ndarray:
+        """(k,) uint64: the current generation of each disk slot (`InvalidArgument` for one out of range)."""
+        idx = _ints(slots, len(slots)) - self.first_slot
+        if len(idx) and (idx.min() < 0 or idx.max() >= self.num_slots):
+            raise InvalidArgument("not a slot of this disk tier")
+        return self.gen[idx].copy()
+
+    def recovered(self) -> InventoryBatch:
+        """The verified blocks found at start-up, with their new generations (`next_slot` -1)."""
+        with self._mutex:
+            return self._batch(self._recovered, -1)
+
+    def inventory_batch(self, after_slot: int, limit: int) -> InventoryBatch:
+        """Up to `limit` committed blocks in slots ≥ `after_slot` (a disk slot number), in slot order, and
+        the cursor to ask again from (`next_slot`, -1 when none follow)."""
+        with self._mutex:
+            mask = (self.flags & _COMMITTED) != 0
+            idx, nxt = SlotColumns.find(mask, max(after_slot - self.first_slot, 0), limit)
+            return self._batch(idx, nxt + self.first_slot if nxt >= 0 else -1)
+
+    def measure(self) -> tuple[float, float]:
+        """(α seconds, β seconds per byte) of this tier's reads, from a short probe (~16 MiB written and read
+        back in a scratch file beside the data). On failure (a full or broken disk): the last figures, or
+        (nan, nan), and the tier degrades."""
+        try:
+            self.alpha_beta = probe_alpha_beta(self.path, direct=self.direct)
+        except OSError as exc:
+            with self._mutex:
+                self._fault("measuring the disk", exc)
+        return self.alpha_beta or (float("nan"), float("nan"))
+
+    def close(self) -> None:
+        """Release the files and the lock (the tier is unusable after)."""
+        self._data.close()
+        os.close(self._journal.fd)
+        os.close(self._lock_fd)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check(
+        self, s: np.ndarray, g: np.ndarray, *, want_committed: bool | None
+    ) -> tuple[np.ndarray, list[str]]:
+        idx = s.astype(np.int64) - self.first_slot
+        inside = (idx >= 0) & (idx < self.num_slots)
+        safe = np.where(inside, idx, 0)
+        cur = self.gen[safe]
+        committed = (self.flags[safe] & _COMMITTED) != 0
+        seen: set[int] = set()
+        errors = []
+        for i in range(len(s)):
+            if not inside[i]:
+                errors.append(f"NotFound: slot {int(s[i])} is not a slot of this disk tier")
+            elif int(cur[i]) != int(g[i]):
+                errors.append(
+                    f"StaleGeneration: disk slot {int(s[i])} is at generation {int(cur[i])}, not {int(g[i])}"
+                )
+            elif int(idx[i]) in seen:
+                errors.append(f"InvalidArgument: disk slot {int(s[i])} twice in one batch")
+            elif want_committed is not None and committed[i] != want_committed:
+                errors.append(
+                    f"FailedPrecondition: disk slot {int(s[i])} "
+                    + ("holds no block" if want_committed else "already holds a block")
+                )
+            else:
+                errors.append("")
+            seen.add(int(idx[i]))
+        return safe, errors
+
+    def _staging(self, k: int) -> np.ndarray:
+        if len(self._stage) < k:
+            from kvpool.store.disk_io import aligned_empty  # noqa: PLC0415
+
+            self._stage = aligned_empty(max(k, 2 * len(self._stage)) * self.slot_nbytes).reshape(
+                -1, self.slot_nbytes
+            )
+        return self._stage[:k]
+
+    def _io(self, rows: np.ndarray, bufs: list[memoryview], *, write: bool) -> np.ndarray:
+        """Move `bufs[j]` to/from slot `rows[j]` (rows ascending); (len(rows),) bool: failed."""
+        runs = chunk_runs(rows, max(1, CHUNK_NBYTES // self.slot_nbytes))
+        jobs: list[Job] = [(int(rows[a]) * self.slot_nbytes, bufs[a:b]) for a, b in runs]
+        failed = np.zeros(len(rows), dtype=np.bool_)
+        for (a, b), err in zip(runs, self._data.run(jobs, write=write), strict=True):
+            if err is not None:
+                failed[a:b] = True
+                self._fault("writing blocks" if write else "reading blocks", err)
+        return failed
+
+    def _record(self, rows: np.ndarray, what: str) -> bool:
+        try:
+            self._journal.store(rows, self._records(rows))
+        except OSError as exc:
+            self._fault(what, exc)
+            return False
+        return True
+
+    def _records(self, rows: np.ndarray) -> np.ndarray:
+        """Sealed journal records of slots `rows`, from the columns."""
+        rec = np.zeros(len(rows), dtype=dj.RECORD)
+        rec["generation"] = self.gen[rows]
+        rec["checksum"] = self.checksum[rows]
+        f = self.flags[rows]
+        rec["flags"] = np.where(f & _COMMITTED, dj.COMMITTED, 0) | np.where(f & _HAS_PARENT, dj.HAS_PARENT, 0)
+        names = self.cols.namespaces
+        table = np.zeros((len(names), dj.NS_MAX_NBYTES), dtype=np.uint8)
+        lens = np.array([len(x) for x in names], dtype=np.uint8)
+        for j, x in enumerate(names):
+            table[j, : len(x)] = np.frombuffer(x, dtype=np.uint8)
+        ids = self.cols.ns[rows]
+        rec["ns"], rec["ns_len"] = table[ids], lens[ids]
+        rec["hash"], rec["parent"] = self.cols.block_hash[rows], self.cols.parent_hash[rows]
+        dj.seal(rec)
+        return rec
+
+    def _drop(self, rows: np.ndarray) -> None:
+        n = len(rows)
+        log.warning("disk tier %s: %d blocks failed their checksum; dropped", self.path, n)
+        self.flags[rows] = 0
+        self.gen[rows] += np.uint64(1)
+        self._record(rows, "recording dropped blocks")
+        c = self.counters
+        c.dropped_blocks += n
+        c.resident_blocks -= n
+        c.resident_bytes -= n * self.block_nbytes
+
+    def _fault(self, what: str, exc: OSError) -> None:
+        self.counters.io_errors += 1
+        if self.degraded is None:
+            self.degraded = f"{what}: {_why(exc)}"
+            self.counters.degradations += 1
+            log.error("disk tier %s degraded: %s; writes refused from now on", self.path, self.degraded)
+
+    def _batch(self, idx: np.ndarray, next_slot: int) -> InventoryBatch:
+        b = self.cols.batch(idx, next_slot, self.gen, self.checksum, self.flags, self.block_nbytes)
+        return dataclasses.replace(b, slots=b.slots + np.uint64(self.first_slot))
+
+
+def _ints(a: np.ndarray, k: int) -> np.ndarray:
+    arr = np.asarray(a)
+    if arr.shape != (k,) or (k and arr.dtype.kind not in "iu"):
+        raise InvalidArgument(f"expected ({k},) integers, got {arr.shape} {arr.dtype}")
+    return arr if arr.dtype == np.uint64 else arr.astype(np.int64)
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return f"{errno.errorcode.get(exc.errno, exc.errno)} ({os.strerror(exc.errno)})"
+    return str(exc)
+
+
+def _lock(path: Path) -> int:
+    """The directory's `lock` file, held with `flock` (the pid written in it). Raises `DiskTierError`."""
+    try:
+        fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise DiskTierError(f"disk tier {path}: not writable: {_why(exc)}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise DiskTierError(f"disk tier {path}: held by another live store (pid {holder})") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        os.close(fd)
+        raise DiskTierError(f"disk tier {path}: not writable: {_why(exc)}") from None
+    return fd
