@@ -11,6 +11,7 @@ page-aligned (`aligned_empty`: anonymous `mmap`, page-aligned by construction) a
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -52,7 +53,7 @@ def chunk_runs(sorted_slots: np.ndarray, max_run: int) -> list[tuple[int, int]]:
     if n == 0:
         return []
     breaks = np.flatnonzero(np.diff(sorted_slots) != 1) + 1
-    out = []
+    out: list[tuple[int, int]] = []
     for a, b in zip(np.r_[0, breaks].tolist(), np.r_[breaks, n].tolist(), strict=True):
         out.extend((x, min(x + max_run, b)) for x in range(a, b, max_run))
     return out
@@ -93,7 +94,7 @@ class DataFile:
     def _direct_works(self) -> bool:
         buf = aligned_empty(PAGE_NBYTES)
         try:
-            os.preadv(self.fd, [memoryview(buf)], 0)
+            os.preadv(self.fd, [buf.data], 0)
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 return False
@@ -159,9 +160,7 @@ def probe_alpha_beta(directory: Path, *, direct: bool, nbytes: int = 16 << 20) -
     try:
         buf = aligned_empty(nbytes)
         buf[:] = 0x5A
-        jobs: list[Job] = [
-            (a, [memoryview(buf[a : a + CHUNK_NBYTES])]) for a in range(0, nbytes, CHUNK_NBYTES)
-        ]
+        jobs: list[Job] = [(a, [buf[a : a + CHUNK_NBYTES].data]) for a in range(0, nbytes, CHUNK_NBYTES)]
         for err in [*f.run(jobs, write=True), f.sync()]:
             if err is not None:
                 raise err
@@ -169,7 +168,7 @@ def probe_alpha_beta(directory: Path, *, direct: bool, nbytes: int = 16 << 20) -
         for k in range(9):
             t0 = time.perf_counter()
             err = f.run(
-                [((k * 97 % (nbytes // PAGE_NBYTES)) * PAGE_NBYTES, [memoryview(buf[:PAGE_NBYTES])])],
+                [((k * 97 % (nbytes // PAGE_NBYTES)) * PAGE_NBYTES, [buf[:PAGE_NBYTES].data])],
                 write=False,
             )[0]
             small.append(time.perf_counter() - t0)
@@ -186,3 +185,31 @@ def probe_alpha_beta(directory: Path, *, direct: bool, nbytes: int = 16 << 20) -
     finally:
         f.close()
         path.unlink(missing_ok=True)
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return f"{errno.errorcode.get(exc.errno, exc.errno)} ({os.strerror(exc.errno)})"
+    return str(exc)
+
+
+def lock_directory(path: Path, error: type[Exception]) -> int:
+    """The directory's `lock` file, held with `flock` (the pid written in it) until the fd is closed.
+    Raises `error` (one line with the path) when it cannot be created or another process holds it."""
+    try:
+        fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise error(f"disk tier {path}: not writable: {describe(exc)}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise error(f"disk tier {path}: held by another live store (pid {holder})") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        os.close(fd)
+        raise error(f"disk tier {path}: not writable: {describe(exc)}") from None
+    return fd

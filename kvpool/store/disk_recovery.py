@@ -88,7 +88,7 @@ def _verify(t: DiskTier, rows: np.ndarray) -> np.ndarray:
     for a in range(0, len(rows), step):
         part = rows[a : a + step]
         stage = t._staging(len(part))
-        failed = t._io(part, [memoryview(x) for x in stage], write=False)  # type: ignore[arg-type]
+        failed = t._io(part, [x.data for x in stage], write=False)
         got = np.asarray(checksums([x[: t.block_nbytes] for x in stage]), dtype=np.uint64)
         bad[a : a + step] = failed | (got != t.checksum[part])
     return bad

@@ -25,8 +25,6 @@ Calls are serialised by one lock; the I/O itself runs on the data file's thread 
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import logging
 import os
 import threading
@@ -40,8 +38,11 @@ from kvpool.store.disk_io import (
     CHUNK_NBYTES,
     DataFile,
     Job,
+    aligned_empty,
     chunk_runs,
+    describe,
     is_aligned,
+    lock_directory,
     probe_alpha_beta,
     round_up,
 )
@@ -80,9 +81,6 @@ class DiskCounters:
 class DiskTier:
     """Open with `DiskTier.open`. Slot numbers are `first_slot` .. `first_slot + num_slots - 1`."""
 
-    def __init__(self) -> None:  # use `open`
-        raise TypeError("use DiskTier.open(path, size_bytes, block_nbytes, first_slot=...)")
-
     @classmethod
     def open(
         cls, path: Path, size_bytes: int, block_nbytes: int, *, first_slot: int, direct: bool = True
@@ -90,7 +88,12 @@ class DiskTier:
         """The tier in directory `path` with room for `size_bytes` // (`block_nbytes` rounded up to a page)
         slots; recovers the verified blocks of an earlier run (`recovered()`). `direct`: bypass the page
         cache where the file system allows it. Raises `DiskTierError` (one line, the path in it)."""
-        self = object.__new__(cls)
+        return cls(path, size_bytes, block_nbytes, first_slot=first_slot, direct=direct)
+
+    def __init__(
+        self, path: Path, size_bytes: int, block_nbytes: int, *, first_slot: int, direct: bool = True
+    ) -> None:
+        """See `open`."""
         self.path = path = Path(path)
         if block_nbytes <= 0 or first_slot < 0:
             raise DiskTierError(f"disk tier {path}: block_nbytes and first_slot must be positive")
@@ -104,7 +107,7 @@ class DiskTier:
             raise DiskTierError(f"disk tier {path}: no such directory")
         if not os.access(path, os.W_OK | os.X_OK):
             raise DiskTierError(f"disk tier {path}: not writable by this process")
-        self._lock_fd = _lock(path)
+        self._lock_fd = lock_directory(path, DiskTierError)
         meta_fd = -1
         try:
             meta_fd = os.open(path / "slots.meta", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -116,7 +119,7 @@ class DiskTier:
             if meta_fd >= 0:
                 os.close(meta_fd)
             os.close(self._lock_fd)
-            raise DiskTierError(f"disk tier {path}: {_why(exc)}") from None
+            raise DiskTierError(f"disk tier {path}: {describe(exc)}") from None
         self.direct = self._data.direct
         n = self.num_slots
         self.gen = np.full(n, FIRST_GENERATION, dtype=np.uint64)
@@ -134,8 +137,9 @@ class DiskTier:
             self._recovered = recover(self)
         except OSError as exc:
             self.close()
-            raise DiskTierError(f"disk tier {path}: reading back its blocks failed: {_why(exc)}") from None
-        return self
+            raise DiskTierError(
+                f"disk tier {path}: reading back its blocks failed: {describe(exc)}"
+            ) from None
 
     # ------------------------------------------------------------------ the API
 
@@ -180,11 +184,11 @@ class DiskTier:
             sel = sel[np.argsort(idx[sel], kind="stable")]
             rows = idx[sel]
             if is_aligned(blocks) and self.slot_nbytes == self.block_nbytes:
-                bufs = [memoryview(blocks[i]) for i in sel.tolist()]  # type: ignore[arg-type]
+                bufs = [blocks[i].data for i in sel.tolist()]
             else:
                 stage = self._staging(len(sel))
                 stage[:, : self.block_nbytes] = blocks[sel]
-                bufs = [memoryview(r) for r in stage]  # type: ignore[arg-type]
+                bufs = [r.data for r in stage]
             failed = self._io(rows, bufs, write=True)
             if not failed.any():
                 err = self._data.sync()
@@ -230,10 +234,10 @@ class DiskTier:
             rows = idx[sel]
             direct_out = is_aligned(out) and self.slot_nbytes == self.block_nbytes
             if direct_out:
-                bufs = [memoryview(out[i]) for i in sel.tolist()]  # type: ignore[arg-type]
+                bufs = [out[i].data for i in sel.tolist()]
             else:
                 stage = self._staging(len(sel))
-                bufs = [memoryview(r) for r in stage]  # type: ignore[arg-type]
+                bufs = [r.data for r in stage]
             failed = self._io(rows, bufs, write=False)
             if not direct_out:
                 out[sel] = stage[:, : self.block_nbytes]
@@ -339,8 +343,6 @@ class DiskTier:
 
     def _staging(self, k: int) -> np.ndarray:
         if len(self._stage) < k:
-            from kvpool.store.disk_io import aligned_empty  # noqa: PLC0415
-
             self._stage = aligned_empty(max(k, 2 * len(self._stage)) * self.slot_nbytes).reshape(
                 -1, self.slot_nbytes
             )
@@ -397,7 +399,7 @@ class DiskTier:
     def _fault(self, what: str, exc: OSError) -> None:
         self.counters.io_errors += 1
         if self.degraded is None:
-            self.degraded = f"{what}: {_why(exc)}"
+            self.degraded = f"{what}: {describe(exc)}"
             self.counters.degradations += 1
             log.error("disk tier %s degraded: %s; writes refused from now on", self.path, self.degraded)
 
@@ -411,30 +413,3 @@ def _ints(a: np.ndarray, k: int) -> np.ndarray:
     if arr.shape != (k,) or (k and arr.dtype.kind not in "iu"):
         raise InvalidArgument(f"expected ({k},) integers, got {arr.shape} {arr.dtype}")
     return arr if arr.dtype == np.uint64 else arr.astype(np.int64)
-
-
-def _why(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.errno is not None:
-        return f"{errno.errorcode.get(exc.errno, exc.errno)} ({os.strerror(exc.errno)})"
-    return str(exc)
-
-
-def _lock(path: Path) -> int:
-    """The directory's `lock` file, held with `flock` (the pid written in it). Raises `DiskTierError`."""
-    try:
-        fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise DiskTierError(f"disk tier {path}: not writable: {_why(exc)}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise DiskTierError(f"disk tier {path}: held by another live store (pid {holder})") from None
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError as exc:
-        os.close(fd)
-        raise DiskTierError(f"disk tier {path}: not writable: {_why(exc)}") from None
-    return fd
