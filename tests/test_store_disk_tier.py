@@ -154,7 +154,10 @@ def test_a_writer_killed_mid_stream_leaves_only_whole_verified_blocks(tmp_path: 
         errors, out = _read(t, got.slots.tolist())
         assert errors == [""] * len(got)
         assert np.array_equal(out, content(got.block_hashes))  # whole blocks, the bytes of their hash
-        held = {int(s): int.from_bytes(h.tobytes(), "little") for s, h in zip(got.slots, got.block_hashes)}
+        held = {
+            int(s): int.from_bytes(h.tobytes(), "little")
+            for s, h in zip(got.slots, got.block_hashes, strict=True)
+        }
         a, key = (int(x) for x in acks[-1].split()[1:])
         for i in range(16):  # the last acknowledged batch survived the kill
             assert held.get(FIRST + a + i) == key + i, (a, key, i)
