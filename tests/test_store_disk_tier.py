@@ -58,12 +58,14 @@ def test_an_occupied_stale_or_foreign_slot_and_a_wrong_checksum_are_refused_per_
     s = np.array([FIRST + 1, FIRST + 2, 5])
     h = hashes_of([1, 2, 3])
     blocks = content(h)
-    errors = t.write(s, np.array([1, 7, 1]), blocks, [NS] * 3, h, h, np.zeros(3, bool), np.array([1, 2, 3]))
+    g = t.generation_of(np.array([FIRST + 1, FIRST + 2]))
+    gens = np.array([g[0], g[1] - 1, 1])  # right; one behind; (a slot out of range)
+    errors = t.write(s, gens, blocks, [NS] * 3, h, h, np.zeros(3, bool), np.array([1, 2, 3]))
     assert errors[0].startswith("ChecksumMismatch") and errors[1].startswith("StaleGeneration")
     assert errors[2].startswith("NotFound")
     assert _read(t, [FIRST + 1])[0][0].startswith("FailedPrecondition")  # nothing was written
     with pytest.raises(InvalidArgument):
-        t.write(s, np.ones(3, int), blocks[:2], [NS] * 3, h, h, np.zeros(3, bool), np.ones(3, int))
+        t.write(s, gens, blocks[:2], [NS] * 3, h, h, np.zeros(3, bool), np.ones(3, int))
     t.close()
 
 

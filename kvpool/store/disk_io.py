@@ -17,6 +17,7 @@ import mmap
 import os
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,7 +27,10 @@ log = logging.getLogger(__name__)
 
 PAGE_NBYTES = mmap.PAGESIZE
 CHUNK_NBYTES = 1 << 20
-"""The most bytes one system call moves: a 4 MiB batch of consecutive slots is 4 calls in flight at once."""
+"""The most bytes one read moves: a 4 MiB batch of consecutive slots is 4 reads in flight at once."""
+WRITE_CHUNK_NBYTES = 4 << 20
+"""The most bytes one write moves (allocating direct writes to one file serialise on its inode: in
+parallel they only add hand-offs)."""
 IO_THREADS = 4
 _IOV_MAX = 1024
 
@@ -101,12 +105,23 @@ class DataFile:
             raise
         return True
 
-    def run(self, jobs: list[Job], *, write: bool) -> list[OSError | None]:
-        """Do every job (all writes or all reads), several at once; each job's error (None: done)."""
+    def run(
+        self, jobs: list[Job], *, write: bool, then: Callable[[int], None] | None = None
+    ) -> list[OSError | None]:
+        """Do every job (all writes or all reads), several at once; each job's error (None: done).
+        `then(j)` runs on the job's thread after job j succeeded (e.g. hashing what it read, while the
+        other jobs' I/O goes on); a single job runs on the caller's thread (no hand-off)."""
         fn = _write_all if write else _read_all
+
+        def one(j: int) -> OSError | None:
+            err = fn(self.fd, *jobs[j])
+            if err is None and then is not None:
+                then(j)
+            return err
+
         if len(jobs) == 1:
-            return [fn(self.fd, *jobs[0])]
-        return list(self.pool.map(lambda job: fn(self.fd, *job), jobs))
+            return [one(0)]
+        return list(self.pool.map(one, range(len(jobs))))
 
     def sync(self) -> OSError | None:
         try:

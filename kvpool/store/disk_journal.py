@@ -1,17 +1,18 @@
 """The disk tier's record of its slots (`slots.meta`): a header, then one 128-byte record per slot.
 
-A record says which block a slot holds and at which generation: generation (uint64), the block's xxh3_64
-checksum, flags (committed, has parent), the namespace (up to 32 bytes, with its length), the block and
-parent hashes (16 bytes each), and an xxh3_64 of the record's first 120 bytes. Records are 128 bytes so
-that 4 fit a 512-byte sector and a record never straddles one; a record whose own checksum is wrong (a torn
-write at a crash) is read as "no block" at a generation above any it could have held (`torn_generation`).
+A record says which block a slot holds: the generation it was written at (uint64, for inspection), the
+block's xxh3_64 checksum, flags (committed, has parent), the namespace (up to 32 bytes, with its length), the
+block and parent hashes (16 bytes each), and an xxh3_64 of the record's first 120 bytes. Records are 128
+bytes so that 4 fit a 512-byte sector and a record never straddles one; a record whose own checksum is wrong
+(a torn write at a crash) is read as "no block".
 
 The header (the file's first 4096 bytes) holds the geometry the file was made for (block and slot sizes,
-slot count) and a boot count, raised and synced at every open: a torn record's generation is derived from it
-so that generations never go back across a restart.
+slot count) and a boot count, raised and synced at every open before anything else: every slot starts a boot
+at generation `boot_generation(boot)`, above every generation of every earlier boot, so generations never go
+back across a restart and a location from before one is refused, whatever records were lost with it.
 
-Writes here are buffered `pwrite`s followed by `fdatasync`: the caller syncs the data file first
-(`kvpool.store.disk_tier`: write the block, then record it).
+Records are written with buffered `pwrite` (they survive the process being killed) and synced by the caller
+(`sync`, `kvpool.store.disk_tier`'s group commit) after the data file.
 """
 
 from __future__ import annotations
@@ -55,10 +56,10 @@ class JournalMismatch(ValueError):
     """The file was made for another geometry (block size, slot count) or is not a disk tier's record."""
 
 
-def torn_generation(boot: int) -> int:
-    """The generation a slot whose record was torn gets in boot number `boot` (≥ 1): above every generation
-    a slot can reach in an earlier boot (a slot's generation rises by one per free or restart, far fewer
-    than 2**32 times in one boot)."""
+def boot_generation(boot: int) -> int:
+    """Every slot's generation when boot number `boot` (≥ 1) begins: above every generation of an earlier
+    boot (a slot's generation rises by one per free or dropped block, far fewer than 2**32 times in one
+    boot; below 2**63, the index's bound, for 2**31 boots)."""
     return boot << 32
 
 
@@ -125,8 +126,8 @@ class Journal:
         return buf.view(RECORD)
 
     def store(self, slots: np.ndarray, records: np.ndarray) -> None:
-        """Write sealed `records` for slot indices `slots` (sorted or not) and sync. Consecutive slots go
-        in one `pwrite`. Raises `OSError`."""
+        """Write sealed `records` for slot indices `slots` (sorted or not), unsynced (`sync`). Consecutive
+        slots go in one `pwrite`. Raises `OSError`."""
         order = np.argsort(slots, kind="stable")
         s, r = slots[order], records[order]
         breaks = np.flatnonzero(np.diff(s) != 1) + 1
@@ -136,6 +137,9 @@ class Journal:
             while data:
                 n = os.pwrite(self.fd, data, off)
                 data, off = data[n:], off + n
+
+    def sync(self) -> None:
+        """Make every stored record durable. Raises `OSError`."""
         os.fdatasync(self.fd)
 
 

@@ -1,10 +1,10 @@
 """The disk tier's start-up: rebuild its columns from `slots.meta` and keep only whole, verified blocks.
 
 A record that is intact and committed names a candidate block; the candidate is read back (in steps of
-`STEP_NBYTES`, through the tier's batched I/O) and kept only when its bytes match the recorded xxh3_64. Kept
-blocks get a new generation; a torn record (its own checksum wrong: a crash while it was written) gets
-`disk_journal.torn_generation`; a candidate that fails is dropped at a raised generation. Every changed record
-is written back and synced before the tier is used.
+`STEP_NBYTES`, through the tier's batched I/O) and kept only when its bytes match the recorded xxh3_64. Every
+slot starts at this boot's generation (`disk_journal.boot_generation`): kept blocks are listed under new
+generations. A torn record (its own checksum wrong: a crash while it was written) and a candidate that fails
+are rewritten as "no block" and synced before the tier is used.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _COMMITTED = 1  # the tier's committed bit (`disk_tier._COMMITTED`)
 def recover(t: DiskTier) -> np.ndarray:
     """Fill `t`'s columns from its record and verify its blocks; the recovered slot indices (int64, ascending).
     Raises `OSError` when the record cannot be read or written back."""
-    boot = t._journal.boot
+    t.gen[:] = dj.boot_generation(t._journal.boot)
     candidates, changed = [], []
     for a in range(0, t.num_slots, _RECORDS_PER_LOAD):
         rec = t._journal.load(a, min(_RECORDS_PER_LOAD, t.num_slots - a))
@@ -40,8 +40,6 @@ def recover(t: DiskTier) -> np.ndarray:
         zero = ~rec.view(np.uint8).reshape(-1, dj.RECORD_NBYTES).any(axis=1)
         ok = dj.intact(rec) & ~zero
         torn = ~ok & ~zero
-        t.gen[rows[ok]] = rec["generation"][ok]
-        t.gen[rows[torn]] = dj.torn_generation(boot)
         changed.append(rows[torn])
         com = ok & ((rec["flags"] & dj.COMMITTED) != 0)
         if not com.any():
@@ -61,11 +59,10 @@ def recover(t: DiskTier) -> np.ndarray:
     bad = _verify(t, cand)
     keep, dropped = cand[~bad], cand[bad]
     t.flags[dropped] = 0
-    t.gen[dropped] += np.uint64(1)
-    t.gen[keep] += np.uint64(1)  # a location from before the restart is refused
-    rewrite = np.concatenate([keep, dropped, *changed])
+    rewrite = np.concatenate([dropped, *changed])
     if len(rewrite):
         t._journal.store(rewrite, t._records(rewrite))
+        t._journal.sync()
     c = t.counters
     c.dropped_blocks += len(dropped)
     c.resident_blocks = len(keep)
