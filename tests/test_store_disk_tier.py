@@ -59,7 +59,7 @@ def test_an_occupied_stale_or_foreign_slot_and_a_wrong_checksum_are_refused_per_
     h = hashes_of([1, 2, 3])
     blocks = content(h)
     g = t.generation_of(np.array([FIRST + 1, FIRST + 2]))
-    gens = np.array([g[0], g[1] - 1, 1])  # right; one behind; (a slot out of range)
+    gens = np.array([int(g[0]), int(g[1]) - 1, 1], dtype=np.int64)  # right; one behind; (a slot out of range)
     errors = t.write(s, gens, blocks, [NS] * 3, h, h, np.zeros(3, bool), np.array([1, 2, 3]))
     assert errors[0].startswith("ChecksumMismatch") and errors[1].startswith("StaleGeneration")
     assert errors[2].startswith("NotFound")
