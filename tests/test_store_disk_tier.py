@@ -150,6 +150,7 @@ def test_a_writer_killed_mid_stream_leaves_only_whole_verified_blocks(tmp_path: 
         time.sleep(0.05 * round_)  # land in different places of a batch
         child.send_signal(signal.SIGKILL)
         child.wait(30)
+        acks += child.stdout.read().splitlines()  # what it acknowledged before it died
         assert all(a.startswith("ack ") for a in acks), acks
         t = _open(tmp_path, 256)
         got = t.recovered()
