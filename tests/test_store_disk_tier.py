@@ -48,6 +48,9 @@ def test_blocks_read_back_bit_exact_and_list_in_slot_order(tmp_path: Path) -> No
     c = t.counters
     assert (c.resident_blocks, c.written_blocks, c.read_blocks) == (6, 6, 6)
     assert t.direct  # /tmp is ext4 here: the page cache is bypassed
+    alpha_s, beta = t.measure()
+    assert 0 < alpha_s < 1 and 0 < beta < 1e-7  # a disk reads a page in under 1 s and above 10 MB/s
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocks.data", "lock", "slots.meta"]
     t.close()
 
 

@@ -103,7 +103,8 @@ def run_tiers_bench(
         alpha_s, beta = tier.measure()
         dd_file = work / "dd.bin"
         count = total_bytes // DD_BS_BYTES
-        records, summary_rows = [], []
+        records: list[dict[str, Any]] = []
+        summary_rows: list[dict[str, Any]] = []
         for batch_bytes in BATCHES_BYTES:
             k = batch_bytes // block_nbytes
             blocks = aligned_empty(batch_bytes).reshape(k, block_nbytes)
@@ -127,7 +128,7 @@ def run_tiers_bench(
                     )
                 )
                 dr.append(_dd([f"if={dd_file}", "of=/dev/null", "bs=4M", "iflag=direct"]))
-            row = {
+            row: dict[str, Any] = {
                 "batch_bytes": batch_bytes,
                 "engine_write_gbps": round(total_bytes / statistics.median(ew) / 1e9, 3),
                 "engine_read_gbps": round(total_bytes / statistics.median(er) / 1e9, 3),
@@ -183,11 +184,11 @@ def run_tiers_bench(
         "ratio",
     ):
         table.add_column(col, justify="right")
-    for r in summary_rows:
+    for x in summary_rows:
         table.add_row(
-            f"{r['batch_bytes'] >> 20} MiB", f"{r['engine_write_gbps']:.2f}", f"{r['dd_write_gbps']:.2f}",
-            f"{r['write_over_baseline']:.2f}", f"{r['engine_read_gbps']:.2f}", f"{r['dd_read_gbps']:.2f}",
-            f"{r['read_over_baseline']:.2f}",
+            f"{x['batch_bytes'] >> 20} MiB", f"{x['engine_write_gbps']:.2f}", f"{x['dd_write_gbps']:.2f}",
+            f"{x['write_over_baseline']:.2f}", f"{x['engine_read_gbps']:.2f}", f"{x['dd_read_gbps']:.2f}",
+            f"{x['read_over_baseline']:.2f}",
         )  # fmt: skip
     console = Console()
     console.print(table)
