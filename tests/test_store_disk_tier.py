@@ -39,6 +39,8 @@ def test_blocks_read_back_bit_exact_and_list_in_slot_order(tmp_path: Path) -> No
     errors, out = _read(t, slots[::-1])
     assert errors == [""] * 6
     assert np.array_equal(out, content(hashes_of(slots[::-1])))
+    raw = np.fromfile(tmp_path / "blocks.data", dtype=np.uint8).reshape(-1, t.slot_nbytes)
+    assert np.array_equal(raw[[s - FIRST for s in slots]], content(hashes_of(slots)))  # slot i at i * size
     first = t.inventory_batch(0, 4)
     assert first.slots.tolist() == [FIRST + i for i in (2, 5, 6, 7)] and first.next_slot == FIRST + 8
     rest = t.inventory_batch(first.next_slot, 4)

@@ -109,8 +109,8 @@ class Journal:
             self.boot = boot
         self.boot += 1
         self._write_header(block_nbytes, slot_nbytes)
-        if size < HEADER_NBYTES + num_slots * RECORD_NBYTES:
-            os.ftruncate(fd, HEADER_NBYTES + num_slots * RECORD_NBYTES)
+        if size < HEADER_NBYTES + num_slots * RECORD_NBYTES:  # reserved: a full disk still takes records
+            os.posix_fallocate(fd, 0, HEADER_NBYTES + num_slots * RECORD_NBYTES)
         os.fdatasync(fd)
 
     def _write_header(self, block_nbytes: int, slot_nbytes: int) -> None:
