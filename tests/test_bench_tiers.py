@@ -17,12 +17,15 @@ def test_bench_tiers_reports_engine_and_dd_figures(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    s = json.loads(report.read_text())["summary"]
+    doc = json.loads(report.read_text())
+    s, rounds = doc["summary"], {r["batch_bytes"]: r for r in doc["records"]}
     assert [b["batch_bytes"] for b in s["batches"]] == [1 << 20, 4 << 20]
     for b in s["batches"]:
         for key in ("engine_write_gbps", "engine_read_gbps", "dd_write_gbps", "dd_read_gbps"):
             assert b[key] > 0, (key, b)
-        assert b["read_over_baseline"] == round(b["engine_read_gbps"] / b["dd_read_gbps"], 3)
+        r = rounds[b["batch_bytes"]]  # one round: its ratio is dd's time over the engine's
+        assert b["read_over_baseline"] == round(r["dd_read_s"][0] / r["engine_read_s"][0], 3)
+        assert b["write_over_baseline"] == round(r["dd_write_s"][0] / r["engine_write_s"][0], 3)
     assert s["disk_read_over_baseline"] == min(b["read_over_baseline"] for b in s["batches"])
     assert s["disk_write_over_baseline"] == min(b["write_over_baseline"] for b in s["batches"])
     assert s["direct_io"] and s["fs_type"] != "tmpfs" and s["alpha_s"] > 0 and s["beta_s_per_byte"] > 0

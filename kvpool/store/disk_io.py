@@ -56,9 +56,11 @@ def chunk_runs(sorted_slots: np.ndarray, max_run: int) -> list[tuple[int, int]]:
     n = len(sorted_slots)
     if n == 0:
         return []
-    breaks = np.flatnonzero(np.diff(sorted_slots) != 1) + 1
+    if int(sorted_slots[-1]) - int(sorted_slots[0]) == n - 1:  # one run (the common case)
+        return [(x, min(x + max_run, n)) for x in range(0, n, max_run)]
+    cuts = [0, *(np.flatnonzero(np.diff(sorted_slots) != 1) + 1).tolist(), n]
     out: list[tuple[int, int]] = []
-    for a, b in zip(np.r_[0, breaks].tolist(), np.r_[breaks, n].tolist(), strict=True):
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
         out.extend((x, min(x + max_run, b)) for x in range(a, b, max_run))
     return out
 

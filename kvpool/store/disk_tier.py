@@ -62,6 +62,8 @@ from transfer.xxh3 import checksum_many
 log = logging.getLogger(__name__)
 
 _COMMITTED = 1  # bit of the tier's flags column (`_HAS_PARENT` is the slot table's bit)
+INLINE_HASH_NBYTES = 4 << 20
+"""Batches up to this size are hashed in one call on the caller's thread, larger ones on the hash pool."""
 SYNC_INTERVAL_S = 0.1
 """How often written blocks and records are made durable (group commit)."""
 
@@ -140,6 +142,7 @@ class DiskTier:
         self.alpha_beta: tuple[float, float] | None = None
         self._mutex = threading.Lock()
         self._stage = np.zeros((0, self.slot_nbytes), dtype=np.uint8)
+        self._ns_table = (np.zeros((0, dj.NS_MAX_NBYTES), dtype=np.uint8), np.zeros(0, dtype=np.uint8))
         self._dirty = False
         self._sync_lock = threading.Lock()
         self._closing = threading.Event()
@@ -191,8 +194,9 @@ class DiskTier:
                 errors = [e or f"Unavailable: disk tier degraded ({self.degraded})" for e in errors]
             sel = np.array([i for i in range(k) if not errors[i]], dtype=np.int64)
             if len(sel):
-                src = blocks if len(sel) == k and blocks.flags.c_contiguous else blocks[sel]
-                got = np.asarray(checksums(np.ascontiguousarray(src)), dtype=np.uint64)
+                src = np.ascontiguousarray(blocks if len(sel) == k else blocks[sel])
+                small = src.nbytes <= INLINE_HASH_NBYTES  # one GIL-free call beats a hand-off
+                got = np.asarray(checksum_many(src) if small else checksums(src), dtype=np.uint64)
                 for i in sel[got != cs[sel]].tolist():
                     errors[i] = "ChecksumMismatch: the block's bytes do not match its checksum"
                 sel = sel[got == cs[sel]]
@@ -426,10 +430,12 @@ class DiskTier:
         f = self.flags[rows]
         rec["flags"] = np.where(f & _COMMITTED, dj.COMMITTED, 0) | np.where(f & _HAS_PARENT, dj.HAS_PARENT, 0)
         names = self.cols.namespaces
-        table = np.zeros((len(names), dj.NS_MAX_NBYTES), dtype=np.uint8)
-        lens = np.array([len(x) for x in names], dtype=np.uint8)
-        for j, x in enumerate(names):
-            table[j, : len(x)] = np.frombuffer(x, dtype=np.uint8)
+        if len(self._ns_table[0]) != len(names):  # namespaces only ever arrive: rebuild when one did
+            table = np.zeros((len(names), dj.NS_MAX_NBYTES), dtype=np.uint8)
+            for j, x in enumerate(names):
+                table[j, : len(x)] = np.frombuffer(x, dtype=np.uint8)
+            self._ns_table = (table, np.array([len(x) for x in names], dtype=np.uint8))
+        table, lens = self._ns_table
         ids = self.cols.ns[rows]
         rec["ns"], rec["ns_len"] = table[ids], lens[ids]
         rec["hash"], rec["parent"] = self.cols.block_hash[rows], self.cols.parent_hash[rows]
