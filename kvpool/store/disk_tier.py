@@ -53,6 +53,7 @@ from kvpool.store.disk_io import (
     probe_alpha_beta,
     round_up,
 )
+from kvpool.store.disk_slots import DiskCounters, check_slots, ints, namespace_table, records_of
 from kvpool.store.slot_columns import SlotColumns
 from kvpool.store.slot_types import _HAS_PARENT, FIRST_GENERATION
 from kvpool.types import HASH_NBYTES, InventoryBatch
@@ -71,22 +72,6 @@ SYNC_INTERVAL_S = 0.1
 class DiskTierError(InvalidArgument):
     """The disk tier cannot be opened at this path (missing, not writable, held by another store, too small,
     made for another geometry). The message names the path."""
-
-
-@dataclasses.dataclass
-class DiskCounters:
-    """What the tier did since it opened (bytes and blocks moved, faults)."""
-
-    resident_blocks: int = 0
-    resident_bytes: int = 0
-    read_blocks: int = 0
-    read_bytes: int = 0
-    written_blocks: int = 0
-    written_bytes: int = 0
-    freed_blocks: int = 0
-    dropped_blocks: int = 0  # checksum mismatches (at start-up or on a read)
-    io_errors: int = 0  # failed system calls
-    degradations: int = 0
 
 
 class DiskTier:
@@ -179,7 +164,7 @@ class DiskTier:
         Each slot must be free at that generation. Returns k error lines ("" for a block now committed).
         Raises `InvalidArgument` only for a malformed batch (shapes, types)."""
         k = len(slots)
-        s, g, cs = _ints(slots, k), _ints(generations, k), _ints(checksums_, k).astype(np.uint64)
+        s, g, cs = ints(slots, k), ints(generations, k), ints(checksums_, k).astype(np.uint64)
         if blocks.shape != (k, self.block_nbytes) or blocks.dtype != np.uint8 or len(namespaces) != k:
             raise InvalidArgument(f"blocks must be ({k}, {self.block_nbytes}) uint8 with {k} namespaces")
         for h in (block_hashes, parent_hashes):
@@ -237,7 +222,7 @@ class DiskTier:
         recorded xxh3_64. Returns k error lines ("" for a verified block); a block whose bytes do not match is
         dropped (its slot freed) and counted. Raises `InvalidArgument` only for a malformed batch."""
         k = len(slots)
-        s, g = _ints(slots, k), _ints(generations, k)
+        s, g = ints(slots, k), ints(generations, k)
         if out.shape != (k, self.block_nbytes) or out.dtype != np.uint8 or not out.flags.writeable:
             raise InvalidArgument(f"out must be a writable ({k}, {self.block_nbytes}) uint8 array")
         with self._mutex:
@@ -279,7 +264,7 @@ class DiskTier:
         """Free k slots at their current generation (a reserved slot never written too): each generation is
         raised by one and recorded. Returns k error lines ("" for freed)."""
         k = len(slots)
-        s, g = _ints(slots, k), _ints(generations, k)
+        s, g = ints(slots, k), ints(generations, k)
         with self._mutex:
             idx, errors = self._check(s, g, want_committed=None)
             rows = idx[[i for i in range(k) if not errors[i]]]
@@ -295,7 +280,7 @@ class DiskTier:
 
     def generation_of(self, slots: np.ndarray) -> np.ndarray:
         """(k,) uint64: the current generation of each disk slot (`InvalidArgument` for one out of range)."""
-        idx = _ints(slots, len(slots)) - self.first_slot
+        idx = ints(slots, len(slots)) - self.first_slot
         if len(idx) and (idx.min() < 0 or idx.max() >= self.num_slots):
             raise InvalidArgument("not a slot of this disk tier")
         return self.gen[idx].copy()
@@ -360,31 +345,7 @@ class DiskTier:
     def _check(
         self, s: np.ndarray, g: np.ndarray, *, want_committed: bool | None
     ) -> tuple[np.ndarray, list[str]]:
-        idx = s.astype(np.int64) - self.first_slot
-        inside = (idx >= 0) & (idx < self.num_slots)
-        safe = np.where(inside, idx, 0)
-        cur = self.gen[safe]
-        committed = (self.flags[safe] & _COMMITTED) != 0
-        seen: set[int] = set()
-        errors = []
-        for i in range(len(s)):
-            if not inside[i]:
-                errors.append(f"NotFound: slot {int(s[i])} is not a slot of this disk tier")
-            elif int(cur[i]) != int(g[i]):
-                errors.append(
-                    f"StaleGeneration: disk slot {int(s[i])} is at generation {int(cur[i])}, not {int(g[i])}"
-                )
-            elif int(idx[i]) in seen:
-                errors.append(f"InvalidArgument: disk slot {int(s[i])} twice in one batch")
-            elif want_committed is not None and committed[i] != want_committed:
-                errors.append(
-                    f"FailedPrecondition: disk slot {int(s[i])} "
-                    + ("holds no block" if want_committed else "already holds a block")
-                )
-            else:
-                errors.append("")
-            seen.add(int(idx[i]))
-        return safe, errors
+        return check_slots(s, g, self.first_slot, self.gen, self.flags & _COMMITTED, want_committed)
 
     def _staging(self, k: int) -> np.ndarray:
         if len(self._stage) < k:
@@ -424,23 +385,20 @@ class DiskTier:
 
     def _records(self, rows: np.ndarray) -> np.ndarray:
         """Sealed journal records of slots `rows`, from the columns."""
-        rec = np.zeros(len(rows), dtype=dj.RECORD)
-        rec["generation"] = self.gen[rows]
-        rec["checksum"] = self.checksum[rows]
-        f = self.flags[rows]
-        rec["flags"] = np.where(f & _COMMITTED, dj.COMMITTED, 0) | np.where(f & _HAS_PARENT, dj.HAS_PARENT, 0)
         names = self.cols.namespaces
         if len(self._ns_table[0]) != len(names):  # namespaces only ever arrive: rebuild when one did
-            table = np.zeros((len(names), dj.NS_MAX_NBYTES), dtype=np.uint8)
-            for j, x in enumerate(names):
-                table[j, : len(x)] = np.frombuffer(x, dtype=np.uint8)
-            self._ns_table = (table, np.array([len(x) for x in names], dtype=np.uint8))
-        table, lens = self._ns_table
-        ids = self.cols.ns[rows]
-        rec["ns"], rec["ns_len"] = table[ids], lens[ids]
-        rec["hash"], rec["parent"] = self.cols.block_hash[rows], self.cols.parent_hash[rows]
-        dj.seal(rec)
-        return rec
+            self._ns_table = namespace_table(names)
+        f = self.flags[rows]
+        return records_of(
+            self.gen[rows],
+            self.checksum[rows],
+            (f & _COMMITTED) != 0,
+            (f & _HAS_PARENT) != 0,
+            self.cols.ns[rows],
+            self._ns_table,
+            self.cols.block_hash[rows],
+            self.cols.parent_hash[rows],
+        )
 
     def _drop(self, rows: np.ndarray) -> None:
         n = len(rows)
@@ -463,10 +421,3 @@ class DiskTier:
     def _batch(self, idx: np.ndarray, next_slot: int) -> InventoryBatch:
         b = self.cols.batch(idx, next_slot, self.gen, self.checksum, self.flags, self.block_nbytes)
         return dataclasses.replace(b, slots=b.slots + np.uint64(self.first_slot))
-
-
-def _ints(a: np.ndarray, k: int) -> np.ndarray:
-    arr = np.asarray(a)
-    if arr.shape != (k,) or (k and arr.dtype.kind not in "iu"):
-        raise InvalidArgument(f"expected ({k},) integers, got {arr.shape} {arr.dtype}")
-    return arr if arr.dtype == np.uint64 else arr.astype(np.int64)
