@@ -4,7 +4,7 @@
 bypassed: a disk tier that filled the page cache would evict the memory the pool exists to use), else
 buffered (one log line). Every transfer is a list of jobs `(offset, buffers)`: one `os.pwritev` /
 `os.preadv` per job, run on a small thread pool (the calls release the GIL), so a batch of consecutive
-slots is one system call per `CHUNK_NBYTES` and several of them are in flight at once. Buffers are
+slots is one system call per `CHUNK_NBYTES` (reads) or `WRITE_CHUNK_NBYTES` (writes) and several of them are in flight at once. Buffers are
 page-aligned (`aligned_empty`: anonymous `mmap`, page-aligned by construction) and whole pages long.
 """
 
@@ -26,8 +26,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 PAGE_NBYTES = mmap.PAGESIZE
-CHUNK_NBYTES = 1 << 20
-"""The most bytes one read moves: a 4 MiB batch of consecutive slots is 4 reads in flight at once."""
+CHUNK_NBYTES = 2 << 20
+"""The most bytes one read moves: a 4 MiB batch of consecutive slots is 2 reads in flight at once, each
+hashed on its thread while the other's I/O goes on (1 MiB pieces measured 0.64–0.84 of dd's 4 MiB reads
+here, 2 MiB ones 0.84–0.87)."""
 WRITE_CHUNK_NBYTES = 4 << 20
 """The most bytes one write moves (allocating direct writes to one file serialise on its inode: in
 parallel they only add hand-offs)."""
