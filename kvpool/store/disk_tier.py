@@ -57,7 +57,7 @@ from kvpool.store.disk_slots import DiskCounters, check_slots, ints, namespace_t
 from kvpool.store.slot_columns import SlotColumns
 from kvpool.store.slot_types import _HAS_PARENT, FIRST_GENERATION
 from kvpool.types import HASH_NBYTES, InventoryBatch
-from transfer import checksums
+from transfer import checksums as hash_rows
 from transfer.xxh3 import checksum_many
 
 log = logging.getLogger(__name__)
@@ -156,15 +156,15 @@ class DiskTier:
         block_hashes: np.ndarray,
         parent_hashes: np.ndarray,
         has_parent: np.ndarray,
-        checksums_: np.ndarray,
+        checksums: np.ndarray,
     ) -> list[str]:
-        """Write k blocks and record them. `slots`, `generations`, `checksums_` (k,) integers (xxh3_64 of
+        """Write k blocks and record them. `slots`, `generations`, `checksums` (k,) integers (xxh3_64 of
         each block, checked before anything is written); `blocks` (k, block_nbytes) uint8; `namespaces` k
         digests of at most 32 bytes; `block_hashes`, `parent_hashes` (k, 16) uint8; `has_parent` (k,) bool.
         Each slot must be free at that generation. Returns k error lines ("" for a block now committed).
         Raises `InvalidArgument` only for a malformed batch (shapes, types)."""
         k = len(slots)
-        s, g, cs = ints(slots, k), ints(generations, k), ints(checksums_, k).astype(np.uint64)
+        s, g, cs = ints(slots, k), ints(generations, k), ints(checksums, k).astype(np.uint64)
         if blocks.shape != (k, self.block_nbytes) or blocks.dtype != np.uint8 or len(namespaces) != k:
             raise InvalidArgument(f"blocks must be ({k}, {self.block_nbytes}) uint8 with {k} namespaces")
         for h in (block_hashes, parent_hashes):
@@ -181,7 +181,7 @@ class DiskTier:
             if len(sel):
                 src = np.ascontiguousarray(blocks if len(sel) == k else blocks[sel])
                 small = src.nbytes <= INLINE_HASH_NBYTES  # one GIL-free call beats a hand-off
-                got = np.asarray(checksum_many(src) if small else checksums(src), dtype=np.uint64)
+                got = np.asarray(checksum_many(src) if small else hash_rows(src), dtype=np.uint64)
                 for i in sel[got != cs[sel]].tolist():
                     errors[i] = "ChecksumMismatch: the block's bytes do not match its checksum"
                 sel = sel[got == cs[sel]]
