@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvpool.store import disk_io
+from kvpool.store import disk_journal as dj
 from kvpool.store.disk_tier import DiskTier, DiskTierError
 from tests.disk_tier_util import BN, FIRST, content, hashes_of, put
 
@@ -117,4 +118,29 @@ def test_eio_is_reported_per_slot_and_degrades_without_an_exception(
     assert np.array_equal(out[1:], content(hashes_of([FIRST, FIRST + 1])))
     assert t.degraded is not None and "EIO" in t.degraded and t.counters.io_errors == 1
     assert put(t, [FIRST + 9])[0].startswith("Unavailable: disk tier degraded")
+    t.close()
+
+
+def test_a_block_whose_record_fails_is_refused_and_not_recovered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written but never recorded (the record file returned EIO): the write is refused and the block is
+    not listed, now or after a restart."""
+    t = DiskTier.open(tmp_path, 64 * BN, BN, first_slot=FIRST)
+    assert put(t, [FIRST]) == [""]
+    real = os.pwrite
+
+    def failing(fd: int, data: bytes, offset: int) -> int:
+        if fd == t._journal.fd:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(dj.os, "pwrite", failing)
+    errors = put(t, [FIRST + 1, FIRST + 2])
+    assert all(e.startswith("Unavailable: disk write failed") and "EIO" in e for e in errors), errors
+    assert t.inventory_batch(0, 10).slots.tolist() == [FIRST]
+    monkeypatch.undo()
+    t.close()
+    t = DiskTier.open(tmp_path, 64 * BN, BN, first_slot=FIRST)
+    assert t.recovered().slots.tolist() == [FIRST]
     t.close()
