@@ -69,9 +69,7 @@ def fill(index: RadixIndex, num_blocks: int, chain_len: int, batch: int) -> None
             )
 
 
-def measure(
-    num_blocks: int, chain_len: int = 64, batch: int = 65_536, num_matches: int = 20_000
-) -> dict[str, Any]:
+def measure(num_blocks: int, chain_len: int = 64, batch: int = 65_536, num_matches: int = 20_000) -> dict[str, Any]:
     proc = psutil.Process()
     gc.collect()
     rss0 = proc.memory_info().rss

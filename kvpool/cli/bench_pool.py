@@ -68,7 +68,7 @@ def master_churn_cmd(
         10_000, min=0, help="RegisterNamespace calls, each with a distinct cache salt."
     ),
     matches: int = typer.Option(2000, min=100, help="Matches per measuring round."),
-    reps: int = typer.Option(5, min=1, help="Measuring rounds before and after the churn."),
+    reps: int = typer.Option(3, min=1, help="Measuring rounds before and after the churn."),
     blocks: int = typer.Option(64, min=1, help="Blocks per prompt."),
     prompts: int = typer.Option(32, min=1, help="Prompts published (and matched round-robin)."),
     churn_blocks: int = typer.Option(1, min=0, help="Blocks published into the flushed namespace per cycle."),
