@@ -18,12 +18,13 @@ import pytest
 from kvpool.store import disk_io
 from kvpool.store import disk_journal as dj
 from kvpool.store.disk_tier import DiskTier, DiskTierError
+from tests.capabilities import skip
 from tests.disk_tier_util import BN, FIRST, content, hashes_of, put
 
 
 def _loop_fs(tmp_path: Path, size_mib: int) -> Iterator[Path]:
     if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
-        pytest.skip("a loop-mounted file system needs root and mkfs.ext4")
+        skip("loopmount", "a loop-mounted file system needs root and mkfs.ext4")
     img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
     mnt.mkdir()
     with open(img, "wb") as f:
@@ -31,7 +32,7 @@ def _loop_fs(tmp_path: Path, size_mib: int) -> Iterator[Path]:
     subprocess.run(["mkfs.ext4", "-q", "-m", "0", str(img)], check=True)
     mount = ["mount", "-o", "loop,errors=remount-ro", str(img), str(mnt)]  # as a failing disk turns ext4
     if subprocess.run(mount, capture_output=True).returncode:
-        pytest.skip("mount -o loop is not permitted here")
+        skip("loopmount", "mount -o loop is not permitted here")
     try:
         yield mnt
     finally:
@@ -74,7 +75,7 @@ def test_a_disk_that_turns_read_only_degrades_the_tier(small_fs: Path) -> None:
     source = subprocess.run(["findmnt", "-no", "SOURCE", str(small_fs)], capture_output=True, text=True)
     trigger = Path("/sys/fs/ext4") / Path(source.stdout.strip()).name / "trigger_fs_error"
     if not trigger.exists():
-        pytest.skip("this kernel has no ext4 trigger_fs_error")
+        skip("loopmount", "this kernel has no ext4 trigger_fs_error")
     trigger.write_text("disk tier test\n")  # ext4 meets an error and remounts itself read-only
     errors = put(t, [FIRST + 2, FIRST + 3])
     assert all(e.startswith("Unavailable: disk write failed") for e in errors), errors
@@ -90,7 +91,7 @@ def test_a_disk_that_turns_read_only_degrades_the_tier(small_fs: Path) -> None:
 
 def test_an_unwritable_directory_is_refused_at_start(tmp_path: Path) -> None:
     if os.geteuid() == 0:  # root writes through modes: a read-only file system stands in (above)
-        pytest.skip("root writes through directory modes")
+        skip("nonroot", "root writes through directory modes")
     tmp_path.chmod(0o500)
     try:
         with pytest.raises(DiskTierError, match=f"disk tier {tmp_path}: not writable"):
