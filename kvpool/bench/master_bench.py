@@ -305,6 +305,7 @@ def _print(summary: dict[str, Any], records: list[dict[str, Any]]) -> None:
     out.print(runs)
     out.print(f"lock-held figures: {summary['lock_held_source']}")
     missed = [k.removesuffix("_met") for k, v in summary.items() if k.endswith("_met") and v is False]
+    missed = [k for k in missed if k != "target"]
     out.print(
         "[green]target met[/green]"
         if summary["target_met"]

@@ -6,6 +6,7 @@ cause, each through the master's public gRPC service only.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 import urllib.request
@@ -20,6 +21,7 @@ from kvpool.client.types import CommitBlock
 from kvpool.errors import KVPoolError
 
 PUBLISH_SALT = "publish"
+_LOCK_NAME = re.compile(r"(^|_)lock(_|$)")
 
 
 def _chains(ns: bytes, tag: int, num: int, length: int) -> list[list[bytes]]:
@@ -158,7 +160,7 @@ def lock_metrics(cluster: ScaleCluster) -> dict[str, float]:
         text = r.read().decode()
     out = {}
     for line in text.splitlines():
-        if line.startswith("#") or "lock" not in line.split(" ")[0]:
+        if line.startswith("#") or not _LOCK_NAME.search(line.split("{")[0].split(" ")[0]):
             continue
         name, _, value = line.rpartition(" ")
         out[name] = float(value)
