@@ -12,6 +12,7 @@ reader can tell a block's own bytes from any other's (`block_bytes`).
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import socket
 import time
 from dataclasses import dataclass, field
@@ -197,9 +198,14 @@ def fill(
     t0 = time.perf_counter()
     for p in procs:
         p.start()
-    results = []
-    for _ in procs:
-        results.append(out.get(timeout=24 * 3600))
+    results: list[int | str] = []
+    while len(results) < len(procs):
+        try:
+            results.append(out.get(timeout=5.0))
+        except queue.Empty:
+            if sum(p.exitcode not in (None, 0) for p in procs) > 0:  # died without a word (a crash)
+                raise RuntimeError("a fill writer died") from None
+            continue
         if progress:
             print(f"  writer done after {time.perf_counter() - t0:.0f} s: {results[-1]}", flush=True)
     seconds = time.perf_counter() - t0
@@ -208,6 +214,7 @@ def fill(
     errors = [r for r in results if isinstance(r, str)]
     if errors:
         raise RuntimeError(f"fill failed: {errors[0]}")
-    if sum(results) != num_blocks:
-        raise RuntimeError(f"fill committed {sum(results)} blocks, not {num_blocks}")
+    done = sum(r for r in results if isinstance(r, int))
+    if done != num_blocks:
+        raise RuntimeError(f"fill committed {done} blocks, not {num_blocks}")
     return Fill(tree, salts, namespaces, resident, seconds)
