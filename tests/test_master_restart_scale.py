@@ -28,7 +28,7 @@ from tests.capabilities import require_ucx
 
 transfer = pytest.importorskip("transfer")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]  # the fill of 1 M blocks: 15-60 min here
 
 NUM_BLOCKS = int(os.environ.get("KVPOOL_SCALE_TEST_BLOCKS", "1000000"))
 HITS_AGAIN_WITHIN_S = 180.0  # generous on a shared 2-core VM; the figure belongs to the bench
