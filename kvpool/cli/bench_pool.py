@@ -45,7 +45,9 @@ def master_cmd(
     ),
     stores: int = typer.Option(4, min=1, max=64, help="Store processes (tiny layout)."),
     writers: int = typer.Option(3, min=1, max=64, help="Writer processes of the fill."),
-    publish_chains: int = typer.Option(100, min=1, help="Chains of --prompt-blocks blocks per publish figure."),
+    publish_chains: int = typer.Option(
+        100, min=1, help="Chains of --prompt-blocks blocks per publish figure."
+    ),
     trace: Path | None = typer.Option(
         None, "--trace", help="Mooncake-format JSONL whose tree is filled (default: the conversation trace)."
     ),
