@@ -80,10 +80,32 @@ def test_burst_table_shows_errors_and_the_verdict() -> None:
 def test_master_evaluates_its_target() -> None:
     from kvpool.bench.master_bench import grade
 
-    ok = {"match_per_s": 3487, "match_p99_ms": 5.3, "short_matches": 0}
+    ok = {
+        "bytes_per_block": 150.0,
+        "peak_bytes_per_block": 230.0,
+        "match_per_s": 2500.0,
+        "match_p99_ms": 5.3,
+        "publish_blocks_per_s": 120_000.0,
+        "rebuild_blocks_per_s": 1_500_000.0,
+        "node_death_lock_ms": 40.0,
+        "watermark_tick_ms": 20.0,
+        "short_matches": 0,
+    }
     assert grade(ok)["target_met"] is True
-    assert grade(ok | {"match_per_s": 2999})["target_met"] is False
-    assert grade(ok | {"match_p99_ms": 10.5})["target_met"] is False
+    for name, worse in (
+        ("bytes_per_block", 161.0),
+        ("peak_bytes_per_block", 241.0),
+        ("match_per_s", 1999.0),
+        ("match_p99_ms", 10.5),
+        ("publish_blocks_per_s", 99_999.0),
+        ("rebuild_blocks_per_s", 999_999.0),
+        ("node_death_lock_ms", 101.0),
+        ("watermark_tick_ms", 100.5),
+    ):
+        verdict = grade(ok | {name: worse})
+        assert verdict["target_met"] is False and verdict[f"{name}_met"] is False, name
+    unmeasured = grade(ok | {"bytes_per_extra_replica": None, "rebuild_blocks_per_s": None})
+    assert unmeasured["target_met"] is True and "rebuild_blocks_per_s_met" not in unmeasured
     short = grade(ok | {"short_matches": 1})  # a wrong answer is no throughput
     assert short["target_met"] is False and short["no_short_matches_met"] is False
 

@@ -1,13 +1,18 @@
-"""`kvpool bench master`: prompt matches of 64 blocks from concurrent clients against a real master.
+"""`kvpool bench master --blocks N`: the master holding N resident blocks, measured through its public
+gRPC service only.
 
-A master process and one store process on 127.0.0.1; `prompts` chains of `blocks` blocks are published
-for real (reserve → UCX write → commit: `publish_per_s` counts prompts). Then `clients` client processes
-(real clients are separate nodes: one interpreter each, so no client shares another's GIL), each with its
-own channel, match one prompt per stream message (or per unary call with `--unary`; `--depth D`: D
-messages in flight per stream, each still one prompt, latency from its send to its answer), counting
+A master and `stores` store processes (a tiny layout: the master is measured, not the data) on
+127.0.0.1. The fill (`master_scale`) publishes the conversation trace's prefix tree under salted
+namespaces (`master_scale_work`) with Reserve → UCX write → Commit until N blocks are resident; the
+master's VmRSS before and after gives `bytes_per_block` (VmHWM: `peak_bytes_per_block`). Then `clients`
+client processes (real clients are separate nodes: one interpreter each), each with its own channel,
+match `prompt_blocks`-block prompts drawn uniformly from every resident chain (a trace request's path in
+one namespace, padded with blocks no one published; the hits each must find are known), one prompt per
+stream message (or per unary call with `--unary`; `--depth D`: D messages in flight per stream), counting
 the hit and taking no lease, for `duration_s`; the rate counts from the common start until the last client
 reports. Clients are the lean load generator (`master_load`, pre-serialized requests, default) or the
-library's `MasterClient` (`client="api"`). Baseline measured in the same run: one client alone.
+library's `MasterClient` (`client="api"`). Baseline measured in the same run: one client alone. The
+publish, rebuild and lock-held phases: `master_scale_phases`.
 """
 
 from __future__ import annotations
@@ -21,19 +26,19 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.bench import master_scale_phases as phases
+from kvpool.bench import master_scale_work as work
 from kvpool.bench.master_load import LeanJob, lean_client
-from kvpool.client import MasterClient, PoolClient
+from kvpool.bench.master_scale import TINY_LAYOUT, ScaleCluster, fill
+from kvpool.client import MasterClient
 from kvpool.client import convert as cv
-from kvpool.hashing import hash_blocks
-from kvpool.master.procs import LAYOUT, start_master, start_store
 from kvpool.report import write_report
-from kvpool.types import KVLayout
 
 
 def _client(
     address: str,
-    ns: bytes,
-    chains: Sequence[Sequence[bytes]],
+    prompts: Sequence[tuple[bytes, Sequence[bytes]]],
+    want: Sequence[int],
     k: int,
     clients: int,
     unary: bool,
@@ -45,63 +50,69 @@ def _client(
 ) -> None:
     """One client (its own process: real clients are separate nodes, each with its own interpreter)."""
     lat: list[float] = []
-    errors = 0
+    errors = matched = 0
+    n = len(prompts)
     with MasterClient(address, timeout_s=5) as c:
         stream = None if unary else c.match_stream()
         call = c.match if stream is None else stream.match
-        call(ns, chains[0])  # warm the channel
+        call(*prompts[0])  # warm the channel
         ready.release()
         go.wait()
         stop_at = time.perf_counter() + duration_s
         i = k
         if stream is not None and depth > 1:  # pipelined: `depth` prompts in flight, one per message
-            sent: deque[float] = deque()
+            sent: deque[tuple[float, int]] = deque()
             while True:
                 more = time.perf_counter() < stop_at
                 if not more and not sent:
                     break
                 while more and len(sent) < depth:
-                    sent.append(time.perf_counter())
-                    stream.send(ns, chains[i % len(chains)], count_hit=True)
+                    sent.append((time.perf_counter(), i % n))
+                    stream.send(*prompts[i % n], count_hit=True)
                     i += clients
                 m = stream.receive()
-                lat.append(time.perf_counter() - sent.popleft())
-                errors += m.num_matched != len(chains[0])
+                t_sent, j = sent.popleft()
+                lat.append(time.perf_counter() - t_sent)
+                matched += m.num_matched
+                errors += m.num_matched != want[j]
         while stream is None or depth <= 1:
             if time.perf_counter() >= stop_at:
                 break
             t0 = time.perf_counter()
-            m = call(ns, chains[i % len(chains)], count_hit=True, num_prompt_tokens=0)
+            m = call(*prompts[i % n], count_hit=True, num_prompt_tokens=0)
             lat.append(time.perf_counter() - t0)
-            errors += m.num_matched != len(chains[0])
+            matched += m.num_matched
+            errors += m.num_matched != want[i % n]
             i += clients
         if stream is not None:
             stream.close()
-    out.put((k, lat, errors))
+    out.put((k, lat, errors, matched))
 
 
 def _phase(
     address: str,
-    ns: bytes,
-    chains: Sequence[Sequence[bytes]],
+    prompts: Sequence[tuple[bytes, Sequence[bytes]]],
+    want: Sequence[int],
     clients: int,
     duration_s: float,
     unary: bool,
     depth: int,
     client: str = "lean",
 ) -> dict[str, Any]:
+    """`clients` processes match `prompts` (namespace, hashes) round-robin for `duration_s`; prompt i must
+    match `want[i]` blocks (an answer with fewer or more is a short match: a wrong answer)."""
     ctx = mp.get_context("spawn")  # no fork: the parent holds gRPC channels
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
     if client == "lean":
-        reqs = [cv.match_pb(ns, chain, True, 0, 0, "").SerializeToString() for chain in chains]
+        reqs = [cv.match_pb(ns, chain, True, 0, 0, "").SerializeToString() for ns, chain in prompts]
         args: list[tuple[Any, ...]] = [
-            (LeanJob(address, reqs, len(chains[0]), k, clients, unary, depth, duration_s), ready, go, out)
+            (LeanJob(address, reqs, list(want), k, clients, unary, depth, duration_s), ready, go, out)
             for k in range(clients)
         ]
         target: Any = lean_client
     else:
         args = [
-            (address, ns, chains, k, clients, unary, depth, ready, go, duration_s, out)
+            (address, prompts, want, k, clients, unary, depth, ready, go, duration_s, out)
             for k in range(clients)
         ]
         target = _client
@@ -117,7 +128,7 @@ def _phase(
     elapsed = time.perf_counter() - t0
     for p in procs:
         p.join()
-    all_ms = np.array([x for _, per, _ in results for x in per]) * 1000
+    all_ms = np.array([x for r in results for x in r[1]]) * 1000
     return {
         "clients": clients,
         "mode": ("unary" if unary else "stream" if depth <= 1 else f"stream x{depth}") + f", {client}",
@@ -125,97 +136,178 @@ def _phase(
         "match_per_s": round(all_ms.size / elapsed, 1),
         "match_p50_ms": round(float(np.percentile(all_ms, 50)), 3),
         "match_p99_ms": round(float(np.percentile(all_ms, 99)), 3),
-        "short_matches": sum(e for _, _, e in results),
+        "short_matches": sum(r[2] for r in results),
+        "hit_blocks_per_match": round(sum(r[3] for r in results) / max(1, all_ms.size), 2),
     }
 
 
-TARGET_MATCH_PER_S = 3000.0
-TARGET_MATCH_P99_MS = 10.0
+TARGETS: dict[str, tuple[str, float]] = {
+    "bytes_per_block": ("<=", 160),
+    "peak_bytes_per_block": ("<=", 240),
+    "match_p99_ms": ("<=", 10),
+    "match_per_s": (">=", 2000),
+    "publish_blocks_per_s": (">=", 100_000),
+    "rebuild_blocks_per_s": (">=", 1_000_000),
+    "node_death_lock_ms": ("<=", 100),
+    "watermark_tick_ms": ("<=", 100),
+}
+"""The targets of the master at scale (set for N = 20 M; graded at any N)."""
 
 
 def grade(summary: dict[str, Any]) -> dict[str, Any]:
-    """The verdict of a summary's own figures: `target_met` (bool) = match_per_s >= `TARGET_MATCH_PER_S`,
-    match_p99_ms <= `TARGET_MATCH_P99_MS`, and no short match (an answer with fewer blocks than were
-    published is a wrong answer, never a fast one) in the measured phase."""
-    checks = {
-        "match_per_s_met": summary["match_per_s"] >= TARGET_MATCH_PER_S,
-        "match_p99_met": summary["match_p99_ms"] <= TARGET_MATCH_P99_MS,
-        "no_short_matches_met": summary["short_matches"] == 0,
-    }
+    """The verdict of a summary's own figures: `<figure>_met` per `TARGETS` entry the summary measured
+    (None: not measured, no verdict), `no_short_matches_met` (an answer other than the blocks resident is
+    a wrong answer, never a fast one), and `target_met` (bool) = all of them."""
+    checks: dict[str, bool] = {}
+    for name, (op, bound) in TARGETS.items():
+        value = summary.get(name)
+        if value is not None:
+            checks[f"{name}_met"] = value <= bound if op == "<=" else value >= bound
+    checks["no_short_matches_met"] = summary["short_matches"] == 0
     return checks | {"target_met": all(checks.values())}
 
 
 def run_master_bench(
     *,
-    clients: int,
     blocks: int,
-    prompts: int,
-    duration_s: float,
-    unary: bool,
-    json_out: Path | None,
+    prompt_blocks: int = 64,
+    clients: int = 8,
+    prompts: int = 4096,
+    duration_s: float = 5.0,
+    unary: bool = False,
     depth: int = 1,
     client: str = "lean",
+    stores: int = 4,
+    writers: int = 3,
+    publish_chains: int = 100,
+    rebuild_timeout_s: float = 900.0,
+    trace: Path | None = None,
+    json_out: Path | None = None,
+    progress: bool = True,
 ) -> dict[str, Any]:
-    from rich.table import Table
+    """Fill a real master with `blocks` resident blocks (the conversation trace's tree under salted
+    namespaces, through Reserve → write → Commit on `stores` tiny-layout stores), then measure memory per
+    block, matches of `prompt_blocks`-block prompts from `clients` clients (1 client first: the baseline),
+    publish rates, the rebuild of a restarted master, and the stalls of an eviction and a node death."""
+    from kvpool.bench.routing import default_trace
 
-    from kvpool.console import console
-    from transfer import UcxTransport
-
-    layout = KVLayout.from_fingerprint(LAYOUT)
-    master = start_master()
-    store = None
-    transport = UcxTransport()
-    try:
-        segment = f"{max(64, (prompts * blocks * layout.block_nbytes >> 20) * 2)}MiB"
-        store = start_store(master.grpc_address, "bench-s0", segment=segment)
-        with MasterClient(master.grpc_address) as c:
-            while not any(n.alive for n in c.list_nodes()):
-                time.sleep(0.05)
-            time.sleep(0.3)
-            ns, _ = c.register_namespace("bench", "v1", LAYOUT)
-        chains = [
-            hash_blocks(ns, [p] * (blocks * layout.block_size), layout.block_size) for p in range(prompts)
-        ]
-        data = [np.full(layout.block_nbytes, b % 251, dtype=np.uint8) for b in range(blocks)]
-        with PoolClient(master.grpc_address, transport, block_nbytes=layout.block_nbytes) as pc:
-            t0 = time.perf_counter()
-            for chain in chains:
-                pc.put_blocks(ns, None, chain, data)
-            publish_s = time.perf_counter() - t0
+    trace = trace or default_trace(quick=False)
+    say = _say if progress else (lambda _msg: None)
+    extra = 2 * publish_chains * prompt_blocks
+    with ScaleCluster(blocks, num_stores=stores, extra_blocks=extra) as cl:
+        time.sleep(1.0)
+        rss0 = cl.master_rss_bytes()
+        say(f"filling {blocks:,} blocks ({stores} stores, {writers} writers, trace {trace.name})")
+        f = fill(cl, trace, blocks, writers=writers, progress=progress)
+        time.sleep(2.0)
+        rss1, peak = cl.master_rss_bytes(), cl.master_peak_bytes()
+        say(f"filled in {f.seconds:.0f} s; master RSS {rss0 >> 20} -> {rss1 >> 20} MiB (peak {peak >> 20})")
+        picks, want = work.prompts(f.tree, f.namespaces, f.resident, prompts, prompt_blocks)
         records = [
-            _phase(master.grpc_address, ns, chains, 1, duration_s / 2, unary, depth, client),
-            _phase(master.grpc_address, ns, chains, clients, duration_s, unary, depth, client),
+            _phase(cl.address, picks, want, 1, duration_s / 2, unary, depth, client),
+            _phase(cl.address, picks, want, clients, duration_s, unary, depth, client),
         ]
-    finally:
-        transport.close()
-        if store is not None:
-            store.kill()
-        master.kill()
+        say(f"matches: {records[-1]['match_per_s']}/s, p99 {records[-1]['match_p99_ms']} ms")
+        pub = phases.publish_rates(cl, chains=publish_chains, chain_blocks=prompt_blocks)
+        say(
+            f"publish: {pub['publish_blocks_per_s']} blocks/s (no bytes), {pub['publish_e2e_blocks_per_s']} e2e"
+        )
+        best = int(np.argmax(want))
+        probe = (picks[best][0], list(picks[best][1]), want[best])
+        reb = phases.rebuild(cl, [*f.salts, phases.PUBLISH_SALT], probe, rebuild_timeout_s)
+        say(f"rebuild: {reb['rebuild_blocks_per_s']} blocks/s, first hit after {reb['first_hit_s']} s")
+        lock = phases.lock_held(cl, probe, evict_blocks=1024)
+        say(f"stalls: evict {lock['evict_stall_ms']} ms, node death {lock['node_death_stall_ms']} ms")
     main = records[-1]
-    summary = {
+    metrics = lock["lock_metrics_after"]
+    summary: dict[str, Any] = {
+        "blocks": blocks,
+        "namespaces": len(f.namespaces),
+        "trace": trace.name,
+        "tree_blocks": f.tree.num_blocks,
+        "stores": stores,
+        "layout": TINY_LAYOUT,
+        "fill_s": round(f.seconds, 1),
+        "fill_blocks_per_s": round(blocks / f.seconds, 1),
+        "rss_before_bytes": rss0,
+        "rss_after_fill_bytes": rss1,
+        "peak_rss_bytes": peak,
+        "bytes_per_block": round((rss1 - rss0) / blocks, 1),
+        "peak_bytes_per_block": round((peak - rss0) / blocks, 1),
+        "bytes_per_extra_replica": None,  # not measured: a second fill at replicas=2 doubles the run
+        "bytes_per_block_after_rebuild": round((reb["rss_after_rebuild_bytes"] - rss0) / blocks, 1),
         "match_per_s": main["match_per_s"],
         "match_p50_ms": main["match_p50_ms"],
         "match_p99_ms": main["match_p99_ms"],
-        "short_matches": main["short_matches"],
-        "publish_per_s": round(prompts / publish_s, 2),
-        "publish_blocks_per_s": round(prompts * blocks / publish_s, 1),
+        "short_matches": sum(r["short_matches"] for r in records),
+        "hit_blocks_per_match": main["hit_blocks_per_match"],
         "baseline_one_client_match_per_s": records[0]["match_per_s"],
-        "blocks_per_match": blocks,
+        "prompt_blocks": prompt_blocks,
         "clients": clients,
-        "stream_depth": 0 if unary else depth,
         "client": client,
-        "target": "match_per_s >= 3000 and match_p99_ms <= 10, no short match",
+        **pub,
+        **{k: v for k, v in reb.items() if k != "rss_after_rebuild_bytes"},
+        "node_death_lock_ms": metrics.get("kvpool_master_node_death_lock_ms", lock["node_death_stall_ms"]),
+        "watermark_tick_ms": metrics.get("kvpool_master_watermark_tick_ms", lock["evict_stall_ms"]),
+        "lock_held_source": "master metrics"
+        if metrics
+        else "the longest match a concurrent client waited (the master reports no lock-held time)",
+        **{k: v for k, v in lock.items() if not k.startswith("lock_metrics")},
+        "lock_metrics": metrics,
     }
     summary |= grade(summary)
-    table = Table(title=f"kvpool bench master ({blocks}-block prompts)")
+    _print(summary, records)
+    return write_report(json_out, "master", records, summary)
+
+
+def _say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _print(summary: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    from kvpool.console import console
+
+    out = console()
+    table = Table(title=f"kvpool bench master: {summary['blocks']:,} resident blocks")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_column("target", justify="right")
+    for name in (
+        "bytes_per_block",
+        "peak_bytes_per_block",
+        "bytes_per_extra_replica",
+        "match_per_s",
+        "match_p99_ms",
+        "hit_blocks_per_match",
+        "baseline_one_client_match_per_s",
+        "publish_blocks_per_s",
+        "publish_e2e_blocks_per_s",
+        "fill_blocks_per_s",
+        "rebuild_blocks_per_s",
+        "first_hit_s",
+        "node_death_lock_ms",
+        "watermark_tick_ms",
+    ):
+        op, bound = TARGETS.get(name, ("", None))
+        value = summary.get(name)
+        table.add_row(
+            name, "not measured" if value is None else f"{value:,}", f"{op} {bound:,}" if op else ""
+        )
+    out.print(table)
+    runs = Table(title="match phases")
     cols = ("clients", "mode", "matches", "match_per_s", "match_p50_ms", "match_p99_ms", "short_matches")
     for col in cols:
-        table.add_column(col)
+        runs.add_column(col)
     for r in records:
-        table.add_row(*[str(r[k]) for k in cols])
-    out = console()
-    out.print(table)
-    out.print(f"publish: {summary['publish_per_s']} prompts/s ({summary['publish_blocks_per_s']} blocks/s)")
-    verdict = "[green]target met[/green]" if summary["target_met"] else "[red]target NOT met[/red]"
-    out.print(f"target ({summary['target']}): {verdict}")
-    return write_report(json_out, "master", records, summary)
+        runs.add_row(*[str(r[k]) for k in cols])
+    out.print(runs)
+    out.print(f"lock-held figures: {summary['lock_held_source']}")
+    missed = [k.removesuffix("_met") for k, v in summary.items() if k.endswith("_met") and v is False]
+    missed = [k for k in missed if k != "target"]
+    out.print(
+        "[green]target met[/green]"
+        if summary["target_met"]
+        else f"[red]target NOT met[/red]: {', '.join(missed)}"
+    )

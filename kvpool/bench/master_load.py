@@ -26,11 +26,12 @@ _UNARY = "/kvpool.v1.Master/MatchPrefix"
 @dataclass(frozen=True)
 class LeanJob:
     """One client's work: match `requests` (serialized `MatchPrefixRequest`s) round-robin from index `k`
-    in steps of `clients`, each answer expected to match `want` blocks, for `duration_s` seconds."""
+    in steps of `clients`, each answer expected to match `want` blocks (one count for all, or one per
+    request), for `duration_s` seconds."""
 
     address: str
     requests: Sequence[bytes]
-    want: int
+    want: int | Sequence[int]
     k: int
     clients: int
     unary: bool
@@ -39,17 +40,20 @@ class LeanJob:
 
 
 def lean_client(job: LeanJob, ready: Any, go: Any, out: Any) -> None:
-    """One client process: after `go`, runs `job`; puts (k, latencies in s, answers short of `want`)."""
+    """One client process: after `go`, runs `job`; puts (k, latencies in s, answers short of `want`,
+    blocks matched in all)."""
     out.put(run(_run(job, ready, go)))
 
 
-async def _run(job: LeanJob, ready: Any, go: Any) -> tuple[int, list[float], int]:
+async def _run(job: LeanJob, ready: Any, go: Any) -> tuple[int, list[float], int, int]:
     import grpc
 
     from kvpool.v1 import kvpool_pb2 as pb
 
     lat: list[float] = []
-    short = 0
+    short = matched = 0
+    n = len(job.requests)
+    want = [job.want] * n if isinstance(job.want, int) else list(job.want)
     async with grpc.aio.insecure_channel(job.address) as ch:
         if job.unary:
             call = ch.unary_unary(_UNARY, request_serializer=None, response_deserializer=None)
@@ -64,23 +68,29 @@ async def _run(job: LeanJob, ready: Any, go: Any) -> tuple[int, list[float], int
         stop_at = time.perf_counter() + job.duration_s
         i = job.k
         sent: deque[float] = deque()
+        sent_idx: deque[int] = deque()  # the request of each answer awaited, oldest first
         while True:
             more = time.perf_counter() < stop_at
             if not more and not sent:
                 break
             if job.unary:
                 t0 = time.perf_counter()
-                raw = await call(job.requests[i % len(job.requests)])
+                j = i % n
+                raw = await call(job.requests[j])
                 lat.append(time.perf_counter() - t0)
                 i += job.clients
+                sent_idx.append(j)
             else:
                 while more and len(sent) < job.depth:
                     sent.append(time.perf_counter())
-                    await stream.write(job.requests[i % len(job.requests)])
+                    sent_idx.append(i % n)
+                    await stream.write(job.requests[i % n])
                     i += job.clients
                 raw = await stream.read()
                 lat.append(time.perf_counter() - sent.popleft())
-            short += pb.MatchPrefixResponse.FromString(raw).num_matched != job.want
+            got = pb.MatchPrefixResponse.FromString(raw).num_matched
+            matched += got
+            short += got != want[sent_idx.popleft()]
         if not job.unary:
             await stream.done_writing()
-    return job.k, lat, short
+    return job.k, lat, short, matched

@@ -29,10 +29,13 @@ def index_cmd(
 
 
 def master_cmd(
-    clients: int = typer.Option(8, help="Concurrent match clients."),
-    blocks: int = typer.Option(64, help="Blocks per prompt."),
-    prompts: int = typer.Option(32, help="Prompts published (and matched round-robin)."),
-    duration_s: float = typer.Option(5.0, "--duration", help="Seconds of matching."),
+    blocks: str = typer.Option(
+        "1M", help="Resident blocks to fill the master with (4096, 500K, 1M, 20M; K = 1,000, M = 1,000,000)."
+    ),
+    prompt_blocks: int = typer.Option(64, min=1, max=8192, help="Blocks per matched prompt."),
+    clients: int = typer.Option(8, min=1, max=256, help="Concurrent match clients."),
+    prompts: int = typer.Option(4096, min=1, help="Distinct prompts drawn from the resident chains."),
+    duration_s: float = typer.Option(5.0, "--duration", min=0.1, help="Seconds of matching."),
     unary: bool = typer.Option(False, help="One unary call per match instead of a stream message."),
     depth: int = typer.Option(
         1, min=1, max=64, help="Stream messages in flight per client (pipelined; each one prompt)."
@@ -40,23 +43,44 @@ def master_cmd(
     client: str = typer.Option(
         "lean", help="lean: pre-serialized requests (a load tool); api: the library's MasterClient."
     ),
+    stores: int = typer.Option(4, min=1, max=64, help="Store processes (tiny layout)."),
+    writers: int = typer.Option(3, min=1, max=64, help="Writer processes of the fill."),
+    publish_chains: int = typer.Option(
+        100, min=1, help="Chains of --prompt-blocks blocks per publish figure."
+    ),
+    trace: Path | None = typer.Option(
+        None, "--trace", help="Mooncake-format JSONL whose tree is filled (default: the conversation trace)."
+    ),
     json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
 ) -> None:
-    """Master match throughput and latency from concurrent clients, and publish rate."""
+    """The master at N resident blocks: memory per block, match rate and p99, publish and rebuild rates,
+    lock-held stalls."""
     from kvpool.bench.master_bench import run_master_bench
+    from kvpool.bench.master_scale_work import parse_count
+    from kvpool.errors import InvalidArgument
 
     if client not in ("lean", "api"):
         raise typer.BadParameter("--client must be lean or api")
-
+    try:
+        num_blocks = parse_count(blocks)
+    except InvalidArgument as exc:
+        raise typer.BadParameter(str(exc), param_hint="--blocks") from None
+    if trace is not None and not trace.is_file():
+        raise typer.BadParameter(f"{trace}: no such file", param_hint="--trace")
     run_master_bench(
+        blocks=num_blocks,
+        prompt_blocks=prompt_blocks,
         clients=clients,
-        blocks=blocks,
         prompts=prompts,
         duration_s=duration_s,
         unary=unary,
-        json_out=json_out,
         depth=depth,
         client=client,
+        stores=stores,
+        writers=writers,
+        publish_chains=publish_chains,
+        trace=trace,
+        json_out=json_out,
     )
 
 

@@ -75,7 +75,10 @@ def start_master(*extra: str, port: int = 0, layout: str = LAYOUT) -> Proc:
     return start(["master", "--port", str(port), "--layout", layout, *extra])
 
 
-def start_store(master: str, node_id: str, *, segment: str = "16MiB", layout: str = LAYOUT) -> Proc:
+def start_store(
+    master: str, node_id: str, *, segment: str = "16MiB", layout: str = LAYOUT, extra: tuple[str, ...] = ()
+) -> Proc:
+    """`kvpool store` registering with `master`; `extra`: more CLI flags (e.g. `--metrics-port 0`)."""
     return start(
         [
             "store",
@@ -95,5 +98,6 @@ def start_store(master: str, node_id: str, *, segment: str = "16MiB", layout: st
             node_id,
             "--pin-memory",
             "off",
+            *extra,
         ]
     )
