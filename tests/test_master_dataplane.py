@@ -245,8 +245,8 @@ def test_a_failed_data_plane_is_not_placed_on_nor_offered_until_a_trial(
         assert 'kvpool_master_store_dataplane_probes_total{node="s2",result="failed"} 1.0' in _metrics(m)
         with m.lock:  # the spare slot was given back (never indexed)
             assert (
-                dst.slot in m.st.nodes["s2"].free_set
-                or dst.slot in m.st.nodes["s2"].pending_free
+                m.st.nodes["s2"].free.is_free(dst.slot)
+                or m.st.nodes["s2"].free.is_pending(dst.slot)
                 or any(s == dst.slot for s, _ in m.st.free_q.get("s2", []))
             )
 

@@ -189,7 +189,7 @@ class Master(NodeRegistry):
                     continue
                 for slot, new_gen, deferred in answers:
                     if deferred:
-                        rec.pending_free[slot] = new_gen
+                        rec.free.mark_pending(slot, new_gen)
                     else:
                         rec.give_back(slot, new_gen)
                         done += 1

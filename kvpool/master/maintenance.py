@@ -16,6 +16,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvpool.errors import KVPoolError
 from kvpool.master import bounds, dataplane, dataplane_probe
 from kvpool.master.core import BlockKey, BlockMeta
@@ -124,7 +126,9 @@ class Maintenance:
             rec = m.st.nodes.get(node_id)
             if rec is None or rec.epoch != epoch or not rec.alive:
                 return
-            rec.reset_slots({it.slot for it in items}, m.fresh_generation)
+            used = np.zeros(rec.num_slots, dtype=bool)
+            used[[it.slot for it in items if it.slot < rec.num_slots]] = True
+            rec.reset_slots(used, m.fresh_generation)
             rec.ready = True
             now = m.clock.now_ms()
             for it in items:
