@@ -796,34 +796,40 @@ class FreeSlotsResponse(_message.Message):
     def __init__(self, slots: _Optional[_Iterable[_Union[FreedSlot, _Mapping]]] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class InventoryEntry(_message.Message):
-    __slots__ = ("namespace", "block_hash", "parent_hash", "slot", "generation", "checksum", "size_bytes")
-    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
-    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
-    SLOT_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    namespace: bytes
-    block_hash: bytes
-    parent_hash: bytes
-    slot: int
-    generation: int
-    checksum: int
-    size_bytes: int
-    def __init__(self, namespace: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., checksum: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    __slots__ = ("after_slot", "max_entries")
+    AFTER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    after_slot: int
+    max_entries: int
+    def __init__(self, after_slot: _Optional[int] = ..., max_entries: _Optional[int] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
-    __slots__ = ("entries", "epoch")
-    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("epoch", "num_entries", "namespaces", "ns_index", "block_hashes", "parent_hashes", "has_parent", "slots", "generations", "checksums", "size_bytes", "next_slot")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
-    entries: _containers.RepeatedCompositeFieldContainer[InventoryEntry]
+    NUM_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    NS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HAS_PARENT_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SLOT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[InventoryEntry, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    num_entries: int
+    namespaces: _containers.RepeatedScalarFieldContainer[bytes]
+    ns_index: bytes
+    block_hashes: bytes
+    parent_hashes: bytes
+    has_parent: bytes
+    slots: bytes
+    generations: bytes
+    checksums: bytes
+    size_bytes: bytes
+    next_slot: int
+    def __init__(self, epoch: _Optional[int] = ..., num_entries: _Optional[int] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., ns_index: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., parent_hashes: _Optional[bytes] = ..., has_parent: _Optional[bytes] = ..., slots: _Optional[bytes] = ..., generations: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., size_bytes: _Optional[bytes] = ..., next_slot: _Optional[int] = ...) -> None: ...
 
 class CopyBlock(_message.Message):
     __slots__ = ("src", "dst", "checksum", "src_capability", "src_capability_expiry_ms")

@@ -1,0 +1,270 @@
+"""Adoption of store inventories (master restart, a new HA leader, a store restart), batch by batch.
+
+A store's `Inventory` streams its committed blocks as columns (`kvpool.types.InventoryBatch`), in slot order,
+one message at a time with a deadline per message. The master holds its lock only per batch: between
+batches matches are answered with what is indexed so far. A broken stream is read again from the last
+batch's `next_slot` on the next maintenance tick (same store epoch; a restarted store is a new epoch and
+starts over). Blocks stay columns throughout (no Python object per block): each batch's blocks of an active
+namespace go to the index parent-first in bulk; a block whose parent has not arrived yet, or whose
+namespace is not registered yet, waits (as columns, per namespace and store) until it can be indexed, or
+is freed once its namespace is known inactive or `rebuild_grace_ms` passed. When the stream is complete,
+every slot it did not list is free and the store is placeable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpool.errors import KVPoolError
+from kvpool.master.bulk_compat import insert_bulk
+from kvpool.types import InventoryBatch, Location, NamespaceId
+
+if TYPE_CHECKING:
+    from kvpool.master.core import Master
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Blocks:
+    """Inventory blocks of one store, as columns (n rows): (n, 16) uint8 hashes and parent hashes,
+    (n,) bool has_parent, (n,) uint64 slots, generations and checksums."""
+
+    block_hashes: np.ndarray
+    parent_hashes: np.ndarray
+    has_parent: np.ndarray
+    slots: np.ndarray
+    generations: np.ndarray
+    checksums: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @classmethod
+    def of(cls, b: InventoryBatch, rows: np.ndarray) -> Blocks:
+        return cls(
+            b.block_hashes[rows],
+            b.parent_hashes[rows],
+            b.has_parent[rows],
+            b.slots[rows],
+            b.generations[rows],
+            b.checksums[rows],
+        )
+
+    def select(self, rows: np.ndarray) -> Blocks:
+        return Blocks(
+            self.block_hashes[rows],
+            self.parent_hashes[rows],
+            self.has_parent[rows],
+            self.slots[rows],
+            self.generations[rows],
+            self.checksums[rows],
+        )
+
+    def extend(self, other: Blocks) -> Blocks:
+        return Blocks(*(np.concatenate([a, b]) for a, b in zip(self.columns(), other.columns(), strict=True)))
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        return (
+            self.block_hashes,
+            self.parent_hashes,
+            self.has_parent,
+            self.slots,
+            self.generations,
+            self.checksums,
+        )
+
+
+@dataclass
+class _Reading:
+    """A store's inventory being read: from which slot to ask next, which slots it listed."""
+
+    epoch: int
+    used: np.ndarray  # (num_slots,) bool: slots listed so far
+    started_s: float
+    cursor: int = 0
+    num_blocks: int = 0
+    num_resumes: int = 0
+
+
+@dataclass
+class AdoptionStats:
+    """Figures of the inventories adopted (for `admin status`, metrics and benchmarks)."""
+
+    num_adopted_blocks: int = 0  # blocks indexed (new or a replica) from inventories
+    num_inventory_resumes: int = 0  # broken streams read again from their cursor
+    max_lock_hold_s: float = 0.0  # the longest the master's lock was held for one batch
+    last_adoption_s: float = 0.0  # wall clock of the last complete inventory (registration to indexed)
+    last_adoption_blocks: int = 0
+    lock_holds_s: list[float] = field(default_factory=list)  # of the last adoption, per batch
+
+
+class Adoption:
+    """The master's inventory adoptions (`Maintenance` drives them). `adopt` runs outside the lock and
+    takes it per batch; `claim` runs under it."""
+
+    def __init__(self, master: Master) -> None:
+        self.m = master
+        self.reading: dict[str, _Reading] = {}
+        self.waiting: dict[tuple[bytes, str], Blocks] = {}  # (namespace, store) -> blocks not indexed yet
+        self.since_ms: dict[tuple[bytes, str], int] = {}  # when each began waiting
+        self.stats = AdoptionStats()
+
+    def num_waiting_blocks(self) -> int:
+        return sum(len(b) for b in self.waiting.values())
+
+    def adopt(self, node_id: str, address: str, epoch: int) -> None:
+        """Read the store's inventory from where the last try stopped, indexing each batch under the lock;
+        on a failed read, count it and leave the store to the next tick (resumed from its cursor)."""
+        m = self.m
+        with m.lock:
+            rec = m.st.nodes.get(node_id)
+            if rec is None or rec.epoch != epoch or not rec.alive:
+                return
+            r = self.reading.get(node_id)
+            if r is None or r.epoch != epoch:
+                r = _Reading(epoch, np.zeros(rec.num_slots, dtype=bool), time.monotonic())
+                self.reading[node_id] = r
+                self.stats.lock_holds_s = []
+                rec.free.allocate_all()  # nothing placeable until the inventory is read
+            else:
+                r.num_resumes += 1
+                self.stats.num_inventory_resumes += 1
+                log.info("inventory of %s resumed from slot %d", node_id, r.cursor)
+        try:
+            done = r.cursor < 0
+            for batch in [] if done else m.stores.inventory(address, after_slot=r.cursor):
+                t0 = time.monotonic()
+                with m.lock:
+                    rec = m.st.nodes.get(node_id)
+                    if rec is None or rec.epoch != epoch or not rec.alive:
+                        self.reading.pop(node_id, None)
+                        return
+                    self._take(node_id, r, batch, m.clock.now_ms())
+                    r.cursor = batch.next_slot
+                held = time.monotonic() - t0
+                self.stats.lock_holds_s.append(held)
+                self.stats.max_lock_hold_s = max(self.stats.max_lock_hold_s, held)
+                if batch.next_slot < 0:
+                    done = True
+                    break
+            if not done:
+                raise KVPoolError("the inventory stream ended without its last batch")
+        except KVPoolError as exc:
+            log.warning("inventory of %s failed at slot %d (%s): resuming", node_id, r.cursor, exc)
+            with m.lock:
+                rec = m.st.nodes.get(node_id)
+                if rec is not None and rec.epoch == epoch and rec.alive:
+                    rec.adopt_failures += 1
+                    m.st.to_adopt.add(node_id)
+            return
+        with m.lock:
+            rec = m.st.nodes.get(node_id)
+            self.reading.pop(node_id, None)
+            if rec is None or rec.epoch != epoch or not rec.alive:
+                return
+            rec.free.release_unused(r.used, m.fresh_generation)
+            rec.ready = True
+            took = time.monotonic() - r.started_s
+            self.stats.last_adoption_s, self.stats.last_adoption_blocks = took, r.num_blocks
+        log.info(
+            "store %s adopted: %d blocks in its inventory in %.3f s (%d resumes)",
+            node_id,
+            r.num_blocks,
+            took,
+            r.num_resumes,
+        )
+
+    def _take(self, node_id: str, r: _Reading, batch: InventoryBatch, now_ms: int) -> None:
+        """Under the lock: mark the batch's slots used, index what can be, keep the rest waiting."""
+        ok = batch.slots < len(r.used)
+        if not ok.all():
+            log.warning("inventory of %s lists %d slots out of range: ignored", node_id, int((~ok).sum()))
+        r.used[batch.slots[ok].astype(np.int64)] = True
+        r.num_blocks += int(ok.sum())
+        ns_index = batch.ns_index
+        for k, ns in enumerate(batch.namespaces):
+            rows = np.flatnonzero(ok & (ns_index == k))
+            if not len(rows):
+                continue
+            key = (bytes(ns), node_id)
+            new = Blocks.of(batch, rows)
+            held = self.waiting.get(key)
+            self.waiting[key] = new if held is None else held.extend(new)
+            self.since_ms.setdefault(key, now_ms)
+            if self.m.namespaces.is_active(key[0]):
+                self._index(key)
+
+    def claim(self, now_ms: int) -> None:
+        """Under the lock: index waiting blocks of namespaces active now; free those of namespaces known
+        inactive, of dead stores, or waiting past `rebuild_grace_ms`."""
+        m = self.m
+        for key in list(self.waiting):
+            ns, node_id = key
+            rec = m.st.nodes.get(node_id)
+            if rec is None or not rec.alive:
+                self._forget(key)
+                continue
+            if m.namespaces.is_active(ns):
+                self._index(key)
+            if key not in self.waiting:
+                continue
+            expired = now_ms - self.since_ms.get(key, now_ms) > m.settings.rebuild_grace_ms
+            known_inactive = m.namespaces.is_known(ns) and not m.namespaces.is_active(ns)
+            if (expired and node_id not in self.reading) or known_inactive:
+                blocks = self.waiting[key]
+                log.info(
+                    "freeing %d unclaimed inventory blocks of namespace %s on %s",
+                    len(blocks),
+                    ns.hex(),
+                    node_id,
+                )
+                self._free(node_id, blocks)
+                self._forget(key)
+
+    def _forget(self, key: tuple[bytes, str]) -> None:
+        self.waiting.pop(key, None)
+        self.since_ms.pop(key, None)
+
+    def _free(self, node_id: str, blocks: Blocks) -> None:
+        for s, g in zip(blocks.slots.tolist(), blocks.generations.tolist(), strict=True):
+            self.m.queue_free(Location(node_id, s, g))
+
+    def _index(self, key: tuple[bytes, str]) -> None:
+        """Under the lock: insert the waiting blocks of `key` (an active namespace) in bulk, parent-first;
+        keep those whose parent is still missing; free those the index refuses."""
+        m = self.m
+        ns, node_id = key
+        b = self.waiting[key]
+        try:
+            res = insert_bulk(
+                m,
+                NamespaceId(ns),
+                b.block_hashes,
+                b.parent_hashes,
+                b.has_parent,
+                node_id,
+                b.slots,
+                b.generations,
+                m.layout.block_nbytes,
+                b.checksums,
+                m.settings.replicas,
+            )
+        except KVPoolError as exc:  # the namespace went away meanwhile: the next claim decides
+            log.warning("inventory blocks of namespace %s not indexed: %s", ns.hex(), exc)
+            return
+        self.stats.num_adopted_blocks += int(res.inserted.sum() + res.merged.sum())
+        if res.refused.any():
+            log.warning(
+                "%d inventory blocks of %s refused by the index: freed", int(res.refused.sum()), node_id
+            )
+            self._free(node_id, b.select(np.flatnonzero(res.refused)))
+        if res.waiting.any():
+            self.waiting[key] = b.select(np.flatnonzero(res.waiting))
+        else:
+            self._forget(key)
