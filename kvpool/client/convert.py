@@ -215,6 +215,9 @@ def stats(r: Any) -> PoolStats:
         num_reserved_blocks=r.num_reserved_blocks,
         num_rereplications=r.num_rereplications,
         block_size=r.block_size,
+        index_bytes=r.index_bytes,
+        index_bytes_limit=r.index_bytes_limit,
+        num_admission_refusals=r.num_admission_refusals,
         nodes=[node_status(n) for n in r.nodes],
         namespaces=[
             NamespaceStatus(bytes(x.namespace), x.model_id, x.weights_version, x.active, x.num_blocks)

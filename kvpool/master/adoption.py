@@ -102,6 +102,7 @@ class AdoptionStats:
     last_adoption_s: float = 0.0  # wall clock of the last complete inventory (registration to indexed)
     last_adoption_blocks: int = 0
     lock_holds_s: list[float] = field(default_factory=list)  # of the last adoption, per batch
+    resumed_from: list[int] = field(default_factory=list)  # the cursors broken streams resumed from
 
 
 class Adoption:
@@ -135,6 +136,7 @@ class Adoption:
             else:
                 r.num_resumes += 1
                 self.stats.num_inventory_resumes += 1
+                self.stats.resumed_from = [*self.stats.resumed_from[-63:], r.cursor]
                 log.info("inventory of %s resumed from slot %d", node_id, r.cursor)
         try:
             done = r.cursor < 0

@@ -18,6 +18,7 @@ from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound, Permiss
 from kvpool.index.radix import RadixIndex
 from kvpool.index.results import DroppedBlock, MatchResult
 from kvpool.master import bounds, dataplane
+from kvpool.master.admission import Admission
 from kvpool.master.members import Membership
 from kvpool.master.namespaces import NamespaceRegistry
 from kvpool.master.nodes import NodeRecord
@@ -104,9 +105,14 @@ class Master(NodeRegistry):
         self.namespaces = NamespaceRegistry(self.layout, bounds.namespace_limits(settings))
         self.quotas = TenantQuotas.from_file(settings.tenants, settings.tenant_salt_key_file)
         self.st = MasterState()
+        self.admission = Admission(self)
         self.counters = Counters()
         self.dataplane_policy = dataplane.DataPlanePolicy.from_settings(settings)
-        self.stores = stores or StoreCalls(settings.store_timeout_s, self.capabilities)
+        self.stores = stores or StoreCalls(
+            settings.store_timeout_s,
+            self.capabilities,
+            inventory_batch_blocks=settings.inventory_batch_blocks,
+        )
         self.election: Election | None = None
         """With etcd (`MasterSettings.etcd`): this master's leader election (`kvpool.master.ha`)."""
         self.leader_epoch = 0

@@ -51,6 +51,25 @@ class MasterCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(P + name, doc, value=value)
+        a = m.admission
+        yield CounterMetricFamily(
+            P + "admission_refusals",
+            "Reserves refused because the index reached its memory limit (--max-index-bytes).",
+            value=a.num_refusals,
+        )
+        yield CounterMetricFamily(
+            P + "admission_evictions",
+            "Blocks evicted to keep the index within its memory limit (also in evictions).",
+            value=a.num_evictions,
+        )
+        with m.lock:
+            index_bytes = a.index_bytes()
+        yield GaugeMetricFamily(
+            P + "index_bytes", "The index's memory by its own accounting.", value=index_bytes
+        )
+        yield GaugeMetricFamily(
+            P + "index_bytes_limit", "The index's memory limit (--max-index-bytes).", value=a.limit_bytes
+        )
         used_slots = GaugeMetricFamily(
             P + "store_used_slots", "Allocated slots per store node.", labels=["node"]
         )

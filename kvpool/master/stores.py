@@ -35,8 +35,11 @@ class StoreCalls:
     master won its leadership with (`kvpool.master.ha`, set by `lead`); stores refuse one older than the
     newest they have seen, and a newer one without the leader's proof."""
 
-    def __init__(self, timeout_s: float, capabilities: Capabilities | None = None) -> None:
+    def __init__(
+        self, timeout_s: float, capabilities: Capabilities | None = None, *, inventory_batch_blocks: int = 0
+    ) -> None:
         self.timeout_s = timeout_s
+        self.inventory_batch_blocks = inventory_batch_blocks  # per inventory message (0: the store's)
         self.leader_epoch = 0
         self.leader_proof = ""
         """In HA with a cluster secret: `kvpool.membership.leader_proof` of `leader_epoch`, sent with every
@@ -100,7 +103,12 @@ class StoreCalls:
     def inventory(self, address: str, *, after_slot: int = 0) -> Iterator[InventoryBatch]:
         """The store's committed blocks in slots >= `after_slot`, one batch per message, each message
         within `timeout_s` (`kvpool.client.store_client.StoreClient.inventory`)."""
-        return self._client.inventory(address, after_slot=after_slot, message_timeout_s=self.timeout_s)
+        return self._client.inventory(
+            address,
+            after_slot=after_slot,
+            message_timeout_s=self.timeout_s,
+            max_entries=self.inventory_batch_blocks,
+        )
 
     def copy(
         self, address: str, src_data_address: str, blocks: Sequence[tuple[Location, Location, int]]

@@ -494,7 +494,7 @@ class NodeStats(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., alive: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_slots: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., dataplane_state: _Optional[str] = ..., num_dataplane_failures: _Optional[int] = ..., silent_ms: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "used_bytes", "capacity_bytes", "num_live_leases", "num_evictions", "num_match_requests", "requested_tokens", "hit_tokens", "requested_blocks", "hit_blocks", "uptime_s", "nodes", "num_namespaces", "num_reserved_blocks", "num_rereplications", "block_size", "namespaces")
+    __slots__ = ("num_blocks", "used_bytes", "capacity_bytes", "num_live_leases", "num_evictions", "num_match_requests", "requested_tokens", "hit_tokens", "requested_blocks", "hit_blocks", "uptime_s", "nodes", "num_namespaces", "num_reserved_blocks", "num_rereplications", "block_size", "namespaces", "index_bytes", "index_bytes_limit", "num_admission_refusals")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -512,6 +512,9 @@ class StatsResponse(_message.Message):
     NUM_REREPLICATIONS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADMISSION_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     used_bytes: int
     capacity_bytes: int
@@ -529,7 +532,10 @@ class StatsResponse(_message.Message):
     num_rereplications: int
     block_size: int
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
-    def __init__(self, num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_live_leases: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_match_requests: _Optional[int] = ..., requested_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., requested_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., num_rereplications: _Optional[int] = ..., block_size: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
+    index_bytes: int
+    index_bytes_limit: int
+    num_admission_refusals: int
+    def __init__(self, num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_live_leases: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_match_requests: _Optional[int] = ..., requested_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., requested_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., num_rereplications: _Optional[int] = ..., block_size: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., index_bytes: _Optional[int] = ..., index_bytes_limit: _Optional[int] = ..., num_admission_refusals: _Optional[int] = ...) -> None: ...
 
 class NamespaceInfo(_message.Message):
     __slots__ = ("namespace", "model_id", "weights_version", "active", "num_blocks")
