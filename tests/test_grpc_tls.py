@@ -18,7 +18,16 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kvpool.client import MasterClient
 from kvpool.cluster.launch import plan
 from kvpool.cluster.spec import ClusterSpec
-from kvpool.cluster.tls import TLS_ENV, UpTls, spec_hosts, tls_env, write_cluster_tls, write_etcd_tls
+from kvpool.cluster.tls import (
+    TLS_ENV,
+    UpTls,
+    check_host,
+    san_names,
+    spec_hosts,
+    tls_env,
+    write_cluster_tls,
+    write_etcd_tls,
+)
 from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.master.procs import LAYOUT, start, start_master
 from kvpool.rpc.security import security
@@ -228,3 +237,15 @@ def test_kvpool_tls_makes_one_set_for_a_cluster_across_hosts(tmp_path: Path) -> 
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "not empty" in again.stderr
     assert (out / "ca.pem").read_bytes() == ca  # never overwritten
+
+
+def test_kvpool_tls_refuses_a_host_that_is_no_name_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "tls"
+    for bad in ("bad host!", "-lead.example", "a..b", "x" * 64 + ".example"):
+        cmd = [sys.executable, "-m", "kvpool.cli.main", "tls", str(out), "--host", bad]
+        made = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert made.returncode == 2 and "neither an IP address nor a valid DNS host name" in made.stderr, made
+        assert not out.exists()
+    assert check_host("[::1]") == "::1" and check_host("node-b.example.") == "node-b.example."
+    with pytest.raises(InvalidArgument):
+        san_names(["under_score.example"])

@@ -94,6 +94,7 @@ def test_a_secured_up_s_etcd_takes_only_the_masters_over_tls_with_auth(tmp_path:
                 _get_or_put(port, without, put=b"127.0.0.1:1")
         masters = re.findall(r"master\d\s+(127\.0\.0\.1:\d+)", text)
         assert len(masters) == 2, up.tail()
+        assert f"admin CLI: kvpool admin --master {','.join(masters)} status" in text, up.tail()
         auth = EtcdAuth("kvpool", password, ca, cert, key)
         leader = _get_or_put(port, auth)  # the masters elected over TLS with the password
         assert leader.split(b" ")[0].decode() in masters, leader

@@ -18,7 +18,7 @@ from hypothesis import example, given, settings
 from kvpool.errors import FailedPrecondition, NotFound
 from kvpool.index import RadixIndex
 from kvpool.index import eviction as ev
-from kvpool.index.columns import _COLUMNS, _RAW
+from kvpool.index.columns import _COLUMNS, _RAW, NO_SEQ, seq_tag
 from kvpool.index.results import DroppedBlock
 from kvpool.types import BlockHash, FakeClock, Location, NamespaceId
 
@@ -63,8 +63,7 @@ def drop_spare_replicas_reference(index: RadixIndex, budget: int, node_id: str) 
     for row in order.tolist():
         if len(dropped) >= budget:
             break
-        block_hash = c.hashes[row]
-        assert block_hash is not None
+        block_hash = c.hash_of(row)
         for loc in c.locations[row]:
             if loc.node_id == node_id and len(dropped) < budget:
                 index._remove_location_row(row, loc)
@@ -80,7 +79,18 @@ def clone(index: RadixIndex) -> RadixIndex:
     c._raw = c.records.view(_RAW)
     for name in _COLUMNS:
         setattr(c, name, c.records[name])
+    out._table.bind(c.h64, c.ns_slot)
     return out
+
+
+def ns_maps(index: RadixIndex) -> list[dict[BlockHash, int]]:
+    """Per namespace slot, each resident block's hash and the row the hash table finds for it."""
+    c = index._c
+    maps: list[dict[BlockHash, int]] = [{} for _ in index._ns_ids]
+    for row in c.alive_rows().tolist():
+        slot, h = int(c.ns_slot[row]), c.hash_of(row)
+        maps[slot][h] = index._table.find(slot, h)
+    return maps
 
 
 def protected_scan(index: RadixIndex) -> int:
@@ -102,19 +112,24 @@ def fingerprint(index: RadixIndex) -> tuple[Any, ...]:
     for name in set(_COLUMNS) - keep:
         free[name] = 0
     records[~records["alive"]] = free
-    records["heap_seq"] = records["heap_seq"] >= 0  # (numbers compared by order, in the heap below)
+    records["heap_seq"] = records["heap_seq"] != NO_SEQ  # (numbers compared by order, in the heap below)
     return (
         [records[name].tobytes() for name in _COLUMNS],  # (field by field: padding bytes are not state)
-        c.hashes[:n],
+        c.h64[:n][c.alive[:n]].tobytes(),
         dict(c.extra),
-        list(c._free),
+        c._free[: c._num_free].tolist(),
         c.num_alive,
         c.num_protected,
         dict(index._space._slots),
         dict(index._space._bytes),
-        [dict(m) for m in index._ns_rows],
+        ns_maps(index),
+        list(index._ns_count),
         dict(index._group_blocks),
-        [(key, last_ms, row) for key, last_ms, seq, row in sorted(index._heap) if c.heap_seq[row] == seq],
+        [
+            (key, last_ms, row)
+            for key, last_ms, seq, row in sorted(index._heap)
+            if c.heap_seq[row] == seq_tag(seq)
+        ],
     )
 
 
@@ -149,7 +164,7 @@ class Driver:
 
     def __init__(self) -> None:
         self.clock = FakeClock(1000)
-        self.index = RadixIndex(clock=self.clock, policy="lru")
+        self.index = RadixIndex(clock=self.clock, policy="lru", max_blocks=4096)
         self.next_id = 1
         self.locks: list[tuple[NamespaceId, list[BlockHash]]] = []
         self.leases: list[int] = []
@@ -157,8 +172,8 @@ class Driver:
             self.index.register_namespace(ns, group)
 
     def blocks(self, ns: NamespaceId) -> list[BlockHash]:
-        slot = self.index._ns_active[ns]
-        return list(self.index._ns_rows[slot])
+        slot, c = self.index._ns_active[ns], self.index._c
+        return c.hashes_of(np.flatnonzero(c.alive[: c.high_water] & (c.ns_slot[: c.high_water] == slot)))
 
     def chain_to(self, ns: NamespaceId, h: BlockHash) -> list[BlockHash]:
         out = [h]
@@ -317,7 +332,7 @@ def test_remove_node_drops_a_reused_lower_row_below_its_parent_once() -> None:
     ix.insert(ns, [p], parent=None, locations=[[Location("s0", 2, 0)]], size_bytes=8)  # row 1
     ix.remove_location(ns, a, Location("s1", 1, 0))  # row 0 is free again
     ix.insert(ns, [q], parent=p, locations=[[Location("s0", 3, 0)]], size_bytes=8)  # row 0, below row 1
-    assert ix._ns_rows[ix._ns_active[ns]] == {p: 1, q: 0}
+    assert ns_maps(ix)[ix._ns_active[ns]] == {p: 1, q: 0}
     ref = clone(ix)
     got = ix.remove_node("s0")
     assert got == remove_node_reference(ref, "s0")

@@ -101,6 +101,18 @@ def test_error_codes(model: ModelInfo) -> None:
     e = err(client.post("/v1/completions", json={"model": m, "prompt": "x" * 200}), 400)
     assert "the limit is 100 tokens" in e["message"] and e["code"] == "context_length_exceeded"
     assert err(client.post("/v1/completions", json={"model": m}), 400)["param"] == "prompt"
+    e = err(
+        client.post("/v1/completions", json={"model": m, "prompt": 5}), 400
+    )  # matches no member of the union
+    assert (
+        e["param"] == "prompt"
+        and e["message"] == "prompt: wrong type: expected one of str, list[str], list[int]"
+    )
+    e = err(
+        client.post("/v1/chat/completions", json={"model": m, "messages": [{"role": "user", "content": 5}]}),
+        400,
+    )
+    assert e["param"] == "messages.0.content", e
     assert err(client.post("/v1/completions", json={"model": m, "prompt": "x", "temperature": 9}), 400)
     assert err(client.post("/v1/completions", json={"model": m, "prompt": [999]}), 400)
     assert err(client.post("/v1/completions", json={"model": m, "prompt": "x", "n": 2}), 400)["param"] == "n"

@@ -171,6 +171,45 @@ def test_a_stalled_peer_costs_no_cpu_while_the_transfer_waits(transport: UcxTran
         s.kill()
 
 
+def test_a_connection_attempt_to_a_stopped_peer_costs_no_cpu() -> None:
+    """A stopped store accepts the TCP connection but never answers ucxx's handshake; the attempt outlives the
+    read's deadline (`connect_endpoint` never abandons one midway) and waited in `UCXRequest.wait`, which
+    polls: the loop thread burned CPU for as long as the peer stayed stopped (a CI run saw a whole core).
+    The handshake now waits through the progress waker (transfer/ucx_wait.py)."""
+    require_ucx()
+    t = UcxTransport(blocks_per_message=16, map_local_segments=False)  # no connection to the store yet
+    s = start_store(segment="8MiB")
+    try:
+        _stop(s.proc.pid)
+        res, _ = read(t, s, [0, 1], timeout_s=1.0)
+        assert not any(r.ok for r in res), res
+        threads0 = _thread_cpu_s()
+        time.sleep(2.0)
+        busy = _busy_threads(threads0, min_s=0.1)
+        assert not busy, busy  # polling: 0.25-2 s of the loop thread
+    finally:
+        s.kill()
+        t.close()
+
+
+def test_transport_code_never_waits_on_a_ucxx_request_by_polling() -> None:
+    """ucxx's own waits (`Endpoint.am_send/send/recv/am_recv`, `UCXRequest.wait`) poll the loop; the
+    transport waits through `transfer/ucx_wait.py` only (a polling wait on a stopped peer spins a core)."""
+    import re
+    from pathlib import Path
+
+    polling = re.compile(r"\.am_send\(|\bawait [\w.]+\.(send|recv|am_recv)\(|\.wait\(\)")
+    root = Path(__file__).resolve().parents[1] / "transfer"
+    found = [
+        f"{path.name}:{n}: {line.strip()}"
+        for path in sorted(root.glob("*.py"))
+        if path.name != "ucx_wait.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if polling.search(line)
+    ]
+    assert not found, found
+
+
 def test_tagged_messages_interoperate_with_plain_ucxx() -> None:
     """`tag_send`/`tag_recv` put the same tags on the wire as ucxx's `Endpoint.send`/`recv` (the raw-UCX
     baseline and any ucxx peer use those), in both directions."""

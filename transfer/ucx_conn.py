@@ -12,7 +12,7 @@ from transfer.base import PeerLost, TransferError
 from transfer.mread_wire import MREAD_VERSION
 from transfer.shared_segment import SegmentDescriptor, SegmentMapping
 from transfer.slot_state import SlotStateMapping
-from transfer.ucx_runtime import _err, _pack, _Runtime, _unpack, abort_ep, ep_handle
+from transfer.ucx_runtime import _err, _Runtime, _unpack, abort_ep, ep_handle, send_msg
 from transfer.ucx_wait import am_recv
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class Conn:
 
     async def request(self, msg: dict[str, Any]) -> dict[str, Any]:
         fut = self.expect(msg["id"], 0)
-        await self.ep.am_send(_pack(msg))
+        await send_msg(self.ep, msg)
         reply: dict[str, Any] = await fut
         if "error" in reply:
             raise PeerRefused(f"peer refused the request: {reply['error']}")
@@ -112,7 +112,7 @@ class Conn:
                 for _ in range(count):
                     rids.append(next(rt.ids))
                     futs.append(self.expect(rids[-1], 0))
-                    await self.ep.am_send(_pack({"op": "ping", "id": rids[-1]}))
+                    await send_msg(self.ep, {"op": "ping", "id": rids[-1]})
                 left = end - loop.time()
                 if left <= 0:
                     raise TransferError(f"no handshake reply in {timeout_s:.3g} s")

@@ -21,7 +21,7 @@ from transfer.mread_wire import block_rows, decode_reply, encode_request
 from transfer.shared_segment import SegmentMapping, StopFlag
 from transfer.slot_state import SlotStateMapping
 from transfer.ucx_conn import Conn, PeerRefused
-from transfer.ucx_runtime import _pack
+from transfer.ucx_runtime import send_msg
 from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, NUM_HASH_THREADS
 
 _MDONE_TIMEOUT_S = 1.0
@@ -126,7 +126,7 @@ async def mapped_read(
     if any(r.capability for r in reads):
         msg["c"] = [[r.expiry_ms, bytes(r.capability)] for r in reads]
     fut = conn.expect(rid, 0)
-    await conn.ep.am_send(_pack(msg))
+    await send_msg(conn.ep, msg)
     try:
         reply = await asyncio.shield(fut)
     except asyncio.CancelledError:  # abandoned (deadline): once the store answers, it unpins at once
@@ -167,7 +167,7 @@ def _send_soon(conn: Conn, msg: dict[str, Any]) -> None:
 
     async def send() -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(conn.ep.am_send(_pack(msg)), _MDONE_TIMEOUT_S)
+            await asyncio.wait_for(send_msg(conn.ep, msg), _MDONE_TIMEOUT_S)
 
     task = asyncio.get_running_loop().create_task(send())
     _sending.add(task)

@@ -16,7 +16,7 @@ import numpy as np
 from transfer.base import BlockHandler
 from transfer.mread_wire import decode_request, encode_reply
 from transfer.shared_segment import SharedSegment
-from transfer.ucx_runtime import MAX_BLOCKS_PER_MESSAGE, _err, _pack, _Runtime
+from transfer.ucx_runtime import MAX_BLOCKS_PER_MESSAGE, _err, _Runtime, send_msg
 
 
 def _offset_or_error(shared: SharedSegment, view: memoryview) -> int | str:
@@ -108,7 +108,7 @@ class MappedReads:
         if not problem and key in self._copying:
             problem = f"request id {rid} is already in flight on this endpoint"
         if problem:
-            await ep.am_send(_pack({"id": rid, "ph": 0, "error": problem}))
+            await send_msg(ep, {"id": rid, "ph": 0, "error": problem})
             return
         began: list[int] = []
         counted = 0
@@ -120,7 +120,7 @@ class MappedReads:
             ok = np.ones(len(rows), dtype=bool)
             ok[[i for i, _ in errors]] = False
             with _Runtime.get().waker.busy():
-                await ep.am_send(_pack(encode_reply(rid, ok, stored, offsets, errors)))
+                await send_msg(ep, encode_reply(rid, ok, stored, offsets, errors))
             if began:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._copying[key], self._pin_timeout_s)

@@ -13,7 +13,7 @@ from transfer.base import BlockRead, BlockWrite, TransferTimedOut
 from transfer.coalesce import adjacent_groups, client_plan
 from transfer.ucx_conn import Conn, PeerRefused
 from transfer.ucx_deadline import Expiry, drain_reply_soon, drain_soon, until
-from transfer.ucx_runtime import _err, _pack, _tag
+from transfer.ucx_runtime import _err, _tag, send_msg
 from transfer.ucx_wait import ProgressWaker, cancel_recv, post_tag_recv, tag_recv, tag_send
 from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, checksum_many
 
@@ -96,7 +96,7 @@ async def read_message(
     if len(groups) < len(local):
         msg["g"] = groups
     fut = conn.expect(rid, 0)
-    await conn.ep.am_send(_pack(msg))
+    await send_msg(conn.ep, msg)
     answered, reply = await until(fut, late.expiry)
     if not answered:  # what the store sends once it answers is drained
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from transfer.base import TransferError
-from transfer.ucx_wait import ProgressWaker
+from transfer.ucx_wait import ProgressWaker, am_send
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,11 @@ def _tag(rid: int, index: int) -> int:
 
 def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
+
+
+async def send_msg(ep: Any, msg: Any) -> None:
+    """Send `msg` (msgpack-able) to `ep` as one active message, waited for without polling (`am_send`)."""
+    await am_send(ep, _pack(msg), _Runtime.get().waker)
 
 
 def _unpack(buf: Any) -> Any:

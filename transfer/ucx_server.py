@@ -20,11 +20,11 @@ from transfer.ucx_runtime import (
     MAX_BLOCKS_PER_MESSAGE,
     PEER_INFO_TIMEOUT_S,
     _err,
-    _pack,
     _Runtime,
     _tag,
     _unpack,
     abort_ep,
+    send_msg,
 )
 from transfer.ucx_wait import am_recv, tag_recv, tag_send
 from transfer.xxh3 import HASH_POOL, INLINE_MAX_BYTES, checksum_many
@@ -182,11 +182,11 @@ class UcxBlockServer(MappedReads):
             elif op == "mread" and self._shared is not None:
                 await self._serve_mapped_read(ep, rid, msg)
             elif op == "ping":
-                await ep.am_send(_pack({"id": rid, "ph": 0, **self._hello}))
+                await send_msg(ep, {"id": rid, "ph": 0, **self._hello})
             elif op == "bw":
                 await self._serve_bw(ep, rid, int(msg["n"]))
             else:
-                await ep.am_send(_pack({"id": rid, "ph": 0, "error": f"unknown op {op!r}"}))
+                await send_msg(ep, {"id": rid, "ph": 0, "error": f"unknown op {op!r}"})
         except Exception as exc:  # noqa: BLE001 - one bad request never stops the server
             log.debug("transfer request %d (%s) failed: %s", rid, op, _err(exc))
             self._abort(ep)
@@ -226,7 +226,7 @@ class UcxBlockServer(MappedReads):
         if not problem and groups is not None and not valid_groups(groups, len(blocks)):
             problem = "malformed destination groups"
         if problem:
-            await ep.am_send(_pack({"id": rid, "ph": 0, "error": problem}))
+            await send_msg(ep, {"id": rid, "ph": 0, "error": problem})
             return
         header: list[list[Any]] = []
         began: list[int] = []
@@ -251,7 +251,7 @@ class UcxBlockServer(MappedReads):
             if merged := [[i, n] for i, n, _ in plan if n > 1]:
                 reply["m"] = merged  # one message per run of adjacent slots (transfer.coalesce)
                 self.num_merged_runs += len(merged)
-            await ep.am_send(_pack(reply))
+            await send_msg(ep, reply)
             waker = _Runtime.get().waker
             sends = [tag_send(ep, view, _tag(rid, i), waker) for i, _, view in plan]
             try:
@@ -287,7 +287,7 @@ class UcxBlockServer(MappedReads):
         if not problem and groups is not None and not valid_groups(groups, len(blocks)):
             problem = "malformed source groups"
         if problem:
-            await ep.am_send(_pack({"id": rid, "ph": 0, "error": problem}))
+            await send_msg(ep, {"id": rid, "ph": 0, "error": problem})
             return
         header: list[list[Any]] = []
         accepted: list[tuple[int, int, int, int]] = []  # index, slot, gen, checksum
@@ -324,7 +324,7 @@ class UcxBlockServer(MappedReads):
             if merged := [[i, n] for i, n, _ in plan if n > 1]:
                 reply["m"] = merged  # one message per run of adjacent slots (transfer.coalesce)
                 self.num_merged_runs += len(merged)
-            await ep.am_send(_pack(reply))
+            await send_msg(ep, reply)
             try:
                 done = await asyncio.wait_for(
                     asyncio.gather(*recvs, return_exceptions=True), self._send_timeout_s
@@ -353,7 +353,7 @@ class UcxBlockServer(MappedReads):
             self.inflight -= len(accepted)
             if not ended:
                 final = self._end_writes(header, accepted, landed)
-        await ep.am_send(_pack({"id": rid, "ph": 1, "r": final}))
+        await send_msg(ep, {"id": rid, "ph": 1, "r": final})
 
     def _end_writes(
         self,
@@ -379,7 +379,7 @@ class UcxBlockServer(MappedReads):
         nbytes = min(max(nbytes, 1), 64 << 20)
         if self._probe_buf.nbytes < nbytes:
             self._probe_buf = np.zeros(nbytes, dtype=np.uint8)
-        await ep.am_send(_pack({"id": rid, "ph": 0, "n": nbytes}))
+        await send_msg(ep, {"id": rid, "ph": 0, "n": nbytes})
         await asyncio.wait_for(
             tag_send(ep, self._probe_buf[:nbytes], _tag(rid, 0), _Runtime.get().waker), self._send_timeout_s
         )

@@ -23,6 +23,9 @@ processes).
   which re-check their request; `am_recv` is `ucxx.Endpoint.am_recv` with that wait, for readers that sit
   idle. A tick every `TICK_S` progresses and re-arms anyway, so nothing waits longer than that for an
   event UCX did not signal (or a completion outside progress, such as an endpoint abort).
+
+ucxx's connection handshake (`exchange_peer_info`) is waited for the same way, on both sides: a connection
+attempt to a peer that never answers no longer polls for as long as it lives.
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ class ProgressWaker:
         with contextlib.suppress(Exception):
             task.progress_task.cancel()  # its 1 s progress without re-arming; our tick replaces it
         self.installed = True
+        _wait_peer_info_with(self)
         self.loop.call_later(TICK_S, self._tick)
         return True
 
@@ -179,6 +183,43 @@ class ProgressWaker:
         req.check_error()
 
 
+def _wait_peer_info_with(waker: ProgressWaker) -> None:
+    """Make ucxx's connection handshake (`exchange_peer_info`, on both the connecting and the listening side)
+    wait for its two stream messages through `waker` instead of `UCXRequest.wait`, which polls: a connection
+    attempt to a peer that accepted the TCP connection but never answers (a SIGSTOPped process) kept the
+    loop thread polling for as long as the attempt lived (`connect_endpoint` never abandons one midway).
+    Same messages, same checks and timeouts as ucxx's own; only the wait differs. No-op if ucxx changed shape."""
+    try:
+        import struct
+
+        from ucxx._lib.arr import Array
+        from ucxx._lib_async import application_context, listener
+        from ucxx._lib_async.utils import hash64bits
+    except ImportError:
+        return
+    if not all(hasattr(mod, "exchange_peer_info") for mod in (application_context, listener)):
+        return
+
+    async def exchange_peer_info(
+        endpoint: Any, msg_tag: int, listener: bool, connect_timeout: float = 5.0
+    ) -> dict[str, int]:
+        mine = struct.pack("QQ", msg_tag, hash64bits(msg_tag))
+        theirs = bytearray(len(mine))  # referenced by this frame until its receive completes or times out
+        mine_arr, theirs_arr = Array(mine), Array(theirs)
+        # The listener sends first; an await separates the two stream calls, as in ucxx.
+        steps = ("send", "recv") if listener else ("recv", "send")
+        for step in steps:
+            req = endpoint.stream_send(mine_arr) if step == "send" else endpoint.stream_recv(theirs_arr)
+            await asyncio.wait_for(waker.wait(req), timeout=connect_timeout)
+        peer_tag, peer_checksum = struct.unpack("QQ", theirs)
+        if hash64bits(peer_tag) != peer_checksum:
+            raise RuntimeError(f"Checksum invalid! {hex(hash64bits(peer_tag))} != {hex(peer_checksum)}")
+        return {"msg_tag": peer_tag, "checksum": peer_checksum}
+
+    application_context.exchange_peer_info = exchange_peer_info
+    listener.exchange_peer_info = exchange_peer_info
+
+
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -202,6 +243,27 @@ async def am_recv(ep: Any, waker: ProgressWaker) -> Any:
     await waker.wait(req)
     ep._finished_recv_count += 1  # noqa: SLF001
     return req.recv_buffer
+
+
+async def am_send(ep: Any, buf: Any, waker: ProgressWaker) -> None:
+    """`ep.am_send(buf)` (a ucxx `Endpoint`; `buf` bytes-like, kept referenced until sent) waited for by
+    `waker`: ucxx's own wait polls, which spun the loop thread while a send waited on a peer that had
+    stopped reading. Raises as ucxx does (`UCXCloseError`, the endpoint's or the request's error; a send
+    cancelled while its endpoint is still open ends quietly, as in ucxx)."""
+    if not waker.installed:
+        await ep.am_send(buf)
+        return
+    from ucxx._lib.arr import Array
+    from ucxx.exceptions import UCXCanceled
+
+    _check_open(ep)
+    ep._send_count += 1  # noqa: SLF001 - the counters ucxx keeps for its own am_send
+    req = ep._ep.am_send(Array(buf))  # noqa: SLF001
+    try:
+        await waker.wait(req)
+    except UCXCanceled:
+        if getattr(ep, "_ep", None) is None:
+            raise
 
 
 def _ucxx_tag(ep: Any, key: str, tag: int) -> Any:

@@ -52,7 +52,7 @@ def _chains(
 
 
 def _build(chains: list[list[BlockHash]], locs: list[list[tuple[Location]]], size_bytes: int) -> RadixIndex:
-    index = RadixIndex(clock=MonotonicClock(), policy="fwlru")
+    index = RadixIndex(clock=MonotonicClock(), policy="fwlru", max_blocks=sum(map(len, chains)))
     index.register_namespace(_NS)
     for chain, chain_locs in zip(chains, locs, strict=True):
         index.insert(_NS, chain, parent=None, locations=chain_locs, size_bytes=size_bytes)

@@ -25,16 +25,17 @@ def register_tls_command(app: typer.Typer) -> None:
         """Make a CA and a certificate (server and client) covering loopback, this host, the spec's hosts and
         --host; print the `export KVPOOL_TLS_...` line that turns mutual TLS on."""
         from kvpool.cluster.spec import load_spec
-        from kvpool.cluster.tls import spec_hosts, tls_env, write_cluster_tls
+        from kvpool.cluster.tls import check_host, spec_hosts, tls_env, write_cluster_tls
         from kvpool.errors import InvalidArgument
 
         hosts = list(host)
-        if config is not None:
-            try:
+        try:
+            if config is not None:
                 hosts = spec_hosts(load_spec(config)) + hosts
-            except InvalidArgument as exc:
-                typer.echo(f"kvpool tls: {exc}", err=True)
-                raise typer.Exit(2) from None
+            hosts = [check_host(h) for h in hosts]
+        except InvalidArgument as exc:
+            typer.echo(f"kvpool tls: {exc}", err=True)
+            raise typer.Exit(2) from None
         if directory.exists() and any(directory.iterdir()):
             typer.echo(f"kvpool tls: {directory} is not empty (a CA is never overwritten)", err=True)
             raise typer.Exit(2)

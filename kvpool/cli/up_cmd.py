@@ -332,6 +332,7 @@ def run_up(spec: object, *, timeout_s: float, echo: bool, secured: bool = True) 
             typer.echo("kvpool cluster up:\n" + "\n".join(endpoints))
             if remote:
                 typer.echo("start these on their hosts:\n" + "\n".join(remote))
+            typer.echo(f"admin CLI: kvpool admin --master {master} status")
             if secured:
                 admin = " ".join(f"{k}={v}" for k, v in creds.admin_env().items())
                 typer.echo(

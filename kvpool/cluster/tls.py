@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -44,10 +45,29 @@ VALID_DAYS = 365
 """How long the generated certificates are valid."""
 
 
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def check_host(name: str) -> str:
+    """`name` (an IP address, bracketed or not, or a DNS host name: dot-separated labels of letters, digits
+    and inner hyphens, at most 253 characters) without brackets. Raises `InvalidArgument` otherwise."""
+    bare = name.strip("[]")
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        pass
+    labels = bare.rstrip(".").split(".")
+    if len(bare) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in labels):
+        raise InvalidArgument(f"{name!r} is neither an IP address nor a valid DNS host name")
+    return bare
+
+
 def san_names(hosts: Iterable[str]) -> list[str]:
     """The names a cluster certificate covers: loopback, this host's names and `hosts`, without repeats
-    (order kept; empty names dropped)."""
-    names = ["127.0.0.1", "::1", "localhost", socket.gethostname(), socket.getfqdn(), *hosts]
+    (order kept; empty names dropped). Raises `InvalidArgument` for a host that is neither an IP address nor
+    a DNS name (see `check_host`)."""
+    given = [check_host(h) for h in hosts if h]
+    names = ["127.0.0.1", "::1", "localhost", socket.gethostname(), socket.getfqdn(), *given]
     return list(dict.fromkeys(n.strip("[]") for n in names if n))
 
 

@@ -13,7 +13,14 @@ from kvpool.index.policies import (
     make_policy,
 )
 from kvpool.index.radix import RadixIndex
-from kvpool.index.results import BlockInfo, DroppedBlock, EvictResult, InsertResult, MatchResult
+from kvpool.index.results import (
+    BlockInfo,
+    BulkInsertResult,
+    DroppedBlock,
+    EvictResult,
+    InsertResult,
+    MatchResult,
+)
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -21,6 +28,7 @@ __all__ = [
     "BeladyPolicy",
     "BlockInfo",
     "BlockStats",
+    "BulkInsertResult",
     "DroppedBlock",
     "EvictResult",
     "EvictionPolicy",

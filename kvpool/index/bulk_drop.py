@@ -4,7 +4,8 @@
 still-alive root in turn returned (the same `DroppedBlock`s, in the same order) and leaves the same rows,
 maps, accounting and free list. What it skips is the per-row work those calls wasted: re-pushing into
 the eviction heap a parent that is itself about to be dropped, and clearing fields one row at a time.
-Python work per dropped row is left to the walk of the tree, the hash map and the `DroppedBlock` itself.
+Python work per dropped row is left to the walk of the tree and the `DroppedBlock` itself (the hash
+table entries go in one vectorised pass).
 """
 
 from __future__ import annotations
@@ -54,17 +55,15 @@ def drop_subtrees(index: RadixIndex, roots: list[int], reason: str) -> list[Drop
         return []
     rows = np.array(order, dtype=np.int64)
     slots = c.ns_slot[rows].tolist()
-    ns_ids, ns_rows, hashes = index._ns_ids, index._ns_rows, c.hashes
+    ns_ids, hashes = index._ns_ids, c.hashes_of(rows)
     reps = c.rep_node[rows].tolist()  # -1: no replica left (the orphans themselves)
     dropped: list[DroppedBlock] = []
-    for row, slot, rep in zip(order, slots, reps, strict=True):
-        block_hash = hashes[row]
-        assert block_hash is not None
+    for row, slot, rep, block_hash in zip(order, slots, reps, hashes, strict=True):
         dropped.append(DroppedBlock(ns_ids[slot], block_hash, c.replicas(row) if rep >= 0 else (), reason))
-        del ns_rows[slot][block_hash]
-        hashes[row] = None
+    index._table.delete_many(rows)
     _release_space(index, rows)
     for slot, n in zip(*np.unique(c.ns_slot[rows], return_counts=True), strict=True):
+        index._ns_count[int(slot)] -= int(n)
         if index._ns_valid[int(slot)]:
             index._group_add(int(slot), -int(n))
     c.free_many(rows)

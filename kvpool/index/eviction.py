@@ -1,6 +1,6 @@
 """Leaf-only eviction for `RadixIndex` (SGLang's heap over evictable leaves, with lazy invalidation).
 
-A heap entry `(key, last_access_ms, seq, row)` is valid while `heap_seq[row] == seq` and the row is still an evictable
+A heap entry `(key, last_access_ms, seq, row)` is valid while `heap_seq[row] == seq_tag(seq)` and the row is still an evictable
 leaf (alive, no children, no lock, no live lease, namespace active). For policies whose key can only
 rise on access (`keys_rise_on_access`), a match marks the accessed leaf `stale_key` instead of pushing
 (one flag write on the hot path); a stale entry is re-pushed with its current key when popped. Evicting a leaf may turn its parent
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvpool.index import validate as v
+from kvpool.index.columns import NO_SEQ, seq_tag
 from kvpool.index.results import DroppedBlock, EvictResult
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def _evict_leaves(
     while heap and freed < budget:
         entry = heapq.heappop(heap)
         key, _, seq, row = entry
-        if c.heap_seq[row] != seq or not index._evictable(row):
+        if c.heap_seq[row] != seq_tag(seq) or not index._evictable(row):
             continue
         if c.stale_key[row]:  # accessed since pushed: its key only rose; push it again with the new key
             index._push(row)
@@ -108,7 +109,7 @@ def _evict_leaves(
             freed += on_node
         else:
             freed += 1
-        c.heap_seq[row] = -1
+        c.heap_seq[row] = NO_SEQ
         index.policy.on_evict(key)
         index.num_evictions += 1
         dropped.append(index._drop_row(row, "evict"))
@@ -142,8 +143,7 @@ def _drop_spare_replicas(index: RadixIndex, budget: int, node_id: str) -> list[D
             x.node_id != node_id and not x.local for x in locs
         ):
             continue
-        block_hash = c.hashes[row]
-        assert block_hash is not None
+        block_hash = c.hash_of(row)
         for loc in locs:
             if loc.node_id == node_id and len(dropped) < budget:
                 index._remove_location_row(row, loc)

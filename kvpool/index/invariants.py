@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from kvpool.index.columns import NO_ROW
-from kvpool.types import HASH_NBYTES
+import numpy as np
+
+from kvpool.index.columns import NO_ROW, seq_tag
 
 if TYPE_CHECKING:
     from kvpool.index.radix import RadixIndex
@@ -21,30 +22,30 @@ def check_invariants(index: RadixIndex) -> None:
     alive = [int(r) for r in c.alive_rows()]
     if len(alive) != c.num_alive:
         _fail(f"num_alive {c.num_alive} != {len(alive)} alive rows")
-    mapped = 0
-    for slot, rows_map in enumerate(index._ns_rows):
-        for h, row in rows_map.items():
-            mapped += 1
-            if not c.alive[row] or c.hashes[row] != h or c.ns_slot[row] != slot:
-                _fail(f"namespace slot {slot} maps {h.hex()} to a wrong row {row}")
-    if mapped != len(alive):
-        _fail(f"{mapped} mapped hashes for {len(alive)} rows")
+    _check_table(index, alive)
+    counts = (
+        np.bincount(c.ns_slot[alive], minlength=len(index._ns_ids)).tolist()
+        if alive
+        else [0] * len(index._ns_ids)
+    )
     free = set(index._ns_free)
     if len(free) != len(index._ns_free):
         _fail("a namespace slot is on the free list twice")
     groups: Counter[str] = Counter()
     for slot, ns in enumerate(index._ns_ids):
         if slot in free:
-            if index._ns_rows[slot] or index._ns_valid[slot] or slot in index._pending:
+            if counts[slot] or index._ns_valid[slot] or slot in index._pending:
                 _fail(f"free namespace slot {slot} is in use")
             continue
         group = index._ns_group[slot]
         if group is not None and index._ns_valid[slot]:
-            groups[group] += len(index._ns_rows[slot])
+            groups[group] += counts[slot]
         active = index._ns_active.get(ns) == slot
         if active != index._ns_valid[slot]:
             _fail(f"namespace slot {slot} validity disagrees with the active map")
-        if not active and index._ns_rows[slot] and slot not in index._pending:
+        if counts[slot] != index._ns_count[slot]:
+            _fail(f"namespace slot {slot} counts {index._ns_count[slot]} blocks, holds {counts[slot]}")
+        if not active and counts[slot] and slot not in index._pending:
             _fail(f"invalidated namespace slot {slot} holds blocks but is not pending reclamation")
     if any(index.num_blocks_in_group(g) != n for g, n in groups.items()) or any(
         n != groups[g] for g, n in index._group_blocks.items()
@@ -57,11 +58,10 @@ def check_invariants(index: RadixIndex) -> None:
                 pins[row] += 1
     slots: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
-    heap_seqs = {entry[2] for entry in index._heap}
+    heap_seqs = {seq_tag(entry[2]) for entry in index._heap}
     for row in alive:
-        block_hash = c.hashes[row]
-        if block_hash is None or len(block_hash) != HASH_NBYTES:
-            _fail(f"row {row} has no valid hash")
+        if not 0 <= int(c.ns_slot[row]) < len(index._ns_ids):
+            _fail(f"row {row} names no namespace slot")
         parent = int(c.parent[row])
         if parent != NO_ROW and (not c.alive[parent] or c.ns_slot[parent] != c.ns_slot[row]):
             _fail(f"row {row}: parent {parent} is not resident in the same namespace (not prefix-closed)")
@@ -108,3 +108,21 @@ def _check_depth(index: RadixIndex, alive: list[int]) -> None:
             steps += 1
             if steps > limit:
                 _fail(f"row {row}: parent links form a cycle")
+
+
+def _check_table(index: RadixIndex, alive: list[int]) -> None:
+    """Every alive row is found under its own (slot, hash) and the table holds nothing else."""
+    c, table = index._c, index._table
+    rows = np.array(alive, dtype=np.int64)
+    entries = table.table[table.table >= 0]
+    if table.count != len(entries) or len(entries) != len(rows):
+        _fail(f"hash table holds {len(entries)} entries (counts {table.count}) for {len(rows)} rows")
+    if table.tombs != int(np.count_nonzero(table.table == -2)):
+        _fail("hash table tombstone count is off")
+    if not len(rows):
+        return
+    found = table.find_many(c.ns_slot[rows], c.h64[rows])
+    bad = np.flatnonzero(found != rows)
+    if bad.size:
+        row = int(rows[bad[0]])
+        _fail(f"hash table maps row {row}'s key ({c.hash_of(row).hex()}) to {int(found[bad[0]])}")

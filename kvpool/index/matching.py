@@ -1,14 +1,14 @@
-"""`RadixIndex.match_prefix`: find the matched run with O(log n) dict probes, then update it in bulk.
+"""`RadixIndex.match_prefix`: find the matched run with O(log n) table probes, then update it in bulk.
 
 Chained hashes make presence prefix-closed (a block is resident only if its parent is; eviction is
 leaf-only), so the matched length is the largest k with `block_hashes[k-1]` present: a binary search over
-the hashes finds it with about log2(n) + 1 dict lookups (one when the whole chain is present). The k
+the hashes finds it with about log2(n) + 1 hash-table lookups (one when the whole chain is present). The k
 matched rows are then found from the last one upwards by whole runs: `run_head[row]` is the first row of
 the run of consecutive rows, each the parent of the next, that ends at `row` (a chain inserted in one
 call is one run), so a match costs one Python step per run, not per block. The rows found are checked
-against the hashes asked for (one list comparison) and the root; inputs that are not chains, or chains
-spread over more than `_MAX_RUNS` runs, take the plain path (one dict lookup per block, then a
-vectorised parent-link check). Either way the per-block work is a handful of numpy operations on a
+against the hashes asked for (one comparison of their bytes with the hash column) and the root; inputs
+that are not chains, or chains spread over more than `_MAX_RUNS` runs, take the plain path (one
+vectorised table lookup of all k hashes, then a vectorised parent-link check). Either way the per-block work is a handful of numpy operations on a
 slice (or an index array) of the matched rows: one record copy for the result, recency, hit counts.
 
 Cost per match: O(log n + runs) Python steps and O(k) numpy work, k = matched blocks, n = asked.
@@ -16,13 +16,13 @@ Cost per match: O(log n + runs) Python steps and O(k) numpy work, k = matched bl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvpool.errors import InvalidArgument
-from kvpool.index.columns import NO_ROW, Columns
+from kvpool.index.columns import HIT_COUNT_MAX, NO_ROW, Columns
 from kvpool.index.results import MatchResult
 from kvpool.types import BlockHash, NamespaceId
 
@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     from kvpool.index.radix import RadixIndex
 
 _MAX_RUNS = 8
-"""Runs walked before a match falls back to one dict lookup per block."""
+"""Runs walked before a match falls back to the plain path (a batch lookup of every block)."""
 _MIN_RUN = 4
-"""A shorter run (but for the top one) sends the match to one dict lookup per block at once."""
+"""A shorter run (but for the top one) sends the match to the plain path at once."""
 
 
 def match_prefix(
@@ -47,28 +47,38 @@ def match_prefix(
     if slot is None or not block_hashes:
         return MatchResult()
     hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
-    get = index._ns_rows[slot].get
+    try:
+        all_joined = b"".join(hashes)
+    except TypeError:
+        all_joined = b""
+    if len(all_joined) != 16 * len(hashes):  # a value that is not a block hash is present nowhere
+        hashes = hashes[: next(i for i, h in enumerate(hashes) if not isinstance(h, bytes) or len(h) != 16)]
+        all_joined = b"".join(hashes)
+        if not hashes:
+            return MatchResult()
+    find = index._table.find
     n = len(hashes)
-    last = get(hashes[-1])
+    last = find(slot, hashes[-1])
     k = n
-    if last is None:  # binary search: the largest k with hashes[k-1] present (k >= the true match)
+    if last < 0:  # binary search: the largest k with hashes[k-1] present (k >= the true match)
         lo, hi = 0, n - 1
         while lo < hi:
             mid = (lo + hi) >> 1
-            row = get(hashes[mid])
-            if row is None:
+            row = find(slot, hashes[mid])
+            if row < 0:
                 hi = mid
             else:
                 lo, last = mid + 1, row
         k = lo
-        if last is None:
+        if last < 0:
             return MatchResult()
     c = index._c
-    sel = _runs(c, hashes, k, last)
+    joined = all_joined[: 16 * k]
+    sel = _runs(c, joined, k, last)
     if sel is not None:
         rec = c.gather(sel)  # a snapshot of the matched rows (one record each)
-    else:  # not a chain of the tree, or too fragmented: one lookup per block
-        sel, rec = _walk(c, get, hashes, k)
+    else:  # not a chain of the tree, or too fragmented: one batch lookup of every block
+        sel, rec = _walk(index, slot, joined, k)
         if sel is None:
             return MatchResult()
         last = int(sel[-1])
@@ -79,7 +89,13 @@ def match_prefix(
         c.last_access_ms[sel] = now
         if count_hit:
             index.num_hit_blocks += k
-            c.hit_count[sel] += 1
+            # a counted match hits every ancestor of what it hits, so the top row's count is the
+            # largest: below the limit there, a plain increment cannot wrap (uint32 saturates)
+            if c.hit_count[_top(sel)] < HIT_COUNT_MAX:
+                c.hit_count[sel] += 1
+            else:
+                hits = c.hit_count[sel]
+                c.hit_count[sel] = np.where(hits < HIT_COUNT_MAX, hits + 1, hits)
             if index.policy.half_life_ms is not None:
                 c.decayed[sel] += index._hit_weight(now)
         if lease_ttl_ms > 0:
@@ -100,11 +116,16 @@ def match_prefix(
     return MatchResult(k, lease_id, expiry_ms, node_ids=c.node_ids, records=rec, extra=extra)
 
 
-def _runs(c: Columns, hashes: list[BlockHash], k: int, last: int) -> slice | np.ndarray | None:
-    """The rows of `hashes[:k]` found upwards from `last` (the row of `hashes[k-1]`) by runs: a slice
-    when they are one run, else an index array; None when they do not match `hashes[:k]` from the root,
-    or span more than `_MAX_RUNS` runs or one shorter than `_MIN_RUN` (cheaper block by block)."""
-    run_head, parent, stored = c.run_head, c.parent, c.hashes
+def _top(sel: slice | np.ndarray) -> int:
+    return int(sel.start) if isinstance(sel, slice) else int(sel[0])
+
+
+def _runs(c: Columns, joined: bytes, k: int, last: int) -> slice | np.ndarray | None:
+    """The rows of the k hashes `joined` (their bytes, concatenated) found upwards from `last` (the row
+    of the k-th) by runs: a slice when they are one run, else an index array; None when they do not
+    match `joined` from the root, or span more than `_MAX_RUNS` runs or one shorter than `_MIN_RUN`
+    (cheaper block by block)."""
+    run_head, parent, stored = c.run_head, c.parent, c.h64
     runs: list[range] = []
     remaining, bottom = k, last
     while True:
@@ -115,10 +136,10 @@ def _runs(c: Columns, hashes: list[BlockHash], k: int, last: int) -> slice | np.
             if parent[top] != NO_ROW:
                 return None
             if not runs:
-                return slice(top, last + 1) if stored[top : last + 1] == hashes[:k] else None
+                return slice(top, last + 1) if stored[top : last + 1].tobytes() == joined else None
             runs.append(range(top, bottom + 1))
-            rows = [r for run in reversed(runs) for r in run]
-            return np.array(rows, dtype=np.int64) if [stored[r] for r in rows] == hashes[:k] else None
+            rows = np.array([r for run in reversed(runs) for r in run], dtype=np.int64)
+            return rows if stored[rows].tobytes() == joined else None
         if length < _MIN_RUN or len(runs) == _MAX_RUNS - 1:
             return None
         runs.append(range(head, bottom + 1))
@@ -128,16 +149,14 @@ def _runs(c: Columns, hashes: list[BlockHash], k: int, last: int) -> slice | np.
             return None
 
 
-def _walk(
-    c: Columns, get: Callable[[BlockHash], int | None], hashes: list[BlockHash], k: int
-) -> tuple[np.ndarray | None, np.ndarray]:
-    """The plain path: the rows of the leading `hashes[:k]` that form a chain from the root (an index
-    array, None when there are none) and their records."""
-    try:  # the common case, every block present, builds the array straight from the lookups
-        idx = np.fromiter(map(get, hashes[:k]), np.int32, k)
-    except TypeError:  # a block is absent: keep those before it
-        found = list(map(get, hashes[:k]))
-        idx = np.array(found[: found.index(None)], dtype=np.int32)
+def _walk(index: RadixIndex, slot: int, joined: bytes, k: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """The plain path: the rows of the leading k hashes (`joined`) that form a chain from the root (an
+    index array, None when there are none) and their records."""
+    c = index._c
+    keys = np.frombuffer(joined, "<u8").reshape(-1, 2)
+    found = index._table.find_many(slot, keys)
+    missing = np.flatnonzero(found < 0)
+    idx = (found if not missing.size else found[: missing[0]]).astype(np.int32)
     rec = c.gather(idx)
     parents = rec["parent"]  # int32, like idx: the chain check compares raw bytes
     if not len(idx) or parents[0] != NO_ROW:

@@ -1,7 +1,7 @@
 """Namespace slots of the radix index (`NamespaceSlotsMixin`): register, invalidate, forget, and count.
 
-Each registered namespace owns a *slot*: a dict from block hash to row, a validity flag and its id;
-rows name their slot (`ns_slot` column). Invalidating a namespace parks its slot for background
+Each registered namespace owns a *slot*: a block count, a validity flag and its id; rows name their
+slot (`ns_slot` column) and the index's one hash table maps (slot, block hash) to a row. Invalidating a namespace parks its slot for background
 reclamation (`reclaim.py`); registering it again opens a fresh, empty slot. A slot that holds no rows
 (emptied by reclamation, or forgotten while empty) goes back to a free list and is reused, so N
 flush/re-register cycles, or N namespaces that come and go, leave O(live namespaces) slots, not O(N).
@@ -14,7 +14,7 @@ invalidated slot leave their group's count at once (they are unreachable), not w
 from __future__ import annotations
 
 from kvpool.index import validate as v
-from kvpool.types import BlockHash, NamespaceId
+from kvpool.types import NamespaceId
 
 _FREE = NamespaceId(b"")
 """The id of a free slot (never a valid namespace: ids are 16 bytes)."""
@@ -25,24 +25,27 @@ class NamespaceSlotsMixin:
 
     _ns_active: dict[NamespaceId, int]
     _ns_ids: list[NamespaceId]
-    _ns_rows: list[dict[BlockHash, int]]
+    _ns_count: list[int]
+    """Resident blocks per slot (rows naming it)."""
     _ns_valid: list[bool]
     _ns_group: list[str | None]
     _ns_free: list[int]
     _group_blocks: dict[str, int]
     _pending: list[int]
     _reclaim_work: dict[int, list[tuple[int, int]]]
+    _reclaim_cursor: dict[int, int]
 
     def _init_slots(self) -> None:
         self._ns_active = {}
         self._ns_ids = []
-        self._ns_rows = []
+        self._ns_count = []
         self._ns_valid = []
         self._ns_group = []
         self._ns_free = []
         self._group_blocks = {}
         self._pending = []
         self._reclaim_work = {}
+        self._reclaim_cursor = {}
 
     def register_namespace(self, ns: NamespaceId, group: str | None = None) -> None:
         """Make `ns` accept inserts (idempotent; a later call may set its `group`). After an
@@ -54,12 +57,12 @@ class NamespaceSlotsMixin:
             return
         if self._ns_free:
             slot = self._ns_free.pop()
-            self._ns_ids[slot], self._ns_rows[slot], self._ns_valid[slot] = ns, {}, True
+            self._ns_ids[slot], self._ns_count[slot], self._ns_valid[slot] = ns, 0, True
             self._ns_group[slot] = None
         else:
             slot = len(self._ns_ids)
             self._ns_ids.append(ns)
-            self._ns_rows.append({})
+            self._ns_count.append(0)
             self._ns_valid.append(True)
             self._ns_group.append(None)
         self._ns_active[ns] = slot
@@ -72,8 +75,8 @@ class NamespaceSlotsMixin:
         if slot is None:
             return
         self._ns_valid[slot] = False
-        self._group_add(slot, -len(self._ns_rows[slot]))
-        if self._ns_rows[slot]:
+        self._group_add(slot, -self._ns_count[slot])
+        if self._ns_count[slot]:
             self._pending.append(slot)
         else:
             self._free_slot(slot)
@@ -82,7 +85,7 @@ class NamespaceSlotsMixin:
         """Drop an active namespace that holds no blocks (its slot is reused); True when dropped.
         A namespace with blocks, or an unknown one, is left as it is (False)."""
         slot = self._ns_active.get(ns)
-        if slot is None or self._ns_rows[slot]:
+        if slot is None or self._ns_count[slot]:
             return False
         del self._ns_active[ns]
         self._free_slot(slot)
@@ -91,7 +94,7 @@ class NamespaceSlotsMixin:
     def num_blocks_in(self, ns: NamespaceId) -> int:
         """Resident blocks of an active namespace (0 when unknown or invalidated)."""
         slot = self._ns_active.get(ns)
-        return 0 if slot is None else len(self._ns_rows[slot])
+        return 0 if slot is None else self._ns_count[slot]
 
     def num_blocks_in_group(self, group: str) -> int:
         """Resident blocks of the active namespaces registered with `group` (O(1))."""
@@ -114,7 +117,7 @@ class NamespaceSlotsMixin:
     def _set_group(self, slot: int, group: str | None) -> None:
         if group is None or self._ns_group[slot] == group:
             return
-        n = len(self._ns_rows[slot])
+        n = self._ns_count[slot]
         self._group_add(slot, -n)
         self._ns_group[slot] = group
         self._group_add(slot, n)
@@ -126,7 +129,8 @@ class NamespaceSlotsMixin:
 
     def _free_slot(self, slot: int) -> None:
         """Return an empty slot (no rows name it) to the free list."""
-        self._ns_ids[slot], self._ns_rows[slot], self._ns_valid[slot] = _FREE, {}, False
+        self._ns_ids[slot], self._ns_count[slot], self._ns_valid[slot] = _FREE, 0, False
         self._ns_group[slot] = None
         self._reclaim_work.pop(slot, None)
+        self._reclaim_cursor.pop(slot, None)
         self._ns_free.append(slot)

@@ -2,7 +2,8 @@
 
 Keys follow SGLang's `radix_cache.py` idea (a path from the root is a token sequence at block
 granularity) with kvpool's chained 16-byte block hashes: a block hash names its whole prefix, so the tree
-is a dict from hash to row plus parent links (struct-of-arrays, see `columns.py`). A pure data
+is one hash table from (namespace, hash) to row plus parent links (struct-of-arrays, see `columns.py`
+and `hashtable.py`). A pure data
 structure: no I/O, time only from the injected `Clock`. Not thread-safe: the master serialises calls.
 
 Complexities: `match_prefix` O(log asked + runs) Python steps plus O(matched) vectorised work (see
@@ -19,9 +20,11 @@ import numpy as np
 
 from kvpool.errors import InvalidArgument, NotFound
 from kvpool.index import validate as v
-from kvpool.index.columns import NO_ROW, Columns
+from kvpool.index.columns import DEFAULT_CAPACITY, NO_ROW, Columns, seq_tag
+from kvpool.index.hashtable import HashTable
 from kvpool.index.leases import LeaseLockMixin, LeaseTable
 from kvpool.index.matching import match_prefix as _match_prefix
+from kvpool.index.meta import BlockMetaMixin
 from kvpool.index.ns_slots import NamespaceSlotsMixin
 from kvpool.index.policies import DEFAULT_POLICY, BlockStats, EvictionPolicy, make_policy
 from kvpool.index.results import BlockInfo, DroppedBlock, EvictResult, InsertResult, MatchResult
@@ -32,14 +35,26 @@ _REBASE_EXPONENT = 512.0
 """Decayed-hit weights are 2**((t - epoch)/half_life); past this exponent the epoch moves to now."""
 
 
-class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
+class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
     """See the module docstring and docs/design.md "The radix index"; leases and locks are in
-    `leases.py` (`LeaseLockMixin`), namespace slots in `ns_slots.py` (`NamespaceSlotsMixin`)."""
+    `leases.py` (`LeaseLockMixin`), namespace slots in `ns_slots.py` (`NamespaceSlotsMixin`), block
+    metadata, bulk insert and memory accounting in `meta.py` (`BlockMetaMixin`).
 
-    def __init__(self, *, clock: Clock, policy: str | EvictionPolicy = DEFAULT_POLICY) -> None:
+    `max_blocks`: the most resident blocks the index is sized for (default `DEFAULT_CAPACITY`, 2**20);
+    its row arrays are reserved for that many up front and committed by the OS as rows are first used
+    (see `columns.py`), so an index that never fills costs only what it holds. More blocks still fit:
+    the arrays are then reallocated at twice the size (a transient copy)."""
+
+    def __init__(
+        self, *, clock: Clock, policy: str | EvictionPolicy = DEFAULT_POLICY, max_blocks: int | None = None
+    ) -> None:
+        if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks <= 0):
+            raise InvalidArgument(f"max_blocks must be a positive int, got {max_blocks!r}")
         self._clock = clock
         self.policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
-        self._c = Columns()
+        self._c = c = Columns(max_blocks or DEFAULT_CAPACITY)
+        self._table = HashTable(c.h64, c.ns_slot)
+        c.on_grow.append(self._rebind_table)
         self._leases = LeaseTable()
         self._space = NodeSpace(self._c)
         self._init_slots()
@@ -51,6 +66,9 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
         """Blocks asked for by counted matches (`count_hit=True`)."""
         self.num_hit_blocks = 0
         """Blocks matched by counted matches."""
+
+    def _rebind_table(self) -> None:
+        self._table.bind(self._c.h64, self._c.ns_slot)
 
     # ---- namespaces: register / invalidate / forget in `ns_slots.py` ---------------------------------
     def reclaim_invalidated(self, max_blocks: int = 1024) -> list[DroppedBlock]:
@@ -64,7 +82,7 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
     @property
     def num_invalidated_blocks(self) -> int:
         """Blocks of invalidated namespaces still resident (awaiting reclamation)."""
-        return sum(len(self._ns_rows[slot]) for slot in self._pending)
+        return sum(self._ns_count[slot] for slot in self._pending)
 
     # ---- match / insert ---------------------------------------------------------------------------
     def match_prefix(
@@ -104,28 +122,35 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
         sizes = v.per_block_sizes(size_bytes, n)
         costs = v.per_block_costs(recompute_cost_s, n)
         locs = v.per_block_locations(locations, n)
-        rows_map, c = self._ns_rows[slot], self._c
+        c, find = self._c, self._table.find
         prev = NO_ROW
         if parent is not None:
-            got = rows_map.get(v.check_hash(parent, "parent"))
-            if got is None:
+            got = find(slot, v.check_hash(parent, "parent"))
+            if got < 0:
                 raise NotFound(f"parent block {parent.hex()} is not in the index")
             prev = got
         num_existing, expected = 0, prev
-        for h in hashes:
-            row = rows_map.get(h)
-            if row is None:
+        found: list[int] = []
+        for h in hashes:  # the present leading blocks, then one batch lookup of the rest
+            found.append(find(slot, h))
+            if found[-1] < 0:
+                break
+        if len(found) < n:
+            rest = np.frombuffer(b"".join(hashes[len(found) :]), "<u8").reshape(-1, 2)
+            found.extend(self._table.find_many(slot, rest).tolist())
+        for row in found:
+            if row < 0:
                 break
             if c.parent[row] != expected:
                 raise InvalidArgument(f"block_hashes[{num_existing}] is already present under another parent")
             expected, num_existing = row, num_existing + 1
         for i in range(num_existing, n):
-            if hashes[i] in rows_map:
+            if found[i] >= 0:
                 raise InvalidArgument(f"block_hashes[{i}] is already present under another parent")
             if not locs[i]:
                 raise InvalidArgument(f"locations[{i}] is empty: a new block needs a replica")
         for i in range(num_existing):
-            row = rows_map[hashes[i]]
+            row = found[i]
             for loc in locs[i]:
                 self._add_location_row(row, loc)
         if n > num_existing:
@@ -156,9 +181,9 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
         c.size_bytes[rows] = sizes
         c.recompute_cost_s[rows] = costs
         row_list = rows.tolist()
-        for row, block_hash in zip(row_list, hashes, strict=True):
-            c.hashes[row] = block_hash
-        self._ns_rows[slot].update(zip(hashes, row_list, strict=True))
+        c.h64[rows] = np.frombuffer(b"".join(hashes), "<u8").reshape(-1, 2)
+        self._table.insert_many(rows)
+        self._ns_count[slot] += len(row_list)
         self._group_add(slot, len(row_list))
         firsts = [x[0] for x in locs]
         c.rep_node[rows] = [c.node_index(x.node_id) for x in firsts]
@@ -176,15 +201,15 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
     def lookup(self, ns: NamespaceId, block_hash: BlockHash) -> BlockInfo | None:
         """A snapshot of one block of an active namespace, or None."""
         slot = self._ns_active.get(ns)
-        row = None if slot is None else self._ns_rows[slot].get(block_hash)
-        if row is None:
+        row = -1 if slot is None or not _is_hash(block_hash) else self._table.find(slot, block_hash)
+        if row < 0:
             return None
         c = self._c
         parent = int(c.parent[row])
         return BlockInfo(
             ns=ns,
             block_hash=block_hash,
-            parent=None if parent == NO_ROW else c.hashes[parent],
+            parent=None if parent == NO_ROW else c.hash_of(parent),
             locations=c.locations[row],
             size_bytes=int(c.size_bytes[row]),
             recompute_cost_s=float(c.recompute_cost_s[row]),
@@ -288,14 +313,15 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
     # ---- internals --------------------------------------------------------------------------------
     def _row(self, ns: NamespaceId, block_hash: BlockHash, *, include_invalidated: bool = False) -> int:
         slot = self._ns_active.get(ns)
-        row = None if slot is None else self._ns_rows[slot].get(block_hash)
-        if row is None and include_invalidated:
+        ok = _is_hash(block_hash)
+        row = -1 if slot is None or not ok else self._table.find(slot, block_hash)
+        if row < 0 and include_invalidated and ok:
             for pending in self._pending:
                 if self._ns_ids[pending] == ns:
-                    row = self._ns_rows[pending].get(block_hash)
-                    if row is not None:
+                    row = self._table.find(pending, block_hash)
+                    if row >= 0:
                         break
-        if row is None:
+        if row < 0:
             raise NotFound(f"block {bytes(block_hash).hex()} is not in namespace {bytes(ns).hex()}")
         return row
 
@@ -316,8 +342,7 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
         if half_life_ms is not None:
             decayed = float(c.decayed[row]) * 2.0 ** (-(last_ms - self._decay_epoch_ms) / half_life_ms)
         hit_count = int(c.hit_count[row])
-        block_hash = c.hashes[row]
-        assert block_hash is not None
+        block_hash = c.hash_of(row)
         return BlockStats(
             block_hash=block_hash,
             hit_count=hit_count,
@@ -343,7 +368,7 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
         if not self._evictable(row):
             return
         self._seq += 1
-        self._c.heap_seq[row] = self._seq
+        self._c.heap_seq[row] = seq_tag(self._seq)
         self._c.stale_key[row] = False
         stats = self._stats(row)
         heapq.heappush(self._heap, (self.policy.key(stats), stats.last_access_ms, self._seq, row))
@@ -353,7 +378,9 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
     def _rebuild_heap(self) -> None:
         heap = self._heap
         self._heap = [
-            entry for entry in heap if self._c.heap_seq[entry[3]] == entry[2] and self._evictable(entry[3])
+            entry
+            for entry in heap
+            if self._c.heap_seq[entry[3]] == seq_tag(entry[2]) and self._evictable(entry[3])
         ]
         heapq.heapify(self._heap)
 
@@ -369,11 +396,11 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
     def _drop_row(self, row: int, reason: str) -> DroppedBlock:
         """Remove a childless row from every structure; its parent may become an evictable leaf."""
         c = self._c
-        slot, block_hash, locs = int(c.ns_slot[row]), c.hashes[row], c.locations[row]
-        assert block_hash is not None
+        slot, block_hash, locs = int(c.ns_slot[row]), c.hash_of(row), c.locations[row]
         for loc in locs:
             self._remove_location_row(row, loc)
-        del self._ns_rows[slot][block_hash]
+        self._table.delete_many(np.array([row], dtype=np.int64))
+        self._ns_count[slot] -= 1
         if self._ns_valid[slot]:
             self._group_add(slot, -1)
         parent = int(c.parent[row])
@@ -385,3 +412,7 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin):
 
     def _drop_subtree(self, row: int, reason: str) -> list[DroppedBlock]:
         return [self._drop_row(r, reason) for r in self._c.subtree_postorder(row)]
+
+
+def _is_hash(value: object) -> bool:
+    return isinstance(value, bytes) and len(value) == 16

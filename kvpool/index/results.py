@@ -149,3 +149,17 @@ class BlockInfo:
     num_leases: int
     lock_ref: int
     num_children: int
+
+
+@dataclass(frozen=True, slots=True)
+class BulkInsertResult:
+    """What `RadixIndex.insert_bulk` did with each of its n blocks: four (n,) bool arrays, exactly one
+    True per block. `inserted`: a new row. `merged`: already present under the same parent, this
+    location added as a replica (or already there). `waiting`: its parent is neither in the index nor
+    inserted by this batch (the caller keeps it for a later batch). `refused`: present under another
+    parent, or a repeat of an earlier block of the batch."""
+
+    inserted: np.ndarray
+    merged: np.ndarray
+    waiting: np.ndarray
+    refused: np.ndarray

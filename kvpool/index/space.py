@@ -18,6 +18,11 @@ class NodeSpace:
         self._slots[node_id] = self._slots.get(node_id, 0) + 1
         self._bytes[node_id] = self._bytes.get(node_id, 0) + size_bytes
 
+    def add_many(self, node_id: str, num_slots: int, size_bytes: int) -> None:
+        """`num_slots` replicas of `size_bytes` in all joined `node_id`."""
+        self._slots[node_id] = self._slots.get(node_id, 0) + num_slots
+        self._bytes[node_id] = self._bytes.get(node_id, 0) + size_bytes
+
     def remove(self, node_id: str, size_bytes: int) -> None:
         """One replica left `node_id`."""
         if node_id not in self._slots:

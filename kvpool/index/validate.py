@@ -34,8 +34,8 @@ def per_block_sizes(value: Sequence[int] | int, n: int) -> list[int]:
     if len(values) != n:
         raise InvalidArgument(f"size_bytes has {len(values)} entries for {n} blocks")
     for i, v in enumerate(values):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise InvalidArgument(f"size_bytes[{i}] must be a positive int, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= MAX_U32:
+            raise InvalidArgument(f"size_bytes[{i}] must be an int in [1, 2**32), got {v!r}")
     return values
 
 
@@ -60,17 +60,19 @@ def per_block_locations(value: Sequence[Sequence[Location]], n: int) -> list[tup
     return out
 
 
-_MAX_I64 = 2**63 - 1
+MAX_U32 = 2**32 - 1
+"""The largest slot and block size the index's uint32 columns hold (see `columns.py`)."""
+MAX_GENERATION = 2**63 - 1
 
 
 def check_location(loc: object, what: str) -> Location:
-    """A `Location` whose slot and generation fit the index's int64 replica columns."""
+    """A `Location` whose slot (uint32) and generation (uint64, below 2**63) fit the replica columns."""
     if not isinstance(loc, Location):
         raise InvalidArgument(f"{what} holds {type(loc).__name__}, not a Location")
-    for name in ("slot", "generation"):
+    for name, limit, text in (("slot", MAX_U32, "2**32"), ("generation", MAX_GENERATION, "2**63")):
         value = getattr(loc, name)
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _MAX_I64:
-            raise InvalidArgument(f"{what}: {name} must be an int in [0, 2**63), got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
+            raise InvalidArgument(f"{what}: {name} must be an int in [0, {text}), got {value!r}")
     if not isinstance(loc.node_id, str):
         raise InvalidArgument(f"{what}: node_id must be a str")
     return loc

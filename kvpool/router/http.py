@@ -112,9 +112,8 @@ class OpenAIApp:
         try:
             body = cls.model_validate(raw, strict=True)  # "5", true, "yes": refused, never coerced (B32)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(x) for x in first["loc"]) or None
-            raise APIError(400, f"{param}: {first['msg']}", param=param) from None
+            param, msg = _first_error(exc)
+            raise APIError(400, f"{param}: {msg}", param=param) from None
         return body
 
     def _check_model(self, name: str) -> None:
@@ -390,3 +389,27 @@ def build_app(service: RouterService, tenants: Tenants, *, model_name: str | Non
     return Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error}, middleware=[door]
     )
+
+
+def _union_tag(part: object) -> bool:
+    """Whether a pydantic error location part names a member of a union (`str`, `list[int]`), not a field."""
+    return isinstance(part, str) and (
+        part in {"str", "int", "float", "bool", "none"} or not part.isidentifier()
+    )
+
+
+def _first_error(exc: ValidationError) -> tuple[str | None, str]:
+    """The body parameter of a validation error, as OpenAI names it ("prompt", "messages.0.role": a union's
+    member tags are not part of it), and its message; a value matching no member of a union names them all."""
+    errors = exc.errors()
+    loc = errors[0]["loc"]
+    cut = next((i for i, part in enumerate(loc) if _union_tag(part)), len(loc))
+    param = ".".join(str(x) for x in loc[:cut]) or None
+    if cut == len(loc):
+        return param, str(errors[0]["msg"])
+    tags = [
+        str(e["loc"][cut])
+        for e in errors
+        if tuple(e["loc"][:cut]) == tuple(loc[:cut]) and len(e["loc"]) > cut
+    ]
+    return param, "wrong type: expected one of " + ", ".join(dict.fromkeys(tags))

@@ -23,7 +23,7 @@ from kvpool.errors import (
     StaleGeneration,
 )
 from kvpool.store.segment import Segment
-from kvpool.store.slot_types import _COMMITTED, _RESERVED, _WRITTEN, SlotState, _Meta
+from kvpool.store.slot_types import _COMMITTED, _FREEING, _RESERVED, _WRITING, _WRITTEN, SlotState
 from kvpool.types import Clock
 from transfer.xxh3 import checksum as block_checksum
 
@@ -42,9 +42,8 @@ class SlotDataPlane:
     _checksum: np.ndarray
     _state: np.ndarray
     _readers: np.ndarray
-    _writing: np.ndarray
-    _meta: dict[int, _Meta]
-    _free_pending: set[int]
+    _flags: np.ndarray
+    _flag_bytes: bytearray
 
     if TYPE_CHECKING:  # the table's checks (lock held)
 
@@ -59,6 +58,10 @@ class SlotDataPlane:
         ) -> None: ...
 
         def _maybe_finish_free(self, slot: int) -> None: ...
+
+        def _freeing(self, slot: int) -> bool: ...
+
+        def _lease_expiry_ms(self, slot: int) -> int: ...
 
     def begin_read(
         self, slot: int, generation: int, nbytes: int, capability: bytes = b"", expiry_ms: int = 0
@@ -120,11 +123,10 @@ class SlotDataPlane:
             self._state[slots] != _COMMITTED
         ).any():
             return None
-        listed = slots.tolist()
-        if self._free_pending and not self._free_pending.isdisjoint(listed):
+        if (self._flags[slots] & _FREEING).any():
             return None
         np.add.at(self._readers, slots, 1)
-        self.num_inflight += len(listed)
+        self.num_inflight += len(slots)
         starts = slots.astype(np.uint64) * np.uint64(self.block_nbytes)
         return self.segment.buffer, starts, self._checksum[slots]
 
@@ -136,7 +138,7 @@ class SlotDataPlane:
         # the capability before the generation: a caller without one learns nothing of the slot's state
         self._check_capability(READ, slot, generation, capability, expiry_ms)
         self._check_gen(slot, generation)
-        if slot in self._free_pending:
+        if self._freeing(slot):
             raise StaleGeneration(f"slot {slot} generation {generation} is being freed")
         if int(self._state[slot]) != _COMMITTED:
             raise FailedPrecondition(
@@ -183,13 +185,13 @@ class SlotDataPlane:
                 raise AlreadyExists(
                     f"slot {slot} generation {generation} is {SlotState(int(state)).name} already"
                 )
-            if state != _RESERVED or slot in self._free_pending:
+            if state != _RESERVED or self._freeing(slot):
                 raise FailedPrecondition(f"slot {slot} is not reserved")
-            if self._writing[slot]:
+            if self._flag_bytes[slot] & _WRITING:
                 raise FailedPrecondition(f"slot {slot} is being written by another transfer")
-            if self._meta[slot].lease_expiry_ms <= self._clock.now_ms():
+            if self._lease_expiry_ms(slot) <= self._clock.now_ms():
                 raise LeaseExpired(f"the write lease of slot {slot} expired")
-            self._writing[slot] = True
+            self._flag_bytes[slot] |= _WRITING
             self.num_inflight += 1
             return self.segment.slot_view(slot)
 
@@ -203,12 +205,12 @@ class SlotDataPlane:
         else:
             got = block_checksum(self.segment.slot_view(slot))
         with self._lock:
-            if not self._writing[slot]:
+            if not self._flag_bytes[slot] & _WRITING:
                 return
-            self._writing[slot] = False
+            self._flag_bytes[slot] &= 0xFF ^ _WRITING
             self.num_inflight -= 1
             try:
-                if slot in self._free_pending or int(self._gen[slot]) != generation:
+                if self._freeing(slot) or int(self._gen[slot]) != generation:
                     raise StaleGeneration(f"slot {slot} was freed during the write")
                 if not ok:
                     return  # stays RESERVED: the writer may retry within its lease

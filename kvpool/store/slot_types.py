@@ -1,4 +1,4 @@
-"""The slot table's value types: slot states, a reservation, a slot's metadata, a free's result."""
+"""The slot table's value types: slot states, per-slot flag bits, a reservation, a free's result."""
 
 from __future__ import annotations
 
@@ -19,6 +19,14 @@ class SlotState(enum.IntEnum):
 # ~0.2 us (a 64 KiB read of 256 blocks spent most of its store-side time there).
 _FREE, _RESERVED, _WRITTEN, _COMMITTED = (int(x) for x in SlotState)
 
+# Bits of a slot's flags column (`SlotTable._flags`, uint8).
+_WRITING = 1
+"""A write transfer is in flight (at most one per slot)."""
+_FREEING = 2
+"""A free waits for the slot's transfers to end (a deferred free, or an expired lease while in flight)."""
+_HAS_PARENT = 4
+"""The slot's block names a parent (its parent-hash row holds it; zeros otherwise)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
@@ -27,14 +35,6 @@ class Reservation:
     namespace: bytes
     block_hash: bytes
     parent_hash: bytes = b""
-
-
-@dataclass(slots=True)
-class _Meta:
-    namespace: bytes
-    block_hash: bytes
-    parent_hash: bytes
-    lease_expiry_ms: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,10 @@ With a shared segment and without capabilities, each slot's generation, checksum
 first (transfer/slot_state.py): a release clears the flag and bumps the generation before the slot can be
 written again. Implements `transfer.BlockHandler` (its reads and writes: kvpool/store/slot_io.py). Thread-safe (one lock; the checksum of a write is
 computed outside it).
+
+Per-slot state lives in numpy columns sized to the segment, with no Python object per slot (about 60
+bytes a slot: state, flags, readers, generation, checksum, readable here; namespace, hashes and write lease
+in kvpool/store/slot_columns.py); `reap_expired` and `inventory_batch` are array operations.
 """
 
 from __future__ import annotations
@@ -36,25 +40,28 @@ from kvpool.errors import (
 )
 from kvpool.store.fence import EpochFence
 from kvpool.store.segment import Segment
+from kvpool.store.slot_columns import MAX_WRITE_LEASE_MS, SlotColumns
 from kvpool.store.slot_io import SlotDataPlane
 from kvpool.store.slot_types import (  # noqa: F401 - FIRST_GENERATION, Reservation: this module's API
     _COMMITTED,
     _FREE,
+    _FREEING,
     _RESERVED,
+    _WRITING,
     _WRITTEN,
     FIRST_GENERATION,
     FreeResult,
     Reservation,
     SlotState,
-    _Meta,
 )
-from kvpool.types import HASH_NBYTES, Clock, InventoryItem, MonotonicClock
+from kvpool.types import HASH_NBYTES, Clock, InventoryBatch, InventoryItem, MonotonicClock
 from transfer.slot_state import SharedSlotState
 
 log = logging.getLogger(__name__)
 
-_NO_BLOCK = _Meta(b"", b"", b"", 0)
-"""What a never-used slot's capability is checked against: no block, so no capability matches."""
+_NEVER_MS = 1 << 63
+_NOT_FREEING = 0xFF ^ _FREEING
+_INVENTORY_ALL = 1 << 62
 
 
 def _shared_state(segment: Segment, capabilities: Capabilities | None) -> SharedSlotState | None:
@@ -101,13 +108,15 @@ class SlotTable(SlotDataPlane):
             self._checksum = np.zeros(n, dtype=np.uint64)
             self._readable = np.zeros(n, dtype=np.uint8)  # 1: COMMITTED and no free pending
         self._state = np.zeros(n, dtype=np.uint8)
+        # _WRITING | _FREEING | _HAS_PARENT (slot_types.py): one slot's through the bytearray (a tenth of a
+        # microsecond a bit, a quarter of a numpy scalar's), many at once through its array view
+        self._flag_bytes = bytearray(n)
+        self._flags = np.frombuffer(self._flag_bytes, dtype=np.uint8)
         self._readers = np.zeros(n, dtype=np.int32)
-        self._writing = np.zeros(n, dtype=np.bool_)
-        self._meta: dict[int, _Meta] = {}  # non-FREE slots only
-        # FREE slots' last block, so a capability for an older generation is checked (then refused as
-        # stale), and a caller without one learns nothing of the slot (`_check_capability`)
-        self._retired: dict[int, _Meta] = {}
-        self._free_pending: set[int] = set()
+        # the block each slot holds, or held last when FREE (so a capability for an older generation is
+        # checked, then refused as stale, and a caller without one learns nothing of the slot), its lease
+        self._cols = SlotColumns(n, self._clock.now_ms())
+        self._next_expiry_ms = _NEVER_MS  # no write lease ends before this (`reap_expired` skips till then)
         self._freed: list[tuple[int, int]] = []  # (slot, new generation) not yet reported
         self._num_used = 0
         self.num_inflight = 0
@@ -134,13 +143,13 @@ class SlotTable(SlotDataPlane):
     ) -> None:
         if self.capabilities is None:
             return
-        # a slot that never held a block: checked against no block, which no capability names, so the
-        # refusal reads exactly like any other's
-        meta = self._meta.get(slot) or self._retired.get(slot) or _NO_BLOCK
+        # a slot that never held a block: checked against no block (b""), which no capability names, so
+        # the refusal reads exactly like any other's
+        namespace, block_hash = self._cols.block_of(slot)
         self.capabilities.check(
             op,
-            meta.namespace,
-            meta.block_hash,
+            namespace,
+            block_hash,
             self.node_id,
             slot,
             generation,
@@ -150,7 +159,13 @@ class SlotTable(SlotDataPlane):
         )
 
     def _in_flight(self, slot: int) -> bool:
-        return bool(self._readers[slot] > 0 or self._writing[slot])
+        return bool(self._flag_bytes[slot] & _WRITING or self._readers[slot] > 0)
+
+    def _freeing(self, slot: int) -> bool:
+        return bool(self._flag_bytes[slot] & _FREEING)
+
+    def _lease_expiry_ms(self, slot: int) -> int:
+        return self._cols.lease_base_ms + int(self._cols.lease[slot])
 
     def _release(self, slot: int) -> int:
         """Free `slot` now: bump its generation. Returns the new generation."""
@@ -158,53 +173,74 @@ class SlotTable(SlotDataPlane):
         if int(self._state[slot]) != _FREE:
             self._num_used -= 1
         self._state[slot] = _FREE
-        if (meta := self._meta.pop(slot, None)) is not None:
-            self._retired[slot] = meta
-        self._free_pending.discard(slot)
+        self._flag_bytes[slot] &= _NOT_FREEING
         self._gen[slot] += 1
         return int(self._gen[slot])
 
+    def _release_all(self, slots: np.ndarray) -> np.ndarray:
+        """`_release` of distinct `slots` at once. Returns their new generations (uint64)."""
+        self._readable[slots] = 0
+        self._num_used -= int(np.count_nonzero(self._state[slots] != _FREE))
+        self._state[slots] = _FREE
+        self._flags[slots] &= np.uint8(_NOT_FREEING)
+        self._gen[slots] += np.uint64(1)
+        return self._gen[slots]
+
     def _maybe_finish_free(self, slot: int) -> None:
-        if slot in self._free_pending and not self._in_flight(slot):
+        if self._freeing(slot) and not self._in_flight(slot):
             self._freed.append((slot, self._release(slot)))
 
     # ---------------------------------------------------------------- control plane (master)
 
     def reserve(self, reservations: Sequence[Reservation], write_lease_ms: int) -> None:
         """Reserve every slot or none (raises naming the first bad one)."""
-        if write_lease_ms <= 0:
-            raise InvalidArgument("write_lease_ms must be positive")
+        if not 0 < write_lease_ms <= MAX_WRITE_LEASE_MS:
+            raise InvalidArgument(f"write_lease_ms must be in (0, {MAX_WRITE_LEASE_MS}]")
         seen: set[int] = set()
         for r in reservations:
             self._check_slot(r.slot)
             if r.slot in seen:
                 raise InvalidArgument(f"slot {r.slot} named twice")
             seen.add(r.slot)
+            if type(r.generation) is not int or not 0 <= r.generation < 1 << 64:
+                raise InvalidArgument(f"generation {r.generation} of slot {r.slot} is not a uint64")
             if len(r.namespace) != HASH_NBYTES or len(r.block_hash) != HASH_NBYTES:
                 raise InvalidArgument(f"namespace and block hash must be {HASH_NBYTES} bytes (slot {r.slot})")
             if len(r.parent_hash) not in (0, HASH_NBYTES):
                 raise InvalidArgument(f"parent hash must be empty or {HASH_NBYTES} bytes (slot {r.slot})")
+        if not reservations:
+            return
         with self._lock:
-            expiry = self._clock.now_ms() + write_lease_ms
             for r in reservations:
                 state, current = int(self._state[r.slot]), int(self._gen[r.slot])
-                if state == _FREE and r.slot not in self._free_pending:
+                if state == _FREE:  # a slot with a free pending is never FREE
                     if r.generation < current:
                         raise StaleGeneration(f"slot {r.slot} is at generation {current}, not {r.generation}")
                     continue
-                meta = self._meta.get(r.slot)
-                same = meta is not None and r.generation == current and meta.block_hash == r.block_hash
+                same = r.generation == current and self._cols.block_of(r.slot)[1] == r.block_hash
                 if not (same and state == _RESERVED):  # a repeated order renews the lease
                     raise FailedPrecondition(
                         f"slot {r.slot} is {SlotState(state).name} at generation {current}, cannot reserve"
                     )
-            for r in reservations:
-                if int(self._state[r.slot]) == _FREE:
-                    self._gen[r.slot] = r.generation
-                    self._state[r.slot] = _RESERVED
-                    self._num_used += 1
-                self._meta[r.slot] = _Meta(r.namespace, r.block_hash, r.parent_hash, expiry)
-                self._retired.pop(r.slot, None)
+            now = self._clock.now_ms()
+            slots = np.fromiter((r.slot for r in reservations), dtype=np.int64, count=len(reservations))
+            fresh = self._state[slots] == _FREE
+            self._gen[slots[fresh]] = np.array(
+                [r.generation for r, f in zip(reservations, fresh.tolist(), strict=True) if f],
+                dtype=np.uint64,
+            )
+            self._state[slots[fresh]] = _RESERVED
+            self._num_used += int(np.count_nonzero(fresh))
+            cols = self._cols
+            cols.set_blocks(
+                slots,
+                [r.namespace for r in reservations],
+                [r.block_hash for r in reservations],
+                [r.parent_hash for r in reservations],
+                self._flags,
+            )
+            cols.lease[slots] = cols.lease_until(now, write_lease_ms)
+            self._next_expiry_ms = min(self._next_expiry_ms, now + write_lease_ms)
 
     def commit(self, refs: Iterable[tuple[int, int]]) -> list[tuple[int, int, str]]:
         """Make WRITTEN slots COMMITTED. Per slot: (slot, generation, error or "")."""
@@ -215,7 +251,7 @@ class SlotTable(SlotDataPlane):
                     self._check_slot(slot)
                     self._check_gen(slot, gen)
                     state = int(self._state[slot])
-                    if slot in self._free_pending:
+                    if self._freeing(slot):
                         raise FailedPrecondition(f"slot {slot} is being freed")
                     if state == _WRITTEN:
                         self._state[slot] = _COMMITTED
@@ -238,7 +274,7 @@ class SlotTable(SlotDataPlane):
                 if gen != current or int(self._state[slot]) == _FREE:
                     out.append(FreeResult(slot, current, False))
                 elif self._in_flight(slot):
-                    self._free_pending.add(slot)
+                    self._flag_bytes[slot] |= _FREEING
                     self._readable[slot] = 0
                     out.append(FreeResult(slot, current + 1, True))
                 else:
@@ -246,19 +282,25 @@ class SlotTable(SlotDataPlane):
         return out
 
     def reap_expired(self) -> int:
-        """Reclaim reservations (RESERVED or WRITTEN) whose write lease passed. Returns how many."""
-        n = 0
+        """Reclaim reservations (RESERVED or WRITTEN) whose write lease passed; one with a transfer in flight
+        is freed when the transfer ends. Returns how many were reclaimed now. Array operations over all
+        slots, and only once a lease may have ended (the earliest expiry is kept)."""
         with self._lock:
             now = self._clock.now_ms()
-            for slot, meta in list(self._meta.items()):
-                state = int(self._state[slot])
-                if state in (_RESERVED, _WRITTEN) and meta.lease_expiry_ms <= now:
-                    if self._in_flight(slot):
-                        self._free_pending.add(slot)
-                    else:
-                        self._freed.append((slot, self._release(slot)))
-                        n += 1
-        return n
+            if now < self._next_expiry_ms:
+                return 0
+            # RESERVED or WRITTEN: state - RESERVED is 0 or 1 (FREE wraps round to 255)
+            leased = np.flatnonzero((self._state - np.uint8(_RESERVED)) <= _WRITTEN - _RESERVED)
+            ended = self._cols.expired(leased, now)
+            live = self._cols.lease[leased[~ended]]
+            self._next_expiry_ms = self._cols.lease_base_ms + int(live.min()) if len(live) else _NEVER_MS
+            ended_slots = leased[ended]
+            busy = (self._readers[ended_slots] > 0) | ((self._flags[ended_slots] & _WRITING) != 0)
+            self._flags[ended_slots[busy]] |= np.uint8(_FREEING)
+            gone = ended_slots[~busy]
+            if len(gone):
+                self._freed.extend(zip(gone.tolist(), self._release_all(gone).tolist(), strict=True))
+        return len(gone)
 
     def drain_freed(self) -> list[tuple[int, int]]:
         """(slot, new generation) of deferred frees and reclaimed reservations since the last call."""
@@ -271,21 +313,48 @@ class SlotTable(SlotDataPlane):
         with self._lock:
             self._freed[:0] = list(freed)
 
-    def inventory(self) -> list[InventoryItem]:
+    def inventory_batch(self, after_slot: int, limit: int) -> InventoryBatch:
+        """The committed blocks (no free pending) in slots ≥ `after_slot`, in slot order, at most `limit`
+        (> 0) of them, as columns; `next_slot` is the slot after the last one returned, or -1 when no
+        committed block follows. Raises `InvalidArgument` on a negative `after_slot` or a `limit` < 1."""
+        if type(after_slot) is not int or after_slot < 0:
+            raise InvalidArgument(f"after_slot must be a non-negative int, not {after_slot!r}")
+        if type(limit) is not int or limit < 1:
+            raise InvalidArgument(f"limit must be a positive int, not {limit!r}")
         with self._lock:
-            return [
-                InventoryItem(
-                    m.namespace,
-                    m.block_hash,
-                    m.parent_hash,
-                    s,
-                    int(self._gen[s]),
-                    int(self._checksum[s]),
-                    self.block_nbytes,
+            return self._inventory_batch(after_slot, limit)
+
+    def _inventory_batch(self, after_slot: int, limit: int) -> InventoryBatch:
+        # readable == COMMITTED with no free pending (`commit` sets it, a free or release clears it)
+        idx, next_slot = SlotColumns.find(self._readable, after_slot, limit)
+        return self._cols.batch(idx, next_slot, self._gen, self._checksum, self._flags, self.block_nbytes)
+
+    def inventory(self) -> list[InventoryItem]:
+        """Every committed block, in slot order (one snapshot; `inventory_batch` streams them as columns)."""
+        with self._lock:
+            b = self._inventory_batch(0, _INVENTORY_ALL)
+        hashes, parents, nb = b.block_hashes.tobytes(), b.parent_hashes.tobytes(), HASH_NBYTES
+        return [
+            InventoryItem(
+                b.namespaces[k],
+                hashes[i * nb : i * nb + nb],
+                parents[i * nb : i * nb + nb] if has else b"",
+                s,
+                g,
+                c,
+                self.block_nbytes,
+            )
+            for i, (k, has, s, g, c) in enumerate(
+                zip(
+                    b.ns_index.tolist(),
+                    b.has_parent.tolist(),
+                    b.slots.tolist(),
+                    b.generations.tolist(),
+                    b.checksums.tolist(),
+                    strict=True,
                 )
-                for s, m in sorted(self._meta.items())
-                if int(self._state[s]) == _COMMITTED and s not in self._free_pending
-            ]
+            )
+        ]
 
     @property
     def num_used(self) -> int:
