@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvpool.errors import KVPoolError
-from kvpool.master.bulk_compat import insert_bulk
 from kvpool.types import InventoryBatch, Location, NamespaceId
 
 if TYPE_CHECKING:
@@ -244,8 +243,7 @@ class Adoption:
         ns, node_id = key
         b = self.waiting[key]
         try:
-            res = insert_bulk(
-                m,
+            res = m.index.insert_bulk(
                 NamespaceId(ns),
                 b.block_hashes,
                 b.parent_hashes,
@@ -261,6 +259,9 @@ class Adoption:
             log.warning("inventory blocks of namespace %s not indexed: %s", ns.hex(), exc)
             return
         self.stats.num_adopted_blocks += int(res.inserted.sum() + res.merged.sum())
+        if m.settings.replicas > 1 and res.inserted.any():  # one replica so far: copies to make
+            h = np.ascontiguousarray(b.block_hashes[res.inserted]).tobytes()
+            m.st.under_replicated.update((ns, h[i : i + 16]) for i in range(0, len(h), 16))
         if res.refused.any():
             log.warning(
                 "%d inventory blocks of %s refused by the index: freed", int(res.refused.sum()), node_id

@@ -52,20 +52,12 @@ class Counters:
     num_bad_replicas: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class BlockMeta:
-    checksum: int
-    target_replicas: int
-
-
 @dataclass
 class MasterState:
     """Mutable bookkeeping beside the index (all under `Master.lock`)."""
 
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     free_q: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # node -> (slot, gen) to free
-    node_blocks: dict[str, set[BlockKey]] = field(default_factory=dict)  # store replicas (may be stale)
-    meta: dict[BlockKey, BlockMeta] = field(default_factory=dict)
     to_adopt: set[str] = field(default_factory=set)  # store nodes whose inventory must be read
     under_replicated: set[BlockKey] = field(default_factory=set)
 
@@ -131,10 +123,12 @@ class Master(NodeRegistry):
     def _forget_node(self, rec: NodeRecord) -> None:
         """Drop everything a node had in the index (dead, or restarted under a new epoch)."""
         rec.alive = False
+        survivors = self.index.keys_on_node(rec.node_id, multi_replica_only=True)  # they lose a replica
         self.on_dropped(self.index.remove_node(rec.node_id))
         self.st.free_q.pop(rec.node_id, None)
-        lost = self.st.node_blocks.pop(rec.node_id, set())
-        self.st.under_replicated.update(k for k in lost if k in self.st.meta)
+        self.st.under_replicated.update(
+            (bytes(ns), bytes(h)) for ns, h in survivors if self.index.block_meta(ns, h) is not None
+        )
         self.st.to_adopt.discard(rec.node_id)
         if rec.is_store:
             self.publisher.forget_node(rec.node_id)
@@ -147,12 +141,8 @@ class Master(NodeRegistry):
     def on_dropped(self, dropped: Sequence[DroppedBlock]) -> None:
         """Blocks (or replicas) left the index: queue a free order for each store slot they held."""
         for d in dropped:
-            key = (bytes(d.ns), bytes(d.block_hash))
-            if d.reason != "replica":
-                self.st.meta.pop(key, None)
             for loc in d.locations:
                 if not loc.local:
-                    self.st.node_blocks.get(loc.node_id, set()).discard(key)
                     self.queue_free(loc)
         if dropped:
             self.wake.set()
@@ -161,11 +151,6 @@ class Master(NodeRegistry):
         rec = self.st.nodes.get(loc.node_id)
         if rec is not None and rec.alive and rec.is_store:
             self.st.free_q.setdefault(loc.node_id, []).append((loc.slot, loc.generation))
-
-    def note_replicas(self, ns: bytes, block_hash: bytes, locations: Sequence[Location]) -> None:
-        for loc in locations:
-            if not loc.local:
-                self.st.node_blocks.setdefault(loc.node_id, set()).add((ns, block_hash))
 
     def flush_frees(self, only: str | None = None) -> int:
         """Send queued free orders (outside the lock); acknowledged slots return to the free lists."""

@@ -129,7 +129,7 @@ class Maintenance:
         """Under the lock: (a copy to make, whether the key stays queued)."""
         m = self.m
         info = m.index.lookup(NamespaceId(key[0]), BlockHash(key[1]))
-        meta = m.st.meta.get(key)
+        meta = m.index.block_meta(NamespaceId(key[0]), BlockHash(key[1]))  # (checksum, target)
         if info is None or meta is None:
             return None, False
         nodes = m.st.nodes
@@ -138,9 +138,7 @@ class Maintenance:
         ]
         good = [x for x in store_locs if not nodes[x.node_id].draining]
         draining = [x for x in store_locs if nodes[x.node_id].draining]
-        if len(good) >= meta.target_replicas or (
-            good and not draining and len(good) >= self._max_placeable()
-        ):
+        if len(good) >= meta[1] or (good and not draining and len(good) >= self._max_placeable()):
             if draining and info.num_leases:
                 return None, True  # a reader may hold a draining replica: free it once the lease ends
             for loc in draining:
@@ -180,7 +178,7 @@ class Maintenance:
             nodes[src.node_id].data_address,
             dst,
             dst_node.grpc_address,
-            meta.checksum,
+            meta[0],
         )
         return job, True
 
@@ -211,5 +209,4 @@ class Maintenance:
                 m.queue_free(job.dst)
                 return
             m.index.add_location(NamespaceId(ns), BlockHash(h), job.dst)
-            m.note_replicas(ns, h, [job.dst])
             m.counters.num_rereplications += 1
