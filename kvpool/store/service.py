@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-import numpy as np
 import psutil
 
 from kvpool.client.convert import inventory_batch_pb
@@ -15,7 +14,6 @@ from kvpool.errors import InvalidArgument, ResourceExhausted
 from kvpool.membership import LEADER_PROOF_METADATA
 from kvpool.rpc.status import rpc_errors
 from kvpool.store.slots import Reservation, SlotTable
-from kvpool.types import HASH_NBYTES, InventoryBatch, InventoryItem
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -124,18 +122,11 @@ class StoreServicer(pb_grpc.StoreServicer):
         limit = min(request.max_entries or INVENTORY_CHUNK, MAX_INVENTORY_CHUNK)
         cursor = request.after_slot
         while True:
-            batch = self._inventory_batch(cursor, limit)
+            batch = self._table.inventory_batch(cursor, limit)
             yield inventory_batch_pb(batch, self._epoch)
             if batch.next_slot < 0:
                 return
             cursor = batch.next_slot
-
-    def _inventory_batch(self, after_slot: int, limit: int) -> InventoryBatch:
-        read = getattr(self._table, "inventory_batch", None)
-        if read is not None:  # the slot table's own columns
-            batch: InventoryBatch = read(after_slot, limit)
-            return batch
-        return _batch_of_items(self._table.inventory(), after_slot, limit)
 
     @rpc_errors
     def CopyBlocks(
@@ -169,30 +160,3 @@ class StoreServicer(pb_grpc.StoreServicer):
         return pb.CopyBlocksResponse(
             results=[pb.SlotResult(slot=s, generation=g, ok=not e, error=e) for s, g, e in results]
         )
-
-
-def _batch_of_items(items: list[InventoryItem], after_slot: int, limit: int) -> InventoryBatch:
-    """An `InventoryBatch` of the (at most `limit`) `items` in slots >= `after_slot`, from a slot table that
-    lists its blocks one object each (until `SlotTable.inventory_batch` reads them as columns)."""
-    rest = sorted((i for i in items if i.slot >= after_slot), key=lambda i: i.slot)
-    part, more = rest[:limit], len(rest) > limit
-    namespaces = sorted({i.namespace for i in part})
-    where = {ns: k for k, ns in enumerate(namespaces)}
-    zero = bytes(HASH_NBYTES)
-    n = len(part)
-    return InventoryBatch(
-        namespaces=namespaces,
-        ns_index=np.array([where[i.namespace] for i in part], dtype=np.int32),
-        block_hashes=np.frombuffer(b"".join(i.block_hash for i in part), dtype=np.uint8).reshape(
-            n, HASH_NBYTES
-        ),
-        parent_hashes=np.frombuffer(b"".join(i.parent_hash or zero for i in part), dtype=np.uint8).reshape(
-            n, HASH_NBYTES
-        ),
-        has_parent=np.array([bool(i.parent_hash) for i in part], dtype=bool),
-        slots=np.array([i.slot for i in part], dtype=np.uint64),
-        generations=np.array([i.generation for i in part], dtype=np.uint64),
-        checksums=np.array([i.checksum for i in part], dtype=np.uint64),
-        size_bytes=np.array([i.size_bytes for i in part], dtype=np.uint64),
-        next_slot=part[-1].slot + 1 if more else -1,
-    )
