@@ -28,6 +28,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+LOCK_SLICE_BLOCKS = 8192
+"""Inventory blocks indexed per hold of the master's lock (matches wait at most one slice's bulk insert)."""
+
+
+def _rows(b: InventoryBatch, lo: int, hi: int) -> InventoryBatch:
+    """Rows [lo, hi) of batch `b` (views; the cursor is the batch's)."""
+    return InventoryBatch(
+        b.namespaces,
+        b.ns_index[lo:hi],
+        b.block_hashes[lo:hi],
+        b.parent_hashes[lo:hi],
+        b.has_parent[lo:hi],
+        b.slots[lo:hi],
+        b.generations[lo:hi],
+        b.checksums[lo:hi],
+        b.size_bytes[lo:hi],
+        b.next_slot,
+    )
+
 
 @dataclass
 class Blocks:
@@ -113,7 +132,7 @@ class Adoption:
         self.reading: dict[str, _Reading] = {}
         self.waiting: dict[tuple[bytes, str], Blocks] = {}  # (namespace, store) -> blocks not indexed yet
         self.since_ms: dict[tuple[bytes, str], int] = {}  # when each began waiting
-        self.stats = AdoptionStats()
+        self.stats = master.adoption_stats
 
     def num_waiting_blocks(self) -> int:
         return sum(len(b) for b in self.waiting.values())
@@ -140,17 +159,19 @@ class Adoption:
         try:
             done = r.cursor < 0
             for batch in [] if done else m.stores.inventory(address, after_slot=r.cursor):
-                t0 = time.monotonic()
-                with m.lock:
-                    rec = m.st.nodes.get(node_id)
-                    if rec is None or rec.epoch != epoch or not rec.alive:
-                        self.reading.pop(node_id, None)
-                        return
-                    self._take(node_id, r, batch, m.clock.now_ms())
-                    r.cursor = batch.next_slot
-                held = time.monotonic() - t0
-                self.stats.lock_holds_s.append(held)
-                self.stats.max_lock_hold_s = max(self.stats.max_lock_hold_s, held)
+                for lo in range(0, max(len(batch), 1), LOCK_SLICE_BLOCKS):  # the lock per slice
+                    t0 = time.monotonic()
+                    with m.lock:
+                        rec = m.st.nodes.get(node_id)
+                        if rec is None or rec.epoch != epoch or not rec.alive:
+                            self.reading.pop(node_id, None)
+                            return
+                        self._take(node_id, r, _rows(batch, lo, lo + LOCK_SLICE_BLOCKS), m.clock.now_ms())
+                        if lo + LOCK_SLICE_BLOCKS >= len(batch):
+                            r.cursor = batch.next_slot
+                    held = time.monotonic() - t0
+                    self.stats.lock_holds_s.append(held)
+                    self.stats.max_lock_hold_s = max(self.stats.max_lock_hold_s, held)
                 if batch.next_slot < 0:
                     done = True
                     break

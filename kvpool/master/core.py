@@ -19,6 +19,7 @@ from kvpool.index.radix import RadixIndex
 from kvpool.index.results import DroppedBlock, MatchResult
 from kvpool.master import bounds, dataplane
 from kvpool.master.admission import Admission
+from kvpool.master.adoption import AdoptionStats
 from kvpool.master.members import Membership
 from kvpool.master.namespaces import NamespaceRegistry
 from kvpool.master.nodes import NodeRecord
@@ -38,6 +39,8 @@ MAX_RELEASE_BATCH = 1024
 """The most prompt tokens one match may report (the hit-rate denominator; keeps counters in uint64)."""
 
 BlockKey = tuple[bytes, bytes]  # (namespace, block hash)
+FREE_BATCH_SLOTS = 4096
+"""Slots per `FreeSlots` call (a store refuses more than its max_batch_slots, 8192 by default, in one)."""
 
 
 @dataclass
@@ -98,6 +101,8 @@ class Master(NodeRegistry):
         self.quotas = TenantQuotas.from_file(settings.tenants, settings.tenant_salt_key_file)
         self.st = MasterState()
         self.admission = Admission(self)
+        self.adoption_stats = AdoptionStats()
+        """Figures of the inventories adopted (`kvpool.master.adoption`, run by the maintenance thread)."""
         self.counters = Counters()
         self.dataplane_policy = dataplane.DataPlanePolicy.from_settings(settings)
         self.stores = stores or StoreCalls(
@@ -166,7 +171,11 @@ class Master(NodeRegistry):
         for node_id, (address, epoch) in targets.items():
             slots = work[node_id]
             try:
-                answers = self.stores.free(address, slots)
+                answers = [
+                    a
+                    for lo in range(0, len(slots), FREE_BATCH_SLOTS)
+                    for a in self.stores.free(address, slots[lo : lo + FREE_BATCH_SLOTS])
+                ]
                 failed = False
             except Exception as exc:  # noqa: BLE001 - a store down: retried while it lives
                 self.mark_unreachable(node_id, exc)

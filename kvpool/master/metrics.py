@@ -62,6 +62,25 @@ class MasterCollector(Collector):
             "Blocks evicted to keep the index within its memory limit (also in evictions).",
             value=a.num_evictions,
         )
+        ad = m.adoption_stats
+        yield CounterMetricFamily(
+            P + "adopted_blocks", "Blocks indexed from store inventories.", value=ad.num_adopted_blocks
+        )
+        yield CounterMetricFamily(
+            P + "inventory_resumes",
+            "Broken inventory streams read again from their cursor.",
+            value=ad.num_inventory_resumes,
+        )
+        yield GaugeMetricFamily(
+            P + "adoption_lock_hold_max_seconds",
+            "The longest the master's lock was held for one inventory batch.",
+            value=ad.max_lock_hold_s,
+        )
+        yield GaugeMetricFamily(
+            P + "last_adoption_seconds",
+            "Wall clock of the last complete inventory adoption (first read to last block indexed).",
+            value=ad.last_adoption_s,
+        )
         with m.lock:
             index_bytes = a.index_bytes()
         yield GaugeMetricFamily(
