@@ -23,6 +23,7 @@ import urllib.request
 
 from kvpool.client import MasterClient
 from kvpool.client.types import NodeInfo, NodeLoad
+from kvpool.errors import DeadlineExceeded
 from kvpool.master.procs import start
 from kvpool.rpc import PROTOCOL_VERSION
 from kvpool.rpc.server import start_server
@@ -117,7 +118,13 @@ def main() -> None:
                 block_nbytes=lay.block_nbytes,
             )
             threading.Thread(target=beat, daemon=True).start()
-            while c.stats().num_blocks < n:
+            stalls = 0  # Stats calls that timed out (the master's lock held past the call's deadline)
+            while True:
+                try:
+                    if c.stats().num_blocks >= n:
+                        break
+                except DeadlineExceeded:
+                    stalls += 1
                 time.sleep(0.02)
             took = time.perf_counter() - t0
             stop.set()
@@ -134,6 +141,7 @@ def main() -> None:
                             1000 * m.get("kvpool_master_adoption_lock_hold_max_seconds", 0), 2
                         ),
                         "inventory_batch_blocks": batch or 65_536,
+                        "stats_calls_timed_out": stalls,
                     }
                 )
             )

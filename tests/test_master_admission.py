@@ -67,7 +67,7 @@ def test_past_the_limit_leaves_are_evicted_then_reserves_refused(transport: obje
             assert s.index_bytes > 0
         text = generate_latest(master_registry(m)).decode()
         assert "kvpool_master_admission_refusals_total 1.0" in text
-        assert f"kvpool_master_index_bytes_limit {float(limit)}" in text
+        assert f"kvpool_master_index_memory_bytes_limit {float(limit)}" in text
     finally:
         store.kill()
         server.stop()

@@ -84,10 +84,14 @@ class MasterCollector(Collector):
         with m.lock:
             index_bytes = a.index_bytes()
         yield GaugeMetricFamily(
-            P + "index_bytes", "The index's memory by its own accounting.", value=index_bytes
+            P + "index_memory_bytes",
+            "The index's memory by its own accounting (what --max-index-bytes limits).",
+            value=index_bytes,
         )
         yield GaugeMetricFamily(
-            P + "index_bytes_limit", "The index's memory limit (--max-index-bytes).", value=a.limit_bytes
+            P + "index_memory_bytes_limit",
+            "The index's memory limit (--max-index-bytes).",
+            value=a.limit_bytes,
         )
         used_slots = GaugeMetricFamily(
             P + "store_used_slots", "Allocated slots per store node.", labels=["node"]
