@@ -5,6 +5,7 @@ status` and in Prometheus (real master service, real store process, tiny layout)
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -83,3 +84,20 @@ def test_the_flag_sets_the_limit_and_the_default_is_half_the_memory() -> None:
             assert c.stats().index_bytes_limit == 3 << 20
     finally:
         proc.kill()
+
+
+def test_kvpool_up_passes_the_limit_to_each_master(tmp_path: Path) -> None:
+    from kvpool.cluster.launch import plan
+    from kvpool.cluster.spec import load_spec
+    from kvpool.errors import InvalidArgument
+
+    path = tmp_path / "cluster.toml"
+    path.write_text('[master]\nport = 0\nmax_index_bytes = "2GiB"\n')
+    [master] = [x for x in plan(load_spec(path), TINY) if x.role == "master"]
+    assert master.args[master.args.index("--max-index-bytes") + 1] == str(2 << 30)
+    path.write_text("[master]\nport = 0\n")
+    [master] = [x for x in plan(load_spec(path), TINY) if x.role == "master"]
+    assert "--max-index-bytes" not in master.args  # the master's own default
+    path.write_text('[master]\nmax_index_bytes = "plenty"\n')
+    with pytest.raises(InvalidArgument, match="max_index_bytes"):
+        load_spec(path)
