@@ -4,7 +4,8 @@ status` and in Prometheus (real master service, real store process, tiny layout)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from kvpool.master.metrics import master_registry
 from kvpool.master.procs import start_master, start_store
 from kvpool.types import KVLayout
 from tests.capabilities import require_ucx
+from tests.test_master_failures import free_port
 
 TINY = "kv1:float16:b1:l1:h1:d1"
 LAY = KVLayout.from_fingerprint(TINY)
@@ -101,3 +103,37 @@ def test_kvpool_up_passes_the_limit_to_each_master(tmp_path: Path) -> None:
     path.write_text('[master]\nmax_index_bytes = "plenty"\n')
     with pytest.raises(InvalidArgument, match="max_index_bytes"):
         load_spec(path)
+
+
+def test_an_inventory_past_the_limit_is_freed_not_adopted(transport: object) -> None:
+    """A master restarted with a limit its stores' blocks do not fit in refuses them at adoption (counted)
+    and frees their slots, rather than growing past its limit."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    server = serve(MasterSettings(port=port, layout=TINY, metrics=False))
+    store = start_store(address, "s0", segment="1MiB", layout=TINY)
+    try:
+        with MasterClient(address) as c, PoolClient(address, transport, block_nbytes=LAY.block_nbytes) as w:
+            ns, _ = c.register_namespace("adm", "v1", TINY)
+            data = [np.zeros(LAY.block_nbytes, np.uint8)] * CHAIN
+            assert w.put_blocks(ns, None, _chain(4), data).num_committed == CHAIN
+        server.stop()
+        server = serve(MasterSettings(port=port, layout=TINY, metrics=False, max_index_bytes=1))
+        m = server.master
+        with MasterClient(address) as c:
+            assert c.register_namespace("adm", "v1", TINY)[0] == ns
+        _wait(lambda: "s0" in m.st.nodes and m.st.nodes["s0"].ready, 30, "the store adopted")
+        _wait(lambda: m.admission.num_refusals >= 1, 30, "the inventory refused")
+        _wait(lambda: m.st.nodes["s0"].num_allocated == 0, 30, "its slots freed")
+        assert m.index.num_blocks == 0
+    finally:
+        store.kill()
+        server.stop()
+
+
+def _wait(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)

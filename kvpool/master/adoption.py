@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool.errors import KVPoolError
+from kvpool.errors import KVPoolError, ResourceExhausted
 from kvpool.types import InventoryBatch, Location, NamespaceId
 
 if TYPE_CHECKING:
@@ -263,6 +263,13 @@ class Adoption:
         m = self.m
         ns, node_id = key
         b = self.waiting[key]
+        try:
+            m.admission.admit(len(b))  # the index's memory limit: evict leaves, else these are refused
+        except ResourceExhausted as exc:
+            log.warning("%d inventory blocks of %s not adopted, freed: %s", len(b), node_id, exc)
+            self._free(node_id, b)
+            self._forget(key)
+            return
         try:
             res = m.index.insert_bulk(
                 NamespaceId(ns),

@@ -54,7 +54,7 @@ class MasterCollector(Collector):
         a = m.admission
         yield CounterMetricFamily(
             P + "admission_refusals",
-            "Reserves refused because the index reached its memory limit (--max-index-bytes).",
+            "Reserves (and inventory batches at adoption) refused at the index memory limit (--max-index-bytes).",
             value=a.num_refusals,
         )
         yield CounterMetricFamily(
