@@ -132,6 +132,7 @@ class Adoption:
         self.reading: dict[str, _Reading] = {}
         self.waiting: dict[tuple[bytes, str], Blocks] = {}  # (namespace, store) -> blocks not indexed yet
         self.since_ms: dict[tuple[bytes, str], int] = {}  # when each began waiting
+        self.dirty: set[tuple[bytes, str]] = set()  # waiting blocks worth another try (something changed)
         self.stats = master.adoption_stats
 
     def num_waiting_blocks(self) -> int:
@@ -215,12 +216,18 @@ class Adoption:
             if not len(rows):
                 continue
             key = (bytes(ns), node_id)
+            self.since_ms.setdefault(key, now_ms)
             new = Blocks.of(batch, rows)
+            if self.m.namespaces.is_active(key[0]):  # this slice's blocks only: the waiting ones at the end
+                left = self._insert(key, new)
+                if left is None or not len(left):
+                    if key not in self.waiting:
+                        self.since_ms.pop(key, None)
+                    continue
+                new = left
             held = self.waiting.get(key)
             self.waiting[key] = new if held is None else held.extend(new)
-            self.since_ms.setdefault(key, now_ms)
-            if self.m.namespaces.is_active(key[0]):
-                self._index(key)
+            self.dirty.add(key)
 
     def claim(self, now_ms: int) -> None:
         """Under the lock: index waiting blocks of namespaces active now; free those of namespaces known
@@ -232,8 +239,8 @@ class Adoption:
             if rec is None or not rec.alive:
                 self._forget(key)
                 continue
-            if m.namespaces.is_active(ns):
-                self._index(key)
+            if m.namespaces.is_active(ns) and key in self.dirty and node_id not in self.reading:
+                self._index(key)  # once per change: new blocks, or a parent indexed meanwhile
             if key not in self.waiting:
                 continue
             expired = now_ms - self.since_ms.get(key, now_ms) > m.settings.rebuild_grace_ms
@@ -252,24 +259,35 @@ class Adoption:
     def _forget(self, key: tuple[bytes, str]) -> None:
         self.waiting.pop(key, None)
         self.since_ms.pop(key, None)
+        self.dirty.discard(key)
 
     def _free(self, node_id: str, blocks: Blocks) -> None:
         for s, g in zip(blocks.slots.tolist(), blocks.generations.tolist(), strict=True):
             self.m.queue_free(Location(node_id, s, g))
 
     def _index(self, key: tuple[bytes, str]) -> None:
-        """Under the lock: insert the waiting blocks of `key` (an active namespace) in bulk, parent-first;
-        keep those whose parent is still missing; free those the index refuses."""
+        """Under the lock: insert the waiting blocks of `key` (an active namespace) in bulk, parent-first
+        (one call resolves every chain it can); keep those whose parent is still missing."""
+        self.dirty.discard(key)
+        left = self._insert(key, self.waiting[key])
+        if left is None:
+            return
+        if len(left):
+            self.waiting[key] = left
+        else:
+            self._forget(key)
+
+    def _insert(self, key: tuple[bytes, str], b: Blocks) -> Blocks | None:
+        """Under the lock: insert blocks `b` of `key` in bulk; frees those admission or the index refuses.
+        Returns the blocks whose parent is missing, or None when the namespace went away (`b` untouched)."""
         m = self.m
         ns, node_id = key
-        b = self.waiting[key]
         try:
             m.admission.admit(len(b))  # the index's memory limit: evict leaves, else these are refused
         except ResourceExhausted as exc:
             log.warning("%d inventory blocks of %s not adopted, freed: %s", len(b), node_id, exc)
             self._free(node_id, b)
-            self._forget(key)
-            return
+            return b.select(np.zeros(0, dtype=np.int64))
         try:
             res = m.index.insert_bulk(
                 NamespaceId(ns),
@@ -285,17 +303,16 @@ class Adoption:
             )
         except KVPoolError as exc:  # the namespace went away meanwhile: the next claim decides
             log.warning("inventory blocks of namespace %s not indexed: %s", ns.hex(), exc)
-            return
+            return None
         self.stats.num_adopted_blocks += int(res.inserted.sum() + res.merged.sum())
-        if m.settings.replicas > 1 and res.inserted.any():  # one replica so far: copies to make
-            h = np.ascontiguousarray(b.block_hashes[res.inserted]).tobytes()
-            m.st.under_replicated.update((ns, h[i : i + 16]) for i in range(0, len(h), 16))
+        if res.inserted.any():  # a parent other stores' waiting blocks of this namespace may need
+            self.dirty.update(k for k in self.waiting if k[0] == ns and k != key)
+            if m.settings.replicas > 1:  # one replica so far: copies to make
+                h = np.ascontiguousarray(b.block_hashes[res.inserted]).tobytes()
+                m.st.under_replicated.update((ns, h[i : i + 16]) for i in range(0, len(h), 16))
         if res.refused.any():
             log.warning(
                 "%d inventory blocks of %s refused by the index: freed", int(res.refused.sum()), node_id
             )
             self._free(node_id, b.select(np.flatnonzero(res.refused)))
-        if res.waiting.any():
-            self.waiting[key] = b.select(np.flatnonzero(res.waiting))
-        else:
-            self._forget(key)
+        return b.select(np.flatnonzero(res.waiting))
