@@ -105,3 +105,58 @@ def test_children_before_parents_and_late_namespaces(master: object) -> None:
             assert m.st.nodes["s0"].num_allocated == 5
     finally:
         store.stop(0)
+
+
+def test_a_restarted_store_drops_what_its_earlier_epoch_listed(master: object) -> None:
+    """Blocks of an unregistered namespace wait; the store restarts (a new epoch, an empty table): once
+    the namespace registers, none of the earlier epoch's slots is indexed (they are gone)."""
+    server = master
+    m = server.master  # type: ignore[attr-defined]
+    other = serve(MasterSettings(port=0, layout=TINY, metrics=False))
+    try:
+        with MasterClient(other.address) as c:
+            late, _ = c.register_namespace("late", "v1", TINY)
+    finally:
+        other.stop()
+    old = SlotTable(Segment(NUM_SLOTS * LAY.block_nbytes, LAY.block_nbytes, pin_memory="off"), FakeClock(1))
+    _commit(old, [(1, late, _h(11), b""), (2, late, _h(12), _h(11))])
+    new = SlotTable(Segment(NUM_SLOTS * LAY.block_nbytes, LAY.block_nbytes, pin_memory="off"), FakeClock(1))
+    stores = [_serve(old, 5), _serve(new, 6)]
+    try:
+        with MasterClient(server.address) as c:  # type: ignore[attr-defined]
+            _register(c, stores[0].port, 5)
+            _wait(lambda: m.st.nodes["s0"].ready, 30, "the first inventory adopted")
+            _register(c, stores[1].port, 6)  # restarted: nothing committed any more
+            _wait(lambda: m.st.nodes["s0"].epoch == 6 and m.st.nodes["s0"].ready, 30, "the restart adopted")
+            assert c.register_namespace("late", "v1", TINY)[0] == late
+            server.maintenance.tick()  # type: ignore[attr-defined]
+            assert c.match(late, [_h(11), _h(12)]).num_matched == 0
+            assert m.st.nodes["s0"].num_allocated == 0
+    finally:
+        for s in stores:
+            s.stop(0)
+
+
+def _serve(table: SlotTable, epoch: int) -> object:
+    servicer = StoreServicer(
+        table,
+        endpoint=lambda: pb.NodeEndpoint(),
+        layout_fingerprint=LAY.fingerprint(),
+        epoch=epoch,
+        copy=lambda src, blocks: [],
+        max_batch_slots=64,
+        inflight=lambda: 0,
+    )
+    return start_server(
+        [(pb_grpc.add_StoreServicer_to_server, servicer, "kvpool.v1.Store")], host="127.0.0.1", port=0
+    )
+
+
+def _register(c: MasterClient, port: int, epoch: int) -> None:
+    c.register_node(
+        NodeInfo("s0", "store", f"127.0.0.1:{port}", "127.0.0.1:1", epoch),
+        protocol_version=PROTOCOL_VERSION,
+        layout_fingerprint=LAY.fingerprint(),
+        num_slots=NUM_SLOTS,
+        block_nbytes=LAY.block_nbytes,
+    )

@@ -133,6 +133,7 @@ class Adoption:
         self.waiting: dict[tuple[bytes, str], Blocks] = {}  # (namespace, store) -> blocks not indexed yet
         self.since_ms: dict[tuple[bytes, str], int] = {}  # when each began waiting
         self.dirty: set[tuple[bytes, str]] = set()  # waiting blocks worth another try (something changed)
+        self.epoch_of: dict[str, int] = {}  # the store epoch whose inventory each store's waiting blocks are
         self.stats = master.adoption_stats
 
     def num_waiting_blocks(self) -> int:
@@ -150,6 +151,9 @@ class Adoption:
             if r is None or r.epoch != epoch:
                 r = _Reading(epoch, np.zeros(rec.num_slots, dtype=bool), time.monotonic())
                 self.reading[node_id] = r
+                for key in [k for k in self.waiting if k[1] == node_id]:  # an earlier epoch's slots
+                    self._forget(key)
+                self.epoch_of[node_id] = epoch
                 self.stats.lock_holds_s = []
                 rec.free.allocate_all()  # nothing placeable until the inventory is read
             else:
@@ -236,8 +240,8 @@ class Adoption:
         for key in list(self.waiting):
             ns, node_id = key
             rec = m.st.nodes.get(node_id)
-            if rec is None or not rec.alive:
-                self._forget(key)
+            if rec is None or not rec.alive or rec.epoch != self.epoch_of.get(node_id):
+                self._forget(key)  # its store died or restarted: those slots are gone
                 continue
             if m.namespaces.is_active(ns) and key in self.dirty and node_id not in self.reading:
                 self._index(key)  # once per change: new blocks, or a parent indexed meanwhile
