@@ -19,7 +19,9 @@ def main(argv: list[str]) -> int:
         print(json.dumps(measure(int(argv[1]))))
         return 0
     for n in argv or ["1000000"]:
-        out = subprocess.run([sys.executable, __file__, "--one", n], capture_output=True, text=True, check=False)
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", n], capture_output=True, text=True, check=False
+        )
         print(out.stdout.strip() or out.stderr.strip())
     return 0
 

@@ -31,6 +31,10 @@ CAPABILITIES: dict[str, str] = {
     "avx2": "the C kernels have their AVX2 build",
     "openssl": "the openssl command, for the TLS test's self-signed certificate",
     "ipv6": "the IPv6 loopback (::1), a second peer address on one host (the per-peer rate-limit test)",
+    "loopmount": "root may loop-mount a fresh ext4 image and make it fail (the disk tier's full-disk and "
+    "read-only-disk tests)",
+    "nonroot": "a uid other than 0, which directory modes bind (the unwritable-directory test; as root a "
+    "read-only file system stands in)",
 }
 """The capability names a skip may cite and `KVPOOL_TEST_REQUIRE` may list, each with what it means."""
 

@@ -396,3 +396,21 @@ def test_narrow_columns_refuse_what_they_cannot_hold() -> None:
     big_gen = Location("s0", 2**32 - 1, 2**62)
     index.add_location(NS, h(1), big_gen)
     assert big_gen in index.lookup(NS, h(1)).locations  # type: ignore[union-attr]
+
+
+def test_hash_table_single_deletes_keep_later_probes_reachable() -> None:
+    """A table near its maximum load (long probe runs), emptied one key at a time (the scalar path):
+    every key still in it is found after each delete, by both lookups."""
+    n = 700  # of 1024 positions
+    rng = np.random.default_rng(5)
+    h64 = rng.integers(0, 2**63, (n, 2), dtype=np.int64).astype(np.uint64)
+    ns = np.zeros(n, np.int32)
+    table = HashTable(h64, ns)
+    table.insert_many(np.arange(n))
+    assert table.capacity == 1024
+    left = set(range(n))
+    for row in rng.permutation(n)[: n - 50].tolist():
+        table.delete_many(np.array([row]))
+        left.discard(row)
+        assert all(table.find(0, h64[r].tobytes()) == r for r in left)
+    assert (table.find_many(0, h64) == np.where(np.isin(np.arange(n), list(left)), np.arange(n), -1)).all()

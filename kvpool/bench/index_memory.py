@@ -5,15 +5,19 @@ The index is filled through `RadixIndex.insert_bulk` (a store's inventory adopte
 4 store nodes (whole chains per node). Block hashes are generated per batch from the block number
 (splitmix64), so no input is held beside the index while it is measured.
 
-Measured: `bytes_per_block` = (RSS after the fill, after gc - RSS before) / N; `peak_bytes_per_block` =
+Measured: `bytes_per_block` = (RSS after the fill, after gc - RSS before) / N; `trimmed_bytes_per_block`
+the same after glibc's `malloc_trim(0)` (the allocator keeps freed batch temporaries otherwise: ~15 B a
+block at 1 M); `peak_bytes_per_block` =
 (the process's peak RSS - RSS before) / N (the inputs of one batch included); `accounted_bytes_per_block`
-= `RadixIndex.memory_bytes() / N` and `accounted_vs_rss` (its ratio to the RSS growth);
+= `RadixIndex.memory_bytes() / N` and `accounted_vs_rss`, `accounted_vs_trimmed_rss` (its ratios to the
+RSS growths);
 `bulk_insert_blocks_per_s`; `lookup_blocks_per_s` (batch lookups of 64 random resident hashes through
 the hash table); `match_blocks_per_s` (full 64-block matches of random resident chains, hits counted).
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import resource
 import time
@@ -69,7 +73,9 @@ def fill(index: RadixIndex, num_blocks: int, chain_len: int, batch: int) -> None
             )
 
 
-def measure(num_blocks: int, chain_len: int = 64, batch: int = 65_536, num_matches: int = 20_000) -> dict[str, Any]:
+def measure(
+    num_blocks: int, chain_len: int = 64, batch: int = 65_536, num_matches: int = 20_000
+) -> dict[str, Any]:
     proc = psutil.Process()
     gc.collect()
     rss0 = proc.memory_info().rss
@@ -80,6 +86,8 @@ def measure(num_blocks: int, chain_len: int = 64, batch: int = 65_536, num_match
     gc.collect()
     rss1 = proc.memory_info().rss
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    rss_trimmed = proc.memory_info().rss
     accounted = index.memory_bytes()
     assert index.num_blocks == num_blocks
 
@@ -108,8 +116,10 @@ def measure(num_blocks: int, chain_len: int = 64, batch: int = 65_536, num_match
         "chain_len": chain_len,
         "bytes_per_block": round(grown / num_blocks, 1),
         "peak_bytes_per_block": round((peak - rss0) / num_blocks, 1),
+        "trimmed_bytes_per_block": round((rss_trimmed - rss0) / num_blocks, 1),
         "accounted_bytes_per_block": round(accounted / num_blocks, 1),
         "accounted_vs_rss": round(accounted / grown, 3),
+        "accounted_vs_trimmed_rss": round(accounted / (rss_trimmed - rss0), 3),
         "bulk_insert_blocks_per_s": round(num_blocks / insert_s),
         "lookup_blocks_per_s": round(500 * 64 / lookup_s),
         "match_blocks_per_s": round(matched / match_s),

@@ -13,7 +13,7 @@ import typer
 
 from kvpool.cli.bench_extra import need_bench_extra
 from kvpool.cli.bench_failover import failover_cmd
-from kvpool.cli.bench_pool import index_cmd, master_churn_cmd, master_cmd, transfer_cmd
+from kvpool.cli.bench_pool import index_cmd, master_churn_cmd, master_cmd, tiers_cmd, transfer_cmd
 from kvpool.cli.checks import device_option
 
 bench_app = typer.Typer(no_args_is_help=True)
@@ -287,6 +287,7 @@ def trace_cmd(
 
 
 bench_app.command("index")(index_cmd)
+bench_app.command("tiers")(tiers_cmd)
 bench_app.command("master")(master_cmd)
 bench_app.command("failover")(failover_cmd)
 bench_app.command("master-churn")(master_churn_cmd)

@@ -122,3 +122,29 @@ def transfer_cmd(
         blocks_per_message=blocks_per_message,
         mooncake=mooncake,
     )
+
+
+def tiers_cmd(
+    disk_path: Path = typer.Option(
+        ..., help="A directory on the file system the store's disk tier would use."
+    ),
+    total: str = typer.Option("512MiB", help="Bytes written and read back per round."),
+    block_size: str = typer.Option("256KiB", help="Block size (the default layout's block)."),
+    reps: int = typer.Option(5, min=1, help="Rounds per batch size (the median is reported)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
+) -> None:
+    """Disk tier engine read/write GB/s (checksums, direct I/O) vs dd iflag/oflag=direct bs=4M."""
+    from kvpool.bench.tiers import run_tiers_bench
+    from kvpool.errors import InvalidArgument
+    from kvpool.store.settings import parse_size
+
+    try:
+        run_tiers_bench(
+            disk_path,
+            total_bytes=parse_size(total),
+            block_nbytes=parse_size(block_size),
+            reps=reps,
+            json_out=json_out,
+        )
+    except (InvalidArgument, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from None

@@ -33,6 +33,12 @@ def register_store_command(app: typer.Typer) -> None:
             None, "--metrics/--no-metrics", help="Serve Prometheus /metrics."
         ),
         metrics_port: int | None = typer.Option(None, help="/metrics port on the bind host (0: ephemeral)."),
+        disk_path: str | None = typer.Option(
+            None,
+            help="Directory of the store's disk tier (must exist, writable; locked against a second store). "
+            "Off when unset.",
+        ),
+        disk_size: str | None = typer.Option(None, help="Disk tier size with --disk-path, e.g. 64GiB."),
         config: Path | None = typer.Option(None, help="TOML config file."),
     ) -> None:
         """Run a store node; prints `KVPOOL_READY {json}` on stdout when serving.
@@ -66,6 +72,8 @@ def register_store_command(app: typer.Typer) -> None:
                 share_segment=share_segment,
                 metrics=metrics,
                 metrics_port=metrics_port,
+                disk_path=disk_path,
+                disk_size=disk_size,
             )
             node = StoreNode(settings)
             for sig in (signal.SIGTERM, signal.SIGINT):

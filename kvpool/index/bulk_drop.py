@@ -87,3 +87,22 @@ def _release_space(index: RadixIndex, rows: np.ndarray) -> None:
     for row in rows[c.has_extra[rows]].tolist():
         for loc in c.extra[row]:
             space.remove(loc.node_id, int(c.size_bytes[row]))
+
+
+def remove_node(index: RadixIndex, node_id: str) -> list[DroppedBlock]:
+    """See `RadixIndex.remove_node`."""
+    c, space = index._c, index._space
+    if not space.has(node_id):
+        return []
+    k = c.node_index(node_id)
+    first_here = c.rep_node[: c._next_row] == k
+    single = np.flatnonzero(first_here & ~c.has_extra[: c._next_row])
+    c.rep_node[single] = -1  # their only replica was there: orphans
+    orphans = [single]
+    multi = [r for r, locs in c.extra.items() if first_here[r] or any(x.node_id == node_id for x in locs)]
+    for row in multi:  # replica_num > 1: keep the others, in order
+        c.set_replicas(row, tuple(x for x in c.replicas(row) if x.node_id != node_id))
+        if not c.locations[row]:
+            orphans.append(np.array([row], dtype=np.int64))
+    space.forget(node_id)  # (its slots and bytes: every replica counted there is gone)
+    return drop_subtrees(index, np.sort(np.concatenate(orphans)).tolist(), "orphan")

@@ -101,10 +101,12 @@ def insert_bulk(
     c, table = index._c, index._table
 
     # repeats within the batch: the first occurrence counts, later ones are refused
-    as_void = np.ascontiguousarray(keys).view(np.dtype((np.void, 16))).ravel()
-    _, first = np.unique(as_void, return_index=True)
-    dup = np.ones(n, dtype=np.bool_)
-    dup[first] = False
+    by_key = np.lexsort((keys[:, 1], keys[:, 0]))  # stable: equal keys in batch order
+    sorted_keys = keys[by_key]
+    same = np.zeros(n, dtype=np.bool_)
+    same[1:] = (sorted_keys[1:] == sorted_keys[:-1]).all(axis=1)
+    dup = np.zeros(n, dtype=np.bool_)
+    dup[by_key[same]] = True
 
     existing = table.find_many(slot, keys)
     p_row = np.full(n, NO_ROW, dtype=np.int64)
@@ -122,14 +124,9 @@ def insert_bulk(
     dead = np.zeros(n, dtype=np.bool_)
     lookup = np.flatnonzero(cand & ~p_known)
     if lookup.size:
-        cand_idx = np.flatnonzero(cand)
-        order = np.argsort(as_void[cand_idx])
-        sorted_keys = as_void[cand_idx][order]
-        pv = np.ascontiguousarray(pkeys[lookup]).view(np.dtype((np.void, 16))).ravel()
-        at = np.minimum(np.searchsorted(sorted_keys, pv), len(sorted_keys) - 1)
-        hit = sorted_keys[at] == pv
-        ptr[lookup[hit]] = cand_idx[order[at[hit]]]
-        dead[lookup[~hit]] = True
+        found, absent = _find_in_batch(keys, by_key, cand, pkeys[lookup])
+        ptr[lookup] = np.where(absent, lookup, found)
+        dead[lookup] = absent
     parent_idx = ptr.copy()
     depth = (ptr != np.arange(n)).astype(np.int64)
     for _ in range(max(1, int(n).bit_length()) + 1):  # pointer jumping: ptr -> the chain's terminal
@@ -138,9 +135,8 @@ def insert_bulk(
             break
         depth += depth[ptr]
         ptr = nxt
-    terminal = ptr
-    reached = ptr[ptr] == ptr  # False: in or under a cycle of the batch
-    ins = cand & reached & ~dead[terminal] & p_known[terminal]
+    terminal = ptr  # (in or under a cycle of the batch: a block of the cycle, never anchored)
+    ins = cand & ~dead[terminal] & p_known[terminal]
     waiting = cand & ~ins
 
     new = np.flatnonzero(ins)
@@ -161,6 +157,31 @@ def insert_bulk(
     out.waiting[waiting] = True
     out.refused[refused] = True
     return out
+
+
+def _find_in_batch(
+    keys: np.ndarray, by_key: np.ndarray, cand: np.ndarray, wanted: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For each of `wanted` ((m, 2) uint64 keys): the batch index of the candidate block with that
+    key (-1: none), and whether there is none. `by_key` is the batch sorted by key (low half first)."""
+    order = by_key[cand[by_key]]  # candidates, sorted (distinct keys: repeats are not candidates)
+    lo, hi = keys[order, 0], keys[order, 1]
+    at = np.searchsorted(lo, wanted[:, 0])
+    found = np.full(len(wanted), -1, dtype=np.int64)
+    # equal low halves are adjacent; walk each run (random hashes: almost always one step)
+    step = 0
+    todo = np.flatnonzero(at < len(lo))
+    while todo.size:
+        i = at[todo] + step
+        ok = i < len(lo)
+        todo, i = todo[ok], i[ok]
+        same_lo = lo[i] == wanted[todo, 0]
+        todo, i = todo[same_lo], i[same_lo]
+        hit = hi[i] == wanted[todo, 1]
+        found[todo[hit]] = order[i[hit]]
+        todo = todo[~hit]
+        step += 1
+    return found, found < 0
 
 
 def _insert_new(

@@ -4,10 +4,10 @@ Layout: `table` is an int32 array of power-of-two length `capacity`; an entry ho
 index's columns, `EMPTY` (-1, never used) or `TOMB` (-2, deleted). The key itself is not stored: an
 entry's key is read from the row's hash and `ns_slot` columns (`Columns.h64`, `Columns.ns_slot`), so a
 table entry costs 4 bytes. Block hashes are uniformly random 128-bit values, so the home position of a
-key mixes the hash's two 64-bit halves (XOR, then the high 32 bits folded down), XORs the namespace
-slot times a 64-bit odd constant (one hash in two namespaces lands in two places) and takes the top
-bits of that times another (Fibonacci hashing: hashes that are not random, tests' small integers, still
-spread); collisions probe linearly.
+key XORs the hash's two 64-bit halves and the namespace slot times a 64-bit odd constant (one hash in
+two namespaces lands in two places) and takes the top bits of that times another, mod 2**64
+(Fibonacci hashing: keys that are not random, tests' small integers, still spread); collisions probe
+linearly. Only the low 64 bits of the scalar path's Python ints matter, so it needs no masking but one.
 
 Deletion leaves a tombstone (vectorised: a batch of rows is deleted in one pass per probe round);
 inserts reuse tombstones on their probe path. When entries plus tombstones pass `_MAX_LOAD` of the
@@ -53,16 +53,35 @@ class HashTable:
     def bind(self, h64: np.ndarray, ns_slot: np.ndarray) -> None:
         self._h64 = h64
         self._ns = ns_slot
-        self._hmv = h64.data.cast("B")
-        self._ns_item = ns_slot.item
+        self._qmv = h64.data.cast("B").cast("Q")  # hash halves as Python ints (row r: 2r, 2r + 1)
+        # the slot column as Python ints too: an int32 view of the buffer it is a strided field of
+        base = ns_slot if ns_slot.base is None or ns_slot.strides[0] == 4 else ns_slot.base
+        offset = ns_slot.ctypes.data - base.ctypes.data
+        assert offset % 4 == 0 and ns_slot.strides[0] % 4 == 0 and base.flags.c_contiguous
+        self._nmv = base.data.cast("B").cast("i")
+        self._ns_step, self._ns_off = ns_slot.strides[0] // 4, offset // 4
+        self._set_probe()
+
+    def _set_probe(self) -> None:
+        """The values `find` reads, in one tuple (one attribute load on the match path)."""
+        if hasattr(self, "_tmv"):
+            self._probe = (
+                self.mask,
+                self._tmv,
+                self._qmv,
+                self._nmv,
+                self.shift,
+                self._ns_step,
+                self._ns_off,
+            )
 
     def __getstate__(self) -> dict[str, object]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_hmv", "_tmv", "_ns_item")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_qmv", "_tmv", "_nmv", "_probe")}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
-        self.bind(self._h64, self._ns)
         self._tmv = self.table.data
+        self.bind(self._h64, self._ns)
 
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
@@ -70,6 +89,7 @@ class HashTable:
         self.shift = 64 - (capacity.bit_length() - 1)
         self.table = np.full(capacity, EMPTY, dtype=np.int32)
         self._tmv = self.table.data
+        self._set_probe()
 
     @property
     def nbytes(self) -> int:
@@ -79,7 +99,6 @@ class HashTable:
     def _homes(self, slots: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Home positions ((n,) int64) of `keys` ((n, 2) uint64) under `slots` ((n,) ints)."""
         x = keys[:, 0] ^ keys[:, 1]
-        x ^= x >> np.uint64(32)
         x ^= slots.astype(np.uint64) * np.uint64(_MIX)
         x *= np.uint64(_FIB)
         return (x >> np.uint64(self.shift)).astype(np.int64)
@@ -87,15 +106,25 @@ class HashTable:
     # ---- lookups -----------------------------------------------------------------------------------
     def find(self, slot: int, block_hash: bytes) -> int:
         """The row of (`slot`, `block_hash`) (16 bytes), or -1. Pure Python probing (no numpy call)."""
-        mask, tmv, hmv, ns_of = self.mask, self._tmv, self._hmv, self._ns_item
-        pos = self._home(slot, block_hash)
+        mask, tmv, qmv, nmv, shift, step, off = self._probe
+        x = int.from_bytes(block_hash, "little")  # (`_home`, inlined: the match path's hot call)
+        pos = (((x ^ (x >> 64) ^ (slot * _MIX)) * _FIB) & _M64) >> shift
+        row = tmv[pos]
+        if row == EMPTY:
+            return -1
+        lo = x & _M64
         while True:
+            if (
+                row >= 0
+                and qmv[2 * row] == lo
+                and qmv[2 * row + 1] == x >> 64
+                and nmv[row * step + off] == slot
+            ):
+                return row
+            pos = (pos + 1) & mask
             row = tmv[pos]
             if row == EMPTY:
                 return -1
-            if row >= 0 and hmv[row * 16 : row * 16 + 16] == block_hash and ns_of(row) == slot:
-                return row
-            pos = (pos + 1) & mask
 
     def find_many(self, slots: np.ndarray | int, keys: np.ndarray) -> np.ndarray:
         """Rows ((n,) int64, -1 where absent) of the keys `keys` ((n, 2) uint64 hash halves) under
@@ -104,23 +133,35 @@ class HashTable:
         out = np.full(n, -1, dtype=np.int64)
         if n == 0:
             return out
+        one_slot = not isinstance(slots, np.ndarray)
         slots_arr = np.broadcast_to(np.asarray(slots, dtype=np.int64), (n,))
+        if n <= _SCALAR_TAIL:
+            raw = np.ascontiguousarray(keys).tobytes()
+            for i in range(n):
+                out[i] = self.find(int(slots_arr[i]), raw[16 * i : 16 * i + 16])
+            return out
         pos = self._homes(slots_arr, keys)
         todo = np.arange(n)
-        table, h64, ns, mask = self.table, self._h64, self._ns, self.mask
+        k0, k1 = keys[:, 0].copy(), keys[:, 1].copy()
+        want = None if one_slot else slots_arr.copy()
+        table, h0, h1, ns, mask = self.table, self._h64[:, 0], self._h64[:, 1], self._ns, self.mask
         while todo.size:
             if todo.size <= _SCALAR_TAIL:  # a few keys left (the long probes): one by one is cheaper
-                raw = keys[todo].tobytes()
-                for j, i in enumerate(todo.tolist()):
-                    out[i] = self.find(int(slots_arr[i]), raw[16 * j : 16 * j + 16])
+                for i in todo.tolist():
+                    out[i] = self.find(int(slots_arr[i]), keys[i].tobytes())
                 break
-            rows = table[pos].astype(np.int64)
-            live = rows >= 0
-            safe = np.where(live, rows, 0)
-            hit = live & (h64[safe] == keys[todo]).all(axis=1) & (ns[safe] == slots_arr[todo])
-            out[todo[hit]] = rows[hit]
-            more = ~hit & (rows != EMPTY)
-            todo, pos = todo[more], (pos[more] + 1) & mask
+            rows = table[pos]
+            live = np.flatnonzero(rows >= 0)
+            r = rows[live]
+            match = (h0[r] == k0[live]) & (h1[r] == k1[live])
+            match &= ns[r] == (int(slots_arr[0]) if want is None else want[live])
+            hit = live[match]
+            out[todo[hit]] = r[match]
+            cont = rows != EMPTY
+            cont[hit] = False
+            todo, pos, k0, k1 = todo[cont], (pos[cont] + 1) & mask, k0[cont], k1[cont]
+            if want is not None:
+                want = want[cont]
         return out
 
     def positions_of(self, rows: np.ndarray) -> np.ndarray:
@@ -153,12 +194,15 @@ class HashTable:
             self._rebuild(self.count + n)
         self._place(np.asarray(rows, dtype=np.int64))
 
-    def _home(self, slot: int, key: bytes | memoryview) -> int:
-        """The home position of one key (the scalar twin of `_homes`)."""
-        x = int.from_bytes(key, "little")
-        x = (x ^ (x >> 64)) & _M64
-        x ^= (x >> 32) ^ ((slot * _MIX) & _M64)
-        return ((x * _FIB) & _M64) >> self.shift
+    def _slot_of(self, row: int) -> int:
+        return int(self._nmv[row * self._ns_step + self._ns_off])
+
+    def _key_of(self, row: int) -> int:
+        return int(self._qmv[2 * row]) | int(self._qmv[2 * row + 1]) << 64
+
+    def _home(self, slot: int, x: int) -> int:
+        """The home position of one key (`x`: the hash as a little-endian int; `_homes`'s twin)."""
+        return (((x ^ (x >> 64) ^ (slot * _MIX)) * _FIB) & _M64) >> self.shift
 
     def _place(self, rows: np.ndarray) -> None:
         if len(rows) <= _SCALAR_TAIL:
@@ -184,9 +228,9 @@ class HashTable:
             todo, pos = todo[~placed], (pos[~placed] + 1) & mask
 
     def _place_scalar(self, rows: list[int]) -> None:
-        tmv, hmv, mask, ns_of = self._tmv, self._hmv, self.mask, self._ns_item
+        tmv, mask = self._tmv, self.mask
         for row in rows:
-            pos = self._home(ns_of(row), hmv[row * 16 : row * 16 + 16])
+            pos = self._home(self._slot_of(row), self._key_of(row))
             while tmv[pos] >= 0:
                 pos = (pos + 1) & mask
             if tmv[pos] == TOMB:
@@ -200,9 +244,9 @@ class HashTable:
         if n == 0:
             return
         if n <= _SCALAR_TAIL:
-            tmv, hmv, mask, ns_of = self._tmv, self._hmv, self.mask, self._ns_item
+            tmv, mask = self._tmv, self.mask
             for row in rows.tolist():
-                pos = self._home(ns_of(row), hmv[row * 16 : row * 16 + 16])
+                pos = self._home(self._slot_of(row), self._key_of(row))
                 while tmv[pos] != row:
                     if tmv[pos] == EMPTY:
                         raise RuntimeError("hash table: a row to delete is not in the table")

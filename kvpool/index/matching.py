@@ -91,7 +91,7 @@ def match_prefix(
             index.num_hit_blocks += k
             # a counted match hits every ancestor of what it hits, so the top row's count is the
             # largest: below the limit there, a plain increment cannot wrap (uint32 saturates)
-            if c.hit_count[_top(sel)] < HIT_COUNT_MAX:
+            if c.hit_count[sel.start if type(sel) is slice else sel[0]] < HIT_COUNT_MAX:
                 c.hit_count[sel] += 1
             else:
                 hits = c.hit_count[sel]
@@ -114,10 +114,6 @@ def match_prefix(
         rows_of = range(sel.start, sel.stop) if isinstance(sel, slice) else sel.tolist()
         extra = {i: c.extra[rows_of[i]] for i in np.flatnonzero(rec["has_extra"]).tolist()}
     return MatchResult(k, lease_id, expiry_ms, node_ids=c.node_ids, records=rec, extra=extra)
-
-
-def _top(sel: slice | np.ndarray) -> int:
-    return int(sel.start) if isinstance(sel, slice) else int(sel[0])
 
 
 def _runs(c: Columns, joined: bytes, k: int, last: int) -> slice | np.ndarray | None:

@@ -244,23 +244,9 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
         descendants (reason "orphan", with the replicas elsewhere that must be freed). Rows whose only
         replica was there are cleared with one vectorised pass over the replica column; Python work
         per row is left for rows with several replicas and for the dropped blocks themselves."""
-        c, space = self._c, self._space
-        if not space.has(node_id):
-            return []
-        k = c.node_index(node_id)
-        first_here = c.rep_node[: c._next_row] == k
-        single = np.flatnonzero(first_here & ~c.has_extra[: c._next_row])
-        c.rep_node[single] = -1  # their only replica was there: orphans
-        orphans = [single]
-        multi = [r for r, locs in c.extra.items() if first_here[r] or any(x.node_id == node_id for x in locs)]
-        for row in multi:  # replica_num > 1: keep the others, in order
-            c.set_replicas(row, tuple(x for x in c.replicas(row) if x.node_id != node_id))
-            if not c.locations[row]:
-                orphans.append(np.array([row], dtype=np.int64))
-        space.forget(node_id)  # (its slots and bytes: every replica counted there is gone)
-        from kvpool.index.bulk_drop import drop_subtrees
+        from kvpool.index.bulk_drop import remove_node
 
-        return drop_subtrees(self, np.sort(np.concatenate(orphans)).tolist(), "orphan")
+        return remove_node(self, node_id)
 
     def num_blocks_on_node(self, node_id: str) -> int:
         """Slots (replicas) the index places on `node_id`."""

@@ -1,4 +1,4 @@
-"""A running store node: segment + slot table, the UCX block server, the gRPC `Store` service, the
+"""A running store node: segment + slot table, the disk tier (`--disk-path`; opened and held, not yet served), the UCX block server, the gRPC `Store` service, the
 write-lease reaper and the master link. `StoreNode(settings).start()` (it returns once the master answered
 the first registration, or could not be reached; it raises the master's refusal); `.stop()` ends everything."""
 
@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvpool.capability import Capabilities, WallClock, process_capabilities
@@ -21,6 +22,7 @@ from kvpool.membership import MASTER_CALL_METADATA, CallNonces, check_master_cal
 from kvpool.metrics import MetricsServer, address_of, maybe_start
 from kvpool.rpc.guards import RequestGuard
 from kvpool.rpc.server import GrpcServer, start_server
+from kvpool.store.disk_tier import DiskTier, DiskTierError
 from kvpool.store.metrics import MeteredHandler, StoreMetrics
 from kvpool.store.segment import Segment
 from kvpool.store.service import StoreServicer
@@ -39,6 +41,8 @@ class StoreNode:
         self.node_id = settings.node_id or f"store-{socket.gethostname()}-{os.getpid()}"
         self.epoch = secrets.randbits(63) or 1
         self.layout = settings.kv_layout
+        nbytes = self.layout.block_nbytes  # the disk tier first: a refused path allocates no segment
+        self.disk: DiskTier | None = open_disk_tier(settings, settings.segment_bytes // nbytes, nbytes)
         self.segment = Segment(
             settings.segment_bytes,
             self.layout.block_nbytes,
@@ -172,6 +176,15 @@ class StoreNode:
             "block_nbytes": self.table.block_nbytes,
             "layout": self.layout.fingerprint(),
             "pid": os.getpid(),
+            "disk": None
+            if self.disk is None
+            else {
+                "path": str(self.disk.path),
+                "first_slot": self.disk.first_slot,
+                "num_slots": self.disk.num_slots,
+                "direct": self.disk.direct,
+                "recovered_blocks": self.disk.counters.resident_blocks,
+            },
         }
 
     def wait(self) -> None:
@@ -180,6 +193,9 @@ class StoreNode:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
         if self.master is not None:
             self.master.stop()
             self.master.master.close()
@@ -251,6 +267,36 @@ class StoreNode:
             if not res.ok:
                 errors[i] = res.error or "transfer failed"
         return [(b[2], b[3], e) for b, e in zip(blocks, errors, strict=True)]
+
+
+DISK_FIRST_SLOT = 1 << 31
+"""The first disk slot number (above every memory slot; disk slots end below 2**32, the index's slot width)."""
+
+
+def open_disk_tier(settings: StoreSettings, num_memory_slots: int, block_nbytes: int) -> DiskTier | None:
+    """The store's disk tier when `--disk-path` is set (None otherwise). It is opened at start-up, so a bad
+    path is refused before the store serves, and kept on the node as `disk`; the master does not place
+    blocks on it yet and the `Store` service does not read it (the master's side comes next).
+    Raises `DiskTierError` (one line with the path)."""
+    if not settings.disk_path:
+        return None
+    first = max(DISK_FIRST_SLOT, num_memory_slots)
+    tier = DiskTier.open(Path(settings.disk_path), settings.disk_bytes, block_nbytes, first_slot=first)
+    if first + tier.num_slots > 1 << 32:
+        tier.close()
+        raise DiskTierError(
+            f"disk tier {settings.disk_path}: {tier.num_slots} slots are more than a store's slot numbers "
+            f"hold ({(1 << 32) - first}); use a smaller --disk-size"
+        )
+    log.info(
+        "disk tier %s: %d slots of %d bytes (%s I/O), %d blocks recovered",
+        settings.disk_path,
+        tier.num_slots,
+        tier.slot_nbytes,
+        "direct" if tier.direct else "buffered",
+        tier.counters.resident_blocks,
+    )
+    return tier
 
 
 def master_calls_only(caps: Capabilities | None, address: Callable[[], str]) -> list[RequestGuard]:

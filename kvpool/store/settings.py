@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import psutil
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvpool.config import KVPoolSettings, check_host_port
 from kvpool.types import DEFAULT_LAYOUT, KVLayout
@@ -49,6 +49,8 @@ class StoreSettings(KVPoolSettings):
     max_concurrent_rpcs: int = 256  # more in flight are refused with RESOURCE_EXHAUSTED (bounded queue)
     metrics: bool = True  # serve Prometheus /metrics (kvpool.metrics)
     metrics_port: int = Field(default=0, ge=0, le=65535)  # on bind_host; 0 = ephemeral
+    disk_path: str = ""  # a directory for the disk tier (kvpool.store.disk_tier); empty: no disk tier
+    disk_size: str = ""  # bytes of the disk tier, e.g. 64GiB (required with disk_path)
 
     @field_validator("master")
     @classmethod
@@ -72,6 +74,19 @@ class StoreSettings(KVPoolSettings):
             raise ValueError(f"segment_size {value} is more than this host's memory ({total >> 20} MiB)")
         return value
 
+    @field_validator("disk_size")
+    @classmethod
+    def _disk_size(cls, value: str) -> str:
+        if value:
+            parse_size(value)
+        return value
+
+    @model_validator(mode="after")
+    def _disk(self) -> StoreSettings:
+        if self.disk_path and not self.disk_size:
+            raise ValueError("disk_path needs disk_size (e.g. --disk-size 64GiB)")
+        return self
+
     @field_validator("pin_memory")
     @classmethod
     def _pin(cls, value: str) -> str:
@@ -82,6 +97,11 @@ class StoreSettings(KVPoolSettings):
     @property
     def segment_bytes(self) -> int:
         return parse_size(self.segment_size)
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the disk tier (0: none)."""
+        return parse_size(self.disk_size) if self.disk_path else 0
 
     @property
     def kv_layout(self) -> KVLayout:
