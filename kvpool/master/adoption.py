@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOCK_SLICE_BLOCKS = 8192
+LOCK_SLICE_BLOCKS = 4096
 """Inventory blocks indexed per hold of the master's lock (matches wait at most one slice's bulk insert)."""
 
 
