@@ -100,6 +100,7 @@ def main() -> None:
     from kvpool.bench.failover_cluster import role_of
     from kvpool.bench.netns import python_in_netns
     from kvpool.client import MasterClient, PoolClient
+    from kvpool.client import convert as cv
     from kvpool.cluster.etcd import EtcdPlan, require_etcd_binary
     from kvpool.master.procs import LAYOUT, Proc, start, start_master
     from kvpool.types import KVLayout
@@ -185,7 +186,8 @@ def main() -> None:
         # an order as a partitioned leader that missed its deposition would send: A's epoch, a free slot
         with grpc.insecure_channel(store.grpc_address) as ch:
             stub = pb_grpc.StoreStub(ch)
-            used = {e.slot for r in stub.Inventory(pb.InventoryRequest(), timeout=10) for e in r.entries}
+            batches = [cv.inventory_batch(r) for r in stub.Inventory(pb.InventoryRequest(), timeout=10)]
+            used = {int(s) for b in batches for s in b.slots}
             free = next(s for s in range(int(store.ready["num_slots"])) if s not in used)
             order = pb.SlotReservation(slot=free, generation=0, namespace=ns, block_hash=b"\x09" * 16)
             try:
@@ -196,15 +198,15 @@ def main() -> None:
             except grpc.RpcError as exc:
                 out["stale_order"] = f"{exc.code().name}: {exc.details()}"
             out["fenced_orders"] = store_metrics(metrics_at)["kvpool_store_fenced_orders_total"]
-            entries = [e for r in stub.Inventory(pb.InventoryRequest(), timeout=10) for e in r.entries]
-        slots = [e.slot for e in entries]
-        hashes = [bytes(e.block_hash) for e in entries]
+            batches = [cv.inventory_batch(r) for r in stub.Inventory(pb.InventoryRequest(), timeout=10)]
+        slots = [int(s) for b in batches for s in b.slots]
+        hashes = [bytes(x.tobytes()) for b in batches for x in b.block_hashes]
         out |= {
             "epochs": [e0, e1],
             "writer_committed": len(writer.committed),
             "writer_failed": len(writer.failed),
             "writer_errors": writer.failed[:5],
-            "inventory_blocks": len(entries),
+            "inventory_blocks": len(slots),
             "inventory_slots_unique": len(set(slots)) == len(slots),
             "inventory_hashes_unique": len(set(hashes)) == len(hashes),
             "committed_in_inventory": all(h in set(hashes) for h in writer.committed),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import pytest
 
 from kvpool.client import MasterClient
@@ -22,7 +23,15 @@ from kvpool.master.placement import ReserveOutcome
 from kvpool.master.server import MasterServer, serve
 from kvpool.master.settings import MasterSettings
 from kvpool.rpc import PROTOCOL_VERSION
-from kvpool.types import DEFAULT_LAYOUT, BlockHash, FakeClock, KVLayout, Location, NamespaceId
+from kvpool.types import (
+    DEFAULT_LAYOUT,
+    BlockHash,
+    FakeClock,
+    InventoryBatch,
+    KVLayout,
+    Location,
+    NamespaceId,
+)
 
 LAY = KVLayout.from_fingerprint(DEFAULT_LAYOUT)
 FP = LAY.fingerprint()
@@ -127,8 +136,12 @@ class StubStores:
     def identity(self, address: str, timeout_s: float, *, role: str = "store") -> None:
         return None
 
-    def inventory(self, address: str) -> Iterator[object]:
-        return iter(())
+    def inventory(self, address: str, *, after_slot: int = 0) -> Iterator[InventoryBatch]:
+        """An empty store: one batch of nothing, the last."""
+        u64 = np.zeros(0, dtype=np.uint64)
+        hashes = np.zeros((0, 16), dtype=np.uint8)
+        none = np.zeros(0, dtype=bool)
+        return iter([InventoryBatch([], np.zeros(0, np.int32), hashes, hashes, none, u64, u64, u64, u64, -1)])
 
     def reserve(self, address: str, orders: object, write_lease_ms: int) -> None:
         return None

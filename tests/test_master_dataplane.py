@@ -24,7 +24,7 @@ from kvpool.client.reports import DataPlaneReporter
 from kvpool.client.types import NodeLoad
 from kvpool.errors import InvalidArgument, NotFound
 from kvpool.hashing import hash_blocks
-from kvpool.master.core import BlockMeta, Master
+from kvpool.master.core import Master
 from kvpool.master.dataplane import DataPlaneHealth, DataPlanePolicy
 from kvpool.master.metrics import master_registry
 from kvpool.master.server import MasterServer, serve
@@ -165,9 +165,7 @@ def _index(m: Master, ns: bytes, hashes: list[BlockHash], nodes: list[list[str]]
     locations = [[Location(n, 10 + i, 1) for n in ns_] for i, ns_ in enumerate(nodes)]
     with m.lock:
         m.index.insert(NamespaceId(ns), hashes, parent=None, locations=locations, size_bytes=LAY.block_nbytes)
-        for h, locs in zip(hashes, locations, strict=True):
-            m.note_replicas(ns, h, locs)
-            m.st.meta[(ns, h)] = BlockMeta(0xC0FFEE, 1)
+        m.index.set_block_meta(NamespaceId(ns), hashes, [0xC0FFEE] * len(hashes), 1)
 
 
 def _state_becomes(c: MasterClient, m: Master, node_id: str, want: str) -> None:
@@ -245,8 +243,8 @@ def test_a_failed_data_plane_is_not_placed_on_nor_offered_until_a_trial(
         assert 'kvpool_master_store_dataplane_probes_total{node="s2",result="failed"} 1.0' in _metrics(m)
         with m.lock:  # the spare slot was given back (never indexed)
             assert (
-                dst.slot in m.st.nodes["s2"].free_set
-                or dst.slot in m.st.nodes["s2"].pending_free
+                m.st.nodes["s2"].free.is_free(dst.slot)
+                or m.st.nodes["s2"].free.is_pending(dst.slot)
                 or any(s == dst.slot for s, _ in m.st.free_q.get("s2", []))
             )
 

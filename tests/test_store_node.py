@@ -26,6 +26,7 @@ import pytest
 
 os.environ.setdefault("UCX_TLS", "tcp")  # the tests exercise the tcp path (set before UCX initialises)
 
+from kvpool.client import convert as cv  # noqa: E402
 from kvpool.rpc import PROTOCOL_VERSION  # noqa: E402
 from kvpool.rpc.server import channel, start_server  # noqa: E402
 from kvpool.types import KVLayout  # noqa: E402
@@ -321,12 +322,31 @@ def test_bad_requests_get_clear_errors_and_node_stays_up(store: StoreProc, trans
 def test_inventory_lists_committed_blocks(store: StoreProc, transport: UcxTransport) -> None:
     put_blocks(store, transport, [60], rand_blocks(1, seed=7))
     reserve(store, [61])  # reserved only: not in the inventory
-    entries = [e for resp in store.stub.Inventory(pb.InventoryRequest(), timeout=10) for e in resp.entries]
-    by_slot = {e.slot: e for e in entries}
+    [resp] = list(store.stub.Inventory(pb.InventoryRequest(after_slot=60), timeout=10))
+    b = cv.inventory_batch(resp)
+    assert resp.epoch == store.info["epoch"] and b.next_slot == -1  # one message: the whole rest
+    by_slot = {int(s): i for i, s in enumerate(b.slots)}
     assert 61 not in by_slot
-    e = by_slot[60]
-    assert (e.namespace, e.block_hash, e.generation, e.size_bytes) == (NS, h(60), 1, NB)
-    assert e.checksum == checksum(rand_blocks(1, seed=7)[0])
+    i = by_slot[60]
+    assert b.namespaces[b.ns_index[i]] == NS and b.block_hashes[i].tobytes() == h(60)
+    assert (int(b.generations[i]), int(b.size_bytes[i])) == (1, NB)
+    assert int(b.checksums[i]) == checksum(rand_blocks(1, seed=7)[0])
+
+
+def test_inventory_streams_batches_and_resumes_from_a_cursor(
+    store: StoreProc, transport: UcxTransport
+) -> None:
+    """`max_entries` bounds each message; each carries the cursor to ask again from (a broken stream
+    resumes there), the last one -1; asking from a cursor lists exactly the slots at or after it."""
+    put_blocks(store, transport, [80, 81, 83], rand_blocks(3, seed=9))
+    msgs = [
+        cv.inventory_batch(r) for r in store.stub.Inventory(pb.InventoryRequest(after_slot=80, max_entries=2))
+    ]
+    assert [b.slots.tolist() for b in msgs] == [[80, 81], [83]]
+    assert [b.next_slot for b in msgs] == [82, -1]
+    assert [bool(x) for b in msgs for x in b.has_parent] == [False, False, False]
+    [rest] = [cv.inventory_batch(r) for r in store.stub.Inventory(pb.InventoryRequest(after_slot=82))]
+    assert rest.slots.tolist() == [83] and rest.block_hashes[0].tobytes() == h(83)
 
 
 def test_copy_blocks_between_stores(store: StoreProc, transport: UcxTransport) -> None:

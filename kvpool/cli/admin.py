@@ -93,6 +93,9 @@ def status(as_json: bool = JSON) -> None:
             "fill": round(s.used_bytes / s.capacity_bytes, 4) if s.capacity_bytes else 0.0,
             "hit_rate": round(s.hit_rate, 4),
             "num_live_leases": s.num_live_leases,
+            "index_bytes": s.index_bytes,
+            "index_bytes_limit": s.index_bytes_limit,
+            "admission_refusals": s.num_admission_refusals,
             "uptime_s": round(s.uptime_s, 1),
             "degraded": parts,
         }

@@ -33,6 +33,11 @@ def register_master_command(app: typer.Typer) -> None:
         rebuild_grace_ms: int | None = typer.Option(
             None, help="Unclaimed inventory blocks are freed after this."
         ),
+        max_index_bytes: str | None = typer.Option(
+            None,
+            help="The index's memory limit (8GiB, 1.5GB or bytes; default: half of this host's memory): "
+            "past it the master evicts leaves or refuses new blocks (RESOURCE_EXHAUSTED).",
+        ),
         metrics: bool | None = typer.Option(
             None, "--metrics/--no-metrics", help="Serve Prometheus /metrics."
         ),
@@ -68,6 +73,7 @@ def register_master_command(app: typer.Typer) -> None:
                 replicas=replicas,
                 policy=policy,
                 rebuild_grace_ms=rebuild_grace_ms,
+                max_index_bytes=max_index_bytes,
                 metrics=metrics,
                 metrics_port=metrics_port,
                 etcd=etcd,

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvpool.client.node_types import (
     DecodeEvent,
     DecodeRequest,
@@ -32,8 +34,9 @@ from kvpool.client.types import (
     Reservation,
     ReservedBlock,
 )
+from kvpool.errors import InvalidArgument
 from kvpool.sampling import SamplingParams
-from kvpool.types import InventoryItem, Location, SlotOrder
+from kvpool.types import HASH_NBYTES, InventoryBatch, Location, SlotOrder
 from kvpool.v1 import kvpool_pb2 as pb
 
 
@@ -212,6 +215,9 @@ def stats(r: Any) -> PoolStats:
         num_reserved_blocks=r.num_reserved_blocks,
         num_rereplications=r.num_rereplications,
         block_size=r.block_size,
+        index_bytes=r.index_bytes,
+        index_bytes_limit=r.index_bytes_limit,
+        num_admission_refusals=r.num_admission_refusals,
         nodes=[node_status(n) for n in r.nodes],
         namespaces=[
             NamespaceStatus(bytes(x.namespace), x.model_id, x.weights_version, x.active, x.num_blocks)
@@ -333,9 +339,49 @@ def slot_results(asked: Sequence[tuple[int, int]], results: Any) -> dict[tuple[i
     return out
 
 
-def inventory_item(e: Any) -> InventoryItem:
-    return InventoryItem(
-        e.namespace, e.block_hash, e.parent_hash, e.slot, e.generation, e.checksum, e.size_bytes
+def inventory_batch_pb(b: InventoryBatch, epoch: int) -> pb.InventoryResponse:
+    """One `InventoryResponse` holding batch `b` as packed little-endian columns."""
+    return pb.InventoryResponse(
+        epoch=epoch,
+        num_entries=len(b),
+        namespaces=b.namespaces,
+        ns_index=np.ascontiguousarray(b.ns_index, dtype="<i4").tobytes(),
+        block_hashes=np.ascontiguousarray(b.block_hashes, dtype=np.uint8).tobytes(),
+        parent_hashes=np.ascontiguousarray(b.parent_hashes, dtype=np.uint8).tobytes(),
+        has_parent=np.ascontiguousarray(b.has_parent, dtype=np.uint8).tobytes(),
+        slots=np.ascontiguousarray(b.slots, dtype="<u8").tobytes(),
+        generations=np.ascontiguousarray(b.generations, dtype="<u8").tobytes(),
+        checksums=np.ascontiguousarray(b.checksums, dtype="<u8").tobytes(),
+        size_bytes=np.ascontiguousarray(b.size_bytes, dtype="<u8").tobytes(),
+        next_slot=b.next_slot,
+    )
+
+
+def _column(raw: bytes, dtype: str, n: int, width: int, what: str) -> np.ndarray:
+    a = np.frombuffer(raw, dtype=dtype)
+    if a.size != n * width:
+        raise InvalidArgument(f"inventory column {what}: {a.size} values for {n} entries of {width}")
+    return a.reshape(n, width) if width > 1 else a
+
+
+def inventory_batch(resp: Any) -> InventoryBatch:
+    """The `InventoryBatch` of one `InventoryResponse` (read-only views of its bytes, native dtypes);
+    `InvalidArgument` when a column's length does not match `num_entries` or an `ns_index` is out of range."""
+    n = resp.num_entries
+    ns_index = _column(resp.ns_index, "<i4", n, 1, "ns_index").astype(np.int32)
+    if n and (ns_index.min() < 0 or ns_index.max() >= len(resp.namespaces)):
+        raise InvalidArgument(f"inventory ns_index out of range of {len(resp.namespaces)} namespaces")
+    return InventoryBatch(
+        namespaces=list(resp.namespaces),
+        ns_index=ns_index,
+        block_hashes=_column(resp.block_hashes, "u1", n, HASH_NBYTES, "block_hashes"),
+        parent_hashes=_column(resp.parent_hashes, "u1", n, HASH_NBYTES, "parent_hashes"),
+        has_parent=_column(resp.has_parent, "u1", n, 1, "has_parent").astype(bool),
+        slots=_column(resp.slots, "<u8", n, 1, "slots").astype(np.uint64),
+        generations=_column(resp.generations, "<u8", n, 1, "generations").astype(np.uint64),
+        checksums=_column(resp.checksums, "<u8", n, 1, "checksums").astype(np.uint64),
+        size_bytes=_column(resp.size_bytes, "<u8", n, 1, "size_bytes").astype(np.uint64),
+        next_slot=resp.next_slot,
     )
 
 

@@ -1,7 +1,7 @@
 """`StoreClient`: the calls to store nodes' control service (`kvpool.v1.Store`) that the master makes, and
 `node_identity`: who answers `GetInfo` at a store, prefill or decode node's address.
 
-Domain values in and out (`kvpool.types.SlotOrder`, `Location`, `InventoryItem`; `NodeIdentity`). Every call
+Domain values in and out (`kvpool.types.SlotOrder`, `Location`, `InventoryBatch`; `NodeIdentity`). Every call
 takes its deadline (`timeout_s`, seconds) and, for the orders (reserve, commit, free, copy), the leader epoch
 they carry (0: a single master; a store refuses an epoch older than the newest it has seen). A failed call
 raises the `KVPoolError` of its gRPC status (`kvpool.rpc.status.raise_from_rpc_error`; UNAVAILABLE, a store
@@ -13,6 +13,7 @@ the method and the store's address. Which store, which epoch and what to do on f
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,10 +21,11 @@ import grpc
 
 from kvpool.client import convert as cv
 from kvpool.client.types import NodeIdentity
+from kvpool.errors import DeadlineExceeded
 from kvpool.rpc.security import CallMetadata
 from kvpool.rpc.server import channel
 from kvpool.rpc.status import raise_from_rpc_error
-from kvpool.types import InventoryItem, Location, SlotOrder
+from kvpool.types import InventoryBatch, Location, SlotOrder
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -146,14 +148,36 @@ class StoreClient:
             raise_from_rpc_error(exc, f"FreeSlots on {address}")
         return [(f.slot, f.new_generation, f.deferred) for f in resp.slots]
 
-    def inventory(self, address: str, *, timeout_s: float) -> Iterator[InventoryItem]:
-        """The committed blocks the store holds, streamed (`timeout_s` bounds the whole stream)."""
+    def inventory(
+        self, address: str, *, after_slot: int = 0, message_timeout_s: float, max_entries: int = 0
+    ) -> Iterator[InventoryBatch]:
+        """The committed blocks the store holds in slots >= `after_slot`, in slot order, one `InventoryBatch`
+        per streamed message (`max_entries` per message, 0: the store's default). The deadline is per
+        message, not per stream (a store of any size completes): each message must arrive within
+        `message_timeout_s` seconds of asking for it, else the call is cancelled and `DeadlineExceeded`
+        raised. After any failure the caller resumes from the last batch's `next_slot` (-1: complete)."""
+        req = pb.InventoryRequest(after_slot=after_slot, max_entries=max_entries)
+        call = self._stub(address).Inventory(req)
+        watch = _MessageDeadline(call, message_timeout_s)
         try:
-            for resp in self._stub(address).Inventory(pb.InventoryRequest(), timeout=timeout_s):
-                for e in resp.entries:
-                    yield cv.inventory_item(e)
+            while True:
+                watch.waiting()
+                try:
+                    resp = next(call)
+                except StopIteration:
+                    return
+                finally:
+                    watch.arrived()
+                yield cv.inventory_batch(resp)
         except grpc.RpcError as exc:
+            if watch.expired:
+                raise DeadlineExceeded(
+                    f"Inventory of {address}: no message within {message_timeout_s:g} s"
+                ) from exc
             raise_from_rpc_error(exc, f"Inventory of {address}")
+        finally:
+            watch.stop()
+            call.cancel()  # a consumer that stopped early ends the stream (no-op once it ended)
 
     def copy_blocks(
         self,
@@ -197,3 +221,34 @@ def _get_info(
     except grpc.RpcError:
         return None
     return cv.node_identity(info)
+
+
+class _MessageDeadline:
+    """Cancels a streaming call when a message it waits for does not arrive within `timeout_s` (a deadline
+    per message; the time the consumer spends between messages does not count). One watcher thread per
+    call, polling at a quarter of the deadline."""
+
+    def __init__(self, call: Any, timeout_s: float) -> None:
+        self._call = call
+        self._timeout_s = timeout_s
+        self._since: float | None = None  # monotonic time the current wait began; None: not waiting
+        self._done = threading.Event()
+        self.expired = False
+        threading.Thread(target=self._watch, name="kvpool-inventory-deadline", daemon=True).start()
+
+    def waiting(self) -> None:
+        self._since = time.monotonic()
+
+    def arrived(self) -> None:
+        self._since = None
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(self._timeout_s / 4):
+            since = self._since
+            if since is not None and time.monotonic() - since > self._timeout_s:
+                self.expired = True
+                self._call.cancel()
+                return

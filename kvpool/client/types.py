@@ -117,6 +117,9 @@ class PoolStats:
     block_size: int
     nodes: list[NodeStatus] = field(default_factory=list)
     namespaces: list[NamespaceStatus] = field(default_factory=list)
+    index_bytes: int = 0  # the master's index memory by its own accounting
+    index_bytes_limit: int = 0  # its limit (--max-index-bytes)
+    num_admission_refusals: int = 0  # Reserves refused at that limit
 
     @property
     def hit_rate(self) -> float:

@@ -70,6 +70,7 @@ def plan(spec: ClusterSpec, layout: str, *, etcd: EtcdPlan | None = None) -> lis
                 "--replicas", str(m.replicas), "--policy", m.eviction_policy,
                 "--high-watermark", str(m.high_watermark), "--low-watermark", str(m.low_watermark),
                 "--heartbeat-timeout-ms", str(m.heartbeat_timeout_ms),
+                *(["--max-index-bytes", str(int(m.max_index_bytes))] if m.max_index_bytes else []),
                 *(["--metrics-port", str(m.metrics_port + i)] if m.metrics_port else []),
                 *elect,
             ],

@@ -19,6 +19,7 @@
     eviction_policy = "tail"
     high_watermark = 0.9
     low_watermark = 0.8
+    max_index_bytes = "8GiB"  # optional: the index's memory limit (unset: half of the host's memory)
 
     [store]
     count = 2
@@ -48,7 +49,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvpool.errors import InvalidArgument
 from kvpool.index import DEFAULT_POLICY, POLICY_NAMES
@@ -114,6 +115,10 @@ class MasterSection(_Section):
     high_watermark: float = Field(default=0.9, gt=0.0, le=1.0)
     low_watermark: float = Field(default=0.8, gt=0.0, le=1.0)
     heartbeat_timeout_ms: int = Field(default=10_000, gt=0)
+    max_index_bytes: ByteSize | None = Field(
+        default=None,
+        description="each master's index memory limit (8GiB, 1.5GB or bytes; unset: half the host's memory)",
+    )
     metrics_port: int = Field(
         default=0, ge=0, le=65535, description="Prometheus /metrics port (0: ephemeral)"
     )

@@ -20,7 +20,6 @@ from kvpool.errors import (
     PermissionDenied,
     VersionFenced,
 )
-from kvpool.master.core import BlockMeta
 from kvpool.master.placement import CommitBlock, Reservation, new_replicas
 from kvpool.types import BlockHash, Location, NamespaceId
 
@@ -158,14 +157,13 @@ class CommitPhase:
                     m.queue_free(loc)
                 m.wake.set()
                 raise
-            for h, locs in zip(chain, chain_locs, strict=True):
-                key = (r.ns, bytes(h))
-                m.note_replicas(r.ns, bytes(h), locs)
-                if key not in m.st.meta and locs:
-                    m.st.meta[key] = BlockMeta(written[bytes(h)][0], r.target)
-                info = m.index.lookup(ns, h)
-                if info is not None and r.target > 1 and len(info.locations) < r.target:
-                    m.st.under_replicated.add(key)
+            placed = [h for h, locs in zip(chain, chain_locs, strict=True) if locs]
+            m.index.set_block_meta(ns, placed, [written[bytes(h)][0] for h in placed], r.target)
+            if r.target > 1:
+                for h in chain:
+                    info = m.index.lookup(ns, h)
+                    if info is not None and len(info.locations) < r.target:
+                        m.st.under_replicated.add((r.ns, bytes(h)))
             result = (res.num_inserted, res.num_existing)
         self.done[r.rid] = result
         while len(self.done) > _DONE_KEEP:

@@ -18,6 +18,8 @@ from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound, Permiss
 from kvpool.index.radix import RadixIndex
 from kvpool.index.results import DroppedBlock, MatchResult
 from kvpool.master import bounds, dataplane
+from kvpool.master.admission import Admission
+from kvpool.master.adoption import AdoptionStats
 from kvpool.master.members import Membership
 from kvpool.master.namespaces import NamespaceRegistry
 from kvpool.master.nodes import NodeRecord
@@ -37,6 +39,8 @@ MAX_RELEASE_BATCH = 1024
 """The most prompt tokens one match may report (the hit-rate denominator; keeps counters in uint64)."""
 
 BlockKey = tuple[bytes, bytes]  # (namespace, block hash)
+FREE_BATCH_SLOTS = 4096
+"""Slots per `FreeSlots` call (a store refuses more than its max_batch_slots, 8192 by default, in one)."""
 
 
 @dataclass
@@ -51,20 +55,12 @@ class Counters:
     num_bad_replicas: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class BlockMeta:
-    checksum: int
-    target_replicas: int
-
-
 @dataclass
 class MasterState:
     """Mutable bookkeeping beside the index (all under `Master.lock`)."""
 
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     free_q: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # node -> (slot, gen) to free
-    node_blocks: dict[str, set[BlockKey]] = field(default_factory=dict)  # store replicas (may be stale)
-    meta: dict[BlockKey, BlockMeta] = field(default_factory=dict)
     to_adopt: set[str] = field(default_factory=set)  # store nodes whose inventory must be read
     under_replicated: set[BlockKey] = field(default_factory=set)
 
@@ -104,9 +100,16 @@ class Master(NodeRegistry):
         self.namespaces = NamespaceRegistry(self.layout, bounds.namespace_limits(settings))
         self.quotas = TenantQuotas.from_file(settings.tenants, settings.tenant_salt_key_file)
         self.st = MasterState()
+        self.admission = Admission(self)
+        self.adoption_stats = AdoptionStats()
+        """Figures of the inventories adopted (`kvpool.master.adoption`, run by the maintenance thread)."""
         self.counters = Counters()
         self.dataplane_policy = dataplane.DataPlanePolicy.from_settings(settings)
-        self.stores = stores or StoreCalls(settings.store_timeout_s, self.capabilities)
+        self.stores = stores or StoreCalls(
+            settings.store_timeout_s,
+            self.capabilities,
+            inventory_batch_blocks=settings.inventory_batch_blocks,
+        )
         self.election: Election | None = None
         """With etcd (`MasterSettings.etcd`): this master's leader election (`kvpool.master.ha`)."""
         self.leader_epoch = 0
@@ -125,10 +128,12 @@ class Master(NodeRegistry):
     def _forget_node(self, rec: NodeRecord) -> None:
         """Drop everything a node had in the index (dead, or restarted under a new epoch)."""
         rec.alive = False
+        survivors = self.index.keys_on_node(rec.node_id, multi_replica_only=True)  # they lose a replica
         self.on_dropped(self.index.remove_node(rec.node_id))
         self.st.free_q.pop(rec.node_id, None)
-        lost = self.st.node_blocks.pop(rec.node_id, set())
-        self.st.under_replicated.update(k for k in lost if k in self.st.meta)
+        self.st.under_replicated.update(
+            (bytes(ns), bytes(h)) for ns, h in survivors if self.index.block_meta(ns, h) is not None
+        )
         self.st.to_adopt.discard(rec.node_id)
         if rec.is_store:
             self.publisher.forget_node(rec.node_id)
@@ -141,12 +146,8 @@ class Master(NodeRegistry):
     def on_dropped(self, dropped: Sequence[DroppedBlock]) -> None:
         """Blocks (or replicas) left the index: queue a free order for each store slot they held."""
         for d in dropped:
-            key = (bytes(d.ns), bytes(d.block_hash))
-            if d.reason != "replica":
-                self.st.meta.pop(key, None)
             for loc in d.locations:
                 if not loc.local:
-                    self.st.node_blocks.get(loc.node_id, set()).discard(key)
                     self.queue_free(loc)
         if dropped:
             self.wake.set()
@@ -155,11 +156,6 @@ class Master(NodeRegistry):
         rec = self.st.nodes.get(loc.node_id)
         if rec is not None and rec.alive and rec.is_store:
             self.st.free_q.setdefault(loc.node_id, []).append((loc.slot, loc.generation))
-
-    def note_replicas(self, ns: bytes, block_hash: bytes, locations: Sequence[Location]) -> None:
-        for loc in locations:
-            if not loc.local:
-                self.st.node_blocks.setdefault(loc.node_id, set()).add((ns, block_hash))
 
     def flush_frees(self, only: str | None = None) -> int:
         """Send queued free orders (outside the lock); acknowledged slots return to the free lists."""
@@ -175,7 +171,11 @@ class Master(NodeRegistry):
         for node_id, (address, epoch) in targets.items():
             slots = work[node_id]
             try:
-                answers = self.stores.free(address, slots)
+                answers = [
+                    a
+                    for lo in range(0, len(slots), FREE_BATCH_SLOTS)
+                    for a in self.stores.free(address, slots[lo : lo + FREE_BATCH_SLOTS])
+                ]
                 failed = False
             except Exception as exc:  # noqa: BLE001 - a store down: retried while it lives
                 self.mark_unreachable(node_id, exc)
@@ -189,7 +189,7 @@ class Master(NodeRegistry):
                     continue
                 for slot, new_gen, deferred in answers:
                     if deferred:
-                        rec.pending_free[slot] = new_gen
+                        rec.free.mark_pending(slot, new_gen)
                     else:
                         rec.give_back(slot, new_gen)
                         done += 1

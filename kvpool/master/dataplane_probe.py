@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.master import dataplane
 from kvpool.master.stores import copy_into
-from kvpool.types import BlockHash, Location, NamespaceId
+from kvpool.types import Location
 
 if TYPE_CHECKING:
     from kvpool.master.core import BlockKey, Master
@@ -83,16 +83,15 @@ def _plan(m: Master, rec: NodeRecord) -> Probe:
 def _source(m: Master, node_id: str) -> tuple[BlockKey, bytes, Location, int] | None:
     """Under the lock: a committed block with a replica on `node_id`: (key, parent, that replica,
     checksum)."""
-    for i, key in enumerate(m.st.node_blocks.get(node_id, ())):
-        if i >= MAX_CANDIDATES:
-            return None
-        info = m.index.lookup(NamespaceId(key[0]), BlockHash(key[1]))
-        meta = m.st.meta.get(key)
+    for ns, h in m.index.keys_on_node(node_id, limit=MAX_CANDIDATES):
+        key = (bytes(ns), bytes(h))
+        info = m.index.lookup(ns, h)
+        meta = m.index.block_meta(ns, h)
         if info is None or meta is None:
             continue
         for loc in info.locations:
             if loc.node_id == node_id and not loc.local:
-                return key, bytes(info.parent or b""), loc, meta.checksum
+                return key, bytes(info.parent or b""), loc, meta[0]
     return None
 
 

@@ -1,8 +1,8 @@
 """Background work of the master, one thread, one `tick()` at a time.
 
 Each tick: dead-node detection (heartbeat timeout), lease and write-lease expiry, store inventories to
-adopt (master restart / store restart), orphaned inventory blocks claimed once their namespace is
-registered (parent first) or freed after the grace period, watermark eviction per store node,
+adopt (master restart / store restart: `adoption`, batch by batch), inventory blocks waiting for their
+namespace indexed once it is registered or freed after the grace period, watermark eviction per store node,
 reclamation of invalidated namespaces, expiry of idle ones (`bounds`), probes of stores whose data plane
 failed (`dataplane_probe`), free orders, and re-replication (also what `Drain` needs).
 Store calls happen outside the master's lock.
@@ -12,27 +12,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpool.errors import KVPoolError
 from kvpool.master import bounds, dataplane, dataplane_probe
-from kvpool.master.core import BlockKey, BlockMeta
-from kvpool.master.stores import InventoryItem, copy_into
+from kvpool.master.adoption import Adoption
+from kvpool.master.core import BlockKey
+from kvpool.master.stores import copy_into
 from kvpool.types import BlockHash, Location, NamespaceId
 
 if TYPE_CHECKING:
     from kvpool.master.core import Master
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Orphan:
-    parent: bytes
-    locations: list[Location]
-    checksum: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +41,7 @@ class _CopyJob:
 class Maintenance:
     def __init__(self, master: Master) -> None:
         self.m = master
-        self.orphans: dict[bytes, dict[bytes, _Orphan]] = {}
-        self.orphan_since_ms: dict[bytes, int] = {}
+        self.adoption = Adoption(master)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -95,9 +86,9 @@ class Maintenance:
             adopt = [(n, m.st.nodes[n].grpc_address, m.st.nodes[n].epoch) for n in m.st.to_adopt]
             m.st.to_adopt.clear()
         for node_id, address, epoch in adopt:
-            self._adopt(node_id, address, epoch)
+            self.adoption.adopt(node_id, address, epoch)
         with m.lock:
-            self._claim_orphans(m.clock.now_ms())
+            self.adoption.claim(m.clock.now_ms())
             self._watermarks()
             m.on_dropped(m.index.reclaim_invalidated(m.settings.reclaim_batch_blocks))
             bounds.expire_namespaces(m)  # idle namespaces: namespace_idle_expiry_s
@@ -106,93 +97,6 @@ class Maintenance:
             dataplane_probe.run(m, probe)
         m.flush_frees()
         self._rereplicate()
-
-    # ---- inventories (restart recovery) -----------------------------------------------------------
-    def _adopt(self, node_id: str, address: str, epoch: int) -> None:
-        m = self.m
-        try:
-            items: list[InventoryItem] = list(m.stores.inventory(address))
-        except KVPoolError as exc:
-            log.warning("inventory of %s failed (%s): retrying", node_id, exc)
-            with m.lock:
-                rec = m.st.nodes.get(node_id)
-                if rec is not None and rec.epoch == epoch and rec.alive:
-                    rec.adopt_failures += 1
-                    m.st.to_adopt.add(node_id)
-            return
-        with m.lock:
-            rec = m.st.nodes.get(node_id)
-            if rec is None or rec.epoch != epoch or not rec.alive:
-                return
-            rec.reset_slots({it.slot for it in items}, m.fresh_generation)
-            rec.ready = True
-            now = m.clock.now_ms()
-            for it in items:
-                per_ns = self.orphans.setdefault(it.namespace, {})
-                self.orphan_since_ms.setdefault(it.namespace, now)
-                o = per_ns.setdefault(it.block_hash, _Orphan(it.parent_hash, [], it.checksum))
-                o.locations.append(Location(node_id, it.slot, it.generation))
-            log.info("store %s adopted: %d blocks in its inventory", node_id, len(items))
-
-    def _claim_orphans(self, now_ms: int) -> None:
-        """Under the lock: insert inventory blocks of active namespaces parent-first; free the rest."""
-        m = self.m
-        for ns in list(self.orphans):
-            entries = self.orphans[ns]
-            live = {n for n, r in m.st.nodes.items() if r.alive}
-            for o in entries.values():
-                o.locations = [loc for loc in o.locations if loc.node_id in live]
-            if m.namespaces.is_active(ns):
-                self._insert_parent_first(ns, entries)
-            expired = now_ms - self.orphan_since_ms.get(ns, now_ms) > m.settings.rebuild_grace_ms
-            if entries and (expired or (m.namespaces.is_known(ns) and not m.namespaces.is_active(ns))):
-                log.info("freeing %d unclaimed inventory blocks of namespace %s", len(entries), ns.hex())
-                for o in entries.values():
-                    for loc in o.locations:
-                        m.queue_free(loc)
-                entries.clear()
-            if not entries:
-                del self.orphans[ns]
-                self.orphan_since_ms.pop(ns, None)
-
-    def _insert_parent_first(self, ns: bytes, entries: dict[bytes, _Orphan]) -> None:
-        m, nsid = self.m, NamespaceId(ns)
-        children: dict[bytes, list[bytes]] = defaultdict(list)
-        for h, o in entries.items():
-            children[o.parent].append(h)
-        frontier = [
-            h
-            for h, o in entries.items()
-            if not o.parent
-            or m.index.lookup(nsid, BlockHash(o.parent)) is not None
-            or m.index.lookup(nsid, BlockHash(h)) is not None
-        ]
-        while frontier:
-            h = frontier.pop()
-            if h not in entries:
-                continue
-            o = entries.pop(h)
-            if not o.locations:
-                continue
-            try:
-                m.index.insert(
-                    nsid,
-                    [BlockHash(h)],
-                    parent=BlockHash(o.parent) if o.parent else None,
-                    locations=[o.locations],
-                    size_bytes=m.layout.block_nbytes,
-                )
-            except KVPoolError as exc:
-                log.warning("inventory block %s not claimed: %s", h.hex(), exc)
-                for loc in o.locations:
-                    m.queue_free(loc)
-                continue
-            m.note_replicas(ns, h, o.locations)
-            key = (ns, h)
-            m.st.meta.setdefault(key, BlockMeta(o.checksum, m.settings.replicas))
-            if len(o.locations) < m.settings.replicas:
-                m.st.under_replicated.add(key)
-            frontier.extend(children.get(h, []))
 
     # ---- watermarks -------------------------------------------------------------------------------
     def _watermarks(self) -> None:
@@ -225,7 +129,7 @@ class Maintenance:
         """Under the lock: (a copy to make, whether the key stays queued)."""
         m = self.m
         info = m.index.lookup(NamespaceId(key[0]), BlockHash(key[1]))
-        meta = m.st.meta.get(key)
+        meta = m.index.block_meta(NamespaceId(key[0]), BlockHash(key[1]))  # (checksum, target)
         if info is None or meta is None:
             return None, False
         nodes = m.st.nodes
@@ -234,9 +138,7 @@ class Maintenance:
         ]
         good = [x for x in store_locs if not nodes[x.node_id].draining]
         draining = [x for x in store_locs if nodes[x.node_id].draining]
-        if len(good) >= meta.target_replicas or (
-            good and not draining and len(good) >= self._max_placeable()
-        ):
+        if len(good) >= meta[1] or (good and not draining and len(good) >= self._max_placeable()):
             if draining and info.num_leases:
                 return None, True  # a reader may hold a draining replica: free it once the lease ends
             for loc in draining:
@@ -276,7 +178,7 @@ class Maintenance:
             nodes[src.node_id].data_address,
             dst,
             dst_node.grpc_address,
-            meta.checksum,
+            meta[0],
         )
         return job, True
 
@@ -307,5 +209,4 @@ class Maintenance:
                 m.queue_free(job.dst)
                 return
             m.index.add_location(NamespaceId(ns), BlockHash(h), job.dst)
-            m.note_replicas(ns, h, [job.dst])
             m.counters.num_rereplications += 1

@@ -51,6 +51,48 @@ class MasterCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(P + name, doc, value=value)
+        a = m.admission
+        yield CounterMetricFamily(
+            P + "admission_refusals",
+            "Reserves (and inventory batches at adoption) refused at the index memory limit (--max-index-bytes).",
+            value=a.num_refusals,
+        )
+        yield CounterMetricFamily(
+            P + "admission_evictions",
+            "Blocks evicted to keep the index within its memory limit (also in evictions).",
+            value=a.num_evictions,
+        )
+        ad = m.adoption_stats
+        yield CounterMetricFamily(
+            P + "adopted_blocks", "Blocks indexed from store inventories.", value=ad.num_adopted_blocks
+        )
+        yield CounterMetricFamily(
+            P + "inventory_resumes",
+            "Broken inventory streams read again from their cursor.",
+            value=ad.num_inventory_resumes,
+        )
+        yield GaugeMetricFamily(
+            P + "adoption_lock_hold_max_seconds",
+            "The longest the master's lock was held for one inventory batch.",
+            value=ad.max_lock_hold_s,
+        )
+        yield GaugeMetricFamily(
+            P + "last_adoption_seconds",
+            "Wall clock of the last complete inventory adoption (first read to last block indexed).",
+            value=ad.last_adoption_s,
+        )
+        with m.lock:
+            index_bytes = a.index_bytes()
+        yield GaugeMetricFamily(
+            P + "index_memory_bytes",
+            "The index's memory by its own accounting (what --max-index-bytes limits).",
+            value=index_bytes,
+        )
+        yield GaugeMetricFamily(
+            P + "index_memory_bytes_limit",
+            "The index's memory limit (--max-index-bytes).",
+            value=a.limit_bytes,
+        )
         used_slots = GaugeMetricFamily(
             P + "store_used_slots", "Allocated slots per store node.", labels=["node"]
         )

@@ -7,10 +7,12 @@ see another block's bytes.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvpool.master.dataplane import DataPlaneHealth
+from kvpool.master.free_slots import FreeSlots
 from kvpool.types import Location, NodeLoad
 
 
@@ -35,13 +37,14 @@ class NodeRecord:
     dataplane: DataPlaneHealth = field(default_factory=DataPlaneHealth)  # store: kvpool.master.dataplane
     num_used_slots_reported: int = 0
     load: NodeLoad = field(default_factory=NodeLoad)
-    free: deque[tuple[int, int]] = field(default_factory=deque)  # (slot, generation), acknowledged
-    pending_free: dict[int, int] = field(default_factory=dict)  # slot -> generation ordered freed
-    free_set: set[int] = field(default_factory=set)  # the slots in `free` (no slot handed out twice)
+    free: FreeSlots = field(init=False)  # store: acknowledged free slots and pending frees, as columns
     session: bytes = b""  # secured cluster: what its heartbeats carry (RegisterNodeResponse.session)
     join_token: str = ""  # secured cluster, non-store: the name of the join token it joined with
     url: str = ""  # a vLLM engine's OpenAI base URL
     engine_namespace: tuple[str, ...] = ()  # a vLLM engine's (model, weights, layout, engine)
+
+    def __post_init__(self) -> None:
+        self.free = FreeSlots(self.num_slots)
 
     @property
     def is_store(self) -> bool:
@@ -66,21 +69,16 @@ class NodeRecord:
         return self.num_allocated / self.num_slots if self.num_slots else 0.0
 
     def take(self, n: int) -> list[Location]:
-        """Allocate `n` free slots (caller checked `len(free) >= n`)."""
-        out = [Location(self.node_id, *self.free.popleft()) for _ in range(n)]
-        self.free_set.difference_update(loc.slot for loc in out)
-        return out
+        """Allocate `n` free slots, oldest free first (caller checked `len(free) >= n`)."""
+        slots, gens = self.free.take(n)
+        return [Location(self.node_id, s, g) for s, g in zip(slots.tolist(), gens.tolist(), strict=True)]
 
     def give_back(self, slot: int, generation: int) -> None:
         """A slot is free at `generation` (never handed out twice)."""
-        self.pending_free.pop(slot, None)
-        if slot in self.free_set or not 0 <= slot < self.num_slots:
-            return
-        self.free_set.add(slot)
-        self.free.append((slot, generation))
+        self.free.give_back(slot, generation)
 
-    def reset_slots(self, used: set[int], generation_of_free: int) -> None:
-        """Start over from an inventory: every slot not in `used` is free at `generation_of_free`."""
-        self.pending_free.clear()
-        self.free = deque((s, generation_of_free) for s in range(self.num_slots) if s not in used)
-        self.free_set = {s for s, _ in self.free}
+    def reset_slots(self, used: np.ndarray, generation_of_free: int) -> None:
+        """Start over from an inventory: every slot not marked in `used` ((num_slots,) bool) is free at
+        `generation_of_free`."""
+        self.free.allocate_all()
+        self.free.release_unused(used, generation_of_free)

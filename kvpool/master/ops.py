@@ -28,11 +28,9 @@ def drain(m: Master, node_id: str) -> int:
                 "new blocks and nowhere to copy its own (start another store first)"
             )
         rec.draining = True
-        blocks = m.st.node_blocks.get(node_id, set())
-        for key in blocks:
-            if key not in m.st.meta:
-                continue
-            m.st.under_replicated.add(key)
+        for ns, h in m.index.keys_on_node(node_id):  # its blocks, to copy elsewhere
+            if m.index.block_meta(ns, h) is not None:
+                m.st.under_replicated.add((bytes(ns), bytes(h)))
         m.wake.set()
         return m.index.num_blocks_on_node(node_id)
 

@@ -196,6 +196,7 @@ class Publisher(CommitPhase):
                 "max_leases_per_client; commit or abort some first"
             )
         m.quotas.make_room(m, ns, num_new, hashes)  # per-tenant pool quota: kvpool.master.quotas
+        m.admission.admit(num_new)  # the index's memory limit: kvpool.master.admission
         shortfall = num_new * k - sum(min(len(n.free), num_new) for n in nodes)
         if shortfall <= 0:
             r = self._place(ns, parent, hashes, present, nodes, k, costs, write_lease_ms, num_replicas)

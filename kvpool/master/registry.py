@@ -177,7 +177,7 @@ class NodeRegistry:
             rec.num_used_slots_reported = num_used_slots
             rec.load = load
             for slot, gen in freed_slots:
-                if slot in rec.pending_free:
+                if rec.free.is_pending(slot):
                     rec.give_back(slot, gen)
             return True
 

@@ -39,7 +39,6 @@ def remove_blocks(m: Master, ns: bytes, block_hashes: Sequence[bytes], force: bo
                     dropped.extend(m.index.remove_location(NamespaceId(ns), BlockHash(h), loc))
                 except NotFound:
                     continue
-                m.st.node_blocks.get(loc.node_id, set()).discard((ns, h))
                 if not loc.local:
                     m.queue_free(loc)
             m.on_dropped(dropped)
@@ -62,11 +61,10 @@ def report_bad_replica(m: Master, ns: bytes, block_hash: bytes, loc: Location, r
             return  # already gone: idempotent
         log.warning("bad replica %s of %s: %s", loc, block_hash.hex(), reason)
         m.counters.num_bad_replicas += 1
-        m.st.node_blocks.get(loc.node_id, set()).discard((ns, block_hash))
         if not loc.local:
             m.queue_free(loc)
         m.on_dropped(dropped)
-        if not dropped and (ns, block_hash) in m.st.meta:
+        if not dropped and m.index.block_meta(NamespaceId(ns), BlockHash(block_hash)) is not None:
             m.st.under_replicated.add((ns, block_hash))
         m.wake.set()
 

@@ -364,6 +364,9 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
                 num_reserved_blocks=m.publisher.num_reserved_blocks,
                 num_rereplications=c.num_rereplications,
                 block_size=m.layout.block_size,
+                index_bytes=m.admission.index_bytes(),
+                index_bytes_limit=m.admission.limit_bytes,
+                num_admission_refusals=m.admission.num_refusals,
                 namespaces=[
                     pb.NamespaceInfo(
                         namespace=r.digest,

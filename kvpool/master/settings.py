@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
 
 from kvpool.config import KVPoolSettings
 from kvpool.index import DEFAULT_POLICY
 from kvpool.index.policies import ONLINE_POLICY_NAMES
+from kvpool.master.admission import default_max_index_bytes
 from kvpool.types import DEFAULT_LAYOUT, KVLayout
 
 
@@ -26,6 +27,16 @@ class MasterSettings(KVPoolSettings):
     default_write_lease_ms: int = 30_000
     max_write_lease_ms: int = 600_000
     rebuild_grace_ms: int = 30_000
+    max_index_bytes: ByteSize = Field(
+        default_factory=lambda: ByteSize(default_max_index_bytes()),
+        ge=1,
+        description="the index's memory limit (its own accounting): past it the master evicts leaves or "
+        "refuses new blocks (RESOURCE_EXHAUSTED); bytes or a size (8GiB, 1.5GB); default half of the host's "
+        "memory",
+    )
+    inventory_batch_blocks: int = Field(
+        default=65_536, ge=1, le=262_144, description="blocks per message of a store's inventory stream"
+    )
     tick_ms: int = 100
     reclaim_batch_blocks: int = 4096
     placement_run_blocks: int = 16  # consecutive new blocks of a publish placed on the same nodes

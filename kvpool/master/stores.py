@@ -19,26 +19,27 @@ from kvpool.membership import (
     leader_proof,
     master_call_credential,
 )
-from kvpool.types import InventoryItem, Location, SlotOrder
+from kvpool.types import InventoryBatch, Location, SlotOrder
 
-__all__ = ["InventoryItem", "SlotOrder", "StoreCalls", "copy_into"]
+__all__ = ["SlotOrder", "StoreCalls", "copy_into"]
 
-_INVENTORY_TIMEOUTS = 4
-"""An inventory streams a whole store: its deadline is this many call timeouts."""
 _COPY_TIMEOUTS = 2
 """A copy moves blocks between two stores: its deadline is this many call timeouts."""
 
 
 class StoreCalls:
     """The master's store calls: one channel per store gRPC address, reused; thread-safe. Each call's
-    deadline is `timeout_s` seconds (an inventory's 4x, a copy's 2x). With `capabilities` (a secured
+    deadline is `timeout_s` seconds (an inventory's, per message; a copy's 2x). With `capabilities` (a secured
     cluster), every call carries the master's credential (`kvpool.membership.master_call_credential`). Every
     order (reserve, commit, free, copy) carries `leader_epoch`: 0 for a single master, else the epoch this
     master won its leadership with (`kvpool.master.ha`, set by `lead`); stores refuse one older than the
     newest they have seen, and a newer one without the leader's proof."""
 
-    def __init__(self, timeout_s: float, capabilities: Capabilities | None = None) -> None:
+    def __init__(
+        self, timeout_s: float, capabilities: Capabilities | None = None, *, inventory_batch_blocks: int = 0
+    ) -> None:
         self.timeout_s = timeout_s
+        self.inventory_batch_blocks = inventory_batch_blocks  # per inventory message (0: the store's)
         self.leader_epoch = 0
         self.leader_proof = ""
         """In HA with a cluster secret: `kvpool.membership.leader_proof` of `leader_epoch`, sent with every
@@ -99,8 +100,15 @@ class StoreCalls:
             address, slots, leader_epoch=self.leader_epoch, timeout_s=self.timeout_s
         )
 
-    def inventory(self, address: str) -> Iterator[InventoryItem]:
-        return self._client.inventory(address, timeout_s=self.timeout_s * _INVENTORY_TIMEOUTS)
+    def inventory(self, address: str, *, after_slot: int = 0) -> Iterator[InventoryBatch]:
+        """The store's committed blocks in slots >= `after_slot`, one batch per message, each message
+        within `timeout_s` (`kvpool.client.store_client.StoreClient.inventory`)."""
+        return self._client.inventory(
+            address,
+            after_slot=after_slot,
+            message_timeout_s=self.timeout_s,
+            max_entries=self.inventory_batch_blocks,
+        )
 
     def copy(
         self, address: str, src_data_address: str, blocks: Sequence[tuple[Location, Location, int]]

@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 import psutil
 
+from kvpool.client.convert import inventory_batch_pb
 from kvpool.errors import InvalidArgument, ResourceExhausted
 from kvpool.membership import LEADER_PROOF_METADATA
 from kvpool.rpc.status import rpc_errors
@@ -18,8 +19,10 @@ from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-INVENTORY_CHUNK = 1024
-"""Entries per streamed `InventoryResponse`."""
+INVENTORY_CHUNK = 65_536
+"""Entries per streamed `InventoryResponse` unless the request asks fewer (about 4.5 MB a message)."""
+MAX_INVENTORY_CHUNK = 262_144
+"""The most entries one `InventoryResponse` carries, whatever the request asks."""
 
 CopyFn = Callable[[str, list[tuple[int, int, int, int, int, bytes, int]]], list[tuple[int, int, str]]]
 """(src data address, [(src slot, src gen, dst slot, dst gen, checksum, src read capability, its expiry
@@ -114,23 +117,16 @@ class StoreServicer(pb_grpc.StoreServicer):
 
     @rpc_errors
     def Inventory(self, request: pb.InventoryRequest, context: grpc.ServicerContext) -> Iterator[Any]:
-        items = self._table.inventory()
-        for start in range(0, max(len(items), 1), INVENTORY_CHUNK):
-            yield pb.InventoryResponse(
-                epoch=self._epoch,
-                entries=[
-                    pb.InventoryEntry(
-                        namespace=i.namespace,
-                        block_hash=i.block_hash,
-                        parent_hash=i.parent_hash,
-                        slot=i.slot,
-                        generation=i.generation,
-                        checksum=i.checksum,
-                        size_bytes=i.size_bytes,
-                    )
-                    for i in items[start : start + INVENTORY_CHUNK]
-                ],
-            )
+        """The committed blocks in slots >= `after_slot`, `max_entries` (capped) per message, as columns;
+        at least one message, the last with `next_slot` -1."""
+        limit = min(request.max_entries or INVENTORY_CHUNK, MAX_INVENTORY_CHUNK)
+        cursor = request.after_slot
+        while True:
+            batch = self._table.inventory_batch(cursor, limit)
+            yield inventory_batch_pb(batch, self._epoch)
+            if batch.next_slot < 0:
+                return
+            cursor = batch.next_slot
 
     @rpc_errors
     def CopyBlocks(

@@ -494,7 +494,7 @@ class NodeStats(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., alive: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_slots: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., dataplane_state: _Optional[str] = ..., num_dataplane_failures: _Optional[int] = ..., silent_ms: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "used_bytes", "capacity_bytes", "num_live_leases", "num_evictions", "num_match_requests", "requested_tokens", "hit_tokens", "requested_blocks", "hit_blocks", "uptime_s", "nodes", "num_namespaces", "num_reserved_blocks", "num_rereplications", "block_size", "namespaces")
+    __slots__ = ("num_blocks", "used_bytes", "capacity_bytes", "num_live_leases", "num_evictions", "num_match_requests", "requested_tokens", "hit_tokens", "requested_blocks", "hit_blocks", "uptime_s", "nodes", "num_namespaces", "num_reserved_blocks", "num_rereplications", "block_size", "namespaces", "index_bytes", "index_bytes_limit", "num_admission_refusals")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -512,6 +512,9 @@ class StatsResponse(_message.Message):
     NUM_REREPLICATIONS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADMISSION_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     used_bytes: int
     capacity_bytes: int
@@ -529,7 +532,10 @@ class StatsResponse(_message.Message):
     num_rereplications: int
     block_size: int
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
-    def __init__(self, num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_live_leases: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_match_requests: _Optional[int] = ..., requested_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., requested_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., num_rereplications: _Optional[int] = ..., block_size: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
+    index_bytes: int
+    index_bytes_limit: int
+    num_admission_refusals: int
+    def __init__(self, num_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_live_leases: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_match_requests: _Optional[int] = ..., requested_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., requested_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ..., num_namespaces: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., num_rereplications: _Optional[int] = ..., block_size: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., index_bytes: _Optional[int] = ..., index_bytes_limit: _Optional[int] = ..., num_admission_refusals: _Optional[int] = ...) -> None: ...
 
 class NamespaceInfo(_message.Message):
     __slots__ = ("namespace", "model_id", "weights_version", "active", "num_blocks")
@@ -796,34 +802,40 @@ class FreeSlotsResponse(_message.Message):
     def __init__(self, slots: _Optional[_Iterable[_Union[FreedSlot, _Mapping]]] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class InventoryEntry(_message.Message):
-    __slots__ = ("namespace", "block_hash", "parent_hash", "slot", "generation", "checksum", "size_bytes")
-    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
-    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
-    SLOT_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    namespace: bytes
-    block_hash: bytes
-    parent_hash: bytes
-    slot: int
-    generation: int
-    checksum: int
-    size_bytes: int
-    def __init__(self, namespace: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., checksum: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    __slots__ = ("after_slot", "max_entries")
+    AFTER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    after_slot: int
+    max_entries: int
+    def __init__(self, after_slot: _Optional[int] = ..., max_entries: _Optional[int] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
-    __slots__ = ("entries", "epoch")
-    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("epoch", "num_entries", "namespaces", "ns_index", "block_hashes", "parent_hashes", "has_parent", "slots", "generations", "checksums", "size_bytes", "next_slot")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
-    entries: _containers.RepeatedCompositeFieldContainer[InventoryEntry]
+    NUM_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    NS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HAS_PARENT_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SLOT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[InventoryEntry, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    num_entries: int
+    namespaces: _containers.RepeatedScalarFieldContainer[bytes]
+    ns_index: bytes
+    block_hashes: bytes
+    parent_hashes: bytes
+    has_parent: bytes
+    slots: bytes
+    generations: bytes
+    checksums: bytes
+    size_bytes: bytes
+    next_slot: int
+    def __init__(self, epoch: _Optional[int] = ..., num_entries: _Optional[int] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., ns_index: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., parent_hashes: _Optional[bytes] = ..., has_parent: _Optional[bytes] = ..., slots: _Optional[bytes] = ..., generations: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., size_bytes: _Optional[bytes] = ..., next_slot: _Optional[int] = ...) -> None: ...
 
 class CopyBlock(_message.Message):
     __slots__ = ("src", "dst", "checksum", "src_capability", "src_capability_expiry_ms")
