@@ -1,4 +1,5 @@
-"""A master holding >= 1 M blocks is killed -9 and restarted with its stores alive: its matches hit again
+"""A master holding many blocks (200 K in CI, `KVPOOL_SCALE_TEST_BLOCKS=1000000` for the 1 M run) is killed -9
+and restarted with its stores alive: its matches hit again
 from the stores' inventories, and no read ever returns another block's bytes.
 
 Real processes throughout: a master on a fixed port, 4 stores with a tiny layout (4-byte blocks, each
@@ -6,7 +7,8 @@ block's bytes its hash's first bytes), filled with the conversation trace's tree
 through Reserve → UCX write → Commit (`kvpool.bench.master_scale`, the fill of `kvpool bench master`).
 Reads go through the stores' data plane (`--no-share-segment`), so each store counts what it refuses
 (`kvpool_store_transfer_errors_total{op="read"}`). The speed of the rebuild is the bench's figure
-(docs/bench_master.md); here the bound is generous. `KVPOOL_SCALE_TEST_BLOCKS` sets N (default 1 M).
+(docs/bench_master.md); here the bound is generous. The fill dominates the run: 200 K blocks take about 2.5
+min here, 1 M about 13.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from tests.capabilities import require_ucx
 
 transfer = pytest.importorskip("transfer")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]  # the fill of 1 M blocks: 15-60 min here
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]  # a 1 M-block fill on a loaded host: up to an hour
 
-NUM_BLOCKS = int(os.environ.get("KVPOOL_SCALE_TEST_BLOCKS", "1000000"))
+NUM_BLOCKS = int(os.environ.get("KVPOOL_SCALE_TEST_BLOCKS", "200000"))
 HITS_AGAIN_WITHIN_S = 180.0  # generous on a shared 2-core VM; the figure belongs to the bench
 FREED_WITHIN_S = 60.0
 _READ_ERRORS = re.compile(r'^kvpool_store_transfer_errors_total\{op="read"\} ([0-9.e+]+)$', re.M)
