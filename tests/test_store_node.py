@@ -333,20 +333,24 @@ def test_inventory_lists_committed_blocks(store: StoreProc, transport: UcxTransp
     assert int(b.checksums[i]) == checksum(rand_blocks(1, seed=7)[0])
 
 
-def test_inventory_streams_batches_and_resumes_from_a_cursor(
-    store: StoreProc, transport: UcxTransport
-) -> None:
+def test_inventory_streams_batches_and_resumes_from_a_cursor(transport: UcxTransport) -> None:
     """`max_entries` bounds each message; each carries the cursor to ask again from (a broken stream
-    resumes there), the last one -1; asking from a cursor lists exactly the slots at or after it."""
-    put_blocks(store, transport, [80, 81, 83], rand_blocks(3, seed=9))
-    msgs = [
-        cv.inventory_batch(r) for r in store.stub.Inventory(pb.InventoryRequest(after_slot=80, max_entries=2))
-    ]
-    assert [b.slots.tolist() for b in msgs] == [[80, 81], [83]]
-    assert [b.next_slot for b in msgs] == [82, -1]
-    assert [bool(x) for b in msgs for x in b.has_parent] == [False, False, False]
-    [rest] = [cv.inventory_batch(r) for r in store.stub.Inventory(pb.InventoryRequest(after_slot=82))]
-    assert rest.slots.tolist() == [83] and rest.block_hashes[0].tobytes() == h(83)
+    resumes there), the last one -1; asking from a cursor lists exactly the slots at or after it. (Its own
+    store: the module's store holds other tests' blocks.)"""
+    store = start_store()
+    try:
+        put_blocks(store, transport, [5, 80, 81, 83], rand_blocks(4, seed=9))
+        msgs = [
+            cv.inventory_batch(r)
+            for r in store.stub.Inventory(pb.InventoryRequest(after_slot=80, max_entries=2))
+        ]
+        assert [b.slots.tolist() for b in msgs] == [[80, 81], [83]]
+        assert [b.next_slot for b in msgs] == [82, -1]
+        assert [bool(x) for b in msgs for x in b.has_parent] == [False, False, False]
+        [rest] = [cv.inventory_batch(r) for r in store.stub.Inventory(pb.InventoryRequest(after_slot=82))]
+        assert rest.slots.tolist() == [83] and rest.block_hashes[0].tobytes() == h(83)
+    finally:
+        store.kill()
 
 
 def test_copy_blocks_between_stores(store: StoreProc, transport: UcxTransport) -> None:
