@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +44,18 @@ class Trace:
     name: str
     requests: tuple[TraceRequest, ...]
     num_unique_blocks: int
+
+
+TRACE_ENV = "KVPOOL_TRACE"
+"""Names the whole Mooncake conversation trace (a JSONL file) where a host has it; benches default to it."""
+BUNDLED_TRACE = Path(__file__).resolve().parent / "data" / "traces" / "conversation_small.jsonl"
+"""400 requests of the conversation trace, shipped with the package."""
+
+
+def full_trace() -> Path:
+    """The trace `KVPOOL_TRACE` names when it is a file, else the bundled excerpt (`BUNDLED_TRACE`)."""
+    named = os.environ.get(TRACE_ENV, "")
+    return Path(named) if named and Path(named).is_file() else BUNDLED_TRACE
 
 
 def load_trace(path: Path) -> Trace:

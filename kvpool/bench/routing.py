@@ -29,17 +29,16 @@ from kvpool.bench.routing_workload import EMBEDDED_CPU, PROFILES, SimProfile, bu
 from kvpool.errors import InvalidArgument
 from kvpool.report import write_report
 from kvpool.router.policy import POLICIES
-from kvpool.trace import Trace, load_trace
+from kvpool.trace import BUNDLED_TRACE, Trace, full_trace, load_trace
 
-SHARED_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
-BUNDLED_TRACE = Path(__file__).resolve().parent.parent / "data" / "traces" / "conversation_small.jsonl"
 TARGET_NODES = 8
 TARGET_GAIN = 0.10
 
 
 def default_trace(quick: bool) -> Path:
-    """The full Mooncake conversation trace when present (not with `quick`), else the bundled 400 requests."""
-    return SHARED_TRACE if SHARED_TRACE.is_file() and not quick else BUNDLED_TRACE
+    """The full Mooncake conversation trace `KVPOOL_TRACE` names (not with `quick`), else the bundled 400
+    requests."""
+    return BUNDLED_TRACE if quick else full_trace()
 
 
 def run_sim_grid(

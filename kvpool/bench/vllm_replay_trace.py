@@ -2,7 +2,7 @@
 conversation trace, its compressed arrivals, and its prompts as token ids.
 
 A record is `{timestamp (ms), input_length, output_length, hash_ids}` with 512-token, prefix-chained
-blocks (/work/shared/traces/README.md). A session is the requests sharing `hash_ids[:2]` (every request
+blocks (the trace's own README). A session is the requests sharing `hash_ids[:2]` (every request
 starts with the shared block 0). Each hash id becomes 512 seeded random byte tokens (0..255, the embedded
 model's vocabulary), so equal hash ids give equal token blocks and different ones differ; a prompt is the
 blocks of its hash ids, cut to `min(input_length, max_prompt_tokens)` tokens.
@@ -19,11 +19,10 @@ from typing import Any
 import numpy as np
 
 from kvpool.errors import InvalidArgument
+from kvpool.trace import full_trace
 
 TRACE_BLOCK_TOKENS = 512
 BUCKET_MS = 3000  # the conversation trace's timestamps are quantised into ~3 s buckets
-SHARED_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
-BUNDLED_TRACE = Path(__file__).resolve().parent.parent / "data" / "traces" / "conversation_small.jsonl"
 _WARMUP_KEY = 1 << 40  # a block key no trace hash id takes
 
 
@@ -42,8 +41,8 @@ class ReplayRequest:
 
 
 def default_trace() -> Path:
-    """The whole conversation trace when this machine has it, else the bundled excerpt."""
-    return SHARED_TRACE if SHARED_TRACE.exists() else BUNDLED_TRACE
+    """The whole conversation trace `KVPOOL_TRACE` names, else the bundled excerpt."""
+    return full_trace()
 
 
 def load_trace(path: Path) -> list[dict[str, Any]]:
