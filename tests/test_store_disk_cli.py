@@ -38,7 +38,7 @@ def test_a_bad_disk_path_is_refused_at_start_with_one_line(tmp_path: Path) -> No
     assert line == f"kvpool store: DiskTierError: disk tier {missing}: no such directory"
     line = _error_line(_store("--disk-path", str(tmp_path), "--disk-size", "4KiB"))
     assert line.startswith(f"kvpool store: DiskTierError: disk tier {tmp_path}: 4096 bytes do not hold")
-    assert "disk_path needs disk_size" in _error_line(_store("--disk-path", str(tmp_path)))
+    assert "--disk-path needs --disk-size" in _error_line(_store("--disk-path", str(tmp_path)))
 
 
 def test_a_store_opens_its_disk_tier_locks_it_and_recovers_its_blocks(tmp_path: Path) -> None:

@@ -84,7 +84,7 @@ class StoreSettings(KVPoolSettings):
     @model_validator(mode="after")
     def _disk(self) -> StoreSettings:
         if self.disk_path and not self.disk_size:
-            raise ValueError("disk_path needs disk_size (e.g. --disk-size 64GiB)")
+            raise ValueError("--disk-path needs --disk-size (e.g. --disk-size 64GiB)")
         return self
 
     @field_validator("pin_memory")
