@@ -13,8 +13,6 @@ _STALE = re.compile(r"(?<![\w/])DESIGN\.md|\.\./shared/|/work/shared/")
 _PENDING = {
     "kvpool/router/service.py",
     "kvpool/bench/ttft_sweep.py",
-    "kvpool/bench/routing.py",
-    "kvpool/bench/vllm_replay_trace.py",
 }
 
 
