@@ -182,6 +182,12 @@ def _ha_metrics(m: Master) -> Iterator[Metric]:
         "Changes of leader this master saw (a new leader after another one).",
         value=view.failovers if view is not None else 0,
     )
+    yield CounterMetricFamily(
+        P + "orders_withheld",
+        "Store orders this master did not send because it no longer surely led (its lease not renewed in "
+        "time): a deposed leader's late orders.",
+        value=m.stores.num_withheld,
+    )
 
 
 def _tenant_metrics(m: Master, tenants: dict[str, tuple[int, int]]) -> Iterator[Metric]:

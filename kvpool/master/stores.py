@@ -7,11 +7,11 @@ Each call has a deadline; gRPC failures become `kvpool.errors` (`Unavailable`, `
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvpool.capability import Capabilities, WallClock
 from kvpool.client.store_client import CallSigner, StoreClient, node_identity
-from kvpool.errors import KVPoolError
+from kvpool.errors import KVPoolError, Unavailable
 from kvpool.master.grants import read_grant
 from kvpool.membership import (
     LEADER_PROOF_METADATA,
@@ -33,7 +33,11 @@ class StoreCalls:
     cluster), every call carries the master's credential (`kvpool.membership.master_call_credential`). Every
     order (reserve, commit, free, copy) carries `leader_epoch`: 0 for a single master, else the epoch this
     master won its leadership with (`kvpool.master.ha`, set by `lead`); stores refuse one older than the
-    newest they have seen, and a newer one without the leader's proof."""
+    newest they have seen, and a newer one without the leader's proof.
+
+    `leading()` (set with etcd: the election's `is_leader`, a clock comparison) is asked before every order:
+    a master that is not surely leading (its lease not renewed in time, or paused past it) sends none, so a
+    deposed leader's late orders never leave it (`num_withheld` counts them; each raises `Unavailable`)."""
 
     def __init__(
         self, timeout_s: float, capabilities: Capabilities | None = None, *, inventory_batch_blocks: int = 0
@@ -44,7 +48,16 @@ class StoreCalls:
         self.leader_proof = ""
         """In HA with a cluster secret: `kvpool.membership.leader_proof` of `leader_epoch`, sent with every
         call (a store takes a higher epoch only with it)."""
+        self.leading: Callable[[], bool] = lambda: True
+        self.num_withheld = 0
+        """Orders not sent because this master was not surely leading when it was about to send them."""
         self._client = StoreClient(sign=self._signer(capabilities) if capabilities is not None else None)
+
+    def _may_order(self, what: str, address: str) -> None:
+        """Raise `Unavailable` (and count it) unless this master surely leads now."""
+        if not self.leading():
+            self.num_withheld += 1
+            raise Unavailable(f"{what} to store {address} withheld: this master no longer surely leads")
 
     def lead(self, caps: Capabilities | None, address: str, epoch: int) -> None:
         """Order the stores as the leader at `address` of `epoch` from now on (with its proof)."""
@@ -80,6 +93,7 @@ class StoreCalls:
         return None if info is None else (info.node_id, info.epoch)
 
     def reserve(self, address: str, orders: Sequence[SlotOrder], write_lease_ms: int) -> None:
+        self._may_order("reserve", address)
         self._client.reserve_slots(
             address,
             orders,
@@ -90,12 +104,14 @@ class StoreCalls:
 
     def commit(self, address: str, slots: Sequence[Location]) -> dict[tuple[int, int], str]:
         """Commit slots; returns {(slot, generation): error} for the ones that failed ("" = ok)."""
+        self._may_order("commit", address)
         return self._client.commit_slots(
             address, slots, leader_epoch=self.leader_epoch, timeout_s=self.timeout_s
         )
 
     def free(self, address: str, slots: Sequence[tuple[int, int]]) -> list[tuple[int, int, bool]]:
         """Order slots freed; returns (slot, new_generation, deferred) per slot the store answered."""
+        self._may_order("free", address)
         return self._client.free_slots(
             address, slots, leader_epoch=self.leader_epoch, timeout_s=self.timeout_s
         )
@@ -115,6 +131,7 @@ class StoreCalls:
     ) -> dict[tuple[int, int], str]:
         """Have the store at `address` pull (src, dst, checksum) blocks (with the read capability `src`
         carries); {(dst slot, gen): error}."""
+        self._may_order("copy", address)
         return self._client.copy_blocks(
             address,
             src_data_address,

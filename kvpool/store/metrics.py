@@ -59,6 +59,14 @@ class StoreCollector(Collector):
             "forged order or etcd key; secured stores only).",
             value=t.fence.num_unproven,
         )
+        accepted = CounterMetricFamily(
+            P + "orders_accepted",
+            "Orders (reserve, commit, free, copy) taken, per leader epoch of the master that sent them.",
+            labels=["epoch"],
+        )
+        for epoch, n in sorted(t.fence.accepted_by_epoch().items()):
+            accepted.add_metric([str(epoch)], n)
+        yield accepted
 
 
 class StoreMetrics:

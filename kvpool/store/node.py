@@ -73,6 +73,7 @@ class StoreNode:
                 on_unsent=lambda report: self.table.requeue_freed(report.freed_slots),
                 on_fatal=self._on_fatal,
                 heartbeat_interval_ms=settings.heartbeat_interval_ms,
+                on_leader=self.table.fence.observe,
             )
 
     @property

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from kvpool.capability import Capabilities
+from kvpool.capability import CAPABILITY_NBYTES, Capabilities, capability_epoch
 from kvpool.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -157,6 +157,8 @@ class SlotTable(SlotDataPlane):
             capability,
             self.fence.highest,
         )
+        if len(capability) > CAPABILITY_NBYTES:  # valid, so minted by a leader at its epoch: a proof of it
+            self.fence.observe(capability_epoch(capability), proven=True)
 
     def _in_flight(self, slot: int) -> bool:
         return bool(self._flag_bytes[slot] & _WRITING or self._readers[slot] > 0)

@@ -103,18 +103,22 @@ class RegisterNodeRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., protocol_version: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., num_slots: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., challenge: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "master_epoch", "layout_fingerprint", "secured", "session")
+    __slots__ = ("heartbeat_interval_ms", "master_epoch", "layout_fingerprint", "secured", "session", "leader_epoch", "leader_proof")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SECURED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_PROOF_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     master_epoch: int
     layout_fingerprint: str
     secured: bool
     session: bytes
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., master_epoch: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., secured: _Optional[bool] = ..., session: _Optional[bytes] = ...) -> None: ...
+    leader_epoch: int
+    leader_proof: str
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., master_epoch: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., secured: _Optional[bool] = ..., session: _Optional[bytes] = ..., leader_epoch: _Optional[int] = ..., leader_proof: _Optional[str] = ...) -> None: ...
 
 class JoinChallengeRequest(_message.Message):
     __slots__ = ("node_id",)
@@ -147,14 +151,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., freed_slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., num_used_slots: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known", "master_epoch", "flush_epoch")
+    __slots__ = ("known", "master_epoch", "flush_epoch", "leader_epoch", "leader_proof")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FLUSH_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_PROOF_FIELD_NUMBER: _ClassVar[int]
     known: bool
     master_epoch: int
     flush_epoch: int
-    def __init__(self, known: _Optional[bool] = ..., master_epoch: _Optional[int] = ..., flush_epoch: _Optional[int] = ...) -> None: ...
+    leader_epoch: int
+    leader_proof: str
+    def __init__(self, known: _Optional[bool] = ..., master_epoch: _Optional[int] = ..., flush_epoch: _Optional[int] = ..., leader_epoch: _Optional[int] = ..., leader_proof: _Optional[str] = ...) -> None: ...
 
 class DeregisterNodeRequest(_message.Message):
     __slots__ = ("node_id", "epoch", "session")
@@ -242,7 +250,7 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., count_hit: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., packed_replicas: _Optional[bool] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
-    __slots__ = ("num_matched", "replicas", "lease_id", "lease_ttl_ms", "nodes", "request_id", "replica_node_ids", "replica_node", "replica_slot", "replica_generation", "replica_count", "replica_local", "replica_capability", "capability_expiry_ms")
+    __slots__ = ("num_matched", "replicas", "lease_id", "lease_ttl_ms", "nodes", "request_id", "replica_node_ids", "replica_node", "replica_slot", "replica_generation", "replica_count", "replica_local", "replica_capability", "capability_expiry_ms", "leader_epoch", "leader_proof")
     NUM_MATCHED_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +265,8 @@ class MatchPrefixResponse(_message.Message):
     REPLICA_LOCAL_FIELD_NUMBER: _ClassVar[int]
     REPLICA_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_PROOF_FIELD_NUMBER: _ClassVar[int]
     num_matched: int
     replicas: _containers.RepeatedCompositeFieldContainer[BlockReplicas]
     lease_id: int
@@ -271,7 +281,9 @@ class MatchPrefixResponse(_message.Message):
     replica_local: _containers.RepeatedScalarFieldContainer[int]
     replica_capability: _containers.RepeatedScalarFieldContainer[bytes]
     capability_expiry_ms: int
-    def __init__(self, num_matched: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[BlockReplicas, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., request_id: _Optional[str] = ..., replica_node_ids: _Optional[_Iterable[str]] = ..., replica_node: _Optional[_Iterable[int]] = ..., replica_slot: _Optional[_Iterable[int]] = ..., replica_generation: _Optional[_Iterable[int]] = ..., replica_count: _Optional[_Iterable[int]] = ..., replica_local: _Optional[_Iterable[int]] = ..., replica_capability: _Optional[_Iterable[bytes]] = ..., capability_expiry_ms: _Optional[int] = ...) -> None: ...
+    leader_epoch: int
+    leader_proof: str
+    def __init__(self, num_matched: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[BlockReplicas, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., request_id: _Optional[str] = ..., replica_node_ids: _Optional[_Iterable[str]] = ..., replica_node: _Optional[_Iterable[int]] = ..., replica_slot: _Optional[_Iterable[int]] = ..., replica_generation: _Optional[_Iterable[int]] = ..., replica_count: _Optional[_Iterable[int]] = ..., replica_local: _Optional[_Iterable[int]] = ..., replica_capability: _Optional[_Iterable[bytes]] = ..., capability_expiry_ms: _Optional[int] = ..., leader_epoch: _Optional[int] = ..., leader_proof: _Optional[str] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "ttl_ms")
@@ -346,18 +358,22 @@ class ReservedBlock(_message.Message):
     def __init__(self, block_hash: _Optional[bytes] = ..., already_present: _Optional[bool] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "blocks", "write_lease_ms", "nodes", "num_replicas_placed")
+    __slots__ = ("reservation_id", "blocks", "write_lease_ms", "nodes", "num_replicas_placed", "leader_epoch", "leader_proof")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WRITE_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLICAS_PLACED_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_PROOF_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     blocks: _containers.RepeatedCompositeFieldContainer[ReservedBlock]
     write_lease_ms: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeEndpoint]
     num_replicas_placed: int
-    def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[ReservedBlock, _Mapping]]] = ..., write_lease_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., num_replicas_placed: _Optional[int] = ...) -> None: ...
+    leader_epoch: int
+    leader_proof: str
+    def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[ReservedBlock, _Mapping]]] = ..., write_lease_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., num_replicas_placed: _Optional[int] = ..., leader_epoch: _Optional[int] = ..., leader_proof: _Optional[str] = ...) -> None: ...
 
 class CommittedBlock(_message.Message):
     __slots__ = ("block_hash", "checksum", "written")
