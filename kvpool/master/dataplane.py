@@ -11,6 +11,8 @@ store record (a new epoch starts healthy):
   once (`ReportBadReplica`) and a read never returns bad bytes (readers verify), so one corrupted block
   (a RAM fault in one slot) costs that block, not every block of the store; a store that keeps returning
   bad bytes fails.
+- (silence, not a data-plane state: a store with no heartbeat for `stale_after_ms` is not offered to
+  readers either, `silent`, and is again from its next heartbeat)
 - `failed`: no new blocks are placed on it and matches do not offer its replicas (a block whose only
   replicas are there ends the match: the rest is recomputed), for a back-off (`backoff_ms`, doubling on
   each failed probe or failure on trial, up to `max_backoff_ms`).
@@ -164,10 +166,18 @@ def usable(m: Master, rec: NodeRecord) -> bool:
     return rec.dataplane.usable(m.clock.now_ms(), m.dataplane_policy)
 
 
+def silent(m: Master, rec: NodeRecord, now_ms: int) -> bool:
+    """`rec` sent no heartbeat for over `stale_after_ms` (paused, cut off, or dying): readers are not sent
+    to it (a pull from a paused store would stall until its timeout); its next heartbeat brings it back."""
+    return now_ms - rec.last_seen_ms > m.settings.stale_after_ms
+
+
 def offered(m: Master, res: MatchResult, nodes: list[NodeRecord]) -> MatchResult:
-    """Under the lock: `res` without the replicas on stores whose data plane failed (`nodes`: the records
-    its replicas name); the match ends at the first block left without a replica."""
-    bad = {n.node_id for n in nodes if n.is_store and not usable(m, n)}
+    """Under the lock: `res` without the replicas on stores whose data plane failed or that fell silent
+    (`silent`; `nodes`: the records its replicas name: the cost is per node named, whatever the index's
+    size); the match ends at the first block left without a replica (the rest is recomputed)."""
+    now_ms = m.clock.now_ms()
+    bad = {n.node_id for n in nodes if n.is_store and (silent(m, n, now_ms) or not usable(m, n))}
     if not bad:
         return res
     kept: list[tuple[Location, ...]] = []
