@@ -11,6 +11,9 @@ store record (a new epoch starts healthy):
   once (`ReportBadReplica`) and a read never returns bad bytes (readers verify), so one corrupted block
   (a RAM fault in one slot) costs that block, not every block of the store; a store that keeps returning
   bad bytes fails.
+- (writes counted at commit, not a data-plane state: a store that left reserved slots unwritten at
+  `fail_after` commits in a row is *gray*, `note_commit`: placed on only when the healthy stores have no
+  room, for `backoff_ms` or until a commit finds all its slots written)
 - (silence, not a data-plane state: a store with no heartbeat for `stale_after_ms` is not offered to
   readers either, `silent`, and is again from its next heartbeat)
 - `failed`: no new blocks are placed on it and matches do not offer its replicas (a block whose only
@@ -84,6 +87,10 @@ class DataPlaneHealth:
     num_probes: int = 0
     num_probes_failed: int = 0
     last_error: str = ""
+    write_streak: int = 0  # commits in a row that left some of its reserved slots unwritten (`note_commit`)
+    num_unwritten_slots: int = 0  # reserved for a writer, not written (or not committed) at commit
+    gray_until_ms: int = 0  # writes keep failing: placed on only when the healthy stores have no room
+    num_grayed: int = 0
 
     def record(self, kind: str, detail: str, now_ms: int, policy: DataPlanePolicy) -> bool:
         """One reported failure; True when it made the store `failed` (it was not already)."""
@@ -137,6 +144,38 @@ class DataPlaneHealth:
     def usable(self, now_ms: int, policy: DataPlanePolicy) -> bool:
         """Worth placing on and reading from now."""
         return self.refresh(now_ms, policy) not in ("failed", "probe")
+
+    def record_commit(self, reserved: int, written: int, now_ms: int, policy: DataPlanePolicy) -> bool:
+        """A commit found `written` of the `reserved` slots a reservation placed here written and committed;
+        counted in failures, not seconds: `fail_after` commits in a row with an unwritten slot make it gray
+        (True when this one did) for `backoff_ms`: no new reservation while a healthy store has room. A
+        commit with every slot written ends the streak, so one transient error takes no store out."""
+        if written >= reserved:
+            self.write_streak, self.gray_until_ms = 0, 0
+            return False
+        self.num_unwritten_slots += reserved - written
+        self.write_streak += 1
+        if self.write_streak < policy.fail_after or self.gray_until_ms > now_ms:
+            return False
+        self.gray_until_ms = now_ms + policy.backoff_ms  # after it, one more failing commit: gray again
+        self.num_grayed += 1
+        return True
+
+
+def note_commit(m: Master, reserved: dict[str, int], written: dict[str, int]) -> None:
+    """Under the lock: one reservation's commit, per store it placed on (`reserved`: slots per node id;
+    `written`: those written and committed). O(stores of the reservation)."""
+    now_ms = m.clock.now_ms()
+    for node_id, n in reserved.items():
+        rec = m.st.nodes.get(node_id)
+        if rec is None or not rec.is_store:
+            continue
+        if rec.dataplane.record_commit(n, written.get(node_id, 0), now_ms, m.dataplane_policy):
+            log.warning(
+                "store %s left reserved slots unwritten at %d commits in a row: no new reservations "
+                "there while other stores have room, for %d ms",
+                *(node_id, rec.dataplane.write_streak, m.dataplane_policy.backoff_ms),
+            )
 
 
 def report_failure(m: Master, node_id: str, epoch: int, kind: str, detail: str) -> None:

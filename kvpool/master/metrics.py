@@ -119,6 +119,17 @@ class MasterCollector(Collector):
             "Data-plane probes of a failed store (a block copied through its data plane), by result.",
             labels=["node", "result"],
         )
+        unwritten = CounterMetricFamily(
+            P + "store_unwritten_slots",
+            "Slots reserved on a store for a writer and not written (or not committed) at commit.",
+            labels=["node"],
+        )
+        grayed = CounterMetricFamily(
+            P + "store_write_grayed",
+            "Times a store's writes failed at `dataplane_fail_after` commits in a row (it then gets no new "
+            "reservation while a healthy store has room).",
+            labels=["node"],
+        )
         with m.lock:
             num_blocks = m.index.num_blocks
             num_leases = m.index.num_live_leases
@@ -143,9 +154,12 @@ class MasterCollector(Collector):
                 num_failed = rec.dataplane.num_probes_failed
                 dp_probes.add_metric([rec.node_id, "passed"], rec.dataplane.num_probes - num_failed)
                 dp_probes.add_metric([rec.node_id, "failed"], num_failed)
+                unwritten.add_metric([rec.node_id], rec.dataplane.num_unwritten_slots)
+                grayed.add_metric([rec.node_id], rec.dataplane.num_grayed)
         for role, n in sorted(by_role.items()):
             alive.add_metric([role], n)
         yield from (used_slots, cap_slots, used_bytes, cap_bytes, alive, dp_failed, dp_failures, dp_probes)
+        yield from (unwritten, grayed)
         yield GaugeMetricFamily(P + "index_blocks", "Blocks in the index (resident).", value=num_blocks)
         yield GaugeMetricFamily(
             P + "index_bytes", "Bytes of block replicas on live store nodes.", value=total_bytes
