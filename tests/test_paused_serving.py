@@ -141,6 +141,15 @@ def paused(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, 
     assert up.proc.returncode == 0, out[-3000:]
 
 
+def _steady(traffic: Traffic, up: _Up, timeout_s: float = 60.0) -> float:
+    """Wait until the last 4 repeated prompts hit (a publish breaker opened by an earlier case may still
+    be cooling down); returns when (monotonic)."""
+    _wait(
+        lambda: len(traffic.again) >= 4 and _hit_rate(traffic.again[-4:]) > 0.5, timeout_s, "steady hits", up
+    )
+    return time.monotonic()
+
+
 def _hits_back_s(traffic: Traffic, level: float, t0: float, window: int = 3) -> float | None:
     after = traffic.since(t0)
     return next((a.at_s - t0 for k, a in enumerate(after[: len(after) - window + 1])
@@ -209,7 +218,8 @@ def test_pause_the_store_10_s_mid_transfer(paused: tuple[Cluster, int, int]) -> 
     pid = up.role_pid("store0")
     traffic = Traffic(cluster.url, "store-pause")
     try:
-        time.sleep(6.0)
+        t_steady = _steady(traffic, up)
+        time.sleep(4.0)
         t_pause = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -221,7 +231,7 @@ def test_pause_the_store_10_s_mid_transfer(paused: tuple[Cluster, int, int]) -> 
     finally:
         traffic.stop()
     traffic.check()
-    level = _hit_rate(traffic.since(0.0, t_pause)[2:])
+    level = _hit_rate(traffic.since(t_steady, t_pause))
     back_s = _hits_back_s(traffic, level, t_cont)
     _record(
         "store_paused_10s",
@@ -240,7 +250,8 @@ def test_pause_etcd_15_s(paused: tuple[Cluster, int, int]) -> None:
     pid = _pid_listening(up, cluster.etcd_port)
     traffic = Traffic(cluster.url, "etcd-pause")
     try:
-        time.sleep(6.0)
+        t_steady = _steady(traffic, up)
+        time.sleep(4.0)
         t_pause = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -259,7 +270,7 @@ def test_pause_etcd_15_s(paused: tuple[Cluster, int, int]) -> None:
     finally:
         traffic.stop()
     traffic.check()
-    level = _hit_rate(traffic.since(0.0, t_pause)[2:])
+    level = _hit_rate(traffic.since(t_steady, t_pause))
     back_s = _hits_back_s(traffic, level, t_cont)
     _record(
         "etcd_paused_15s",
