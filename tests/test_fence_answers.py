@@ -12,9 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.capability import Capabilities, CapabilityKey, WallClock
+from kvpool.client import MasterClient
 from kvpool.cluster.etcd import ThrowawayEtcd
 from kvpool.errors import FailedPrecondition, PermissionDenied, Unavailable
-from kvpool.master.procs import Proc, start_store
+from kvpool.master.procs import LAYOUT, Proc, start_store
 from kvpool.membership import leader_proof
 from kvpool.store.fence import EpochFence
 from kvpool.store.segment import Segment
@@ -116,6 +117,11 @@ def test_a_heartbeat_answer_fences_the_deposed_leader(etcd: ThrowawayEtcd, store
         metrics = str(stores[0].ready["metrics_address"])
         wait_until(lambda: store_metrics(metrics)["kvpool_store_leader_epoch"] == e2, 10, "the fence rises")
         assert b.master.stores.num_withheld == 0
+        with MasterClient(b.address) as c:  # a reader's and a writer's answers carry the epoch too
+            ns, _ = c.register_namespace("m", "v1", LAYOUT)
+            assert c.leader_epoch == 0
+            c.match(ns, [H])
+            assert c.leader_epoch == e2
         a.master.stores.leading = lambda: True  # the order passed a's check, then a paused
         with pytest.raises(FailedPrecondition, match=f"fenced: epoch {e1} < {e2}"):
             a.master.stores.free(store, [(5, 1)])
