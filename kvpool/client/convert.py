@@ -354,6 +354,7 @@ def inventory_batch_pb(b: InventoryBatch, epoch: int) -> pb.InventoryResponse:
         checksums=np.ascontiguousarray(b.checksums, dtype="<u8").tobytes(),
         size_bytes=np.ascontiguousarray(b.size_bytes, dtype="<u8").tobytes(),
         next_slot=b.next_slot,
+        medium=b"" if b.medium is None else np.ascontiguousarray(b.medium, dtype=np.uint8).tobytes(),
     )
 
 
@@ -382,6 +383,7 @@ def inventory_batch(resp: Any) -> InventoryBatch:
         checksums=_column(resp.checksums, "<u8", n, 1, "checksums").astype(np.uint64),
         size_bytes=_column(resp.size_bytes, "<u8", n, 1, "size_bytes").astype(np.uint64),
         next_slot=resp.next_slot,
+        medium=_column(resp.medium, "u1", n, 1, "medium") if resp.medium else None,
     )
 
 
