@@ -323,6 +323,14 @@ class SlotTable(SlotDataPlane, MoveSlots):
     def free(self, refs: Iterable[tuple[int, int]]) -> list[FreeResult]:
         """Free slots (deferred while a transfer is in flight). Idempotent: a slot no longer at the named
         generation is left alone and its current generation returned."""
+        refs, on_disk = self._split(refs)
+        if on_disk:
+            assert self.disk is not None
+            disk_out = self.disk.free([refs[i] for i in on_disk])
+            mem_out = self.free([r for i, r in enumerate(refs) if i not in set(on_disk)])
+            merged = dict(zip(on_disk, disk_out, strict=True))
+            it = iter(mem_out)
+            return [merged[i] if i in merged else next(it) for i in range(len(refs))]
         out = []
         with self._lock:
             for slot, gen in refs:
