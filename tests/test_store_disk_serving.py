@@ -190,7 +190,6 @@ def _demote_until_killed(s: StoreProc, g: int, acked: list[int], stop: threading
         k += 4
 
 
-@pytest.mark.slow
 def test_kill_9_during_demotions_then_restart_lists_only_whole_verified_blocks(
     tmp_path: Path, transport: UcxTransport  # noqa: F811
 ) -> None:
