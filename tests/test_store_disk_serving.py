@@ -25,6 +25,7 @@ from kvpool.store.node import DISK_FIRST_SLOT, StoreNode
 from kvpool.store.settings import StoreSettings
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from tests.capabilities import require_ucx
 from tests.test_store_node import (
     LAYOUT,
     NB,
@@ -35,12 +36,19 @@ from tests.test_store_node import (
     rand_blocks,
     read,
     reserve,
-    transport,  # noqa: F401 - the module's UCX transport fixture
 )
 from transfer import BlockWrite, UcxTransport, checksum
 
 F = DISK_FIRST_SLOT
 OK, FAILED, STALE = pb.TIER_MOVE_OK, pb.TIER_MOVE_FAILED, pb.TIER_MOVE_STALE
+
+
+@pytest.fixture(scope="module")
+def transport() -> Iterator[UcxTransport]:
+    require_ucx()
+    t = UcxTransport()
+    yield t
+    t.close()
 
 
 def disk_store(path: Path, *extra: str) -> StoreProc:
@@ -55,7 +63,9 @@ def disk_info(stub: pb_grpc.StoreStub) -> pb.DiskTierInfo:
     return stub.GetInfo(pb.GetInfoRequest(), timeout=10).disk
 
 
-def moves(stub: pb_grpc.StoreStub, demote: bool, orders: list[tuple[int, int, int, int]]) -> list[pb.TierMoveResult]:
+def moves(
+    stub: pb_grpc.StoreStub, demote: bool, orders: list[tuple[int, int, int, int]]
+) -> list[pb.TierMoveResult]:
     req = pb.TierMoveRequest(
         moves=[
             pb.TierMove(src=pb.SlotRef(slot=s, generation=g), dst=pb.SlotRef(slot=d, generation=dg))
@@ -86,7 +96,9 @@ def rows_on(batches: list, medium: int) -> tuple[list[int], list[int]]:  # type:
 def write_disk(s: StoreProc | _Node, t: UcxTransport, slots: list[int], gen: int, data: np.ndarray) -> None:
     reserve(s, slots, gen)  # type: ignore[arg-type]
     res = t.write_blocks(
-        s.data_address, [BlockWrite(x, gen, data[i], checksum(data[i])) for i, x in enumerate(slots)], timeout_s=30
+        s.data_address,
+        [BlockWrite(x, gen, data[i], checksum(data[i])) for i, x in enumerate(slots)],
+        timeout_s=30,
     )
     assert all(r.ok for r in res), [r.error for r in res]
     assert all(r.ok for r in commit(s, slots, gen)), commit(s, slots, gen)  # type: ignore[arg-type]
@@ -96,7 +108,8 @@ def write_disk(s: StoreProc | _Node, t: UcxTransport, slots: list[int], gen: int
 
 
 def test_a_disk_slot_is_reserved_written_committed_and_read_bit_exact(
-    tmp_path: Path, transport: UcxTransport  # noqa: F811
+    tmp_path: Path,
+    transport: UcxTransport,
 ) -> None:
     s = disk_store(tmp_path)
     try:
@@ -125,7 +138,8 @@ def test_a_disk_slot_is_reserved_written_committed_and_read_bit_exact(
 
 
 def test_bytes_corrupted_on_disk_are_refused_at_read_and_counted(
-    tmp_path: Path, transport: UcxTransport  # noqa: F811
+    tmp_path: Path,
+    transport: UcxTransport,
 ) -> None:
     s = disk_store(tmp_path)
     try:
@@ -151,7 +165,7 @@ def test_bytes_corrupted_on_disk_are_refused_at_read_and_counted(
         s.kill()
 
 
-def test_demote_and_promote_keep_bytes_and_records(tmp_path: Path, transport: UcxTransport) -> None:  # noqa: F811
+def test_demote_and_promote_keep_bytes_and_records(tmp_path: Path, transport: UcxTransport) -> None:
     s = disk_store(tmp_path)
     try:
         g = disk_info(s.stub).first_generation
@@ -162,10 +176,14 @@ def test_demote_and_promote_keep_bytes_and_records(tmp_path: Path, transport: Uc
         res, out = read(transport, s, [F + 10 + i for i in range(8)], g)
         assert all(r.ok for r in res) and np.array_equal(out, data)
         batches = inventory(s.stub)
-        assert rows_on(batches, 0)[0] == list(range(8)) and rows_on(batches, 1)[0] == [F + 10 + i for i in range(8)]
+        assert rows_on(batches, 0)[0] == list(range(8)) and rows_on(batches, 1)[0] == [
+            F + 10 + i for i in range(8)
+        ]
         disk_rows = [b for b in batches if len(b) and b.medium[0] == 1][0]
         mem_rows = [b for b in batches if len(b) and b.medium[0] == 0][0]
-        assert np.array_equal(disk_rows.block_hashes, mem_rows.block_hashes)  # the record moved with the bytes
+        assert np.array_equal(
+            disk_rows.block_hashes, mem_rows.block_hashes
+        )  # the record moved with the bytes
         assert np.array_equal(disk_rows.checksums, mem_rows.checksums)
         # a source at another generation, a destination that holds a block: nothing moves
         bad = moves(s.stub, True, [(0, 2, F + 30, g), (1, 1, F + 10, g)])
@@ -191,7 +209,8 @@ def _demote_until_killed(s: StoreProc, g: int, acked: list[int], stop: threading
 
 
 def test_kill_9_during_demotions_then_restart_lists_only_whole_verified_blocks(
-    tmp_path: Path, transport: UcxTransport  # noqa: F811
+    tmp_path: Path,
+    transport: UcxTransport,
 ) -> None:
     s = disk_store(tmp_path)
     data = rand_blocks(124, seed=6)
@@ -238,8 +257,13 @@ class _Node:
     def __init__(self, path: Path, **settings: object) -> None:
         self.node = StoreNode(
             StoreSettings(
-                segment_size="8MiB", layout=LAYOUT, node_id="n", disk_path=str(path), disk_size="4MiB",
-                metrics=False, **settings,
+                segment_size="8MiB",
+                layout=LAYOUT,
+                node_id="n",
+                disk_path=str(path),
+                disk_size="4MiB",
+                metrics=False,
+                **settings,
             )  # fmt: skip
         )
         self.node.start()
@@ -262,7 +286,8 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Node]:
 
 
 def test_a_demotion_whose_source_is_freed_meanwhile_is_discarded(
-    node: _Node, transport: UcxTransport  # noqa: F811
+    node: _Node,
+    transport: UcxTransport,
 ) -> None:
     g = disk_info(node.stub).first_generation
     put_blocks(node, transport, [7], rand_blocks(1, seed=7))  # type: ignore[arg-type]
@@ -286,7 +311,9 @@ def test_a_demotion_whose_source_is_freed_meanwhile_is_discarded(
 
 
 def test_the_move_queue_refuses_an_order_on_backlog(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, transport: UcxTransport  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    transport: UcxTransport,
 ) -> None:
     monkeypatch.delenv("KVPOOL_CLUSTER_SECRET", raising=False)
     n = _Node(tmp_path, disk_move_queue_blocks=4)
@@ -312,7 +339,10 @@ def test_the_move_queue_refuses_an_order_on_backlog(
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
 def test_a_disk_fault_during_a_demotion_degrades_the_tier_not_memory_reads(
-    node: _Node, transport: UcxTransport, monkeypatch: pytest.MonkeyPatch, err: int  # noqa: F811
+    node: _Node,
+    transport: UcxTransport,
+    monkeypatch: pytest.MonkeyPatch,
+    err: int,
 ) -> None:
     g = disk_info(node.stub).first_generation
     data = rand_blocks(3, seed=8)
