@@ -167,6 +167,28 @@ class InventoryBatch:
         return self.medium == MEDIUM_MEMORY
 
 
+@dataclass(frozen=True, slots=True)
+class DiskTierReport:
+    """A store's disk tier as it reports it (`GetInfo`, each heartbeat; proto `DiskTierInfo`): slot numbers
+    `first_slot` .. `first_slot + num_slots - 1`; blocks of `block_nbytes`; `num_used_slots` committed blocks,
+    `num_reserved_slots` reserved or being moved into; `first_generation`, every slot's generation when this
+    boot began (a free slot may be reserved at it or above); the measured read cost `alpha_s` (seconds per
+    call) and `beta_s_per_byte` (NaN: not measured); `degraded` "" or why writes are refused; `direct`: the
+    page cache is bypassed; `recovered_blocks`: verified blocks found at start-up."""
+
+    first_slot: int
+    num_slots: int
+    block_nbytes: int
+    num_used_slots: int
+    num_reserved_slots: int
+    first_generation: int
+    alpha_s: float
+    beta_s_per_byte: float
+    degraded: str
+    direct: bool
+    recovered_blocks: int
+
+
 MEDIUM_MEMORY = 0
 """A replica in a store's memory segment."""
 MEDIUM_DISK = 1

@@ -11,6 +11,7 @@ import errno
 import os
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +30,10 @@ from tests.capabilities import require_ucx
 from tests.test_store_node import (
     LAYOUT,
     NB,
+    FakeMaster,
     StoreProc,
+    _fake_master,
+    _wait,
     code_of,
     commit,
     put_blocks,
@@ -161,6 +165,8 @@ def test_bytes_corrupted_on_disk_are_refused_at_read_and_counted(
         assert not res[0].ok and "generation" in res[0].error
         assert disk_info(s.stub).num_used_slots == 1
         assert rows_on(inventory(s.stub), 1)[0] == [F + 1]
+        assert metric(s, "kvpool_store_disk_refused_reads_total") == 1
+        assert metric(s, "kvpool_store_disk_dropped_blocks_total") == 1
     finally:
         s.kill()
 
@@ -193,8 +199,46 @@ def test_demote_and_promote_keep_bytes_and_records(tmp_path: Path, transport: Uc
         assert [r.status for r in back] == [OK] * 4, back
         res, out = read(transport, s, [100 + i for i in range(4)], 1)
         assert all(r.ok for r in res) and np.array_equal(out, data[:4])
+        assert (
+            metric(s, "kvpool_store_demotions_total") == 8 and metric(s, "kvpool_store_promotions_total") == 4
+        )
+        assert metric(s, 'kvpool_store_medium_blocks{medium="disk"}') == 8
+        assert metric(s, 'kvpool_store_medium_blocks{medium="memory"}') == 12
+        assert (
+            metric(s, "kvpool_store_stale_moves_total") == 1
+            and metric(s, "kvpool_store_failed_moves_total") == 1
+        )
     finally:
         s.kill()
+
+
+def metric(s: StoreProc, name: str) -> float:
+    """The value of one sample line of the store's /metrics (`name` with its labels)."""
+    with urllib.request.urlopen(f"http://{s.info['metrics_address']}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_heartbeats_carry_the_disk_tier_and_its_measured_cost(tmp_path: Path) -> None:
+    m = FakeMaster()
+    server = _fake_master(m)
+    s = disk_store(tmp_path, "--master", f"127.0.0.1:{server.port}")
+    try:
+        _wait(lambda: len(m.heartbeats) >= 2)
+        d = m.heartbeats[-1].disk
+        assert (d.first_slot, d.num_slots, d.block_nbytes) == (F, 128, NB)
+        assert d.alpha_s > 0 and 0 < d.beta_s_per_byte < 1e-6 and d.first_generation >= 1 << 32
+        reserve(s, [F + 2], d.first_generation, lease_ms=100)  # reclaimed on expiry, reported as freed
+        _wait(
+            lambda: any(
+                (f.slot, f.generation) == (F + 2, d.first_generation + 1)
+                for hb in m.heartbeats
+                for f in hb.freed_slots
+            )
+        )
+    finally:
+        s.kill()
+        server.stop(0)
 
 
 def _demote_until_killed(s: StoreProc, g: int, acked: list[int], stop: threading.Event) -> None:

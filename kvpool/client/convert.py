@@ -4,6 +4,7 @@ and the master's orders to store nodes (`kvpool.client.store_client`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ from kvpool.client.types import (
 )
 from kvpool.errors import InvalidArgument
 from kvpool.sampling import SamplingParams
-from kvpool.types import HASH_NBYTES, InventoryBatch, Location, SlotOrder
+from kvpool.types import HASH_NBYTES, DiskTierReport, InventoryBatch, Location, SlotOrder
 from kvpool.v1 import kvpool_pb2 as pb
 
 
@@ -337,6 +338,16 @@ def slot_results(asked: Sequence[tuple[int, int]], results: Any) -> dict[tuple[i
     for r in results:
         out[(r.slot, r.generation)] = "" if r.ok else (r.error or "refused")
     return out
+
+
+def disk_tier_pb(r: DiskTierReport | None) -> pb.DiskTierInfo | None:
+    """proto `DiskTierInfo` of a store's disk tier report (None: no tier)."""
+    return None if r is None else pb.DiskTierInfo(**dataclasses.asdict(r))
+
+
+def disk_tier(info: Any) -> DiskTierReport:
+    """The `DiskTierReport` of a proto `DiskTierInfo`."""
+    return DiskTierReport(**{f.name: getattr(info, f.name) for f in dataclasses.fields(DiskTierReport)})
 
 
 def inventory_batch_pb(b: InventoryBatch, epoch: int) -> pb.InventoryResponse:

@@ -42,7 +42,7 @@ from kvpool.store.disk_serving_io import DiskDataPlane, Pending, tier_error  # n
 from kvpool.store.disk_tier import DiskTier
 from kvpool.store.fence import EpochFence
 from kvpool.store.slot_types import FreeResult, Reservation
-from kvpool.types import Clock
+from kvpool.types import Clock, DiskTierReport
 
 log = logging.getLogger(__name__)
 
@@ -302,3 +302,21 @@ class DiskSlots(DiskDataPlane):
     @property
     def num_reserved(self) -> int:
         return len(self._pending)
+
+    def report(self) -> DiskTierReport:
+        """The tier as the store reports it (`GetInfo`, heartbeats)."""
+        t = self.tier
+        alpha, beta = t.alpha_beta or (float("nan"), float("nan"))
+        return DiskTierReport(
+            first_slot=t.first_slot,
+            num_slots=t.num_slots,
+            block_nbytes=t.block_nbytes,
+            num_used_slots=t.counters.resident_blocks,
+            num_reserved_slots=len(self._pending),
+            first_generation=t.first_generation,
+            alpha_s=alpha,
+            beta_s_per_byte=beta,
+            degraded=t.degraded or "",
+            direct=t.direct,
+            recovered_blocks=t.num_recovered,
+        )

@@ -126,7 +126,12 @@ class StoreNode:
 
     def _report(self) -> HeartbeatReport:
         """A heartbeat's frees since the last one (put back when it fails) and the used-slot count."""
-        return HeartbeatReport(freed_slots=self.table.drain_freed(), num_used_slots=self.table.num_used)
+        disk = self.table.disk
+        return HeartbeatReport(
+            freed_slots=self.table.drain_freed(),
+            num_used_slots=self.table.num_used,
+            disk=None if disk is None else disk.report(),
+        )
 
     def start(self) -> None:
         from transfer import UcxBlockServer

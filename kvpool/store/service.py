@@ -10,11 +10,10 @@ from typing import Any
 import grpc
 import psutil
 
-from kvpool.client.convert import inventory_batch_pb
+from kvpool.client.convert import disk_tier_pb, inventory_batch_pb
 from kvpool.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvpool.membership import LEADER_PROOF_METADATA
 from kvpool.rpc.status import rpc_errors
-from kvpool.store.disk_serving import DiskSlots
 from kvpool.store.slots import Reservation, SlotTable
 from kvpool.store.tier_moves import TierMoves
 from kvpool.v1 import kvpool_pb2 as pb
@@ -87,7 +86,7 @@ class StoreServicer(pb_grpc.StoreServicer):
             num_used_slots=t.num_used,
             num_inflight_transfers=self._inflight(),
             rss_bytes=self._proc.memory_info().rss,
-            disk=disk_info(t.disk),
+            disk=disk_tier_pb(None if t.disk is None else t.disk.report()),
         )
 
     @rpc_errors
@@ -212,24 +211,3 @@ class StoreServicer(pb_grpc.StoreServicer):
                 for r in results
             ]
         )
-
-
-def disk_info(disk: DiskSlots | None) -> pb.DiskTierInfo | None:
-    """`GetInfoResponse.disk` of a store's disk slots (None without a tier)."""
-    if disk is None:
-        return None
-    t = disk.tier
-    alpha, beta = t.alpha_beta or (float("nan"), float("nan"))
-    return pb.DiskTierInfo(
-        first_slot=t.first_slot,
-        num_slots=t.num_slots,
-        block_nbytes=t.block_nbytes,
-        num_used_slots=t.counters.resident_blocks,
-        num_reserved_slots=disk.num_reserved,
-        first_generation=t.first_generation,
-        alpha_s=alpha,
-        beta_s_per_byte=beta,
-        degraded=t.degraded or "",
-        direct=t.direct,
-        recovered_blocks=t.num_recovered,
-    )

@@ -349,7 +349,10 @@ class SlotTable(SlotDataPlane, MoveSlots):
     def reap_expired(self) -> int:
         """Reclaim reservations (RESERVED or WRITTEN) whose write lease passed; one with a transfer in flight
         is freed when the transfer ends. Returns how many were reclaimed now. Array operations over all
-        slots, and only once a lease may have ended (the earliest expiry is kept)."""
+        slots, and only once a lease may have ended (the earliest expiry is kept); then the disk slots'."""
+        return self._reap_memory() + (self.disk.reap_expired() if self.disk is not None else 0)
+
+    def _reap_memory(self) -> int:
         with self._lock:
             now = self._clock.now_ms()
             if now < self._next_expiry_ms:
@@ -365,7 +368,7 @@ class SlotTable(SlotDataPlane, MoveSlots):
             gone = ended_slots[~busy]
             if len(gone):
                 self._freed.extend(zip(gone.tolist(), self._release_all(gone).tolist(), strict=True))
-        return len(gone) + (self.disk.reap_expired() if self.disk is not None else 0)
+        return len(gone)
 
     def drain_freed(self) -> list[tuple[int, int]]:
         """(slot, new generation) of deferred frees and reclaimed reservations since the last call."""

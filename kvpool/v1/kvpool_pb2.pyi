@@ -143,20 +143,22 @@ class JoinChallengeResponse(_message.Message):
     def __init__(self, challenge: _Optional[bytes] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "epoch", "freed_slots", "num_used_slots", "load", "session")
+    __slots__ = ("node_id", "epoch", "freed_slots", "num_used_slots", "load", "session", "disk")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FREED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     freed_slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
     num_used_slots: int
     load: NodeLoad
     session: bytes
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., freed_slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., num_used_slots: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., session: _Optional[bytes] = ...) -> None: ...
+    disk: DiskTierInfo
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., freed_slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., num_used_slots: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., session: _Optional[bytes] = ..., disk: _Optional[_Union[DiskTierInfo, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known", "master_epoch", "flush_epoch")
