@@ -413,3 +413,31 @@ def test_a_disk_fault_during_a_demotion_degrades_the_tier_not_memory_reads(
     assert res[0].ok and np.array_equal(out[0], data[0])
     assert code_of(lambda: reserve(node, [F + 5], g)) == grpc.StatusCode.UNAVAILABLE  # type: ignore[arg-type]
     assert rows_on(inventory(node.stub), 1)[0] == [F]
+
+
+def test_a_free_waits_for_a_disk_read_in_flight_and_old_leaders_are_fenced(
+    node: _Node, transport: UcxTransport
+) -> None:
+    g = disk_info(node.stub).first_generation
+    data = rand_blocks(2, seed=10)
+    write_disk(node, transport, [F, F + 1], g, data)
+    table = node.node.table
+    [(view, stored)] = table.begin_reads([(F, g, NB, b"", 0)])  # type: ignore[misc] - a read in flight
+    assert bytes(view) == data[0].tobytes() and stored == checksum(data[0])
+    freed = node.stub.FreeSlots(pb.FreeSlotsRequest(slots=[pb.SlotRef(slot=F, generation=g)]), timeout=10)
+    assert [(x.new_generation, x.deferred) for x in freed.slots] == [(g + 1, True)]
+    res, _ = read(transport, node, [F], g)  # type: ignore[arg-type] - no new reader once the free is ordered
+    assert not res[0].ok
+    assert not any(s == F for s, _ in table.drain_freed())  # still pinned: not freed yet
+    table.end_reads([F])
+    _wait(lambda: (F, g + 1) in table.drain_freed())  # freed once the read ended, reported
+    assert rows_on(inventory(node.stub), 1)[0] == [F + 1]
+    # a leader epoch older than one already taken is fenced for tier moves as for every order
+    node.stub.FreeSlots(pb.FreeSlotsRequest(leader_epoch=5), timeout=10)
+    req = pb.TierMoveRequest(
+        moves=[pb.TierMove(src=pb.SlotRef(slot=F + 1, generation=g), dst=pb.SlotRef(slot=9, generation=1))],
+        leader_epoch=4,
+    )
+    with pytest.raises(grpc.RpcError) as exc:
+        node.stub.PromoteBlocks(req, timeout=10)
+    assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "fenced" in (exc.value.details() or "")
