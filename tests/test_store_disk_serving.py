@@ -2,28 +2,24 @@
 committed and read bit-exact with their generations; damaged bytes refused at read; blocks demoted to disk and
 promoted back; a move whose source was freed meanwhile discarded; kill -9 during demotions, then a restart
 that lists only whole, verified blocks under new generations; ENOSPC and EIO degrading the tier without
-failing a memory read. Store processes where nothing is injected; an in-process `StoreNode` (its real gRPC
-and UCX servers) where a fault must be injected or a move held mid-way."""
+failing a memory read (those with an in-process store: tests/test_store_disk_inproc.py). Store processes."""
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
 from kvpool.client import convert as cv
-from kvpool.rpc.server import channel
-from kvpool.store import disk_io
-from kvpool.store.node import DISK_FIRST_SLOT, StoreNode
-from kvpool.store.settings import StoreSettings
+from kvpool.store.node import DISK_FIRST_SLOT
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 from tests.capabilities import require_ucx
@@ -97,7 +93,7 @@ def rows_on(batches: list, medium: int) -> tuple[list[int], list[int]]:  # type:
     return slots, gens
 
 
-def write_disk(s: StoreProc | _Node, t: UcxTransport, slots: list[int], gen: int, data: np.ndarray) -> None:
+def write_disk(s: Any, t: UcxTransport, slots: list[int], gen: int, data: np.ndarray) -> None:
     reserve(s, slots, gen)  # type: ignore[arg-type]
     res = t.write_blocks(
         s.data_address,
@@ -293,151 +289,3 @@ def test_kill_9_during_demotions_then_restart_lists_only_whole_verified_blocks(
 
 
 # ---------------------------------------------------------------- an in-process store (faults, a held move)
-
-
-class _Node:
-    """An in-process `StoreNode` with a disk tier, reached over its real gRPC and UCX servers."""
-
-    def __init__(self, path: Path, **settings: object) -> None:
-        self.node = StoreNode(
-            StoreSettings(
-                segment_size="8MiB",
-                layout=LAYOUT,
-                node_id="n",
-                disk_path=str(path),
-                disk_size="4MiB",
-                metrics=False,
-                **settings,
-            )  # fmt: skip
-        )
-        self.node.start()
-        self.data_address = self.node.data_address
-        self._channel = channel(self.node.grpc_address)
-        self.stub = pb_grpc.StoreStub(self._channel)
-
-    def close(self) -> None:
-        self._channel.close()
-        self.node.stop()
-
-
-@pytest.fixture
-def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Node]:
-    monkeypatch.delenv("KVPOOL_CLUSTER_SECRET", raising=False)
-    monkeypatch.delenv("KVPOOL_CLUSTER_SECRET_FILE", raising=False)
-    n = _Node(tmp_path)
-    yield n
-    n.close()
-
-
-def test_a_demotion_whose_source_is_freed_meanwhile_is_discarded(
-    node: _Node,
-    transport: UcxTransport,
-) -> None:
-    g = disk_info(node.stub).first_generation
-    put_blocks(node, transport, [7], rand_blocks(1, seed=7))  # type: ignore[arg-type]
-    tier = node.node.disk
-    assert tier is not None
-    answer: list[pb.TierMoveResult] = []
-    with tier._mutex:  # the disk is busy: the move waits in its write with the source pinned
-        mover = threading.Thread(target=lambda: answer.extend(moves(node.stub, True, [(7, 1, F + 3, g)])))
-        mover.start()
-        deadline = time.monotonic() + 10
-        while not node.node.table.num_inflight and time.monotonic() < deadline:
-            time.sleep(0.005)
-        freed = node.stub.FreeSlots(pb.FreeSlotsRequest(slots=[pb.SlotRef(slot=7, generation=1)]), timeout=10)
-        assert freed.slots[0].deferred  # the free waits for the move's pin
-    mover.join(30)
-    assert [(r.status, r.dst.generation) for r in answer] == [(STALE, g + 1)], answer
-    assert "source was freed" in answer[0].error
-    assert rows_on(inventory(node.stub), 1)[0] == []  # the copy is gone
-    assert (7, 2) in node.node.table.drain_freed() and not tier.is_committed(F + 3)
-    reserve(node, [F + 3], g + 1)  # type: ignore[arg-type] - the destination is free again
-
-
-def test_the_move_queue_refuses_an_order_on_backlog(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    transport: UcxTransport,
-) -> None:
-    monkeypatch.delenv("KVPOOL_CLUSTER_SECRET", raising=False)
-    n = _Node(tmp_path, disk_move_queue_blocks=4)
-    try:
-        g = disk_info(n.stub).first_generation
-        put_blocks(n, transport, [0, 1, 2, 3, 4], rand_blocks(5, seed=9))  # type: ignore[arg-type]
-        assert n.node.disk is not None
-        with n.node.disk._mutex:
-            first = threading.Thread(target=lambda: moves(n.stub, True, [(i, 1, F + i, g) for i in range(4)]))
-            first.start()
-            deadline = time.monotonic() + 10
-            while n.node.moves is not None and not n.node.moves.queued_blocks and time.monotonic() < deadline:
-                time.sleep(0.005)
-            with pytest.raises(grpc.RpcError) as exc:
-                moves(n.stub, True, [(4, 1, F + 4, g)])
-            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "queue full" in (exc.value.details() or "")
-        first.join(30)
-        assert n.node.moves is not None and n.node.moves.counters.refused_orders == 1
-    finally:
-        n.close()
-
-
-@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
-def test_a_disk_fault_during_a_demotion_degrades_the_tier_not_memory_reads(
-    node: _Node,
-    transport: UcxTransport,
-    monkeypatch: pytest.MonkeyPatch,
-    err: int,
-) -> None:
-    g = disk_info(node.stub).first_generation
-    data = rand_blocks(3, seed=8)
-    put_blocks(node, transport, [0, 1, 2], data)  # type: ignore[arg-type]
-    assert [r.status for r in moves(node.stub, True, [(0, 1, F, g)])] == [OK]
-    tier = node.node.disk
-    assert tier is not None
-    real = disk_io.os.pwritev
-
-    def failing(fd: int, bufs: list[memoryview], offset: int) -> int:  # the disk fails from now on
-        if fd == tier._data.fd:
-            raise OSError(err, os.strerror(err))
-        return real(fd, bufs, offset)
-
-    monkeypatch.setattr(disk_io.os, "pwritev", failing)
-    got = moves(node.stub, True, [(1, 1, F + 1, g), (2, 1, F + 2, g)])
-    assert [r.status for r in got] == [FAILED, FAILED], got
-    assert errno.errorcode[err] in got[0].error and [r.dst.generation for r in got] == [g, g]
-    info = disk_info(node.stub)
-    assert errno.errorcode[err] in info.degraded
-    res, out = read(transport, node, [0, 1, 2], 1)  # type: ignore[arg-type] - memory reads unharmed
-    assert all(r.ok for r in res) and np.array_equal(out, data)
-    res, out = read(transport, node, [F], g)  # type: ignore[arg-type] - good disk blocks still read
-    assert res[0].ok and np.array_equal(out[0], data[0])
-    assert code_of(lambda: reserve(node, [F + 5], g)) == grpc.StatusCode.UNAVAILABLE  # type: ignore[arg-type]
-    assert rows_on(inventory(node.stub), 1)[0] == [F]
-
-
-def test_a_free_waits_for_a_disk_read_in_flight_and_old_leaders_are_fenced(
-    node: _Node, transport: UcxTransport
-) -> None:
-    g = disk_info(node.stub).first_generation
-    data = rand_blocks(2, seed=10)
-    write_disk(node, transport, [F, F + 1], g, data)
-    table = node.node.table
-    [(view, stored)] = table.begin_reads([(F, g, NB, b"", 0)])  # type: ignore[misc] - a read in flight
-    assert bytes(view) == data[0].tobytes() and stored == checksum(data[0])
-    freed = node.stub.FreeSlots(pb.FreeSlotsRequest(slots=[pb.SlotRef(slot=F, generation=g)]), timeout=10)
-    assert [(x.new_generation, x.deferred) for x in freed.slots] == [(g + 1, True)]
-    res, _ = read(transport, node, [F], g)  # type: ignore[arg-type] - no new reader once the free is ordered
-    assert not res[0].ok
-    assert not any(s == F for s, _ in table.drain_freed())  # still pinned: not freed yet
-    table.end_reads([F])
-    _wait(lambda: (F, g + 1) in table.drain_freed())  # freed once the read ended, reported
-    assert rows_on(inventory(node.stub), 1)[0] == [F + 1]
-    # a leader epoch older than one already taken is fenced for tier moves as for every order
-    node.stub.FreeSlots(pb.FreeSlotsRequest(leader_epoch=5), timeout=10)
-    req = pb.TierMoveRequest(
-        moves=[pb.TierMove(src=pb.SlotRef(slot=F + 1, generation=g), dst=pb.SlotRef(slot=9, generation=1))],
-        leader_epoch=4,
-    )
-    with pytest.raises(grpc.RpcError) as exc:
-        node.stub.PromoteBlocks(req, timeout=10)
-    assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "fenced" in (exc.value.details() or "")
