@@ -36,7 +36,7 @@ from tests.test_store_disk_serving import (
     write_disk,
 )
 from tests.test_store_node import LAYOUT, NB, _wait, code_of, put_blocks, rand_blocks, read, reserve
-from transfer import UcxTransport, checksum
+from transfer import BlockWrite, UcxTransport, checksum
 
 
 class _Node:
@@ -155,6 +155,11 @@ def _disk_fault(node: _Node, transport: UcxTransport, err: int) -> None:
     assert [r.status for r in moves(node.stub, True, [(0, 1, F, g)])] == [OK]
     tier = node.node.disk
     assert tier is not None
+    reserve(node, [F + 9], g)  # type: ignore[arg-type] - written before the fault, committed after it
+    [w] = transport.write_blocks(
+        node.data_address, [BlockWrite(F + 9, g, data[1], checksum(data[1]))], timeout_s=30
+    )
+    assert w.ok, w
     real = disk_io.os.pwritev
 
     def failing(fd: int, bufs: list[memoryview], offset: int) -> int:  # the disk fails from now on
@@ -173,7 +178,13 @@ def _disk_fault(node: _Node, transport: UcxTransport, err: int) -> None:
     res, out = read(transport, node, [F], g)  # type: ignore[arg-type] - good disk blocks still read
     assert res[0].ok and np.array_equal(out[0], data[0])
     assert code_of(lambda: reserve(node, [F + 5], g)) == grpc.StatusCode.UNAVAILABLE  # type: ignore[arg-type]
-    assert rows_on(inventory(node.stub), 1)[0] == [F]
+    [c] = node.stub.CommitSlots(
+        pb.CommitSlotsRequest(slots=[pb.SlotRef(slot=F + 9, generation=g)]), timeout=10
+    ).results
+    assert not c.ok and c.error.startswith("Unavailable: disk tier degraded"), c
+    assert rows_on(inventory(node.stub), 1)[0] == [F]  # a failed block is never listed
+    freed = node.stub.FreeSlots(pb.FreeSlotsRequest(slots=[pb.SlotRef(slot=F + 9, generation=g)]), timeout=10)
+    assert [(x.new_generation, x.deferred) for x in freed.slots] == [(g, False)]  # free already, at its generation
 
 
 def test_a_free_waits_for_a_disk_read_in_flight_and_old_leaders_are_fenced(tmp_path: Path) -> None:

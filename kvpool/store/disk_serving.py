@@ -239,10 +239,8 @@ class DiskSlots(DiskDataPlane):
         )
         with self._lock:
             self._give_buffer(len(take))
-        for (i, p), err in zip(take, got, strict=True):
-            if err:
-                errors[i] = err
-                self._tier_free(refs[i][0], p.generation)  # the master frees it; nothing is left to read
+        for (i, _), err in zip(take, got, strict=True):
+            errors[i] = err  # a failed block: nothing recorded, the slot free at its generation
 
     def free(self, refs: Sequence[tuple[int, int]]) -> list[FreeResult]:
         """Free disk slots (deferred while a transfer is in flight); idempotent as `SlotTable.free`."""
