@@ -184,7 +184,7 @@ def _disk_fault(node: _Node, transport: UcxTransport, err: int) -> None:
     assert not c.ok and c.error.startswith("Unavailable: disk tier degraded"), c
     assert rows_on(inventory(node.stub), 1)[0] == [F]  # a failed block is never listed
     freed = node.stub.FreeSlots(pb.FreeSlotsRequest(slots=[pb.SlotRef(slot=F + 9, generation=g)]), timeout=10)
-    assert [(x.new_generation, x.deferred) for x in freed.slots] == [(g, False)]  # free already, at its generation
+    assert [(x.new_generation, x.deferred) for x in freed.slots] == [(g, False)]  # free at its generation
 
 
 def test_a_free_waits_for_a_disk_read_in_flight_and_old_leaders_are_fenced(tmp_path: Path) -> None:
