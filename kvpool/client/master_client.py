@@ -30,7 +30,7 @@ from kvpool.client.types import (
     Registration,
     Reservation,
 )
-from kvpool.types import Location
+from kvpool.types import DiskTierReport, Location
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -158,6 +158,7 @@ class MasterClient:
         freed_slots: Sequence[tuple[int, int]] = (),
         num_used_slots: int = 0,
         load: NodeLoad | None = None,
+        disk: DiskTierReport | None = None,
     ) -> HeartbeatAnswer:
         """`known` false: the master does not know this node/epoch (register again); `flush_epoch`: see
         `kvpool.v1.HeartbeatResponse`."""
@@ -168,6 +169,7 @@ class MasterClient:
             num_used_slots=num_used_slots,
             load=cv.load_pb(load or NodeLoad()),
             session=self._sessions.get(node_id, b""),
+            disk=cv.disk_tier_pb(disk),
         )
         resp = self._call("Heartbeat", req, retry=True)
         return HeartbeatAnswer(bool(resp.known), int(resp.master_epoch), int(resp.flush_epoch))
