@@ -30,7 +30,7 @@ from kvpool.client.types import (
     Registration,
     Reservation,
 )
-from kvpool.types import Location
+from kvpool.types import DiskTierReport, Location
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -173,6 +173,7 @@ class MasterClient:
         freed_slots: Sequence[tuple[int, int]] = (),
         num_used_slots: int = 0,
         load: NodeLoad | None = None,
+        disk: DiskTierReport | None = None,
     ) -> HeartbeatAnswer:
         """`known` false: the master does not know this node/epoch (register again); `flush_epoch`: see
         `kvpool.v1.HeartbeatResponse`."""
@@ -183,6 +184,7 @@ class MasterClient:
             num_used_slots=num_used_slots,
             load=cv.load_pb(load or NodeLoad()),
             session=self._sessions.get(node_id, b""),
+            disk=cv.disk_tier_pb(disk),
         )
         resp = self._call("Heartbeat", req, retry=True)
         self.saw_leader(resp.leader_epoch)

@@ -29,7 +29,7 @@ from kvpool.errors import (
     Unauthenticated,
 )
 from kvpool.rpc import PROTOCOL_VERSION
-from kvpool.types import NodeInfo, NodeLoad
+from kvpool.types import DiskTierReport, NodeInfo, NodeLoad
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class HeartbeatReport:
     freed_slots: Sequence[tuple[int, int]] = ()
     num_used_slots: int = 0
     load: NodeLoad | None = None
+    disk: DiskTierReport | None = None  # a store's disk tier (docs/disk_tier.md)
 
 
 class MasterLink:
@@ -223,6 +224,7 @@ class MasterLink:
                 freed_slots=report.freed_slots,
                 num_used_slots=report.num_used_slots,
                 load=report.load,
+                disk=report.disk,
             )
         except Exception:
             if self.on_unsent is not None:

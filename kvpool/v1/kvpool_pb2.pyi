@@ -1,10 +1,22 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class TierMoveStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_MOVE_STATUS_UNSPECIFIED: _ClassVar[TierMoveStatus]
+    TIER_MOVE_OK: _ClassVar[TierMoveStatus]
+    TIER_MOVE_FAILED: _ClassVar[TierMoveStatus]
+    TIER_MOVE_STALE: _ClassVar[TierMoveStatus]
+TIER_MOVE_STATUS_UNSPECIFIED: TierMoveStatus
+TIER_MOVE_OK: TierMoveStatus
+TIER_MOVE_FAILED: TierMoveStatus
+TIER_MOVE_STALE: TierMoveStatus
 
 class BlockLocation(_message.Message):
     __slots__ = ("node_id", "slot", "generation", "local", "capability", "capability_expiry_ms")
@@ -135,20 +147,22 @@ class JoinChallengeResponse(_message.Message):
     def __init__(self, challenge: _Optional[bytes] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "epoch", "freed_slots", "num_used_slots", "load", "session")
+    __slots__ = ("node_id", "epoch", "freed_slots", "num_used_slots", "load", "session", "disk")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FREED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     freed_slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
     num_used_slots: int
     load: NodeLoad
     session: bytes
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., freed_slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., num_used_slots: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., session: _Optional[bytes] = ...) -> None: ...
+    disk: DiskTierInfo
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., freed_slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., num_used_slots: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., session: _Optional[bytes] = ..., disk: _Optional[_Union[DiskTierInfo, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known", "master_epoch", "flush_epoch", "leader_epoch", "leader_proof")
@@ -720,7 +734,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("node", "layout_fingerprint", "num_slots", "block_nbytes", "segment_bytes", "num_used_slots", "num_inflight_transfers", "rss_bytes")
+    __slots__ = ("node", "layout_fingerprint", "num_slots", "block_nbytes", "segment_bytes", "num_used_slots", "num_inflight_transfers", "rss_bytes", "disk")
     NODE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -729,6 +743,7 @@ class GetInfoResponse(_message.Message):
     NUM_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     node: NodeEndpoint
     layout_fingerprint: str
     num_slots: int
@@ -737,7 +752,34 @@ class GetInfoResponse(_message.Message):
     num_used_slots: int
     num_inflight_transfers: int
     rss_bytes: int
-    def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., num_slots: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_inflight_transfers: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
+    disk: DiskTierInfo
+    def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., num_slots: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_inflight_transfers: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., disk: _Optional[_Union[DiskTierInfo, _Mapping]] = ...) -> None: ...
+
+class DiskTierInfo(_message.Message):
+    __slots__ = ("first_slot", "num_slots", "block_nbytes", "num_used_slots", "num_reserved_slots", "first_generation", "alpha_s", "beta_s_per_byte", "degraded", "direct", "recovered_blocks")
+    FIRST_SLOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_S_FIELD_NUMBER: _ClassVar[int]
+    BETA_S_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    first_slot: int
+    num_slots: int
+    block_nbytes: int
+    num_used_slots: int
+    num_reserved_slots: int
+    first_generation: int
+    alpha_s: float
+    beta_s_per_byte: float
+    degraded: str
+    direct: bool
+    recovered_blocks: int
+    def __init__(self, first_slot: _Optional[int] = ..., num_slots: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_reserved_slots: _Optional[int] = ..., first_generation: _Optional[int] = ..., alpha_s: _Optional[float] = ..., beta_s_per_byte: _Optional[float] = ..., degraded: _Optional[str] = ..., direct: _Optional[bool] = ..., recovered_blocks: _Optional[int] = ...) -> None: ...
 
 class SlotReservation(_message.Message):
     __slots__ = ("slot", "generation", "namespace", "block_hash", "parent_hash")
@@ -826,7 +868,7 @@ class InventoryRequest(_message.Message):
     def __init__(self, after_slot: _Optional[int] = ..., max_entries: _Optional[int] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
-    __slots__ = ("epoch", "num_entries", "namespaces", "ns_index", "block_hashes", "parent_hashes", "has_parent", "slots", "generations", "checksums", "size_bytes", "next_slot")
+    __slots__ = ("epoch", "num_entries", "namespaces", "ns_index", "block_hashes", "parent_hashes", "has_parent", "slots", "generations", "checksums", "size_bytes", "next_slot", "medium")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
@@ -839,6 +881,7 @@ class InventoryResponse(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NEXT_SLOT_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     num_entries: int
     namespaces: _containers.RepeatedScalarFieldContainer[bytes]
@@ -851,7 +894,8 @@ class InventoryResponse(_message.Message):
     checksums: bytes
     size_bytes: bytes
     next_slot: int
-    def __init__(self, epoch: _Optional[int] = ..., num_entries: _Optional[int] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., ns_index: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., parent_hashes: _Optional[bytes] = ..., has_parent: _Optional[bytes] = ..., slots: _Optional[bytes] = ..., generations: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., size_bytes: _Optional[bytes] = ..., next_slot: _Optional[int] = ...) -> None: ...
+    medium: bytes
+    def __init__(self, epoch: _Optional[int] = ..., num_entries: _Optional[int] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., ns_index: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., parent_hashes: _Optional[bytes] = ..., has_parent: _Optional[bytes] = ..., slots: _Optional[bytes] = ..., generations: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., size_bytes: _Optional[bytes] = ..., next_slot: _Optional[int] = ..., medium: _Optional[bytes] = ...) -> None: ...
 
 class CopyBlock(_message.Message):
     __slots__ = ("src", "dst", "checksum", "src_capability", "src_capability_expiry_ms")
@@ -882,6 +926,40 @@ class CopyBlocksResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SlotResult]
     def __init__(self, results: _Optional[_Iterable[_Union[SlotResult, _Mapping]]] = ...) -> None: ...
+
+class TierMove(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: SlotRef
+    dst: SlotRef
+    def __init__(self, src: _Optional[_Union[SlotRef, _Mapping]] = ..., dst: _Optional[_Union[SlotRef, _Mapping]] = ...) -> None: ...
+
+class TierMoveRequest(_message.Message):
+    __slots__ = ("moves", "leader_epoch")
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    moves: _containers.RepeatedCompositeFieldContainer[TierMove]
+    leader_epoch: int
+    def __init__(self, moves: _Optional[_Iterable[_Union[TierMove, _Mapping]]] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
+
+class TierMoveResult(_message.Message):
+    __slots__ = ("src", "dst", "status", "error")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    src: SlotRef
+    dst: SlotRef
+    status: TierMoveStatus
+    error: str
+    def __init__(self, src: _Optional[_Union[SlotRef, _Mapping]] = ..., dst: _Optional[_Union[SlotRef, _Mapping]] = ..., status: _Optional[_Union[TierMoveStatus, str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class TierMoveResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TierMoveResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[TierMoveResult, _Mapping]]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "has_seed", "max_tokens", "stop_token_ids")
