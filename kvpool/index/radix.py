@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool.errors import InvalidArgument, NotFound
+from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvpool.index import validate as v
 from kvpool.index.columns import DEFAULT_CAPACITY, NO_ROW, Columns, seq_tag
 from kvpool.index.hashtable import HashTable
@@ -27,9 +28,20 @@ from kvpool.index.matching import match_prefix as _match_prefix
 from kvpool.index.meta import BlockMetaMixin
 from kvpool.index.ns_slots import NamespaceSlotsMixin
 from kvpool.index.policies import DEFAULT_POLICY, BlockStats, EvictionPolicy, make_policy
-from kvpool.index.results import BlockInfo, DroppedBlock, EvictResult, InsertResult, MatchResult
+from kvpool.index.results import (
+    BlockInfo,
+    DroppedBlock,
+    DroppedRows,
+    EvictResult,
+    InsertResult,
+    MatchResult,
+    Survivors,
+)
 from kvpool.index.space import NodeSpace
 from kvpool.types import BlockHash, Clock, Location, NamespaceId
+
+if TYPE_CHECKING:
+    from kvpool.index.node_removal import NodeRemoval
 
 _REBASE_EXPONENT = 512.0
 """Decayed-hit weights are 2**((t - epoch)/half_life); past this exponent the epoch moves to now."""
@@ -59,6 +71,11 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
         self._space = NodeSpace(self._c)
         self._init_slots()
         self._heap: list[tuple[float, int, int, int]] = []
+        self.node_removals: list[NodeRemoval] = []
+        """Dying nodes whose replicas are being removed, one at a time, first first (`node_removal.py`)."""
+        self._dying: dict[int, NodeRemoval] = {}  # node index -> its removal
+        self._dying_mask = np.zeros(0, np.bool_)
+        self._doomed_tag = np.zeros(0, np.uint32)  # while a removal runs: gen + 1 of the rows it will drop
         self._seq = 0
         self._decay_epoch_ms = clock.now_ms()
         self.num_evictions = 0
@@ -144,6 +161,13 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
             if c.parent[row] != expected:
                 raise InvalidArgument(f"block_hashes[{num_existing}] is already present under another parent")
             expected, num_existing = row, num_existing + 1
+        if self._dying:  # a node removal runs: nothing joins or extends what it drops (node_removal.py)
+            if prev != NO_ROW and self._hidden(prev):
+                raise NotFound(f"parent block {bytes(parent or b'').hex()} is being dropped (its store died)")
+            if any(self._hidden(found[i]) for i in range(num_existing)):
+                raise NotFound("a block of the chain is being dropped (its store died)")
+            for i in range(n):
+                self._check_not_dying(locs[i], f"locations[{i}]")
         for i in range(num_existing, n):
             if found[i] >= 0:
                 raise InvalidArgument(f"block_hashes[{i}] is already present under another parent")
@@ -202,7 +226,7 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
         """A snapshot of one block of an active namespace, or None."""
         slot = self._ns_active.get(ns)
         row = -1 if slot is None or not _is_hash(block_hash) else self._table.find(slot, block_hash)
-        if row < 0:
+        if row < 0 or self._hidden(row):
             return None
         c = self._c
         parent = int(c.parent[row])
@@ -210,7 +234,7 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
             ns=ns,
             block_hash=block_hash,
             parent=None if parent == NO_ROW else c.hash_of(parent),
-            locations=c.locations[row],
+            locations=self._live_locations(row),
             size_bytes=int(c.size_bytes[row]),
             recompute_cost_s=float(c.recompute_cost_s[row]),
             hit_count=int(c.hit_count[row]),
@@ -223,7 +247,11 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
     # ---- replicas ---------------------------------------------------------------------------------
     def add_location(self, ns: NamespaceId, block_hash: BlockHash, location: Location) -> None:
         """Record one more replica (idempotent). Raises `NotFound` for an absent block."""
-        self._add_location_row(self._row(ns, block_hash), v.check_location(location, "location"))
+        row, loc = self._row(ns, block_hash), v.check_location(location, "location")
+        if self._hidden(row):
+            raise NotFound(f"block {bytes(block_hash).hex()} is being dropped (its store died)")
+        self._check_not_dying([loc], "location")
+        self._add_location_row(row, loc)
 
     def remove_location(
         self, ns: NamespaceId, block_hash: BlockHash, location: Location
@@ -240,13 +268,87 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
         return self._drop_subtree(row, "orphan")
 
     def remove_node(self, node_id: str) -> list[DroppedBlock]:
-        """A store node died: forget all its replicas; blocks left without any are dropped with their
-        descendants (reason "orphan", with the replicas elsewhere that must be freed). Rows whose only
-        replica was there are cleared with one vectorised pass over the replica column; Python work
-        per row is left for rows with several replicas and for the dropped blocks themselves."""
+        """A node died: forget all its replicas; blocks left without any are dropped with their
+        descendants (reason "orphan", with the replicas elsewhere that must be freed). Every step of
+        `begin_remove_node` at once (and of the removals queued before it), in one call: for tests and
+        small nodes; the master runs the steps with its lock released between them."""
         from kvpool.index.bulk_drop import remove_node
 
         return remove_node(self, node_id)
+
+    def begin_remove_node(self, node_id: str) -> NodeRemoval | None:
+        """Mark `node_id` dying, O(1): from now on no match or lookup offers a replica there, nor a block
+        left without another (nor anything below one), and inserts refuse them (see `node_removal.py`).
+        The removal itself runs in `remove_node_step` calls. Returns it (the running one when the node is
+        already dying), or None when the index holds nothing on the node."""
+        from kvpool.index.node_removal import NodeRemoval
+
+        c = self._c
+        k = c._node_index.get(node_id)
+        if k is not None and k in self._dying:
+            return self._dying[k]
+        if not self._space.has(node_id):
+            return None
+        removal = NodeRemoval(self, node_id)
+        self._space.forget(node_id)  # its slots and bytes: every replica counted there is gone
+        self._dying[removal.k] = removal
+        self.dying_mask()[removal.k] = True
+        if not len(self._doomed_tag):
+            self._doomed_tag = np.zeros(c.capacity, np.uint32)  # (pages committed only where marked)
+        self.node_removals.append(removal)
+        return removal
+
+    def remove_node_step(self, max_rows: int | None = None) -> tuple[DroppedRows | None, Survivors | None]:
+        """One bounded step of the first running node removal (see `node_removal.py`): (the blocks it
+        dropped, as columns, with the replicas elsewhere to free; the blocks that lost a replica there but
+        keep another). (None, None) when no removal runs."""
+        from kvpool.index.node_removal import STEP_ROWS
+
+        if not self.node_removals:
+            return None, None
+        removal = self.node_removals[0]
+        out = removal.step(max_rows or STEP_ROWS)
+        if removal.done:
+            self.node_removals.pop(0)
+            del self._dying[removal.k]
+            self.dying_mask()[removal.k] = False
+            if not self.node_removals:
+                self._doomed_tag = np.zeros(0, np.uint32)
+        return out
+
+    def dying_mask(self) -> np.ndarray:
+        """(len(node_ids),) bool: which node indices are dying."""
+        n = len(self._c.node_ids)
+        if len(self._dying_mask) < n:
+            grown = np.zeros(n, np.bool_)
+            grown[: len(self._dying_mask)] = self._dying_mask
+            self._dying_mask = grown
+        return self._dying_mask
+
+    def is_dying(self, node_id: str) -> bool:
+        k = self._c._node_index.get(node_id)
+        return k is not None and k in self._dying
+
+    def _hidden(self, row: int) -> bool:
+        """While a node removal runs: the row will be dropped, or every replica of it is on a dying node."""
+        if not self._dying:
+            return False
+        from kvpool.index.node_removal import is_doomed
+
+        if is_doomed(self, np.array([row], np.int64))[0]:
+            return True
+        return all(self._c._node_index[x.node_id] in self._dying for x in self._c.replicas(row))
+
+    def _live_locations(self, row: int) -> tuple[Location, ...]:
+        locs = self._c.replicas(row)
+        if self._dying:
+            locs = tuple(x for x in locs if not self.is_dying(x.node_id))
+        return locs
+
+    def _check_not_dying(self, locs: Sequence[Location], what: str) -> None:
+        for loc in locs:
+            if self.is_dying(loc.node_id):
+                raise FailedPrecondition(f"{what}: node {loc.node_id} is being removed (it died)")
 
     def num_blocks_on_node(self, node_id: str) -> int:
         """Slots (replicas) the index places on `node_id`."""
