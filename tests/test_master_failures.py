@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+import urllib.request
 from collections.abc import Callable
 
 import pytest
@@ -62,11 +63,26 @@ def test_killed_store_replicas_vanish_and_other_replicas_still_hit() -> None:
             assert got.num_ok == 3 and [b.data for b in got.blocks] == [d.tobytes() for d in data]
             nodes = {n.node.node_id: n for n in c.list_nodes()}
             assert not nodes["s0"].alive and nodes["s1"].alive
+            metrics_at = str(master.ready.get("metrics_address") or "")
+            assert metrics_at
+            if metrics_at:  # the node death's longest lock hold, step by step (kvpool.master.node_death)
+                eventually(lambda: _metric(metrics_at, "kvpool_master_node_deaths_total") >= 1)
+                assert _metric(metrics_at, "kvpool_master_node_death_lock_ms") > 0
+                assert _metric(metrics_at, "kvpool_master_watermark_tick_ms") > 0
     finally:
         tr.close()
         for s in stores:
             s.kill()
         master.kill()
+
+
+def _metric(address: str, name: str) -> float:
+    """One unlabelled sample of the master's /metrics (-1 when absent)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:  # noqa: S310 - our own master
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return -1.0
 
 
 def test_master_restart_rebuilds_from_store_inventories() -> None:
