@@ -12,7 +12,7 @@ from typing import Any
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 from kvpool.errors import FailedPrecondition, NotFound
 from kvpool.index import RadixIndex
@@ -69,6 +69,7 @@ def run_in_steps(index: RadixIndex, node: str, max_rows: int, doomed: set[bytes]
 
 @settings(max_examples=150, deadline=None)
 @given(ops=st.lists(_OP, max_size=40), node=st.sampled_from(NODES), max_rows=st.integers(1, 4))
+@example(ops=[("insert", 0, 0, [[("s0", False)], [("s0", False), ("s1", False)]])], node="s0", max_rows=1)
 def test_removal_in_small_steps_drops_exactly_the_orphans_and_hides_them_between_steps(
     ops: list[tuple[Any, ...]], node: str, max_rows: int
 ) -> None:

@@ -337,7 +337,7 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
 
         if is_doomed(self, np.array([row], np.int64))[0]:
             return True
-        return all(self._c._node_index[x.node_id] in self._dying for x in self._c.replicas(row))
+        return all(self.is_dying(x.node_id) for x in self._c.replicas(row))
 
     def _live_locations(self, row: int) -> tuple[Location, ...]:
         locs = self._c.replicas(row)
