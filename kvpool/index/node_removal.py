@@ -36,9 +36,9 @@ from kvpool.index.results import DroppedRows, Survivors
 if TYPE_CHECKING:
     from kvpool.index.radix import RadixIndex
 
-STEP_ROWS = 1 << 15
+STEP_ROWS = 1 << 14
 """Rows handled per step (frontier expansion, ordering, drop)."""
-SCAN_ROWS = 1 << 19
+SCAN_ROWS = 1 << 17
 """Rows of the replica columns scanned per step."""
 MAX_MULTI_ROWS = 1 << 13
 """Multi-replica rows (Python work each) handled per scan step."""
