@@ -97,15 +97,14 @@ def remove_node(index: RadixIndex, node_id: str) -> list[DroppedBlock]:
     removal = index.begin_remove_node(node_id)
     if removal is None:
         return []
-    while index.node_removals and index.node_removals[0] is not removal:
-        index.remove_node_step()  # earlier removals first (they run one at a time)
     dropped: list[DroppedBlock] = []
-    while not removal.done:
+    while not removal.done:  # (earlier removals first, one at a time: their drops are returned too)
         rows, _ = index.remove_node_step()
-        if rows is not None:  # (the node's own replicas are gone with it: no slot to free there)
+        if rows is not None:  # (a dying node's replicas are gone with it: no slot to free there)
+            gone = set(index.node_removals_ids()) | {node_id}
             dropped.extend(
                 DroppedBlock(
-                    d.ns, d.block_hash, tuple(x for x in d.locations if x.node_id != node_id), d.reason
+                    d.ns, d.block_hash, tuple(x for x in d.locations if x.node_id not in gone), d.reason
                 )
                 for d in rows.blocks()
             )

@@ -77,6 +77,10 @@ class NodeRemovalMixin:
                 self._doomed_tag = np.zeros(0, np.uint32)
         return out
 
+    def node_removals_ids(self) -> list[str]:
+        """The dying nodes, in the order their removals run."""
+        return [r.node_id for r in self.node_removals]
+
     def dying_mask(self) -> np.ndarray:
         """(len(node_ids),) bool: which node indices are dying."""
         n = len(self._c.node_ids)
