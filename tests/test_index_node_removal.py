@@ -182,3 +182,24 @@ def test_dropped_rows_carry_the_slots_to_free_by_store() -> None:
                 frees.setdefault(node, []).extend(slots.tolist())
                 assert gens.dtype == np.uint64
     assert {n: sorted(s) for n, s in frees.items()} == {"s0": [2], "s1": [3, 4]}
+
+
+def test_an_adoption_below_a_doomed_block_waits_until_the_removal_ends() -> None:
+    """A store's inventory adopted in bulk while a removal runs is refused whole (the adoption keeps it
+    for its next claim): a child could otherwise land below a block dropped after its closure was taken."""
+    from tests.test_index_compact import NS as CNS
+    from tests.test_index_compact import bulk
+
+    ix = RadixIndex(clock=FakeClock())
+    ix.register_namespace(CNS)
+    bulk(ix, [(1, None), (2, 1)], node="s0")
+    ix.begin_remove_node("s0")
+    with pytest.raises(FailedPrecondition):
+        bulk(ix, [(3, 2)], node="s1", slot0=10)
+    while ix.node_removals:
+        ix.remove_node_step(1)
+        ix.check_invariants()
+    assert ix.num_blocks == 0
+    res = bulk(ix, [(3, 2)], node="s1", slot0=10)  # its parent is gone now: it waits
+    assert res.waiting.tolist() == [True]
+    ix.check_invariants()

@@ -133,13 +133,12 @@ class Master(NodeRegistry):
     def _forget_node(self, rec: NodeRecord) -> None:
         """Drop everything a node had in the index (dead, or restarted under a new epoch). Under the lock,
         O(1) in the node's blocks: its replicas are hidden at once and leave in steps run with the lock
-        released between them (`node_death`); a node forgotten again while its removal runs (it
-        registered again) has it finished now."""
+        released between them (`node_death`). A node registering again while its removal runs gets no
+        replica in the index until the removal ends (the index refuses them; the maintenance tick ends
+        removals before it adopts inventories)."""
         t0 = time.perf_counter()
         rec.alive = False
-        if self.index.is_dying(rec.node_id):
-            node_death.finish_node_removals(self)
-        self.index.begin_remove_node(rec.node_id)
+        self.index.begin_remove_node(rec.node_id)  # (already dying: its running removal goes on)
         self.st.free_q.pop(rec.node_id, None)
         self.st.to_adopt.discard(rec.node_id)
         if rec.is_store:
