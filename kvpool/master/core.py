@@ -144,6 +144,8 @@ class Master(NodeRegistry):
         if rec.is_store:
             self.publisher.forget_node(rec.node_id)
         self.lock_holds.death_hold(time.perf_counter() - t0)
+        if not self.index.node_removals:  # nothing of it in the index: the death is over already
+            self.lock_holds.death_done()
         self.wake.set()
 
     def declare_dead(self, rec: NodeRecord) -> None:

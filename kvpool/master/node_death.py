@@ -41,6 +41,12 @@ class LockHolds:
         self.node_death_running_s = max(self.node_death_running_s, held_s)
         self.running_steps += 1
 
+    def death_done(self) -> None:
+        """The running node death(s) ended: their figures become the last death's."""
+        self.node_death_s, self.node_death_running_s = self.node_death_running_s, 0.0
+        self.node_death_steps, self.running_steps = self.running_steps, 0
+        self.num_node_deaths += 1
+
 
 def on_dropped_rows(m: Master, rows: DroppedRows | None) -> None:
     """Under the lock: queue a free order for every replica of `rows` on a live store (numpy columns)."""
@@ -66,9 +72,7 @@ def step_node_removal(m: Master) -> bool:
         holds = m.lock_holds
         holds.death_hold(time.perf_counter() - t0)
         if not m.index.node_removals:
-            holds.node_death_s, holds.node_death_running_s = holds.node_death_running_s, 0.0
-            holds.node_death_steps, holds.running_steps = holds.running_steps, 0
-            holds.num_node_deaths += 1
+            holds.death_done()
         return True
 
 
