@@ -21,7 +21,7 @@ from kvpool.client.types import CommitBlock
 from kvpool.errors import KVPoolError
 
 PUBLISH_SALT = "publish"
-_LOCK_NAME = re.compile(r"(^|_)lock(_|$)")
+_LOCK_NAME = re.compile(r"(^|_)lock(_|$)|watermark_tick")
 
 
 def _chains(ns: bytes, tag: int, num: int, length: int) -> list[list[bytes]]:

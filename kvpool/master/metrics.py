@@ -81,6 +81,24 @@ class MasterCollector(Collector):
             "Wall clock of the last complete inventory adoption (first read to last block indexed).",
             value=ad.last_adoption_s,
         )
+        holds = m.lock_holds
+        yield GaugeMetricFamily(
+            P + "node_death_lock_ms",
+            "The longest single hold of the master's lock during the last node death (its replicas leave "
+            "the index in steps, the lock released between them), ms.",
+            value=holds.node_death_s * 1e3,
+        )
+        yield GaugeMetricFamily(
+            P + "watermark_tick_ms",
+            "The longest single hold of the master's lock in the last maintenance tick (watermark "
+            "evictions, reclamation, expiries; node-death steps not included), ms.",
+            value=holds.tick_s * 1e3,
+        )
+        yield CounterMetricFamily(
+            P + "node_deaths",
+            "Node removals finished (dead, deregistered or re-registered nodes).",
+            value=holds.num_node_deaths,
+        )
         with m.lock:
             index_bytes = a.index_bytes()
         yield GaugeMetricFamily(
