@@ -39,6 +39,12 @@ def register_store_command(app: typer.Typer) -> None:
             "Off when unset.",
         ),
         disk_size: str | None = typer.Option(None, help="Disk tier size with --disk-path, e.g. 64GiB."),
+        metadata_only: bool | None = typer.Option(
+            None,
+            "--metadata-only/--no-metadata-only",
+            help="For benchmarks only (kvpool bench master): commit reserved slots that no write landed in "
+            "and refuse every read and write of block bytes; slots, commits and inventory are real.",
+        ),
         config: Path | None = typer.Option(None, help="TOML config file."),
     ) -> None:
         """Run a store node; prints `KVPOOL_READY {json}` on stdout when serving.
@@ -74,6 +80,7 @@ def register_store_command(app: typer.Typer) -> None:
                 metrics_port=metrics_port,
                 disk_path=disk_path,
                 disk_size=disk_size,
+                metadata_only=metadata_only,
             )
             node = StoreNode(settings)
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -47,9 +47,15 @@ class StoreNode:
             settings.segment_bytes,
             self.layout.block_nbytes,
             pin_memory=settings.pin_memory,
-            share=settings.share_segment,
+            share=settings.share_segment and not settings.metadata_only,
         )
-        self.table = SlotTable(self.segment, clock, capabilities=process_capabilities(), node_id=self.node_id)
+        self.table = SlotTable(
+            self.segment,
+            clock,
+            capabilities=process_capabilities(),
+            node_id=self.node_id,
+            metadata_only=settings.metadata_only,
+        )
         self.metrics = StoreMetrics(self.table)
         self._metrics_server: MetricsServer | None = None
         self.host = settings.advertise_host or settings.bind_host
@@ -176,6 +182,7 @@ class StoreNode:
             "block_nbytes": self.table.block_nbytes,
             "layout": self.layout.fingerprint(),
             "pid": os.getpid(),
+            "metadata_only": self.table.metadata_only,
             "disk": None
             if self.disk is None
             else {
