@@ -44,9 +44,11 @@ def master_cmd(
         "lean", help="lean: pre-serialized requests (a load tool); api: the library's MasterClient."
     ),
     stores: int = typer.Option(4, min=1, max=64, help="Store processes (tiny layout)."),
-    writers: int = typer.Option(3, min=1, max=64, help="Writer processes of the fill."),
+    writers: int = typer.Option(
+        8, min=1, max=64, help="Client processes of the fill (Reserve + Commit on metadata-only stores)."
+    ),
     publish_chains: int = typer.Option(
-        100, min=1, help="Chains of --prompt-blocks blocks per publish figure."
+        100, min=1, help="Chains of --prompt-blocks blocks per client per publish figure."
     ),
     trace: Path | None = typer.Option(
         None, "--trace", help="Mooncake-format JSONL whose tree is filled (default: the conversation trace)."
