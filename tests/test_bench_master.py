@@ -83,3 +83,14 @@ def test_bench_master_reports_every_phase(tmp_path: Path, client: str, unary: bo
     for r in report["records"]:
         assert r["matches"] > 0 and r["short_matches"] == 0
         assert r["mode"].endswith(client)
+
+
+def test_a_run_that_would_not_fit_in_memory_is_refused_before_it_starts() -> None:
+    from kvpool.bench.master_bench import check_memory
+    from kvpool.bench.master_scale import memory_estimate_bytes
+
+    need, have = check_memory(1000, 0)
+    assert 0 < need < have
+    assert memory_estimate_bytes(20_000_000) > 20_000_000 * 240  # the master alone at the target peak
+    with pytest.raises(InvalidArgument, match="GiB of RAM"):
+        check_memory(10**12, 0)

@@ -25,13 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from kvpool.bench import master_scale_phases as phases
 from kvpool.bench import master_scale_work as work
 from kvpool.bench.master_load import LeanJob, lean_client
-from kvpool.bench.master_scale import TINY_LAYOUT, ScaleCluster, fill_without_bytes
+from kvpool.bench.master_scale import TINY_LAYOUT, ScaleCluster, fill_without_bytes, memory_estimate_bytes
 from kvpool.client import MasterClient
 from kvpool.client import convert as cv
+from kvpool.errors import InvalidArgument
 from kvpool.report import write_report
 
 
@@ -167,6 +169,18 @@ def grade(summary: dict[str, Any]) -> dict[str, Any]:
     return checks | {"target_met": all(checks.values())}
 
 
+def check_memory(blocks: int, extra_blocks: int) -> tuple[int, int]:
+    """(bytes the run needs, bytes available) (`master_scale.memory_estimate_bytes`); raises
+    `InvalidArgument` when it would not fit this host's available memory."""
+    need, have = memory_estimate_bytes(blocks, extra_blocks), psutil.virtual_memory().available
+    if need > have:
+        raise InvalidArgument(
+            f"{blocks:,} blocks need about {need / 2**30:.1f} GiB of RAM (master, stores, clients); "
+            f"{have / 2**30:.1f} GiB are available"
+        )
+    return need, have
+
+
 def run_master_bench(
     *,
     blocks: int,
@@ -195,6 +209,8 @@ def run_master_bench(
     trace = trace or default_trace(quick=False)
     say = _say if progress else (lambda _msg: None)
     extra = 4 * clients * publish_chains * prompt_blocks  # one pass at 1 replica, one at 2
+    need, have = check_memory(blocks, extra)
+    say(f"memory estimate {need / 2**30:.1f} GiB of {have / 2**30:.1f} GiB available")
     with ScaleCluster(blocks, num_stores=stores, extra_blocks=extra, store_args=("--metadata-only",)) as cl:
         time.sleep(1.0)
         rss0 = cl.master_rss_bytes()

@@ -33,6 +33,22 @@ FILL_FRACTION = 0.7
 """Stores are sized so the fill uses this much of their slots (below the master's watermarks)."""
 
 
+MASTER_BYTES_PER_BLOCK = 240
+"""The master's peak bytes per resident block a run is planned for (the target `peak_bytes_per_block`)."""
+STORE_BYTES_PER_SLOT = 110
+"""A store's slot table and columns per slot (kvpool/store/slots.py, slot_columns.py) plus a tiny block."""
+BASE_BYTES = 1 << 30
+"""The processes themselves (interpreters, gRPC, UCX, the clients' trees), all together, about."""
+
+
+def memory_estimate_bytes(num_blocks: int, extra_blocks: int = 0) -> int:
+    """RAM a `kvpool bench master` run of `num_blocks` needs at its peak, all processes together: the
+    master at `MASTER_BYTES_PER_BLOCK`, the stores' slots (sized for the blocks at `FILL_FRACTION`) at
+    `STORE_BYTES_PER_SLOT`, and `BASE_BYTES` (20 M blocks: about 9.6 GB)."""
+    slots = (num_blocks + extra_blocks) / FILL_FRACTION
+    return int(num_blocks * MASTER_BYTES_PER_BLOCK + slots * STORE_BYTES_PER_SLOT + BASE_BYTES)
+
+
 def block_bytes(block_hash: bytes, nbytes: int) -> np.ndarray:
     """The bytes the fill writes for a block: its hash repeated to `nbytes` (uint8)."""
     reps = -(-nbytes // len(block_hash))

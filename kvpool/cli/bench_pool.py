@@ -57,7 +57,7 @@ def master_cmd(
 ) -> None:
     """The master at N resident blocks: memory per block, match rate and p99, publish and rebuild rates,
     lock-held stalls."""
-    from kvpool.bench.master_bench import run_master_bench
+    from kvpool.bench.master_bench import check_memory, run_master_bench
     from kvpool.bench.master_scale_work import parse_count
     from kvpool.errors import InvalidArgument
 
@@ -65,6 +65,7 @@ def master_cmd(
         raise typer.BadParameter("--client must be lean or api")
     try:
         num_blocks = parse_count(blocks)
+        check_memory(num_blocks, 4 * clients * publish_chains * prompt_blocks)
     except InvalidArgument as exc:
         raise typer.BadParameter(str(exc), param_hint="--blocks") from None
     if trace is not None and not trace.is_file():
