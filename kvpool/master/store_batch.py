@@ -104,11 +104,12 @@ class Coalescer(Generic[T, R]):
         nxt.done.set()
 
     def _run(self, key: Hashable, batch: list[_Entry[T]]) -> None:
-        self.calls += 1
+        with self._lock:  # senders of different keys run at once
+            self.calls += 1
+            self.batched_calls += len(batch) > 1
         if len(batch) == 1:
             self._one(key, batch[0])
             return
-        self.batched_calls += 1
         combined = [x for e in batch for x in e.items]
         try:
             result = self._send(key, combined)
