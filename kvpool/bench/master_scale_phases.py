@@ -20,7 +20,7 @@ from kvpool.client import MasterClient
 from kvpool.errors import KVPoolError
 
 PUBLISH_SALT = "publish"
-_LOCK_NAME = re.compile(r"(^|_)lock(_|$)")
+_LOCK_NAME = re.compile(r"(^|_)lock(_|$)|watermark_tick")
 
 
 def publish_rates(cluster: ScaleCluster, *, clients: int, chains: int, chain_blocks: int) -> dict[str, Any]:

@@ -45,6 +45,13 @@ def register_store_command(app: typer.Typer) -> None:
             help="For benchmarks only (kvpool bench master): commit reserved slots that no write landed in "
             "and refuse every read and write of block bytes; slots, commits and inventory are real.",
         ),
+        disk_buffer_size: str | None = typer.Option(
+            None, help="Bounce buffers of disk reads and writes in flight (default 256MiB; more are refused)."
+        ),
+        disk_move_queue_blocks: int | None = typer.Option(
+            None,
+            help="Tier moves (DemoteBlocks, PromoteBlocks) queued at most (default 8192; more are refused).",
+        ),
         config: Path | None = typer.Option(None, help="TOML config file."),
     ) -> None:
         """Run a store node; prints `KVPOOL_READY {json}` on stdout when serving.
@@ -81,6 +88,8 @@ def register_store_command(app: typer.Typer) -> None:
                 disk_path=disk_path,
                 disk_size=disk_size,
                 metadata_only=metadata_only,
+                disk_buffer_size=disk_buffer_size,
+                disk_move_queue_blocks=disk_move_queue_blocks,
             )
             node = StoreNode(settings)
             for sig in (signal.SIGTERM, signal.SIGINT):

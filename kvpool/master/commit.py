@@ -20,6 +20,7 @@ from kvpool.errors import (
     PermissionDenied,
     VersionFenced,
 )
+from kvpool.master import dataplane
 from kvpool.master.placement import CommitBlock, Reservation, new_replicas
 from kvpool.types import BlockHash, Location, NamespaceId
 
@@ -105,14 +106,18 @@ class CommitPhase:
                     by_node.setdefault(loc.node_id, []).append(loc)
             addresses = {n: m.st.nodes[n].grpc_address for n in by_node if n in m.st.nodes}
         ok: set[Location] = set()
+        ok_per_node: dict[str, int] = {}  # written and committed, per node (gray failures: dataplane)
         for node_id, node_locs in by_node.items():
             try:
                 errs = m.stores.commit(addresses[node_id], node_locs)
             except (KVPoolError, KeyError) as exc:
                 m.mark_unreachable(node_id, exc)
                 continue
+            before = len(ok)
             ok.update(loc for loc in node_locs if not errs.get((loc.slot, loc.generation)))
+            ok_per_node[node_id] = len(ok) - before
         with m.lock:
+            dataplane.note_commit(m, r.per_node, ok_per_node)
             return self._finish(r, written, ok)
 
     def _finish(

@@ -52,6 +52,8 @@ class StoreSettings(KVPoolSettings):
     disk_path: str = ""  # a directory for the disk tier (kvpool.store.disk_tier); empty: no disk tier
     disk_size: str = ""  # bytes of the disk tier, e.g. 64GiB (required with disk_path)
     metadata_only: bool = False  # benchmarks only: commits need no bytes, every read and write is refused
+    disk_buffer_size: str = "256MiB"  # bounce buffers of disk reads and writes in flight (more: refused)
+    disk_move_queue_blocks: int = Field(default=8192, ge=1)  # tier moves queued (more: refused)
 
     @field_validator("master")
     @classmethod
@@ -75,7 +77,7 @@ class StoreSettings(KVPoolSettings):
             raise ValueError(f"segment_size {value} is more than this host's memory ({total >> 20} MiB)")
         return value
 
-    @field_validator("disk_size")
+    @field_validator("disk_size", "disk_buffer_size")
     @classmethod
     def _disk_size(cls, value: str) -> str:
         if value:
@@ -100,6 +102,10 @@ class StoreSettings(KVPoolSettings):
     @property
     def segment_bytes(self) -> int:
         return parse_size(self.segment_size)
+
+    @property
+    def disk_buffer_bytes(self) -> int:
+        return parse_size(self.disk_buffer_size)
 
     @property
     def disk_bytes(self) -> int:

@@ -22,6 +22,7 @@ from kvpool.errors import (
     LeaseExpired,
     StaleGeneration,
 )
+from kvpool.store.disk_serving import DiskSlots
 from kvpool.store.segment import Segment
 from kvpool.store.slot_types import _COMMITTED, _FREEING, _RESERVED, _WRITING, _WRITTEN, SlotState
 from kvpool.types import Clock
@@ -45,6 +46,7 @@ class SlotDataPlane:
     _readers: np.ndarray
     _flags: np.ndarray
     _flag_bytes: bytearray
+    disk: DiskSlots | None
 
     if TYPE_CHECKING:  # the table's checks (lock held)
 
@@ -75,6 +77,11 @@ class SlotDataPlane:
         self, slot: int, generation: int, nbytes: int, capability: bytes = b"", expiry_ms: int = 0
     ) -> tuple[memoryview, int]:
         self._refuse_bytes()
+        if self.disk is not None and type(slot) is int and slot >= self.disk.first_slot:
+            got = self.disk.begin_reads([(slot, generation, nbytes, capability, expiry_ms)])[0]
+            if isinstance(got, Exception):
+                raise got
+            return got
         with self._lock:
             return self._begin_read(slot, generation, nbytes, capability, expiry_ms)
 
@@ -83,7 +90,13 @@ class SlotDataPlane:
     ) -> list[tuple[memoryview, int] | Exception]:
         """`begin_read` of each (slot, generation, nbytes, capability, expiry_ms) under one lock: per read,
         its (bytes, stored checksum) or the exception `begin_read` would raise. Each success needs its
-        `end_read` (or one `end_reads`)."""
+        `end_read` (or one `end_reads`). Disk slots are read from disk (blocking: `blocking_slots_from`)."""
+        if self.disk is not None and any(r[0] >= self.disk.first_slot for r in reads if type(r[0]) is int):
+            first = self.disk.first_slot
+            on_disk = [i for i, r in enumerate(reads) if type(r[0]) is int and r[0] >= first]
+            disk = dict(zip(on_disk, self.disk.begin_reads([reads[i] for i in on_disk]), strict=True))
+            mem = iter(self.begin_reads([r for i, r in enumerate(reads) if i not in disk]))
+            return [disk[i] if i in disk else next(mem) for i in range(len(reads))]
         out: list[tuple[memoryview, int] | Exception] = []
         if self.metadata_only:
             try:
@@ -173,6 +186,12 @@ class SlotDataPlane:
 
     def end_reads(self, slots: Iterable[int]) -> None:
         """`end_read` of each slot, under one lock."""
+        if self.disk is not None:
+            first = self.disk.first_slot
+            slots = list(slots)
+            if any(s >= first for s in slots):
+                self.disk.end_reads([s for s in slots if s >= first])
+                slots = [s for s in slots if s < first]
         with self._lock:
             for slot in slots:
                 if self._readers[slot] <= 0:
@@ -195,6 +214,8 @@ class SlotDataPlane:
         self, slot: int, generation: int, nbytes: int, grant: tuple[bytes, int] | None
     ) -> memoryview:
         self._refuse_bytes()
+        if self.disk is not None and type(slot) is int and slot >= self.disk.first_slot:
+            return self.disk.begin_write(slot, generation, nbytes, grant)
         with self._lock:
             self._check_slot(slot)
             self._check_nbytes(nbytes)
@@ -219,6 +240,9 @@ class SlotDataPlane:
     def end_write(
         self, slot: int, generation: int, checksum: int, ok: bool, landed_checksum: int | None = None
     ) -> None:
+        if self.disk is not None and slot >= self.disk.first_slot:
+            self.disk.end_write(slot, generation, checksum, ok, landed_checksum)
+            return
         if not ok:
             got = 0
         elif landed_checksum is not None:  # hashed by the transport once the bytes landed
