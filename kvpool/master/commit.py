@@ -141,10 +141,14 @@ class CommitPhase:
             chain.append(BlockHash(h))
             chain_locs.append(got)
         used = {loc for locs in chain_locs for loc in locs}
+        # maintenance is woken only for work this commit left it (frees to send, replicas to add): a wake
+        # per commit would run a tick per commit under a busy publish (its next tick sees the rest)
+        wake = False
         for locs in r.locations:
             for loc in locs:
                 if loc not in used:
                     m.queue_free(loc)
+                    wake = True
         if not chain:
             result = (0, 0)
         else:
@@ -169,11 +173,13 @@ class CommitPhase:
                     info = m.index.lookup(ns, h)
                     if info is not None and len(info.locations) < r.target:
                         m.st.under_replicated.add((r.ns, bytes(h)))
+                        wake = True
             result = (res.num_inserted, res.num_existing)
         self.done[r.rid] = result
         while len(self.done) > _DONE_KEEP:
             self.done.popitem(last=False)
-        m.wake.set()
+        if wake:
+            m.wake.set()
         return result
 
     def _drop_quiet(self, r: Reservation) -> None:

@@ -8,11 +8,13 @@ Each call has a deadline; gRPC failures become `kvpool.errors` (`Unavailable`, `
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from kvpool.capability import Capabilities, WallClock
 from kvpool.client.store_client import CallSigner, StoreClient, node_identity
-from kvpool.errors import KVPoolError, Unavailable
+from kvpool.errors import DeadlineExceeded, KVPoolError, Unavailable
 from kvpool.master.grants import read_grant
+from kvpool.master.store_batch import Coalescer
 from kvpool.membership import (
     LEADER_PROOF_METADATA,
     MASTER_CALL_METADATA,
@@ -22,6 +24,16 @@ from kvpool.membership import (
 from kvpool.types import InventoryBatch, Location, SlotOrder
 
 __all__ = ["SlotOrder", "StoreCalls", "copy_into"]
+
+_MAX_COALESCED = 4096
+"""Most slots in one coalesced reserve or commit call."""
+
+
+def _not_the_store(exc: BaseException) -> bool:
+    """A combined reserve that failed for another reason than the store (a refused slot) is sent again per
+    publish."""
+    return not isinstance(exc, (Unavailable, DeadlineExceeded))
+
 
 _COPY_TIMEOUTS = 2
 """A copy moves blocks between two stores: its deadline is this many call timeouts."""
@@ -52,6 +64,14 @@ class StoreCalls:
         self.num_withheld = 0
         """Orders not sent because this master was not surely leading when it was about to send them."""
         self._client = StoreClient(sign=self._signer(capabilities) if capabilities is not None else None)
+        # concurrent publishes' orders to one store go as one call (kvpool.master.store_batch); below the
+        # stores' default max_batch_slots (8192)
+        self._reserves: Coalescer[SlotOrder, None] = Coalescer(
+            self._send_reserve, alone=_not_the_store, max_items=_MAX_COALESCED
+        )
+        self._commits: Coalescer[Location, dict[tuple[int, int], str]] = Coalescer(
+            self._send_commit, max_items=_MAX_COALESCED
+        )
 
     def _may_order(self, what: str, address: str) -> None:
         """Raise `Unavailable` (and count it) unless this master surely leads now."""
@@ -93,6 +113,11 @@ class StoreCalls:
         return None if info is None else (info.node_id, info.epoch)
 
     def reserve(self, address: str, orders: Sequence[SlotOrder], write_lease_ms: int) -> None:
+        """Reserve slots (all or none), coalesced with concurrent reserves on the same store."""
+        self._reserves.call((address, write_lease_ms), orders)
+
+    def _send_reserve(self, key: Any, orders: list[SlotOrder]) -> None:
+        address, write_lease_ms = key
         self._may_order("reserve", address)
         self._client.reserve_slots(
             address,
@@ -103,10 +128,22 @@ class StoreCalls:
         )
 
     def commit(self, address: str, slots: Sequence[Location]) -> dict[tuple[int, int], str]:
-        """Commit slots; returns {(slot, generation): error} for the ones that failed ("" = ok)."""
+        """Commit slots; returns {(slot, generation): error} for the ones that failed ("" = ok) (it may name
+        slots of concurrent commits on the same store too: coalesced)."""
+        return self._commits.call(address, slots)
+
+    def _send_commit(self, address: Any, slots: list[Location]) -> dict[tuple[int, int], str]:
         self._may_order("commit", address)
         return self._client.commit_slots(
             address, slots, leader_epoch=self.leader_epoch, timeout_s=self.timeout_s
+        )
+
+    @property
+    def coalesced_calls(self) -> tuple[int, int]:
+        """(reserve and commit calls sent, of which carried several publishes' orders)."""
+        return (
+            self._reserves.calls + self._commits.calls,
+            self._reserves.batched_calls + self._commits.batched_calls,
         )
 
     def free(self, address: str, slots: Sequence[tuple[int, int]]) -> list[tuple[int, int, bool]]:

@@ -49,13 +49,14 @@ class StoreNode:
             settings.segment_bytes,
             self.layout.block_nbytes,
             pin_memory=settings.pin_memory,
-            share=settings.share_segment,
+            share=settings.share_segment and not settings.metadata_only,
         )
         self.table = SlotTable(
             self.segment,
             clock,
             capabilities=process_capabilities(),
             node_id=self.node_id,
+            metadata_only=settings.metadata_only,
             disk=self.disk,
             disk_buffer_bytes=settings.disk_buffer_bytes,
         )
@@ -197,6 +198,7 @@ class StoreNode:
             "block_nbytes": self.table.block_nbytes,
             "layout": self.layout.fingerprint(),
             "pid": os.getpid(),
+            "metadata_only": self.table.metadata_only,
             "disk": None
             if self.disk is None
             else {

@@ -37,6 +37,7 @@ class SlotDataPlane:
     num_slots: int
     block_nbytes: int
     num_inflight: int
+    metadata_only: bool
     _clock: Clock
     _lock: threading.Lock
     _gen: np.ndarray
@@ -65,9 +66,17 @@ class SlotDataPlane:
 
         def _lease_expiry_ms(self, slot: int) -> int: ...
 
+    def _refuse_bytes(self) -> None:
+        if self.metadata_only:
+            raise FailedPrecondition(
+                "this store is metadata-only (kvpool store --metadata-only, for benchmarks): it holds no "
+                "block bytes and refuses every read and write"
+            )
+
     def begin_read(
         self, slot: int, generation: int, nbytes: int, capability: bytes = b"", expiry_ms: int = 0
     ) -> tuple[memoryview, int]:
+        self._refuse_bytes()
         if self.disk is not None and type(slot) is int and slot >= self.disk.first_slot:
             got = self.disk.begin_reads([(slot, generation, nbytes, capability, expiry_ms)])[0]
             if isinstance(got, Exception):
@@ -89,6 +98,11 @@ class SlotDataPlane:
             mem = iter(self.begin_reads([r for i, r in enumerate(reads) if i not in disk]))
             return [disk[i] if i in disk else next(mem) for i in range(len(reads))]
         out: list[tuple[memoryview, int] | Exception] = []
+        if self.metadata_only:
+            try:
+                self._refuse_bytes()
+            except FailedPrecondition as exc:
+                return [exc for _ in reads]
         with self._lock:
             if (fast := self._begin_reads_at_once(reads)) is not None:
                 return fast
@@ -125,7 +139,13 @@ class SlotDataPlane:
         return [(buf[s : s + nb], c) for s, c in zip(got[1].tolist(), got[2].tolist(), strict=True)]
 
     def _begin_reads_array(self, req: np.ndarray) -> tuple[memoryview, np.ndarray, np.ndarray] | None:
-        if self.capabilities is not None or req.dtype.kind not in "iu" or req.ndim != 2 or req.shape[1] != 3:
+        if (
+            self.metadata_only
+            or self.capabilities is not None
+            or req.dtype.kind not in "iu"
+            or req.ndim != 2
+            or req.shape[1] != 3
+        ):
             return None
         if not len(req) or req.min() < 0:
             return None
@@ -193,6 +213,7 @@ class SlotDataPlane:
     def _begin_write(
         self, slot: int, generation: int, nbytes: int, grant: tuple[bytes, int] | None
     ) -> memoryview:
+        self._refuse_bytes()
         if self.disk is not None and type(slot) is int and slot >= self.disk.first_slot:
             return self.disk.begin_write(slot, generation, nbytes, grant)
         with self._lock:

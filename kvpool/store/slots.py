@@ -100,10 +100,14 @@ class SlotTable(SlotDataPlane, MoveSlots):
         *,
         capabilities: Capabilities | None = None,
         node_id: str = "",
+        metadata_only: bool = False,
         disk: DiskTier | None = None,
         disk_buffer_bytes: int = 256 << 20,
     ) -> None:
         self.segment = segment
+        self.metadata_only = metadata_only
+        """A benchmark's table (`kvpool store --metadata-only`): a commit needs no write, and every read and
+        write of bytes is refused (`FailedPrecondition`), so no reader ever gets bytes nobody wrote."""
         self.capabilities = capabilities
         self.fence = EpochFence(capabilities)
         """The newest master leader epoch seen (`kvpool.store.fence`): older orders and capabilities fail."""
@@ -113,7 +117,7 @@ class SlotTable(SlotDataPlane, MoveSlots):
         self._clock = clock or MonotonicClock()
         self._lock = threading.Lock()
         n = self.num_slots
-        self.shared_state = _shared_state(segment, capabilities)
+        self.shared_state = None if metadata_only else _shared_state(segment, capabilities)
         if self.shared_state is not None:  # same-host readers see these three (transfer/slot_state.py)
             st = self.shared_state
             self._gen, self._checksum, self._readable = st.generation, st.checksum, st.readable
@@ -293,8 +297,8 @@ class SlotTable(SlotDataPlane, MoveSlots):
             self._next_expiry_ms = min(self._next_expiry_ms, now + write_lease_ms)
 
     def commit(self, refs: Iterable[tuple[int, int]]) -> list[tuple[int, int, str]]:
-        """Make WRITTEN slots COMMITTED (disk slots: written to disk and recorded first). Per slot: (slot,
-        generation, error or "")."""
+        """Make WRITTEN slots COMMITTED (disk slots: written to disk and recorded first; metadata-only:
+        RESERVED ones too, with no bytes). Per slot: (slot, generation, error or "")."""
         refs, on_disk = self._split(refs)
         if on_disk:
             assert self.disk is not None
@@ -312,7 +316,9 @@ class SlotTable(SlotDataPlane, MoveSlots):
                     state = int(self._state[slot])
                     if self._freeing(slot):
                         raise FailedPrecondition(f"slot {slot} is being freed")
-                    if state == _WRITTEN:
+                    if state == _WRITTEN or (
+                        self.metadata_only and state == _RESERVED and not self._flag_bytes[slot] & _WRITING
+                    ):
                         self._state[slot] = _COMMITTED
                         self._readable[slot] = 1
                     elif state != _COMMITTED:  # committed already: idempotent
