@@ -107,6 +107,11 @@ def test_a_router_token_cannot_run_admin_operations(cluster: Any) -> None:
             ("RemoveBlocks", pb.RemoveBlocksRequest(namespace=ns, block_hashes=[b"h" * 16])),
             ("InvalidateNamespace", pb.InvalidateNamespaceRequest(namespace=ns)),
             ("Reserve", pb.ReserveRequest(namespace=ns, block_hashes=[b"h" * 16], num_replicas=1)),
+            (
+                "ReserveBatch",
+                pb.ReserveBatchRequest(chains=[pb.ReserveRequest(namespace=ns, block_hashes=[b"h" * 16])]),
+            ),
+            ("CommitBatch", pb.CommitBatchRequest(commits=[pb.CommitRequest(reservation_id=1)])),
         ]
         for name, req in denied:
             with pytest.raises(grpc.RpcError) as err:

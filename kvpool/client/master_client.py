@@ -13,11 +13,13 @@ from typing import Any, TypeVar
 import grpc
 
 from kvpool.client import convert as cv
+from kvpool.client import publish_batch
 from kvpool.client.errors import raise_refined
 from kvpool.client.leader import Masters, never_sent, not_leader_redirect
 from kvpool.client.match_stream import MatchStream
 from kvpool.client.types import (
     AdapterStatus,
+    ChainReserve,
     CommitBlock,
     CommitResult,
     HeartbeatAnswer,
@@ -30,6 +32,7 @@ from kvpool.client.types import (
     Registration,
     Reservation,
 )
+from kvpool.errors import KVPoolError
 from kvpool.types import DiskTierReport, Location
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
@@ -346,6 +349,19 @@ class MasterClient:
         req = pb.CommitRequest(reservation_id=reservation_id, blocks=[cv.commit_block_pb(b) for b in blocks])
         resp = self._call("Commit", req, retry=True)
         return CommitResult(resp.num_committed, resp.num_existing)
+
+    def reserve_batch(self, chains: Sequence[ChainReserve]) -> list[Reservation | KVPoolError]:
+        """Many `reserve`s in one call (`kvpool.client.publish_batch.reserve_batch`): per chain its
+        `Reservation` or its own error."""
+        out, epoch = publish_batch.reserve_batch(self._call, chains)
+        self.saw_leader(epoch)
+        return out
+
+    def commit_batch(
+        self, commits: Sequence[tuple[int, Sequence[CommitBlock]]]
+    ) -> list[CommitResult | KVPoolError]:
+        """Many `commit`s in one call: per (reservation_id, blocks) its `CommitResult` or its own error."""
+        return publish_batch.commit_batch(self._call, commits)
 
     def abort(self, reservation_id: int) -> None:
         self._call("Abort", pb.AbortRequest(reservation_id=reservation_id), retry=True)

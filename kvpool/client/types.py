@@ -5,6 +5,7 @@ The node values (`NodeInfo`, `NodeLoad`, `NodeStatus`, `Match`) live in `kvpool.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpool.hashing import EngineNamespace as EngineNamespace
@@ -86,6 +87,21 @@ class Reservation:
     write_lease_ms: int
     nodes: dict[str, NodeInfo]
     num_replicas_placed: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChainReserve:
+    """One chain of `MasterClient.reserve_batch`: the arguments of one `MasterClient.reserve`."""
+
+    namespace: bytes
+    block_hashes: Sequence[bytes]
+    parent: bytes | None = None
+    num_replicas: int = 0
+    block_nbytes: int = 0
+    recompute_cost_s: Sequence[float] = ()
+    write_lease_ms: int = 0
+    writer_node_id: str = ""
+    flush_epoch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

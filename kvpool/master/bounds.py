@@ -10,6 +10,8 @@ What a client can create on the master, and what bounds it (settings of `MasterS
   client); each ends by `max_lease_ttl_ms` and is reaped by the index's expiry heap;
 - write leases (`Reserve`): `max_leases_per_client` open reservations per `writer_node_id`
   (`kvpool.master.publish`); each also holds store slots, so the pool's capacity bounds them all;
+  a batch (`ReserveBatch` / `CommitBatch`): `max_batch_chains` chains and `max_batch_total_blocks`
+  blocks per call (`kvpool.master.publish_batch`);
 - adapters (`RegisterAdapter`): `max_adapters` names, all models, and as many fenced (reloaded or
   unloaded) digests remembered, the oldest forgotten first (`kvpool.master.adapters`);
 - tenant quota bookkeeping: per tenant of the tenants file only, O(1) per reserve (`kvpool.master.quotas`).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpool.errors import (
@@ -28,6 +29,16 @@ if TYPE_CHECKING:
     from kvpool.master.core import Master
 
 _DONE_KEEP = 4096
+
+
+@dataclass(slots=True)
+class CommitBegun:
+    """A commit checked under the lock (`CommitPhase.begin_commit`): its reservation (marked committing),
+    the written replicas per block hash (checksum, locations) and those locations per store node id."""
+
+    r: Reservation
+    written: dict[bytes, tuple[int, set[Location]]]
+    by_node: dict[str, list[Location]]
 
 
 class CommitPhase:
@@ -71,43 +82,14 @@ class CommitPhase:
         """Make the written blocks visible; idempotent (a repeat returns the first answer). `owner` (a
         secured master's caller, None: any): `PermissionDenied` unless that token made the reservation."""
         m = self.m
-        if rid <= 0:
-            raise InvalidArgument("reservation_id must be > 0")
         with m.lock:
-            if rid in self.done:
-                return self.done[rid]
-            r = self.reservations.get(rid)
-            if r is None:
-                raise NotFound(f"no reservation {rid} (expired, aborted or never made)")
-            _check_owner(r, rid, owner)
-            if r.committing:
-                raise InvalidArgument(f"reservation {rid} is being committed")
-            written: dict[bytes, tuple[int, set[Location]]] = {}
-            index_of = {h: i for i, h in enumerate(r.hashes)}
-            for b in blocks:
-                i = index_of.get(b.block_hash)
-                if i is None:
-                    raise InvalidArgument(f"block {b.block_hash.hex()} is not in reservation {rid}")
-                bad = [loc for loc in b.written if loc not in r.locations[i]]
-                if bad:
-                    raise InvalidArgument(f"block {b.block_hash.hex()}: {bad[0]} was not reserved for it")
-                written[b.block_hash] = (b.checksum, set(b.written))
-            if not m.namespaces.is_active(r.ns) or r.flushed:
-                self._drop(r)
-                why = "invalidated after this reservation" if r.flushed else "fenced"
-                raise VersionFenced(f"namespace {r.ns.hex()} was {why}: commit refused")
-            if m.clock.now_ms() > r.expiry_ms:
-                self._drop(r)
-                raise LeaseExpired(f"write lease of reservation {rid} expired")
-            r.committing = True
-            by_node: dict[str, list[Location]] = {}
-            for _, wlocs in written.values():
-                for loc in wlocs:
-                    by_node.setdefault(loc.node_id, []).append(loc)
-            addresses = {n: m.st.nodes[n].grpc_address for n in by_node if n in m.st.nodes}
+            begun = self.begin_commit(rid, blocks, owner)
+            if isinstance(begun, tuple):
+                return begun
+            addresses = {n: m.st.nodes[n].grpc_address for n in begun.by_node if n in m.st.nodes}
         ok: set[Location] = set()
         ok_per_node: dict[str, int] = {}  # written and committed, per node (gray failures: dataplane)
-        for node_id, node_locs in by_node.items():
+        for node_id, node_locs in begun.by_node.items():
             try:
                 errs = m.stores.commit(addresses[node_id], node_locs)
             except (KVPoolError, KeyError) as exc:
@@ -117,8 +99,54 @@ class CommitPhase:
             ok.update(loc for loc in node_locs if not errs.get((loc.slot, loc.generation)))
             ok_per_node[node_id] = len(ok) - before
         with m.lock:
-            dataplane.note_commit(m, r.per_node, ok_per_node)
-            return self._finish(r, written, ok)
+            return self.end_commit(begun, ok, ok_per_node)
+
+    def begin_commit(
+        self, rid: int, blocks: Sequence[CommitBlock], owner: str | None
+    ) -> tuple[int, int] | CommitBegun:
+        """Under the lock: check a commit and mark its reservation committing; the first answer of a
+        repeated commit, or what to commit on which store (then `end_commit`)."""
+        m = self.m
+        if rid <= 0:
+            raise InvalidArgument("reservation_id must be > 0")
+        if rid in self.done:
+            return self.done[rid]
+        r = self.reservations.get(rid)
+        if r is None:
+            raise NotFound(f"no reservation {rid} (expired, aborted or never made)")
+        _check_owner(r, rid, owner)
+        if r.committing:
+            raise InvalidArgument(f"reservation {rid} is being committed")
+        written: dict[bytes, tuple[int, set[Location]]] = {}
+        index_of = {h: i for i, h in enumerate(r.hashes)}
+        for b in blocks:
+            i = index_of.get(b.block_hash)
+            if i is None:
+                raise InvalidArgument(f"block {b.block_hash.hex()} is not in reservation {rid}")
+            bad = [loc for loc in b.written if loc not in r.locations[i]]
+            if bad:
+                raise InvalidArgument(f"block {b.block_hash.hex()}: {bad[0]} was not reserved for it")
+            written[b.block_hash] = (b.checksum, set(b.written))
+        if not m.namespaces.is_active(r.ns) or r.flushed:
+            self._drop(r)
+            why = "invalidated after this reservation" if r.flushed else "fenced"
+            raise VersionFenced(f"namespace {r.ns.hex()} was {why}: commit refused")
+        if m.clock.now_ms() > r.expiry_ms:
+            self._drop(r)
+            raise LeaseExpired(f"write lease of reservation {rid} expired")
+        r.committing = True
+        by_node: dict[str, list[Location]] = {}
+        for _, wlocs in written.values():
+            for loc in wlocs:
+                by_node.setdefault(loc.node_id, []).append(loc)
+        return CommitBegun(r, written, by_node)
+
+    def end_commit(
+        self, begun: CommitBegun, ok: set[Location], ok_per_node: dict[str, int]
+    ) -> tuple[int, int]:
+        """Under the lock: index the replicas of a begun commit that their stores committed (`ok`)."""
+        dataplane.note_commit(self.m, begun.r.per_node, ok_per_node)
+        return self._finish(begun.r, begun.written, ok)
 
     def _finish(
         self, r: Reservation, written: dict[bytes, tuple[int, set[Location]]], ok: set[Location]

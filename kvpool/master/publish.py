@@ -18,12 +18,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvpool.errors import (
-    DeadlineExceeded,
     InvalidArgument,
-    KVPoolError,
     NotFound,
     ResourceExhausted,
-    Unavailable,
     VersionFenced,
 )
 from kvpool.master import dataplane
@@ -36,7 +33,7 @@ from kvpool.master.placement import (
     ReserveOutcome,
     place_runs,
 )
-from kvpool.master.stores import SlotOrder
+from kvpool.master.publish_batch import send_reservations
 from kvpool.types import BlockHash, NamespaceId
 
 if TYPE_CHECKING:
@@ -76,6 +73,61 @@ class Publisher(CommitPhase):
         namespace invalidated since refuses the reserve with `VersionFenced`. `writer`: the writer's node
         id; a writer holding `max_leases_per_client` open reservations is refused (`ResourceExhausted`).
         `owner`: the caller's join token name (only that token commits or aborts the reservation)."""
+        num_replicas, write_lease_ms = self.check_reserve(
+            ns,
+            parent,
+            hashes,
+            num_replicas=num_replicas,
+            block_nbytes=block_nbytes,
+            costs=costs,
+            write_lease_ms=write_lease_ms,
+        )
+        self._await_adoption()
+        m = self.m
+        placed: Placed | None = None
+        for attempt in range(2):
+            with m.lock:
+                step = self.reserve_step(
+                    ns,
+                    parent,
+                    hashes,
+                    costs,
+                    write_lease_ms,
+                    num_replicas,
+                    attempt,
+                    flush_epoch,
+                    writer,
+                    owner,
+                )
+            if isinstance(step, Placed):
+                placed = step
+                break
+            if isinstance(step, ReserveOutcome):
+                return step
+            for node_id in step:
+                m.flush_frees(only=node_id)
+        if placed is None:  # unreachable: the last attempt places or raises
+            raise ResourceExhausted("no room after making room")
+        r = placed.r
+        self._send_reservations(r, write_lease_ms)
+        with m.lock:
+            nodes_used = {loc.node_id for locs in r.locations for loc in locs}
+            records = [m.st.nodes[n] for n in nodes_used if n in m.st.nodes]
+        return ReserveOutcome(r.rid, r.hashes, placed.present, r.locations, write_lease_ms, records, placed.k)
+
+    def check_reserve(
+        self,
+        ns: bytes,
+        parent: bytes,
+        hashes: Sequence[bytes],
+        *,
+        num_replicas: int,
+        block_nbytes: int,
+        costs: Sequence[float],
+        write_lease_ms: int,
+    ) -> tuple[int, int]:
+        """The checks of a reserve that need no lock (`InvalidArgument`); (num_replicas, write_lease_ms)
+        with their defaults filled in."""
         m, s = self.m, self.m.settings
         check_hash(ns, "namespace")
         if parent:
@@ -100,45 +152,46 @@ class Publisher(CommitPhase):
         write_lease_ms = write_lease_ms or s.default_write_lease_ms
         if not 0 < write_lease_ms <= s.max_write_lease_ms:
             raise InvalidArgument(f"write_lease_ms must be in (0, {s.max_write_lease_ms}]")
-        self._await_adoption()
-        placed: Placed | None = None
-        for attempt in range(2):
-            with m.lock:
-                self._check_ns(ns)
-                if flush_epoch is not None and flush_epoch != m.namespaces.flush_epoch:
-                    raise VersionFenced(
-                        f"a namespace was invalidated since this KV was computed (flush epoch {flush_epoch}, "
-                        f"now {m.namespaces.flush_epoch}): not publishing it"
-                    )
-                if parent and m.index.lookup(NamespaceId(ns), BlockHash(parent)) is None:
-                    raise NotFound(f"parent block {parent.hex()} is not in the pool")
-                # pin the parent chain so that making room below cannot evict it before the commit
-                locked = self._lock_parent(ns, parent)
-                try:
-                    step = self._reserve_locked(
-                        ns, parent, hashes, costs, write_lease_ms, num_replicas, attempt, writer, owner
-                    )
-                except BaseException:
-                    self._unlock_parent(ns, parent, locked)
-                    raise
-                if isinstance(step, Placed):
-                    step.r.parent_locked = locked
-                    placed = step
-                    break
-                self._unlock_parent(ns, parent, locked)
-                if isinstance(step, ReserveOutcome):
-                    return step
-                evict_on = step
-            for node_id in evict_on:
-                m.flush_frees(only=node_id)
-        if placed is None:  # unreachable: the last attempt places or raises
-            raise ResourceExhausted("no room after making room")
-        r = placed.r
-        self._send_reservations(r, write_lease_ms)
-        with m.lock:
-            nodes_used = {loc.node_id for locs in r.locations for loc in locs}
-            records = [m.st.nodes[n] for n in nodes_used if n in m.st.nodes]
-        return ReserveOutcome(r.rid, r.hashes, placed.present, r.locations, write_lease_ms, records, placed.k)
+        return num_replicas, write_lease_ms
+
+    def reserve_step(
+        self,
+        ns: bytes,
+        parent: bytes,
+        hashes: Sequence[bytes],
+        costs: Sequence[float],
+        write_lease_ms: int,
+        num_replicas: int,
+        attempt: int,
+        flush_epoch: int | None,
+        writer: str,
+        owner: str,
+    ) -> Placed | ReserveOutcome | list[str]:
+        """Under the lock: one attempt of a checked reserve (`check_reserve`): placed (its parent pinned),
+        all present, or the nodes whose frees to flush before attempt 1 (`ResourceExhausted` on it)."""
+        m = self.m
+        self._check_ns(ns)
+        if flush_epoch is not None and flush_epoch != m.namespaces.flush_epoch:
+            raise VersionFenced(
+                f"a namespace was invalidated since this KV was computed (flush epoch {flush_epoch}, "
+                f"now {m.namespaces.flush_epoch}): not publishing it"
+            )
+        if parent and m.index.lookup(NamespaceId(ns), BlockHash(parent)) is None:
+            raise NotFound(f"parent block {parent.hex()} is not in the pool")
+        # pin the parent chain so that making room below cannot evict it before the commit
+        locked = self._lock_parent(ns, parent)
+        try:
+            step = self._reserve_locked(
+                ns, parent, hashes, costs, write_lease_ms, num_replicas, attempt, writer, owner
+            )
+        except BaseException:
+            self._unlock_parent(ns, parent, locked)
+            raise
+        if isinstance(step, Placed):
+            step.r.parent_locked = locked
+        else:
+            self._unlock_parent(ns, parent, locked)
+        return step
 
     def _await_adoption(self) -> None:
         """A store that just registered is placeable once its inventory is adopted (the next maintenance
@@ -279,39 +332,11 @@ class Publisher(CommitPhase):
         self._requota(r)
 
     def _send_reservations(self, r: Reservation, write_lease_ms: int) -> None:
-        m = self.m
-        by_node: dict[str, list[SlotOrder]] = {}
-        prev = r.parent or b""
-        for h, locs in zip(r.hashes, r.locations, strict=True):
-            for loc in locs:
-                by_node.setdefault(loc.node_id, []).append(SlotOrder(loc.slot, loc.generation, r.ns, h, prev))
-            prev = h
-        failed = []
-        for node_id, orders in by_node.items():
-            with m.lock:
-                address = m.st.nodes[node_id].grpc_address
-            try:
-                m.stores.reserve(address, orders, write_lease_ms)
-            except (Unavailable, DeadlineExceeded) as exc:  # it did not answer: no placements there a while
-                m.mark_unreachable(node_id, exc)
-                failed.append(node_id)
-            except KVPoolError as exc:  # it answered and refused these slots (say one an earlier master
-                # reserved before it died): this reservation goes elsewhere, the store keeps taking blocks
-                log.warning("store %s refused a reservation: %s", node_id, exc)
-                failed.append(node_id)
-        if not failed:
-            return
-        with m.lock:
-            for locs in r.locations:
-                for loc in [x for x in locs if x.node_id in failed]:
-                    locs.remove(loc)
-                    m.queue_free(loc)
-            self._requota(r)
-            if any(
-                not locs for locs, h in zip(r.locations, r.hashes, strict=True) if not self._present(r, h)
-            ):
-                self._drop(r)
-                raise Unavailable(f"store nodes {failed} refused the reservation")
+        """Order the reservation's slots on its stores (`kvpool.master.publish_batch.send_reservations`);
+        `Unavailable` when a new block is left without a replica."""
+        errors = send_reservations(self, [(r, write_lease_ms)])
+        if errors:
+            raise errors[r.rid]
 
     def _present(self, r: Reservation, h: bytes) -> bool:
         return self.m.index.lookup(NamespaceId(r.ns), BlockHash(h)) is not None

@@ -7,7 +7,7 @@ node and engine, one to the router and one for the operator):
 |---|---|
 | `admin` | every call |
 | `router` | `Masters`, `Stats`, `ListNodes`, `ListAdapters`, `RegisterNamespace`, `MatchPrefix(Stream)` |
-| `serving`, `engine` | the router's, and read leases, `Reserve`/`Commit`/`Abort`, the replica and data-plane reports |
+| `serving`, `engine` | the router's, and read leases, `Reserve`/`Commit`/`Abort` (and their batches), the replica and data-plane reports |
 | `store` | `Masters` only (a store proves the cluster secret to join; it needs no token) |
 
 `check_call` answers PERMISSION_DENIED for any other call (the gate, `kvpool.master.gate`, calls it before
@@ -36,6 +36,8 @@ _WRITER = _ROUTER | {
     "ReleaseLeases",
     "Reserve",
     "Commit",
+    "ReserveBatch",
+    "CommitBatch",
     "Abort",
     "ReportBadReplica",
     "ReportDataPlaneFailure",

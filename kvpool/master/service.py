@@ -12,20 +12,19 @@ from kvpool.client.convert import load_from_pb
 from kvpool.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from kvpool.master import dataplane, replica_ops
 from kvpool.master.adapter_service import AdapterRpcs
+from kvpool.master.batch_service import BatchRpcs, reserve_response
 from kvpool.master.core import Master
 from kvpool.master.gate import join_token_of
-from kvpool.master.grants import match_grants, write_grants
+from kvpool.master.grants import match_grants
 from kvpool.master.members import new_session
 from kvpool.master.ops import admin_evict, drain, undrain
 from kvpool.master.placement import CommitBlock
 from kvpool.master.ratelimit import PeerRateLimiter
 from kvpool.master.roles import check_registration, check_writer, is_admin
 from kvpool.master.wire import (
-    endpoint,
     engine_namespace,
     engine_url,
     location,
-    location_pb,
     match_response,
     node_stats,
     short,
@@ -37,7 +36,7 @@ from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 
-class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
+class MasterServicer(AdapterRpcs, BatchRpcs, pb_grpc.MasterServicer):
     def __init__(self, master: Master) -> None:
         self.m = master
         s = master.settings
@@ -280,27 +279,7 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
             writer=writer,
             owner=owner or "",
         )
-        locations = out.locations
-        if self.m.capabilities is not None:
-            locations = write_grants(
-                self.m.capabilities,
-                request.namespace,
-                out.hashes,
-                locations,
-                out.write_lease_ms,
-                self.m.leader_epoch,
-            )
-        return pb.ReserveResponse(
-            reservation_id=out.rid,
-            blocks=[
-                pb.ReservedBlock(block_hash=h, already_present=p, locations=[location_pb(x) for x in locs])
-                for h, p, locs in zip(out.hashes, out.present, locations, strict=True)
-            ],
-            write_lease_ms=out.write_lease_ms,
-            nodes=[endpoint(n) for n in out.nodes],
-            num_replicas_placed=out.num_replicas_placed,
-            leader_epoch=self.m.leader_epoch,
-        )
+        return reserve_response(self.m, request.namespace, out)
 
     @rpc_errors
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:

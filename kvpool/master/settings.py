@@ -23,6 +23,15 @@ class MasterSettings(KVPoolSettings):
     replicas: int = 1
     policy: str = DEFAULT_POLICY
     max_batch_blocks: int = 8192
+    max_batch_chains: int = Field(
+        default=256, ge=1, description="chains (or commits) per ReserveBatch / CommitBatch call"
+    )
+    max_batch_total_blocks: int = Field(
+        default=8192,
+        ge=1,
+        description="blocks in all the chains of one ReserveBatch / CommitBatch call (a store's order of "
+        "one batch stays within its max_batch_slots)",
+    )
     max_lease_ttl_ms: int = 600_000
     default_write_lease_ms: int = 30_000
     max_write_lease_ms: int = 600_000

@@ -62,6 +62,15 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def error_from_status(code: int, message: str) -> errors.KVPoolError:
+    """The `KVPoolError` for a per-item status of a batch answer (`code`: a gRPC status code, not 0)."""
+    status = _BY_VALUE.get(code, grpc.StatusCode.UNKNOWN)
+    return _FROM_STATUS.get(status, errors.KVPoolError)(message or status.name)
+
+
 def raise_from_rpc_error(exc: grpc.RpcError, what: str = "") -> NoReturn:
     """Re-raise a client-side `grpc.RpcError` as the matching `KVPoolError` (message kept)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN

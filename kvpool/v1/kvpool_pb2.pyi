@@ -415,6 +415,56 @@ class CommitResponse(_message.Message):
     num_existing: int
     def __init__(self, num_committed: _Optional[int] = ..., num_existing: _Optional[int] = ...) -> None: ...
 
+class ReserveBatchRequest(_message.Message):
+    __slots__ = ("chains",)
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
+    chains: _containers.RepeatedCompositeFieldContainer[ReserveRequest]
+    def __init__(self, chains: _Optional[_Iterable[_Union[ReserveRequest, _Mapping]]] = ...) -> None: ...
+
+class BatchStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ReserveBatchResult(_message.Message):
+    __slots__ = ("reserve", "status")
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    reserve: ReserveResponse
+    status: BatchStatus
+    def __init__(self, reserve: _Optional[_Union[ReserveResponse, _Mapping]] = ..., status: _Optional[_Union[BatchStatus, _Mapping]] = ...) -> None: ...
+
+class ReserveBatchResponse(_message.Message):
+    __slots__ = ("results", "leader_epoch")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ReserveBatchResult]
+    leader_epoch: int
+    def __init__(self, results: _Optional[_Iterable[_Union[ReserveBatchResult, _Mapping]]] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
+
+class CommitBatchRequest(_message.Message):
+    __slots__ = ("commits",)
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    commits: _containers.RepeatedCompositeFieldContainer[CommitRequest]
+    def __init__(self, commits: _Optional[_Iterable[_Union[CommitRequest, _Mapping]]] = ...) -> None: ...
+
+class CommitBatchResult(_message.Message):
+    __slots__ = ("commit", "status")
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    commit: CommitResponse
+    status: BatchStatus
+    def __init__(self, commit: _Optional[_Union[CommitResponse, _Mapping]] = ..., status: _Optional[_Union[BatchStatus, _Mapping]] = ...) -> None: ...
+
+class CommitBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[CommitBatchResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[CommitBatchResult, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("reservation_id",)
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -99,6 +99,16 @@ class MasterStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.CommitRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.ReserveBatch = channel.unary_unary(
+                '/kvpool.v1.Master/ReserveBatch',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ReserveBatchRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ReserveBatchResponse.FromString,
+                _registered_method=True)
+        self.CommitBatch = channel.unary_unary(
+                '/kvpool.v1.Master/CommitBatch',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.CommitBatchRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CommitBatchResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvpool.v1.Master/Abort',
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.AbortRequest.SerializeToString,
@@ -253,6 +263,18 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitBatch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -417,6 +439,16 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CommitRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.CommitResponse.SerializeToString,
+            ),
+            'ReserveBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveBatch,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ReserveBatchRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.ReserveBatchResponse.SerializeToString,
+            ),
+            'CommitBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitBatch,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CommitBatchRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.CommitBatchResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -845,6 +877,60 @@ class Master:
             '/kvpool.v1.Master/Commit',
             kvpool_dot_v1_dot_kvpool__pb2.CommitRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/ReserveBatch',
+            kvpool_dot_v1_dot_kvpool__pb2.ReserveBatchRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.ReserveBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/CommitBatch',
+            kvpool_dot_v1_dot_kvpool__pb2.CommitBatchRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.CommitBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
