@@ -18,13 +18,13 @@ from tests.capabilities import require_ucx
 pytest.importorskip("transfer")
 
 
-@pytest.mark.slow  # a fill of 20 K blocks, two publish passes and a second cluster: ~30 s
+@pytest.mark.slow  # a fill of 20 K blocks, three publish passes and a second cluster: ~30 s
 def test_fill_without_bytes_makes_n_blocks_resident_and_publish_reports_its_figures() -> None:
     require_ucx()
     n = 20_000  # the bundled tree holds 9,821 blocks: three namespaces, the last cut short
     clients, chains = 2, 3
     with ScaleCluster(
-        n, num_stores=2, extra_blocks=4 * clients * chains * 64, store_args=("--metadata-only",)
+        n, num_stores=2, extra_blocks=5 * clients * chains * 64, store_args=("--metadata-only",)
     ) as cl:
         time.sleep(0.5)
         f = fill_without_bytes(cl, BUNDLED_TRACE, n, clients=3)
@@ -39,10 +39,11 @@ def test_fill_without_bytes_makes_n_blocks_resident_and_publish_reports_its_figu
         pub = publish_rates(cl, clients=clients, chains=chains, chain_blocks=64)
         per_pass = clients * chains * 64
         with MasterClient(cl.address) as c:
-            assert c.stats().num_blocks == n + 2 * per_pass
+            assert c.stats().num_blocks == n + 3 * per_pass
             stored = sum(x.num_blocks for x in c.list_nodes() if x.node.role == "store")
-            assert stored == n + per_pass + 2 * per_pass  # the second pass: two replicas each
+            assert stored == n + 2 * per_pass + 2 * per_pass  # the last pass: two replicas each
     assert pub["publish_chains"] == clients * chains and pub["publish_chain_blocks"] == 64
     assert pub["publish_blocks_per_s"] > 0 and pub["publish_e2e_blocks_per_s"] > 0
+    assert pub["publish_single_blocks_per_s"] > 0 and pub["publish_batch_chains"] > 1
     assert pub["publish_two_replicas_blocks_per_s"] > 0
     assert isinstance(pub["bytes_per_extra_replica"], float)

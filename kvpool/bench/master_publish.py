@@ -1,6 +1,7 @@
 """Publishing without bytes for `kvpool bench master`: Reserve + Commit through the master's gRPC service
 against `kvpool store --metadata-only` stores (a commit needs no write there; reads and writes are
-refused), from several client processes.
+refused), from several client processes: one chain per Reserve + Commit, or `batch_chains` chains per
+ReserveBatch + CommitBatch (`kvpool.master.publish_batch`).
 
 Each client is lean (as `master_load`'s): it sends serialized `ReserveRequest`s on a raw unary call and
 answers each reservation with a `CommitRequest` naming every reserved location as written, so what bounds
@@ -23,6 +24,11 @@ from kvpool.bench.master_scale_work import TreePuts, block_hash, replica_puts
 
 _RESERVE = "/kvpool.v1.Master/Reserve"
 _COMMIT = "/kvpool.v1.Master/Commit"
+_RESERVE_BATCH = "/kvpool.v1.Master/ReserveBatch"
+_COMMIT_BATCH = "/kvpool.v1.Master/CommitBatch"
+BATCH_CHAINS = 32
+"""Chains per ReserveBatch / CommitBatch call of a batched client (32 x 64 blocks: within the master's
+default max_batch_total_blocks, 8192)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ class PublishJob:
     work: TreeWork | ChainWork
     chain_blocks: int
     replicas: int = 0  # 0: the master's default
+    batch_chains: int = 0  # chains per ReserveBatch / CommitBatch (0: one Reserve + Commit per chain)
 
 
 def publish_client(job: PublishJob, ready: Any, go: Any, out: Any) -> None:
@@ -85,6 +92,9 @@ def publish_client(job: PublishJob, ready: Any, go: Any, out: Any) -> None:
         )
         if isinstance(job.work, ChainWork):  # a measurement: built before the clock starts
             reqs = list(reqs)  # (a fill's work is built as it goes: millions of blocks)
+        if job.batch_chains:
+            _publish_batched(job, ready, go, out)
+            return
         with grpc.insecure_channel(job.address) as ch:
             reserve = ch.unary_unary(_RESERVE, request_serializer=None, response_deserializer=None)
             commit = ch.unary_unary(_COMMIT, request_serializer=None, response_deserializer=None)
@@ -112,6 +122,79 @@ def publish_client(job: PublishJob, ready: Any, go: Any, out: Any) -> None:
         out.put(f"error: {type(exc).__name__}: {exc}")
 
 
+def _batches(
+    chains: Iterator[tuple[bytes, bytes, list[bytes]]], size: int
+) -> Iterator[list[tuple[bytes, bytes, list[bytes]]]]:
+    """`chains` in batches of at most `size`; a batch ends before a chain whose parent is in it (a parent is
+    committed before its child is reserved)."""
+    batch: list[tuple[bytes, bytes, list[bytes]]] = []
+    held: set[bytes] = set()
+    for ns, parent, hashes in chains:
+        if len(batch) == size or (parent and parent in held):
+            yield batch
+            batch, held = [], set()
+        batch.append((ns, parent, hashes))
+        held.update(hashes)
+    if batch:
+        yield batch
+
+
+def _publish_batched(job: PublishJob, ready: Any, go: Any, out: Any) -> None:
+    """`publish_client` with `job.batch_chains` chains per ReserveBatch and one CommitBatch per batch; puts
+    (blocks committed, ReserveBatch+CommitBatch pairs, seconds). A chain's error fails the client."""
+    import grpc
+
+    from kvpool.v1 import kvpool_pb2 as pb
+
+    reqs: Any = (
+        pb.ReserveBatchRequest(
+            chains=[
+                pb.ReserveRequest(
+                    namespace=ns, parent_hash=parent, block_hashes=hashes, num_replicas=job.replicas
+                )
+                for ns, parent, hashes in batch
+            ]
+        ).SerializeToString()
+        for batch in _batches(job.work.chains(job.chain_blocks), job.batch_chains)
+    )
+    if isinstance(job.work, ChainWork):  # a measurement: built before the clock starts
+        reqs = list(reqs)
+    with grpc.insecure_channel(job.address) as ch:
+        reserve = ch.unary_unary(_RESERVE_BATCH, request_serializer=None, response_deserializer=None)
+        commit = ch.unary_unary(_COMMIT_BATCH, request_serializer=None, response_deserializer=None)
+        ready.release()
+        go.wait()
+        t0 = time.perf_counter()
+        committed = calls = 0
+        for raw in reqs:
+            calls += 1
+            rs = pb.ReserveBatchResponse.FromString(reserve(raw, timeout=60))
+            req = pb.CommitBatchRequest()
+            want = 0
+            for res in rs.results:
+                if res.status.code:
+                    raise RuntimeError(f"a chain of a ReserveBatch failed: {res.status.message}")
+                if res.reserve.reservation_id == 0:
+                    continue
+                c = req.commits.add(reservation_id=res.reserve.reservation_id)
+                for b in res.reserve.blocks:
+                    if not b.already_present:
+                        want += 1
+                        c.blocks.add(block_hash=b.block_hash, written=b.locations)
+            if not req.commits:
+                continue
+            done = pb.CommitBatchResponse.FromString(commit(req.SerializeToString(), timeout=60))
+            got = 0
+            for d in done.results:
+                if d.status.code:
+                    raise RuntimeError(f"a commit of a CommitBatch failed: {d.status.message}")
+                got += d.commit.num_committed + d.commit.num_existing
+                committed += d.commit.num_committed
+            if got < want:
+                raise RuntimeError(f"a batch commit of {want} blocks committed {got}")
+        out.put((committed, calls, time.perf_counter() - t0))
+
+
 @dataclass(frozen=True)
 class Published:
     """What `publish` did: `blocks` committed in `calls` Reserve+Commit pairs, `seconds` from the common
@@ -132,15 +215,18 @@ def publish(
     *,
     chain_blocks: int = 64,
     replicas: int = 0,
+    batch_chains: int = 0,
     progress: bool = False,
 ) -> Published:
-    """One client process per entry of `works`, all started together. Raises `RuntimeError` when a client
-    failed or died."""
+    """One client process per entry of `works`, all started together; each publishes `batch_chains` chains
+    per ReserveBatch + CommitBatch (0: one Reserve + Commit per chain; `calls` counts pairs either way).
+    Raises `RuntimeError` when a client failed or died."""
     ctx = mp.get_context("spawn")  # no fork: the parent holds gRPC channels
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
     procs = [
         ctx.Process(
-            target=publish_client, args=(PublishJob(address, w, chain_blocks, replicas), ready, go, out)
+            target=publish_client,
+            args=(PublishJob(address, w, chain_blocks, replicas, batch_chains), ready, go, out),
         )
         for w in works
     ]

@@ -212,15 +212,24 @@ def _plan(
 
 
 def fill_without_bytes(
-    cluster: ScaleCluster, trace: Path, num_blocks: int, *, clients: int = 8, progress: bool = False
+    cluster: ScaleCluster,
+    trace: Path,
+    num_blocks: int,
+    *,
+    clients: int = 8,
+    batch_chains: int = 32,
+    progress: bool = False,
 ) -> Fill:
     """`fill` through Reserve + Commit only (`master_publish`), for stores started `--metadata-only`: each
-    put of the tree (cut into chains of at most 64 blocks) is one Reserve and one Commit of the master's
-    gRPC service, from `clients` processes (one namespace at a time each)."""
+    put of the tree (cut into chains of at most 64 blocks) is reserved and committed through the master's
+    gRPC service, from `clients` processes (one namespace at a time each); `batch_chains` chains per
+    ReserveBatch + CommitBatch (0: one Reserve + Commit per chain)."""
     from kvpool.bench.master_publish import TreeWork, publish
 
     tree, resident, salts, namespaces, jobs = _plan(cluster, trace, num_blocks, clients)
-    got = publish(cluster.address, [TreeWork(trace, j) for j in jobs], progress=progress)
+    got = publish(
+        cluster.address, [TreeWork(trace, j) for j in jobs], batch_chains=batch_chains, progress=progress
+    )
     if got.blocks != num_blocks:
         raise RuntimeError(f"fill committed {got.blocks} blocks, not {num_blocks}")
     return Fill(tree, salts, namespaces, resident, got.seconds, got.calls)

@@ -26,16 +26,27 @@ _LOCK_NAME = re.compile(r"(^|_)lock(_|$)|watermark_tick")
 def publish_rates(cluster: ScaleCluster, *, clients: int, chains: int, chain_blocks: int) -> dict[str, Any]:
     """`publish_blocks_per_s`: `clients` processes each Reserve + Commit `chains` fresh chains of
     `chain_blocks` blocks through the master's gRPC service on the cluster's `--metadata-only` stores (a
-    commit needs no bytes there: every block becomes resident), one replica per block; then the same again
-    at two replicas per block: `bytes_per_extra_replica` = (the master's RSS growth at two replicas − at
-    one) / blocks. `publish_e2e_blocks_per_s`: `chains` chains through `PoolClient.put_blocks` (Reserve →
-    UCX write → Commit, one client) on a separate small cluster of one normal store."""
-    from kvpool.bench.master_publish import ChainWork, publish
+    commit needs no bytes there: every block becomes resident), one replica per block, `BATCH_CHAINS`
+    chains per ReserveBatch + CommitBatch; `publish_single_blocks_per_s`: the same with one Reserve + Commit
+    per chain; then batched again at two replicas per block: `bytes_per_extra_replica` = (the master's RSS
+    growth at two replicas − at one) / blocks. `publish_e2e_blocks_per_s`: `chains` chains through
+    `PoolClient.put_blocks` (Reserve → UCX write → Commit, one client) on a separate small cluster of one
+    normal store."""
+    from kvpool.bench.master_publish import BATCH_CHAINS, ChainWork, publish
 
     (ns,) = cluster.register([PUBLISH_SALT])
+    single = publish(
+        cluster.address,
+        [ChainWork(ns, 1 + 2 * clients + k, chains) for k in range(clients)],
+        chain_blocks=chain_blocks,
+    )
+    time.sleep(1.0)
     rss0 = cluster.master_rss_bytes()
     one = publish(
-        cluster.address, [ChainWork(ns, 1 + k, chains) for k in range(clients)], chain_blocks=chain_blocks
+        cluster.address,
+        [ChainWork(ns, 1 + k, chains) for k in range(clients)],
+        chain_blocks=chain_blocks,
+        batch_chains=BATCH_CHAINS,
     )
     time.sleep(1.0)
     rss1 = cluster.master_rss_bytes()
@@ -44,15 +55,21 @@ def publish_rates(cluster: ScaleCluster, *, clients: int, chains: int, chain_blo
         [ChainWork(ns, 1 + clients + k, chains) for k in range(clients)],
         chain_blocks=chain_blocks,
         replicas=2,
+        batch_chains=BATCH_CHAINS,
     )
     time.sleep(1.0)
     rss2 = cluster.master_rss_bytes()
     n = clients * chains * chain_blocks
-    if one.blocks != n or two.blocks != n:
-        raise RuntimeError(f"publish committed {one.blocks} and {two.blocks} blocks, not {n} each")
+    if one.blocks != n or two.blocks != n or single.blocks != n:
+        raise RuntimeError(
+            f"publish committed {single.blocks}, {one.blocks} and {two.blocks} blocks, not {n} each"
+        )
     return {
         "publish_blocks_per_s": one.blocks_per_s,
         "publish_calls_per_s": round(one.calls / max(one.seconds, 1e-9), 1),
+        "publish_batch_chains": BATCH_CHAINS,
+        "publish_single_blocks_per_s": single.blocks_per_s,
+        "publish_single_calls_per_s": round(single.calls / max(single.seconds, 1e-9), 1),
         "publish_two_replicas_blocks_per_s": two.blocks_per_s,
         "bytes_per_extra_replica": round(((rss2 - rss1) - (rss1 - rss0)) / n, 1),
         "publish_e2e_blocks_per_s": publish_e2e(chains, chain_blocks),
