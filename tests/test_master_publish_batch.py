@@ -185,3 +185,18 @@ def test_one_store_order_per_store_per_batch(pool: Pool) -> None:
         done = c.commit_batch([(r.reservation_id, _written(r)) for r in reserved])
         assert done == [CommitResult(CHAIN, 0)] * 8
         assert m.stores.coalesced_calls[0] - calls_before == 2 * len(stores_used)  # and one CommitSlots each
+
+
+def test_present_many_answers_as_lookup(pool: Pool) -> None:
+    m = pool.server.master
+    with MasterClient(pool.address) as c:
+        ns, _ = c.register_namespace("batch-present", "v1", TINY)
+        a = _chain(90)
+        assert _publish_single(c, ns, None, a) == CHAIN
+    asked = [*a[::3], *_chain(91, 8), b"short"]
+    with m.lock:
+        want = [m.index.lookup(ns, h) is not None for h in asked]  # type: ignore[arg-type]
+        assert m.index.present_many(ns, asked) == want  # type: ignore[arg-type]
+        assert m.index.present_many(ns, asked[:-1]) == want[:-1]  # one batch probe (no odd hash)
+        assert m.index.present_many(b"\x01" * 16, a) == [False] * CHAIN  # type: ignore[arg-type]
+    assert sum(want) == len(a[::3])

@@ -40,6 +40,18 @@ class BlockMetaMixin:
     _heap: list[tuple[float, int, int, int]]
     node_removals: list[NodeRemoval]
 
+    def present_many(self, ns: NamespaceId, block_hashes: Sequence[bytes]) -> list[bool]:
+        """Per block of `block_hashes`: whether `lookup` would find it, in one batch probe of the table
+        (a publish asks this of every block it reserves and commits)."""
+        slot = self._ns_active.get(ns)
+        if slot is None or not block_hashes:
+            return [False] * len(block_hashes)
+        if any(not isinstance(h, bytes) or len(h) != 16 for h in block_hashes) or self.node_removals:
+            lookup = self.lookup  # type: ignore[attr-defined]
+            return [lookup(ns, BlockHash(h)) is not None for h in block_hashes]
+        rows = self._table.find_many(slot, np.frombuffer(b"".join(block_hashes), "<u8").reshape(-1, 2))
+        return (rows >= 0).tolist()  # type: ignore[no-any-return]
+
     def set_block_meta(
         self,
         ns: NamespaceId,

@@ -87,19 +87,24 @@ class CommitPhase:
             if isinstance(begun, tuple):
                 return begun
             addresses = {n: m.st.nodes[n].grpc_address for n in begun.by_node if n in m.st.nodes}
-        ok: set[Location] = set()
+        failed: set[Location] = set()  # written but not committed (usually none)
         ok_per_node: dict[str, int] = {}  # written and committed, per node (gray failures: dataplane)
         for node_id, node_locs in begun.by_node.items():
             try:
                 errs = m.stores.commit(addresses[node_id], node_locs)
             except (KVPoolError, KeyError) as exc:
                 m.mark_unreachable(node_id, exc)
+                failed.update(node_locs)
                 continue
-            before = len(ok)
-            ok.update(loc for loc in node_locs if not errs.get((loc.slot, loc.generation)))
-            ok_per_node[node_id] = len(ok) - before
+            bad = (
+                [loc for loc in node_locs if errs.get((loc.slot, loc.generation))]
+                if any(errs.values())
+                else []
+            )
+            failed.update(bad)
+            ok_per_node[node_id] = len(node_locs) - len(bad)
         with m.lock:
-            return self.end_commit(begun, ok, ok_per_node)
+            return self.end_commit(begun, failed, ok_per_node)
 
     def begin_commit(
         self, rid: int, blocks: Sequence[CommitBlock], owner: str | None
@@ -149,7 +154,7 @@ class CommitPhase:
         return self._finish(begun.r, begun.written, ok)
 
     def _finish(
-        self, r: Reservation, written: dict[bytes, tuple[int, set[Location]]], ok: set[Location]
+        self, r: Reservation, written: dict[bytes, tuple[int, set[Location]]], failed: set[Location]
     ) -> tuple[int, int]:
         m = self.m
         self._drop_quiet(r)
@@ -159,24 +164,30 @@ class CommitPhase:
         ns = NamespaceId(r.ns)
         chain: list[BlockHash] = []
         chain_locs: list[list[Location]] = []
+        unused: list[Location] = []  # reserved slots this commit leaves (freed)
+        present = m.index.present_many(ns, r.hashes)  # one batch probe (most blocks are new)
         for i, h in enumerate(r.hashes):
-            got = [loc for loc in r.locations[i] if loc in ok and loc in written.get(h, (0, set()))[1]]
-            info = m.index.lookup(ns, BlockHash(h))
+            locs = r.locations[i]
+            wlocs = written.get(h, (0, set()))[1]
+            if len(wlocs) == len(locs) and not failed:  # every replica written (all are reserved ones)
+                got = list(locs)
+            else:
+                got = [loc for loc in locs if loc in wlocs and loc not in failed]
+            info = m.index.lookup(ns, BlockHash(h)) if present[i] else None
             if info is not None:  # committed meanwhile by another writer: only replicas it still lacks
                 got = new_replicas(info.locations, got, r.target)
             elif not got:
+                unused.extend(loc for later in r.locations[i:] for loc in later)
                 break
+            if len(got) < len(locs):
+                unused.extend(loc for loc in locs if loc not in got)
             chain.append(BlockHash(h))
             chain_locs.append(got)
-        used = {loc for locs in chain_locs for loc in locs}
         # maintenance is woken only for work this commit left it (frees to send, replicas to add): a wake
         # per commit would run a tick per commit under a busy publish (its next tick sees the rest)
-        wake = False
-        for locs in r.locations:
-            for loc in locs:
-                if loc not in used:
-                    m.queue_free(loc)
-                    wake = True
+        wake = bool(unused)
+        for loc in unused:
+            m.queue_free(loc)
         if not chain:
             result = (0, 0)
         else:
@@ -190,8 +201,9 @@ class CommitPhase:
                     recompute_cost_s=r.costs[: len(chain)],
                 )
             except KVPoolError:
-                for loc in used:
-                    m.queue_free(loc)
+                for locs in chain_locs:
+                    for loc in locs:
+                        m.queue_free(loc)
                 m.wake.set()
                 raise
             placed = [h for h, locs in zip(chain, chain_locs, strict=True) if locs]

@@ -70,24 +70,20 @@ def place_runs(
     slots, a gray node (its writes keep failing at `now_ms`: `kvpool.master.dataplane.note_commit`) only
     when the others have no room. Adds the slots taken per node id to `per_node`. The caller checked
     there is room (`Publisher._reserve_locked`)."""
-    locations: list[list[Location]] = []
-    chosen: list[NodeRecord] = []
-    left = taken = 0
+    locations: list[list[Location]] = [[] for _ in present]
+    new = [i for i, is_present in enumerate(present) if not is_present]
     counts = per_node if per_node is not None else {}
-    for is_present in present:
-        if is_present:
-            locations.append([])
-            continue
-        if left == 0 or any(not n.free for n in chosen):
-            _count(counts, chosen, taken)
-            ranked = sorted(
-                nodes, key=lambda n: (n.dataplane.gray_until_ms > now_ms or not n.free, -len(n.free))
-            )
-            chosen, left, taken = ranked[:k], run, 0
-        locations.append([n.take(1)[0] for n in chosen])
-        left -= 1
-        taken += 1
-    _count(counts, chosen, taken)
+    pos = 0
+    while pos < len(new):  # one run per round: its slots taken from each chosen node's free list at once
+        ranked = sorted(nodes, key=lambda n: (n.dataplane.gray_until_ms > now_ms or not n.free, -len(n.free)))
+        chosen = ranked[:k]
+        # a run ends early where a chosen node runs out (the next run goes to other nodes)
+        m = max(1, min(run, len(new) - pos, *(len(n.free) for n in chosen)))
+        per_node_slots = [n.take(m) for n in chosen]
+        for j in range(m):
+            locations[new[pos + j]] = [slots[j] for slots in per_node_slots]
+        _count(counts, chosen, m)
+        pos += m
     return locations
 
 

@@ -231,7 +231,7 @@ class Publisher(CommitPhase):
         """Under the lock: place the new blocks, or answer that all are present, or make room and return
         the nodes whose frees to flush before the next attempt (`ResourceExhausted` on the last one)."""
         m = self.m
-        present = [m.index.lookup(NamespaceId(ns), BlockHash(h)) is not None for h in hashes]
+        present = m.index.present_many(NamespaceId(ns), hashes)
         num_new = len(hashes) - sum(present)
         if num_new == 0:
             return ReserveOutcome(0, list(hashes), present, [[] for _ in hashes], write_lease_ms, [], 0)

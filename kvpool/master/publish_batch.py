@@ -219,23 +219,27 @@ def commit_batch(
             for node_id, locs in b.by_node.items():
                 by_node.setdefault(node_id, []).extend(locs)
         addresses = {n: m.st.nodes[n].grpc_address for n in by_node if n in m.st.nodes}
-    ok: set[Location] = set()
-    answered: set[str] = set()
+    failed: set[Location] = set()  # written but not committed (usually none)
+    silent: set[str] = set()  # stores whose commit call failed
     for node_id, node_locs in by_node.items():
         try:
             errs = m.stores.commit(addresses[node_id], node_locs)
         except (KVPoolError, KeyError) as exc:
             m.mark_unreachable(node_id, exc)
+            failed.update(node_locs)
+            silent.add(node_id)
             continue
-        answered.add(node_id)
-        ok.update(loc for loc in node_locs if not errs.get((loc.slot, loc.generation)))
+        if any(errs.values()):
+            failed.update(loc for loc in node_locs if errs.get((loc.slot, loc.generation)))
     with m.lock:
         for i, b in begun.items():
             ok_per_node = {
-                n: sum(1 for loc in locs if loc in ok) for n, locs in b.by_node.items() if n in answered
+                n: len(locs) - (sum(1 for loc in locs if loc in failed) if failed else 0)
+                for n, locs in b.by_node.items()
+                if n not in silent
             }
             try:
-                out[i] = pub.end_commit(b, ok, ok_per_node)
+                out[i] = pub.end_commit(b, failed, ok_per_node)
             except KVPoolError as exc:
                 out[i] = exc
     return [x if x is not None else KVPoolError("commit not answered") for x in out]
