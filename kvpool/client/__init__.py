@@ -13,6 +13,7 @@ from kvpool.client.master_link import HeartbeatReport, MasterLink
 from kvpool.client.pool_client import PoolClient
 from kvpool.client.types import (
     BlockGet,
+    ChainReserve,
     CommitBlock,
     CommitResult,
     EngineNamespace,
@@ -32,6 +33,7 @@ from kvpool.client.types import (
 
 __all__ = [
     "BlockGet",
+    "ChainReserve",
     "CommitBlock",
     "CommitResult",
     "GetResult",
