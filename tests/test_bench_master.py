@@ -71,7 +71,9 @@ def test_bench_master_reports_every_phase(tmp_path: Path, client: str, unary: bo
     assert s["publish_blocks_per_s"] > 0 and s["publish_e2e_blocks_per_s"] > 0
     assert s["store_mode"] == "metadata-only" and s["fill_calls"] > 0
     assert isinstance(s["bytes_per_extra_replica"], float) and s["publish_two_replicas_blocks_per_s"] > 0
-    published = 2 * 2 * 4 * 16  # two passes (one replica, two) x 2 clients x 4 chains x 16 blocks
+    assert s["publish_single_blocks_per_s"] > 0
+    # three passes (batched, one chain per call, batched at two replicas) x 2 clients x 4 chains x 16 blocks
+    published = 3 * 2 * 4 * 16
     assert (
         s["rebuild_target_blocks"] == n + published
         and s["rebuild_blocks_reached"] >= s["rebuild_target_blocks"]
