@@ -32,7 +32,7 @@ PEER_UNAVAILABLE = frozenset({SC.UNAVAILABLE})
 
 EXPECTED = {
     "Master": {"JoinChallenge", "RegisterNode", "Heartbeat", "DeregisterNode", "RegisterNamespace", "SetModelVersion",
-               "MatchPrefix", "MatchPrefixStream", "RenewLease", "ReleaseLease", "ReleaseLeases", "Reserve", "Commit", "Abort",
+               "MatchPrefix", "MatchPrefixStream", "RenewLease", "ReleaseLease", "ReleaseLeases", "Reserve", "Commit", "ReserveBatch", "CommitBatch", "Abort",
                "RemoveBlocks", "ReportBadReplica", "ReportDataPlaneFailure", "ReportLocal", "Stats", "ListNodes", "Drain", "Evict",
                "InvalidateNamespace", "RegisterAdapter", "ReloadAdapter", "UnloadAdapter", "ListAdapters", "Masters"},
     "Store": {"GetInfo", "ReserveSlots", "CommitSlots", "FreeSlots", "Inventory", "CopyBlocks"},
