@@ -240,7 +240,9 @@ class HashTable:
             rows = table[pos]
             live = np.flatnonzero(rows >= 0)
             r = rows[live]
-            match = (h0[r] == k0[live]) & (h1[r] == k1[live])
+            first = h0[r] == k0[live]  # the low half first: the other columns only for its matches
+            live, r = live[first], r[first]
+            match = h1[r] == k1[live]
             match &= ns[r] == (int(slots_arr[0]) if want is None else want[live])
             hit = live[match]
             out[todo[hit]] = r[match]
