@@ -101,8 +101,11 @@ def insert_bulk(
     c, table = index._c, index._table
 
     # repeats within the batch: the first occurrence counts, later ones are refused
-    by_key = np.lexsort((keys[:, 1], keys[:, 0]))  # stable: equal keys in batch order
+    by_key = np.argsort(keys[:, 0], kind="stable")  # equal keys in batch order
     sorted_keys = keys[by_key]
+    if (sorted_keys[1:, 0] == sorted_keys[:-1, 0]).any():  # shared low halves: by the high half too
+        by_key = np.lexsort((keys[:, 1], keys[:, 0]))
+        sorted_keys = keys[by_key]
     same = np.zeros(n, dtype=np.bool_)
     same[1:] = (sorted_keys[1:] == sorted_keys[:-1]).all(axis=1)
     dup = np.zeros(n, dtype=np.bool_)
