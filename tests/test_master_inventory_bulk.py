@@ -69,7 +69,8 @@ def test_read_ahead_stopped_early_ends_the_stream() -> None:
         finally:
             ended.set()  # (the inventory generator cancels its call here)
 
-    reader = _ReadAhead(stream(), "t")  # type: ignore[arg-type]
+    gen = stream()  # (held here: its finally runs only if the reader closes it, not when collected)
+    reader = _ReadAhead(gen, "t")  # type: ignore[arg-type]
     for item in reader:
         if item == 3:
             break
