@@ -15,13 +15,15 @@ capacity a clean table takes over, twice as large when the live entries alone pa
 table's load stays in (0.3, 0.7] once it is larger than the minimum, 4 / load bytes per block (6 to 13 B).
 
 Growth is incremental (no O(entries) pass in one call): the old table stays readable while its entries
-move to the new one, `migrate_positions` old positions per step (at least `_STEP_PER_ENTRY` per entry
-inserted, each `insert_many` takes one step; `step` takes one more, e.g. from a maintenance tick). A step
+move to the new one, `migrate_positions` old positions per step at least (each `insert_many` takes one,
+sized so the old table is empty before the inserts left until the next growth run out: about 1.3
+positions per entry inserted after a doubling, up to 10 after a clean-up of tombstones at the same
+capacity; `step` takes one more, e.g. from a maintenance tick). A step
 moves whole probe runs: it ends at an `EMPTY` position of the old table, so every entry left in the old
 table sits past the moved prefix, which is `EMPTY`, and its probe path never crosses it (a path never
 crosses an `EMPTY` position). Lookups and deletes ask the new table, then the old one while it lasts;
-inserts go to the new one. The old table is gone after `capacity / _STEP_PER_ENTRY` inserts at most,
-before the new one can need to grow again (if it ever did, the rest would be moved first).
+inserts go to the new one. The old table is gone before the new one can need to grow again (if it ever
+did, the rest would be moved first).
 
 Lookups: `find(slot, hash)` is a scalar Python probe (the match path's binary search asks one hash at a
 time: a memoryview read per probe, no numpy call); `find_many(slots, hashes)` resolves a batch with one
@@ -46,9 +48,6 @@ _MAX_LOAD = 0.7
 _GROW_LOAD = 0.6
 MIGRATE_POSITIONS = 16384
 """Old-table positions moved per migration step by default (about 1 ms of numpy work)."""
-_STEP_PER_ENTRY = 16
-"""An insert of n entries moves at least this many old positions per entry: a clean table of the same
-capacity (tombstones dropped) can need the next one after 0.1 x capacity inserts; 16 x that > capacity."""
 
 
 def _probe_one(
@@ -275,12 +274,14 @@ class HashTable:
     # ---- changes -----------------------------------------------------------------------------------
     def insert_many(self, rows: np.ndarray) -> None:
         """Enter `rows` ((n,) ints) whose keys (read from the columns) are absent and distinct. Takes a
-        migration step first (`_STEP_PER_ENTRY` x n old positions at least) while one is under way."""
+        migration step first while one is under way (O(n) positions, `migrate_positions` at least)."""
         n = len(rows)
         if n == 0:
             return
-        if self._old is not None:
-            self.step(max(self.migrate_positions, _STEP_PER_ENTRY * n))
+        if self._old is not None:  # in step with the inserts left before the next growth can be needed
+            left = len(self._old) - self._moved
+            room = max(_MAX_LOAD * self.capacity - self.count - self.tombs, n)
+            self.step(max(self.migrate_positions, int(left * n / room) + 1))
         if self.count + self.tombs + n > _MAX_LOAD * self.capacity:
             if self._old is not None:  # (not reached with the budget above; kept for safety)
                 self.step(len(self._old))

@@ -279,6 +279,12 @@ class Adoption:
             rec.ready = True
             took = time.monotonic() - r.started_s
             self.stats.last_adoption_s, self.stats.last_adoption_blocks = took, r.num_blocks
+        while (
+            True
+        ):  # a hash table growth the adoption began: finished now (its old table freed), a step a hold
+            with m.lock:
+                if not m.index.grow_step(65536):
+                    break
         log.info(
             "store %s adopted: %d blocks in its inventory in %.3f s (%d resumes)",
             node_id,
