@@ -119,11 +119,14 @@ class HashTable:
                 self.shift,
                 self._ns_step,
                 self._ns_off,
-                self._old is not None,
             )
+            if self._old is None:
+                self.__dict__.pop("find", None)  # the class's `find`: the match path's probe, unchanged
+            else:
+                self.find = self._find_both  # type: ignore[method-assign]
 
     def __getstate__(self) -> dict[str, object]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_qmv", "_tmv", "_nmv", "_probe")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_qmv", "_tmv", "_nmv", "_probe", "find")}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
@@ -171,12 +174,12 @@ class HashTable:
     # ---- lookups -----------------------------------------------------------------------------------
     def find(self, slot: int, block_hash: bytes) -> int:
         """The row of (`slot`, `block_hash`) (16 bytes), or -1. Pure Python probing (no numpy call)."""
-        mask, tmv, qmv, nmv, shift, step, off, migrating = self._probe
+        mask, tmv, qmv, nmv, shift, step, off = self._probe
         x = int.from_bytes(block_hash, "little")  # (`_home`, inlined: the match path's hot call)
         pos = (((x ^ (x >> 64) ^ (slot * _MIX)) * _FIB) & _M64) >> shift
         row = tmv[pos]
         if row == EMPTY:
-            return self._find_old(slot, x) if migrating else -1
+            return -1
         lo = x & _M64
         while True:
             if (
@@ -189,10 +192,15 @@ class HashTable:
             pos = (pos + 1) & mask
             row = tmv[pos]
             if row == EMPTY:
-                return self._find_old(slot, x) if migrating else -1
+                return -1
 
-    def _find_old(self, slot: int, x: int) -> int:
+    def _find_both(self, slot: int, block_hash: bytes) -> int:
+        """`find` while growing (bound over it as an instance attribute): the new table, then the old."""
+        row = HashTable.find(self, slot, block_hash)
+        if row >= 0:
+            return row
         old, mask, shift = self._old_params()
+        x = int.from_bytes(block_hash, "little")
         return _probe_one(old.data, mask, shift, self._qmv, self._nmv, self._ns_step, self._ns_off, slot, x)
 
     def _find_one(self, table: np.ndarray, slot: int, key: bytes) -> int:
