@@ -227,6 +227,13 @@ class Capabilities:
             raise PermissionDenied(f"capability expired for {op} of slot {slot} ({now - expiry_ms} ms ago)")
 
 
+def capability_epoch(capability: bytes) -> int:
+    """The leader epoch `capability` was minted at (0: a single master's, or no epoch)."""
+    if len(capability) == CAPABILITY_NBYTES + EPOCH_NBYTES:
+        return int(_U64.unpack(bytes(capability[CAPABILITY_NBYTES:]))[0])
+    return 0
+
+
 def refused(error: str) -> bool:
     """True when a per-block transfer error is a store refusing the capability (not a bad replica)."""
     return PermissionDenied.__name__ in error

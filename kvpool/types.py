@@ -7,6 +7,7 @@ This module imports nothing from the project at run time (`kvpool.hashing.Engine
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NewType, Protocol
@@ -138,7 +139,8 @@ class InventoryBatch:
     False for the first block of a chain (its `parent_hashes` row is zeros). `slots`, `generations` (n,)
     uint64; `checksums` (n,) uint64 (xxh3_64 of the block's bytes); `size_bytes` (n,) uint64.
     `next_slot`: the resume cursor, the first slot after this batch (ask again from it after a broken
-    stream); -1 when the inventory is complete.
+    stream); -1 when the inventory is complete. `medium` (n,) uint8: `MEDIUM_MEMORY` or `MEDIUM_DISK` per
+    block (a store with a disk tier lists its disk blocks after its memory ones); None: all in memory.
     """
 
     namespaces: list[bytes]
@@ -151,9 +153,53 @@ class InventoryBatch:
     checksums: np.ndarray
     size_bytes: np.ndarray
     next_slot: int
+    medium: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.slots)
+
+    def in_memory(self) -> np.ndarray:
+        """(n,) bool: the blocks held in the store's memory (not on its disk tier)."""
+        import numpy as np  # noqa: PLC0415 - this module imports no numpy at run time
+
+        if self.medium is None:
+            return np.ones(len(self.slots), dtype=np.bool_)
+        return self.medium == MEDIUM_MEMORY
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierReport:
+    """A store's disk tier as it reports it (`GetInfo`, each heartbeat; proto `DiskTierInfo`): slot numbers
+    `first_slot` .. `first_slot + num_slots - 1`; blocks of `block_nbytes`; `num_used_slots` committed blocks,
+    `num_reserved_slots` reserved or being moved into; `first_generation`, every slot's generation when this
+    boot began (a free slot may be reserved at it or above); the measured read cost `alpha_s` (seconds per
+    call) and `beta_s_per_byte` (NaN: not measured); `degraded` "" or why writes are refused; `direct`: the
+    page cache is bypassed; `recovered_blocks`: verified blocks found at start-up."""
+
+    first_slot: int
+    num_slots: int
+    block_nbytes: int
+    num_used_slots: int
+    num_reserved_slots: int
+    first_generation: int
+    alpha_s: float
+    beta_s_per_byte: float
+    degraded: str
+    direct: bool
+    recovered_blocks: int
+
+
+MEDIUM_MEMORY = 0
+"""A replica in a store's memory segment."""
+MEDIUM_DISK = 1
+"""A replica on a store's disk tier (slot numbers from the tier's first slot, 2**31, on)."""
+
+
+def with_medium(b: InventoryBatch, medium: int) -> InventoryBatch:
+    """`b` with every block on `medium`."""
+    import numpy as np  # noqa: PLC0415 - this module imports no numpy at run time
+
+    return dataclasses.replace(b, medium=np.full(len(b), medium, dtype=np.uint8))
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,9 +69,12 @@ def test_bench_master_reports_every_phase(tmp_path: Path, client: str, unary: bo
     assert s["short_matches"] == 0 and s["no_short_matches_met"] is True
     assert 1 <= s["hit_blocks_per_match"] <= 16
     assert s["publish_blocks_per_s"] > 0 and s["publish_e2e_blocks_per_s"] > 0
-    assert s["publish_commits_refused"] == 4 * 16  # no bytes written: the stores commit none
+    assert s["store_mode"] == "metadata-only" and s["fill_calls"] > 0
+    assert isinstance(s["bytes_per_extra_replica"], float) and s["publish_two_replicas_blocks_per_s"] > 0
+    published = 2 * 2 * 4 * 16  # two passes (one replica, two) x 2 clients x 4 chains x 16 blocks
     assert (
-        s["rebuild_target_blocks"] == n + 4 * 16 and s["rebuild_blocks_reached"] >= s["rebuild_target_blocks"]
+        s["rebuild_target_blocks"] == n + published
+        and s["rebuild_blocks_reached"] >= s["rebuild_target_blocks"]
     )
     assert s["rebuild_blocks_per_s"] > 0 and s["first_hit_s"] is not None
     assert s["evict_blocks"] > 0 and s["node_death_blocks"] > 0
@@ -80,3 +83,14 @@ def test_bench_master_reports_every_phase(tmp_path: Path, client: str, unary: bo
     for r in report["records"]:
         assert r["matches"] > 0 and r["short_matches"] == 0
         assert r["mode"].endswith(client)
+
+
+def test_a_run_that_would_not_fit_in_memory_is_refused_before_it_starts() -> None:
+    from kvpool.bench.master_bench import check_memory
+    from kvpool.bench.master_scale import memory_estimate_bytes
+
+    need, have = check_memory(1000, 0)
+    assert 0 < need < have
+    assert memory_estimate_bytes(20_000_000) > 20_000_000 * 240  # the master alone at the target peak
+    with pytest.raises(InvalidArgument, match="GiB of RAM"):
+        check_memory(10**12, 0)

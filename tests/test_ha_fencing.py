@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.cluster.etcd import ThrowawayEtcd
-from kvpool.errors import FailedPrecondition
+from kvpool.errors import FailedPrecondition, Unavailable
 from kvpool.master import MasterSettings, serve
 from kvpool.master.procs import LAYOUT, Proc, start_store
 from kvpool.master.stores import SlotOrder
@@ -72,6 +72,9 @@ def test_old_leader_orders_are_fenced_by_a_real_store(etcd: ThrowawayEtcd, store
             lambda: new.master.election.view().leader == old.address, 10, "the standby sees the leader"
         )  # type: ignore[union-attr]
         old.master.election.stop()  # deposed (its store calls keep epoch e1, as a partitioned leader's)
+        with pytest.raises(Unavailable, match="withheld"):  # it knows it no longer leads: it sends nothing
+            old.master.stores.reserve(store, order(6), 30_000)
+        old.master.stores.leading = lambda: True  # orders that passed that check before a pause still come
         wait_until(lambda: new.master.election.is_leader, 10, "the standby takes over")  # type: ignore[union-attr]
         e2 = new.master.stores.leader_epoch
         assert e2 > e1

@@ -133,6 +133,8 @@ def test_leases_are_capped_and_expired_ones_reaped(clock: FakeClock) -> None:
 class StubStores:
     """The store control calls a master makes, answered in process (no store nodes needed)."""
 
+    num_withheld = 0  # as `StoreCalls`: orders a master not surely leading did not send
+
     def identity(self, address: str, timeout_s: float, *, role: str = "store") -> None:
         return None
 

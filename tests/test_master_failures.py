@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+import urllib.request
 from collections.abc import Callable
 
 import pytest
@@ -52,6 +53,16 @@ def test_killed_store_replicas_vanish_and_other_replicas_still_hit() -> None:
                 pc.put_blocks(ns, None, [h], [d], num_replicas=1)
             on_s0 = [h for h in single if c.match(ns, [h]).replicas[0][0].node_id == "s0"]
             assert on_s0, "placement should spread single-replica blocks over both nodes"
+            top = on_s0[0]  # children below a block of s0: those placed on s1 are orphaned with it
+            t = single.index(top)
+            kids = [hash_blocks(ns, [t] * 64 + [100 + i] * 64, LAY.block_size)[1] for i in range(8)]
+            for k, d in zip(kids, blocks_for(8, 9), strict=True):
+                assert pc.put_blocks(ns, top, [k], [d], num_replicas=1).num_committed == 1
+            kids_on_s1 = sum(c.match(ns, [top, k]).replicas[1][0].node_id == "s1" for k in kids)
+            assert kids_on_s1, "placement should put some children on s1"
+            s1_kept = 3 + len(single) - len(on_s0)  # what s1 holds once the orphans are freed
+            used = {n.node.node_id: n.num_used_slots for n in c.list_nodes()}
+            assert used["s1"] == s1_kept + kids_on_s1
             stores[0].kill()
             t0 = time.monotonic()
             eventually(lambda: all(c.match(ns, [h]).num_matched == 0 for h in on_s0))
@@ -62,11 +73,29 @@ def test_killed_store_replicas_vanish_and_other_replicas_still_hit() -> None:
             assert got.num_ok == 3 and [b.data for b in got.blocks] == [d.tobytes() for d in data]
             nodes = {n.node.node_id: n for n in c.list_nodes()}
             assert not nodes["s0"].alive and nodes["s1"].alive
+            assert all(c.match(ns, [top, k]).num_matched == 0 for k in kids)
+            # the orphans' slots on s1 were ordered freed and the store acknowledged them
+            eventually(lambda: {n.node.node_id: n.num_used_slots for n in c.list_nodes()}["s1"] == s1_kept)
+            metrics_at = str(master.ready.get("metrics_address") or "")
+            assert metrics_at
+            if metrics_at:  # the node death's longest lock hold, step by step (kvpool.master.node_death)
+                eventually(lambda: _metric(metrics_at, "kvpool_master_node_deaths_total") >= 1)
+                assert _metric(metrics_at, "kvpool_master_node_death_lock_ms") > 0
+                assert _metric(metrics_at, "kvpool_master_watermark_tick_ms") > 0
     finally:
         tr.close()
         for s in stores:
             s.kill()
         master.kill()
+
+
+def _metric(address: str, name: str) -> float:
+    """One unlabelled sample of the master's /metrics (-1 when absent)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:  # noqa: S310 - our own master
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return -1.0
 
 
 def test_master_restart_rebuilds_from_store_inventories() -> None:

@@ -124,3 +124,45 @@ def test_a_connect_to_a_frozen_store_times_out_and_its_late_answer_is_harmless(c
                 assert all(b.data == d.tobytes() for b, d in zip(got.blocks, data, strict=True))
     finally:
         fresh.close()
+
+
+def test_a_silent_store_is_not_offered_to_readers_until_it_heartbeats(cluster, transport) -> None:
+    """Silence means out of matches too (issue #39): a store paused past `stale_after_ms` is not named in
+    match answers (a block with a replica elsewhere is read from there, one only on the paused store ends
+    the match: recomputed), and it is offered again from its next heartbeat."""
+    master, stores = cluster
+    with (
+        MasterClient(master.grpc_address) as mc,
+        PoolClient(master.grpc_address, transport, block_nbytes=LAY.block_nbytes) as pool,
+    ):
+        ns, _ = mc.register_namespace("silent-reads", "v1", LAYOUT)
+        both = hash_blocks(ns, list(range(LAY.block_size * 3)), LAY.block_size)
+        data = blocks_for(3, 5)
+        assert pool.put_blocks(ns, None, both, data, num_replicas=2).num_committed == 3
+        only_s1: list[bytes] = []
+        for seed in range(40):  # a single-replica block that landed on s1
+            hashes = hash_blocks(ns, [1000 + seed] * LAY.block_size, LAY.block_size)
+            assert pool.put_blocks(ns, None, hashes, blocks_for(1, seed)).num_committed == 1
+            if mc.match(ns, hashes).replicas[0][0].node_id == "s1":
+                only_s1 = hashes
+                break
+            time.sleep(0.1)
+        assert only_s1
+        assert {x.node_id for locs in mc.match(ns, both).replicas for x in locs} == {"s0", "s1"}
+
+        stores[1].popen.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(2.5)  # > the master's stale_after_ms (2 s): no heartbeat from s1 since
+            m = mc.match(ns, both)
+            assert m.num_matched == 3
+            assert {x.node_id for locs in m.replicas for x in locs} == {"s0"}
+            assert mc.match(ns, only_s1).num_matched == 0  # recomputed, not read from a paused store
+            got = pool.get_blocks(ns, both, count_hit=False)
+            assert got.num_ok == 3 and [b.data for b in got.blocks] == [bytes(x) for x in data]
+        finally:
+            stores[1].popen.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while mc.match(ns, only_s1).num_matched == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert mc.match(ns, only_s1).num_matched == 1  # back from its next heartbeat
+        assert {x.node_id for locs in mc.match(ns, both).replicas for x in locs} == {"s0", "s1"}

@@ -176,6 +176,9 @@ class BlockHandler(Protocol):
     integer array (n, 3) of (slot, generation, nbytes): when every read would succeed, all are begun and
     (buffer, starts, checksums) returned (the buffer the blocks lie in; each block's start in it in bytes
     and its stored checksum, uint64 (n,)); else None with nothing begun. A server uses it when present.
+
+    Optional: `blocking_slots_from: int | None`, the first slot whose `begin_reads` blocks on I/O (a store's
+    disk tier): a server begins a message naming any such slot on a worker thread, never on its loop.
     """
 
     def begin_read(

@@ -354,16 +354,26 @@ class UcxTransport:
         async def one(conn: Conn, idxs: list[int], results: list[tuple[bool, int, str]]) -> None:
             p = self._peers.get(peer)
             if p is not None and p.mapping is not None:
-                await mapped_read(
-                    conn,
-                    p.mapping,
-                    next(self._ids),
-                    [reads[i] for i in idxs],
-                    [views[i] for i in idxs],
-                    idxs,
-                    results,
-                    stop,
-                )
+                # a slot past the mapped segment (a store's disk tier) is sent, as from another host
+                size = p.mapping.descriptor.nbytes
+                outside = [i for i in idxs if (reads[i].slot + 1) * reads[i].nbytes > size]
+                inside = [i for i in idxs if (reads[i].slot + 1) * reads[i].nbytes <= size]
+                if inside:
+                    await mapped_read(
+                        conn,
+                        p.mapping,
+                        next(self._ids),
+                        [reads[i] for i in inside],
+                        [views[i] for i in inside],
+                        inside,
+                        results,
+                        stop,
+                    )
+                if outside:
+                    with self._rt.waker.busy():
+                        await read_message(
+                            conn, next(self._ids), reads, views, outside, results, self._rt.waker, late
+                        )
                 return
             await read_message(conn, next(self._ids), reads, views, idxs, results, self._rt.waker, late)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,17 @@ MAX_CAPABILITY_NBYTES = 64
 """Longest capability a request may carry (the project's are 16 bytes, 24 with a leader epoch; see kvpool/capability.py)."""
 _HASH_EARLY_BYTES = 1 << 20
 """A written message at least this large is hashed as soon as it lands (smaller ones in `end_write`)."""
+
+
+_IO_POOL: list[ThreadPoolExecutor] = []
+_IO_THREADS = 4
+
+
+def _io_pool() -> ThreadPoolExecutor:
+    """The threads that begin reads which block on I/O (a handler's disk tier), made on first use."""
+    if not _IO_POOL:
+        _IO_POOL.append(ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="kvpool-block-io"))
+    return _IO_POOL[0]
 
 
 def _hash_parts(view: memoryview, n: int) -> list[int]:
@@ -231,10 +243,9 @@ class UcxBlockServer(MappedReads):
         header: list[list[Any]] = []
         began: list[int] = []
         views: list[tuple[int, memoryview]] = []
+        grants = await self._grant_off_loop(blocks, caps)
         try:
-            for i, ((slot, _, nbytes), grant) in enumerate(
-                zip(blocks, self._grant(blocks, caps), strict=True)
-            ):
+            for i, ((slot, _, nbytes), grant) in enumerate(zip(blocks, grants, strict=True)):
                 if isinstance(grant, Exception):  # per-block result
                     header.append([False, 0, _err(grant)])
                     continue
@@ -272,6 +283,31 @@ class UcxBlockServer(MappedReads):
                 [(s, g, n, c, e) for (s, g, n), (e, c) in zip(blocks, caps, strict=True)]
             )
         )
+
+    async def _grant_off_loop(self, blocks: list[list[int]], caps: Any) -> list[Any]:
+        """`_grant`, on the block I/O pool when the message names a slot whose read blocks on I/O (the
+        handler's optional `blocking_slots_from`: a store's disk tier), else here. A read abandoned while
+        its blocks are begun still ends them."""
+        start = getattr(self._handler, "blocking_slots_from", None)
+        if start is None or not any(b[0] >= start for b in blocks):
+            return self._grant(blocks, caps)
+        fut = _io_pool().submit(self._grant, blocks, caps)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:
+
+            def end(f: Any) -> None:
+                if f.exception() is None:
+                    self._end_reads(
+                        [
+                            b[0]
+                            for b, g in zip(blocks, f.result(), strict=True)
+                            if not isinstance(g, Exception)
+                        ]
+                    )
+
+            fut.add_done_callback(end)
+            raise
 
     def _end_reads(self, slots: list[int]) -> None:
         """`end_reads` of every slot begun; never raises."""

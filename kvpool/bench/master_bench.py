@@ -25,13 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from kvpool.bench import master_scale_phases as phases
 from kvpool.bench import master_scale_work as work
 from kvpool.bench.master_load import LeanJob, lean_client
-from kvpool.bench.master_scale import TINY_LAYOUT, ScaleCluster, fill
+from kvpool.bench.master_scale import TINY_LAYOUT, ScaleCluster, fill_without_bytes, memory_estimate_bytes
 from kvpool.client import MasterClient
 from kvpool.client import convert as cv
+from kvpool.errors import InvalidArgument
 from kvpool.report import write_report
 
 
@@ -167,6 +169,18 @@ def grade(summary: dict[str, Any]) -> dict[str, Any]:
     return checks | {"target_met": all(checks.values())}
 
 
+def check_memory(blocks: int, extra_blocks: int) -> tuple[int, int]:
+    """(bytes the run needs, bytes available) (`master_scale.memory_estimate_bytes`); raises
+    `InvalidArgument` when it would not fit this host's available memory."""
+    need, have = memory_estimate_bytes(blocks, extra_blocks), psutil.virtual_memory().available
+    if need > have:
+        raise InvalidArgument(
+            f"{blocks:,} blocks need about {need / 2**30:.1f} GiB of RAM (master, stores, clients); "
+            f"{have / 2**30:.1f} GiB are available"
+        )
+    return need, have
+
+
 def run_master_bench(
     *,
     blocks: int,
@@ -178,7 +192,7 @@ def run_master_bench(
     depth: int = 1,
     client: str = "lean",
     stores: int = 4,
-    writers: int = 3,
+    writers: int = 8,
     publish_chains: int = 100,
     rebuild_timeout_s: float = 900.0,
     trace: Path | None = None,
@@ -186,19 +200,24 @@ def run_master_bench(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Fill a real master with `blocks` resident blocks (the conversation trace's tree under salted
-    namespaces, through Reserve → write → Commit on `stores` tiny-layout stores), then measure memory per
-    block, matches of `prompt_blocks`-block prompts from `clients` clients (1 client first: the baseline),
-    publish rates, the rebuild of a restarted master, and the stalls of an eviction and a node death."""
+    namespaces, through Reserve + Commit from `writers` client processes on `stores` tiny-layout
+    `--metadata-only` stores), then measure memory per block, matches of `prompt_blocks`-block prompts from
+    `clients` clients (1 client first: the baseline), publish rates (`publish_chains` chains per client, one
+    and two replicas), the rebuild of a restarted master, and the stalls of an eviction and a node death."""
     from kvpool.bench.routing import default_trace
 
     trace = trace or default_trace(quick=False)
     say = _say if progress else (lambda _msg: None)
-    extra = 2 * publish_chains * prompt_blocks
-    with ScaleCluster(blocks, num_stores=stores, extra_blocks=extra) as cl:
+    extra = 4 * clients * publish_chains * prompt_blocks  # one pass at 1 replica, one at 2
+    need, have = check_memory(blocks, extra)
+    say(f"memory estimate {need / 2**30:.1f} GiB of {have / 2**30:.1f} GiB available")
+    with ScaleCluster(blocks, num_stores=stores, extra_blocks=extra, store_args=("--metadata-only",)) as cl:
         time.sleep(1.0)
         rss0 = cl.master_rss_bytes()
-        say(f"filling {blocks:,} blocks ({stores} stores, {writers} writers, trace {trace.name})")
-        f = fill(cl, trace, blocks, writers=writers, progress=progress)
+        say(
+            f"filling {blocks:,} blocks ({stores} metadata-only stores, {writers} clients, trace {trace.name})"
+        )
+        f = fill_without_bytes(cl, trace, blocks, clients=writers, progress=progress)
         time.sleep(2.0)
         rss1, peak = cl.master_rss_bytes(), cl.master_peak_bytes()
         say(f"filled in {f.seconds:.0f} s; master RSS {rss0 >> 20} -> {rss1 >> 20} MiB (peak {peak >> 20})")
@@ -208,9 +227,10 @@ def run_master_bench(
             _phase(cl.address, picks, want, clients, duration_s, unary, depth, client),
         ]
         say(f"matches: {records[-1]['match_per_s']}/s, p99 {records[-1]['match_p99_ms']} ms")
-        pub = phases.publish_rates(cl, chains=publish_chains, chain_blocks=prompt_blocks)
+        pub = phases.publish_rates(cl, clients=clients, chains=publish_chains, chain_blocks=prompt_blocks)
         say(
             f"publish: {pub['publish_blocks_per_s']} blocks/s (no bytes), {pub['publish_e2e_blocks_per_s']} e2e"
+            f", {pub['bytes_per_extra_replica']} B per extra replica"
         )
         best = int(np.argmax(want))
         probe = (picks[best][0], list(picks[best][1]), want[best])
@@ -229,12 +249,14 @@ def run_master_bench(
         "layout": TINY_LAYOUT,
         "fill_s": round(f.seconds, 1),
         "fill_blocks_per_s": round(blocks / f.seconds, 1),
+        "fill_calls": f.calls,
+        "fill_clients": writers,
+        "store_mode": "metadata-only",
         "rss_before_bytes": rss0,
         "rss_after_fill_bytes": rss1,
         "peak_rss_bytes": peak,
         "bytes_per_block": round((rss1 - rss0) / blocks, 1),
         "peak_bytes_per_block": round((peak - rss0) / blocks, 1),
-        "bytes_per_extra_replica": None,  # not measured: a second fill at replicas=2 doubles the run
         "bytes_per_block_after_rebuild": round((reb["rss_after_rebuild_bytes"] - rss0) / blocks, 1),
         "match_per_s": main["match_per_s"],
         "match_p50_ms": main["match_p50_ms"],

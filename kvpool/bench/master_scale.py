@@ -33,6 +33,22 @@ FILL_FRACTION = 0.7
 """Stores are sized so the fill uses this much of their slots (below the master's watermarks)."""
 
 
+MASTER_BYTES_PER_BLOCK = 240
+"""The master's peak bytes per resident block a run is planned for (the target `peak_bytes_per_block`)."""
+STORE_BYTES_PER_SLOT = 110
+"""A store's slot table and columns per slot (kvpool/store/slots.py, slot_columns.py) plus a tiny block."""
+BASE_BYTES = 1 << 30
+"""The processes themselves (interpreters, gRPC, UCX, the clients' trees), all together, about."""
+
+
+def memory_estimate_bytes(num_blocks: int, extra_blocks: int = 0) -> int:
+    """RAM a `kvpool bench master` run of `num_blocks` needs at its peak, all processes together: the
+    master at `MASTER_BYTES_PER_BLOCK`, the stores' slots (sized for the blocks at `FILL_FRACTION`) at
+    `STORE_BYTES_PER_SLOT`, and `BASE_BYTES` (20 M blocks: about 9.6 GB)."""
+    slots = (num_blocks + extra_blocks) / FILL_FRACTION
+    return int(num_blocks * MASTER_BYTES_PER_BLOCK + slots * STORE_BYTES_PER_SLOT + BASE_BYTES)
+
+
 def block_bytes(block_hash: bytes, nbytes: int) -> np.ndarray:
     """The bytes the fill writes for a block: its hash repeated to `nbytes` (uint8)."""
     reps = -(-nbytes // len(block_hash))
@@ -172,24 +188,50 @@ class Fill:
     namespaces: list[bytes]
     resident: list[int]
     seconds: float
+    calls: int = 0  # Reserve+Commit pairs (0: not counted)
 
     @property
     def num_blocks(self) -> int:
         return sum(self.resident)
 
 
-def fill(
-    cluster: ScaleCluster, trace: Path, num_blocks: int, *, writers: int = 3, progress: bool = False
-) -> Fill:
-    """Publish `num_blocks` blocks: the tree of `trace` in namespaces r0, r1, ... (the last cut short)."""
+def _plan(
+    cluster: ScaleCluster, trace: Path, num_blocks: int, workers: int
+) -> tuple[TreePuts, list[int], list[str], list[bytes], list[list[tuple[bytes, int]]]]:
+    """The tree of `trace` in namespaces r0, r1, ... (the last cut short) until `num_blocks`: (tree, blocks
+    per namespace, salts, namespaces registered, each worker's (namespace, blocks) jobs)."""
     tree = TreePuts.from_trace(trace)
     per = tree.num_blocks
     resident = [min(per, num_blocks - k * per) for k in range(-(-num_blocks // per))]
     salts = [f"r{k}" for k in range(len(resident))]
     namespaces = cluster.register(salts)
-    jobs: list[list[tuple[bytes, int]]] = [[] for _ in range(min(writers, len(resident)))]
+    jobs: list[list[tuple[bytes, int]]] = [[] for _ in range(min(workers, len(resident)))]
     for k, (ns, n) in enumerate(zip(namespaces, resident, strict=True)):
         jobs[k % len(jobs)].append((ns, n))
+    return tree, resident, salts, namespaces, jobs
+
+
+def fill_without_bytes(
+    cluster: ScaleCluster, trace: Path, num_blocks: int, *, clients: int = 8, progress: bool = False
+) -> Fill:
+    """`fill` through Reserve + Commit only (`master_publish`), for stores started `--metadata-only`: each
+    put of the tree (cut into chains of at most 64 blocks) is one Reserve and one Commit of the master's
+    gRPC service, from `clients` processes (one namespace at a time each)."""
+    from kvpool.bench.master_publish import TreeWork, publish
+
+    tree, resident, salts, namespaces, jobs = _plan(cluster, trace, num_blocks, clients)
+    got = publish(cluster.address, [TreeWork(trace, j) for j in jobs], progress=progress)
+    if got.blocks != num_blocks:
+        raise RuntimeError(f"fill committed {got.blocks} blocks, not {num_blocks}")
+    return Fill(tree, salts, namespaces, resident, got.seconds, got.calls)
+
+
+def fill(
+    cluster: ScaleCluster, trace: Path, num_blocks: int, *, writers: int = 3, progress: bool = False
+) -> Fill:
+    """Publish `num_blocks` blocks with bytes (`PoolClient.put_blocks`): the tree of `trace` in namespaces
+    r0, r1, ... (the last cut short)."""
+    tree, resident, salts, namespaces, jobs = _plan(cluster, trace, num_blocks, writers)
     ctx = mp.get_context("spawn")  # no fork: the parent holds gRPC channels
     out = ctx.Queue()
     procs = [

@@ -17,59 +17,72 @@ import numpy as np
 from kvpool.bench.master_scale import MODEL, ScaleCluster, block_bytes
 from kvpool.bench.master_scale_work import block_hash
 from kvpool.client import MasterClient
-from kvpool.client.types import CommitBlock
 from kvpool.errors import KVPoolError
 
 PUBLISH_SALT = "publish"
-_LOCK_NAME = re.compile(r"(^|_)lock(_|$)")
+_LOCK_NAME = re.compile(r"(^|_)lock(_|$)|watermark_tick")
 
 
-def _chains(ns: bytes, tag: int, num: int, length: int) -> list[list[bytes]]:
-    """`num` chains of `length` fresh blocks (trace ids from `tag` << 40: no trace has them)."""
-    base = tag << 40
-    return [[block_hash(ns, base + c * length + b) for b in range(length)] for c in range(num)]
+def publish_rates(cluster: ScaleCluster, *, clients: int, chains: int, chain_blocks: int) -> dict[str, Any]:
+    """`publish_blocks_per_s`: `clients` processes each Reserve + Commit `chains` fresh chains of
+    `chain_blocks` blocks through the master's gRPC service on the cluster's `--metadata-only` stores (a
+    commit needs no bytes there: every block becomes resident), one replica per block; then the same again
+    at two replicas per block: `bytes_per_extra_replica` = (the master's RSS growth at two replicas − at
+    one) / blocks. `publish_e2e_blocks_per_s`: `chains` chains through `PoolClient.put_blocks` (Reserve →
+    UCX write → Commit, one client) on a separate small cluster of one normal store."""
+    from kvpool.bench.master_publish import ChainWork, publish
+
+    (ns,) = cluster.register([PUBLISH_SALT])
+    rss0 = cluster.master_rss_bytes()
+    one = publish(
+        cluster.address, [ChainWork(ns, 1 + k, chains) for k in range(clients)], chain_blocks=chain_blocks
+    )
+    time.sleep(1.0)
+    rss1 = cluster.master_rss_bytes()
+    two = publish(
+        cluster.address,
+        [ChainWork(ns, 1 + clients + k, chains) for k in range(clients)],
+        chain_blocks=chain_blocks,
+        replicas=2,
+    )
+    time.sleep(1.0)
+    rss2 = cluster.master_rss_bytes()
+    n = clients * chains * chain_blocks
+    if one.blocks != n or two.blocks != n:
+        raise RuntimeError(f"publish committed {one.blocks} and {two.blocks} blocks, not {n} each")
+    return {
+        "publish_blocks_per_s": one.blocks_per_s,
+        "publish_calls_per_s": round(one.calls / max(one.seconds, 1e-9), 1),
+        "publish_two_replicas_blocks_per_s": two.blocks_per_s,
+        "bytes_per_extra_replica": round(((rss2 - rss1) - (rss1 - rss0)) / n, 1),
+        "publish_e2e_blocks_per_s": publish_e2e(chains, chain_blocks),
+        "publish_chain_blocks": chain_blocks,
+        "publish_chains": clients * chains,
+        "publish_clients": clients,
+    }
 
 
-def publish_rates(cluster: ScaleCluster, *, chains: int, chain_blocks: int) -> dict[str, Any]:
-    """`publish_blocks_per_s`: Reserve + Commit of `chains` chains of `chain_blocks` blocks through the
-    master's gRPC service with no bytes written (the store refuses to commit a slot no write landed in, so
-    nothing becomes resident: `publish_commits_refused` counts those blocks; what is timed is the master's
-    Reserve and Commit with their store orders). `publish_e2e_blocks_per_s`: the same through
-    `PoolClient.put_blocks` (Reserve → UCX write → Commit), which leaves the blocks resident."""
+def publish_e2e(chains: int, chain_blocks: int) -> float:
+    """Blocks/s of `chains` fresh chains of `chain_blocks` blocks through `PoolClient.put_blocks` (bytes
+    written over UCX and verified) from one client, on a master with one normal tiny-layout store."""
     from kvpool.client import PoolClient
     from transfer import UcxTransport
 
-    (ns,) = cluster.register([PUBLISH_SALT])
-    dry = _chains(ns, 1, chains, chain_blocks)
-    refused = committed = 0
-    with MasterClient(cluster.address, timeout_s=30) as c:
-        t0 = time.perf_counter()
-        for chain in dry:
-            r = c.reserve(ns, None, chain, block_nbytes=cluster.block_nbytes)
-            blocks = [CommitBlock(b.block_hash, 0, tuple(b.locations)) for b in r.blocks]
-            done = c.commit(r.reservation_id, blocks)
-            committed += done.num_committed
-            refused += len(chain) - done.num_committed - done.num_existing
-        dry_s = time.perf_counter() - t0
-    wet = _chains(ns, 2, chains, chain_blocks)
-    transport = UcxTransport()
-    try:
-        with PoolClient(cluster.address, transport, block_nbytes=cluster.block_nbytes) as pc:
-            t0 = time.perf_counter()
-            for chain in wet:
-                pc.put_blocks(ns, None, chain, [block_bytes(h, cluster.block_nbytes) for h in chain])
-            wet_s = time.perf_counter() - t0
-    finally:
-        transport.close()
-    n = chains * chain_blocks
-    return {
-        "publish_blocks_per_s": round(n / dry_s, 1),
-        "publish_commits_refused": refused,
-        "publish_dry_committed": committed,
-        "publish_e2e_blocks_per_s": round(n / wet_s, 1),
-        "publish_chain_blocks": chain_blocks,
-        "publish_chains": chains,
-    }
+    with ScaleCluster(chains * chain_blocks, num_stores=1) as small:
+        (ns,) = small.register([PUBLISH_SALT])
+        transport = UcxTransport()
+        try:
+            with PoolClient(small.address, transport, block_nbytes=small.block_nbytes) as pc:
+                t0 = time.perf_counter()
+                for c in range(chains):
+                    chain = [block_hash(ns, (2 << 40) + c * chain_blocks + b) for b in range(chain_blocks)]
+                    r = pc.put_blocks(ns, None, chain, [block_bytes(h, small.block_nbytes) for h in chain])
+                    if r.num_committed != chain_blocks:
+                        raise RuntimeError(f"a put of {chain_blocks} blocks committed {r.num_committed}")
+                wet_s = time.perf_counter() - t0
+        finally:
+            transport.close()
+    return round(chains * chain_blocks / wet_s, 1)
 
 
 def rebuild(

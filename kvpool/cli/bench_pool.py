@@ -44,9 +44,11 @@ def master_cmd(
         "lean", help="lean: pre-serialized requests (a load tool); api: the library's MasterClient."
     ),
     stores: int = typer.Option(4, min=1, max=64, help="Store processes (tiny layout)."),
-    writers: int = typer.Option(3, min=1, max=64, help="Writer processes of the fill."),
+    writers: int = typer.Option(
+        8, min=1, max=64, help="Client processes of the fill (Reserve + Commit on metadata-only stores)."
+    ),
     publish_chains: int = typer.Option(
-        100, min=1, help="Chains of --prompt-blocks blocks per publish figure."
+        100, min=1, help="Chains of --prompt-blocks blocks per client per publish figure."
     ),
     trace: Path | None = typer.Option(
         None, "--trace", help="Mooncake-format JSONL whose tree is filled (default: the conversation trace)."
@@ -55,7 +57,7 @@ def master_cmd(
 ) -> None:
     """The master at N resident blocks: memory per block, match rate and p99, publish and rebuild rates,
     lock-held stalls."""
-    from kvpool.bench.master_bench import run_master_bench
+    from kvpool.bench.master_bench import check_memory, run_master_bench
     from kvpool.bench.master_scale_work import parse_count
     from kvpool.errors import InvalidArgument
 
@@ -63,6 +65,7 @@ def master_cmd(
         raise typer.BadParameter("--client must be lean or api")
     try:
         num_blocks = parse_count(blocks)
+        check_memory(num_blocks, 4 * clients * publish_chains * prompt_blocks)
     except InvalidArgument as exc:
         raise typer.BadParameter(str(exc), param_hint="--blocks") from None
     if trace is not None and not trace.is_file():

@@ -39,6 +39,19 @@ def register_store_command(app: typer.Typer) -> None:
             "Off when unset.",
         ),
         disk_size: str | None = typer.Option(None, help="Disk tier size with --disk-path, e.g. 64GiB."),
+        metadata_only: bool | None = typer.Option(
+            None,
+            "--metadata-only/--no-metadata-only",
+            help="For benchmarks only (kvpool bench master): commit reserved slots that no write landed in "
+            "and refuse every read and write of block bytes; slots, commits and inventory are real.",
+        ),
+        disk_buffer_size: str | None = typer.Option(
+            None, help="Bounce buffers of disk reads and writes in flight (default 256MiB; more are refused)."
+        ),
+        disk_move_queue_blocks: int | None = typer.Option(
+            None,
+            help="Tier moves (DemoteBlocks, PromoteBlocks) queued at most (default 8192; more are refused).",
+        ),
         config: Path | None = typer.Option(None, help="TOML config file."),
     ) -> None:
         """Run a store node; prints `KVPOOL_READY {json}` on stdout when serving.
@@ -74,6 +87,9 @@ def register_store_command(app: typer.Typer) -> None:
                 metrics_port=metrics_port,
                 disk_path=disk_path,
                 disk_size=disk_size,
+                metadata_only=metadata_only,
+                disk_buffer_size=disk_buffer_size,
+                disk_move_queue_blocks=disk_move_queue_blocks,
             )
             node = StoreNode(settings)
             for sig in (signal.SIGTERM, signal.SIGINT):

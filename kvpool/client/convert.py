@@ -4,6 +4,7 @@ and the master's orders to store nodes (`kvpool.client.store_client`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ from kvpool.client.types import (
 )
 from kvpool.errors import InvalidArgument
 from kvpool.sampling import SamplingParams
-from kvpool.types import HASH_NBYTES, InventoryBatch, Location, SlotOrder
+from kvpool.types import HASH_NBYTES, DiskTierReport, InventoryBatch, Location, SlotOrder
 from kvpool.v1 import kvpool_pb2 as pb
 
 
@@ -339,6 +340,16 @@ def slot_results(asked: Sequence[tuple[int, int]], results: Any) -> dict[tuple[i
     return out
 
 
+def disk_tier_pb(r: DiskTierReport | None) -> pb.DiskTierInfo | None:
+    """proto `DiskTierInfo` of a store's disk tier report (None: no tier)."""
+    return None if r is None else pb.DiskTierInfo(**dataclasses.asdict(r))
+
+
+def disk_tier(info: Any) -> DiskTierReport:
+    """The `DiskTierReport` of a proto `DiskTierInfo`."""
+    return DiskTierReport(**{f.name: getattr(info, f.name) for f in dataclasses.fields(DiskTierReport)})
+
+
 def inventory_batch_pb(b: InventoryBatch, epoch: int) -> pb.InventoryResponse:
     """One `InventoryResponse` holding batch `b` as packed little-endian columns."""
     return pb.InventoryResponse(
@@ -354,6 +365,7 @@ def inventory_batch_pb(b: InventoryBatch, epoch: int) -> pb.InventoryResponse:
         checksums=np.ascontiguousarray(b.checksums, dtype="<u8").tobytes(),
         size_bytes=np.ascontiguousarray(b.size_bytes, dtype="<u8").tobytes(),
         next_slot=b.next_slot,
+        medium=b"" if b.medium is None else np.ascontiguousarray(b.medium, dtype=np.uint8).tobytes(),
     )
 
 
@@ -382,6 +394,7 @@ def inventory_batch(resp: Any) -> InventoryBatch:
         checksums=_column(resp.checksums, "<u8", n, 1, "checksums").astype(np.uint64),
         size_bytes=_column(resp.size_bytes, "<u8", n, 1, "size_bytes").astype(np.uint64),
         next_slot=resp.next_slot,
+        medium=_column(resp.medium, "u1", n, 1, "medium") if resp.medium else None,
     )
 
 

@@ -30,7 +30,7 @@ from kvpool.client.types import (
     Registration,
     Reservation,
 )
-from kvpool.types import Location
+from kvpool.types import DiskTierReport, Location
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -62,6 +62,14 @@ class MasterClient:
         self.addresses = self._masters.addresses
         self.timeout_s = timeout_s
         self._sessions: dict[str, bytes] = {}  # node id -> its registration's session (secured master)
+        self.leader_epoch = 0
+        """The newest leader epoch a master's answer carried (registration, heartbeat, match, reserve; 0: a
+        single master or none yet)."""
+
+    def saw_leader(self, epoch: int) -> None:
+        """Note a master's answer at leader `epoch` (kept: the newest)."""
+        if epoch > self.leader_epoch:
+            self.leader_epoch = int(epoch)
 
     @property
     def address(self) -> str:
@@ -142,7 +150,14 @@ class MasterClient:
         )
         resp = self._call("RegisterNode", req, retry=True)
         self._sessions[node.node_id] = bytes(resp.session)  # our heartbeats and deregistration carry it
-        return Registration(resp.heartbeat_interval_ms, resp.master_epoch, resp.layout_fingerprint)
+        self.saw_leader(resp.leader_epoch)
+        return Registration(
+            resp.heartbeat_interval_ms,
+            resp.master_epoch,
+            resp.layout_fingerprint,
+            int(resp.leader_epoch),
+            resp.leader_proof,
+        )
 
     def join_challenge(self, node_id: str) -> bytes:
         """A fresh challenge a store answers with its registration's proof; b"" when the master runs
@@ -158,6 +173,7 @@ class MasterClient:
         freed_slots: Sequence[tuple[int, int]] = (),
         num_used_slots: int = 0,
         load: NodeLoad | None = None,
+        disk: DiskTierReport | None = None,
     ) -> HeartbeatAnswer:
         """`known` false: the master does not know this node/epoch (register again); `flush_epoch`: see
         `kvpool.v1.HeartbeatResponse`."""
@@ -168,9 +184,17 @@ class MasterClient:
             num_used_slots=num_used_slots,
             load=cv.load_pb(load or NodeLoad()),
             session=self._sessions.get(node_id, b""),
+            disk=cv.disk_tier_pb(disk),
         )
         resp = self._call("Heartbeat", req, retry=True)
-        return HeartbeatAnswer(bool(resp.known), int(resp.master_epoch), int(resp.flush_epoch))
+        self.saw_leader(resp.leader_epoch)
+        return HeartbeatAnswer(
+            bool(resp.known),
+            int(resp.master_epoch),
+            int(resp.flush_epoch),
+            int(resp.leader_epoch),
+            resp.leader_proof,
+        )
 
     def deregister_node(self, node_id: str, epoch: int, *, timeout_s: float | None = None) -> bool:
         """Leave the pool now (a graceful stop); False when the master knew no live node with that id and
@@ -262,7 +286,9 @@ class MasterClient:
     ) -> Match:
         req = cv.match_pb(namespace, block_hashes, count_hit, lease_ttl_ms, num_prompt_tokens, request_id)
         peek = not count_hit and lease_ttl_ms == 0
-        return cv.match(self._call("MatchPrefix", req, retry=peek))
+        resp = self._call("MatchPrefix", req, retry=peek)
+        self.saw_leader(resp.leader_epoch)
+        return cv.match(resp)
 
     def match_stream(self) -> MatchStream:
         """A bidirectional stream for many matches at a lower per-call cost (one caller thread)."""
@@ -312,7 +338,9 @@ class MasterClient:
         )
         if flush_epoch is not None:  # the master's flush epoch when this KV was computed
             req.flush_epoch = flush_epoch
-        return cv.reservation(self._call("Reserve", req))
+        resp = self._call("Reserve", req)
+        self.saw_leader(resp.leader_epoch)
+        return cv.reservation(resp)
 
     def commit(self, reservation_id: int, blocks: Sequence[CommitBlock]) -> CommitResult:
         req = pb.CommitRequest(reservation_id=reservation_id, blocks=[cv.commit_block_pb(b) for b in blocks])

@@ -29,7 +29,7 @@ from kvpool.errors import (
     Unauthenticated,
 )
 from kvpool.rpc import PROTOCOL_VERSION
-from kvpool.types import NodeInfo, NodeLoad
+from kvpool.types import DiskTierReport, NodeInfo, NodeLoad
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class HeartbeatReport:
     freed_slots: Sequence[tuple[int, int]] = ()
     num_used_slots: int = 0
     load: NodeLoad | None = None
+    disk: DiskTierReport | None = None  # a store's disk tier (docs/disk_tier.md)
 
 
 class MasterLink:
@@ -72,7 +73,8 @@ class MasterLink:
     failed (a store requeues its frees). `on_heartbeat(epoch)` runs after each successful round (e.g. to
     flush local-tier events); `on_reconnect()` after the first successful one of an outage or a
     registration anew (e.g. to probe the pool); `on_flush_epoch(n)` with each answer's flush epoch (it
-    moves when a namespace is invalidated). A registration refused for good (`REFUSALS`) or a heartbeat
+    moves when a namespace is invalidated); `on_leader(epoch, proof)` with each registration's and
+    heartbeat's leader epoch and proof (a store raises its fence: `kvpool.store.fence`). A registration refused for good (`REFUSALS`) or a heartbeat
     refused for good (`HEARTBEAT_REFUSALS`) stops the link and calls `on_fatal(message)`; `refusal` holds
     it. Failed rounds are retried with a backoff up to `MAX_RETRY_S`.
     """
@@ -93,6 +95,7 @@ class MasterLink:
         on_flush_epoch: Callable[[int], None] | None = None,
         on_fatal: Callable[[str], None] | None = None,
         heartbeat_interval_ms: int = 1000,
+        on_leader: Callable[[int, str], object] | None = None,
     ) -> None:
         self.master = master
         self._node = node
@@ -106,6 +109,7 @@ class MasterLink:
         self.on_reconnect = on_reconnect
         self.on_flush_epoch = on_flush_epoch
         self.on_fatal = on_fatal
+        self.on_leader = on_leader
         self.heartbeat_interval_s = heartbeat_interval_ms / 1000.0
         self.namespaces = NamespaceRegistry(master)
         self.refusal: Exception | None = None  # why the master refused this node for good
@@ -194,6 +198,8 @@ class MasterLink:
             proof=proof,
         )
         self._registered = True
+        if self.on_leader is not None:
+            self.on_leader(reg.leader_epoch, reg.leader_proof)
         if reg.layout_fingerprint and reg.layout_fingerprint != self.layout_fingerprint:
             raise FailedPrecondition(
                 f"master layout {reg.layout_fingerprint} != {node.role} layout {self.layout_fingerprint}"
@@ -218,12 +224,15 @@ class MasterLink:
                 freed_slots=report.freed_slots,
                 num_used_slots=report.num_used_slots,
                 load=report.load,
+                disk=report.disk,
             )
         except Exception:
             if self.on_unsent is not None:
                 self.on_unsent(report)
             raise
         self.num_heartbeats += 1
+        if self.on_leader is not None:
+            self.on_leader(answer.leader_epoch, answer.leader_proof)
         if self.on_flush_epoch is not None:
             self.on_flush_epoch(answer.flush_epoch)
         if not answer.known:

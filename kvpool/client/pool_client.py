@@ -223,9 +223,8 @@ class PoolClient:
                 for i, b in enumerate(res.blocks)
                 if written[i] or b.already_present
             ]
-            if not any(written):
-                self.master.abort(res.reservation_id)
-                return PutResult(0, 0, len(block_hashes), res.num_replicas_placed)
+            # committed even when nothing landed (not aborted): the master counts the unwritten slots per
+            # store (a store whose writes keep failing gets no new reservations: kvpool.master.dataplane)
             done = self.master.commit(res.reservation_id, to_commit)
         except BaseException:
             with contextlib.suppress(KVPoolError):

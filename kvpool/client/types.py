@@ -46,6 +46,9 @@ class HeartbeatAnswer:
     known: bool
     master_epoch: int
     flush_epoch: int
+    leader_epoch: int = 0
+    """The answering master's leader epoch (0: a single master); `leader_proof` proves it (secured HA)."""
+    leader_proof: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,8 @@ class Registration:
     heartbeat_interval_ms: int
     master_epoch: int
     layout_fingerprint: str
+    leader_epoch: int = 0  # as `HeartbeatAnswer.leader_epoch`
+    leader_proof: str = ""
 
 
 @dataclass(frozen=True, slots=True)

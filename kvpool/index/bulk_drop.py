@@ -1,78 +1,81 @@
-"""Dropping many subtrees of `RadixIndex` at once (a dead store's orphans), with vectorised row work.
+"""Dropping many rows of `RadixIndex` at once, in columns (a dead node's orphans: `node_removal.py`).
 
-`drop_subtrees(index, roots, reason)` returns exactly what calling `_drop_subtree(root, reason)` for each
-still-alive root in turn returned (the same `DroppedBlock`s, in the same order) and leaves the same rows,
-maps, accounting and free list. What it skips is the per-row work those calls wasted: re-pushing into
-the eviction heap a parent that is itself about to be dropped, and clearing fields one row at a time.
-Python work per dropped row is left to the walk of the tree and the `DroppedBlock` itself (the hash
-table entries go in one vectorised pass).
+`drop_rows(index, rows, reason)` takes a set of alive rows closed under descendants (every alive child of
+a row in the set is in the set) and removes them from every structure with vectorised passes: the hash
+table, the per-node and per-namespace counts, the row free list. A row of the set whose parent stays is
+unlinked from it (Python work per such row; its parent may become an evictable leaf and is pushed), unless
+the parent is itself doomed (`doomed_parents`) and loses all its children here: then its child list is
+cleared in one pass and it gets no heap entry (it is dropped by a later step). What left comes back as a
+`DroppedRows` (columns), never one Python object per row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvpool.index.columns import NO_ROW
-from kvpool.index.results import DroppedBlock
+from kvpool.index.results import DroppedBlock, DroppedRows
 
 if TYPE_CHECKING:
     from kvpool.index.radix import RadixIndex
 
 
-def _postorder(index: RadixIndex, root: int, doomed: np.ndarray) -> list[int]:
-    """`root` and its descendants not yet `doomed`, children before parents, siblings in the order
-    `Columns.subtree_postorder` gives them; marks them doomed."""
+def drop_rows(
+    index: RadixIndex,
+    rows: np.ndarray,
+    reason: str,
+    *,
+    doomed_parents: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> DroppedRows:
+    """Drop `rows` ((n,) int64, distinct, alive, closed under descendants); see the module docstring."""
     c = index._c
-    first_child, next_sibling = c.first_child, c.next_sibling
-    order: list[int] = []
-    stack = [root]
-    while stack:
-        r = stack.pop()
-        order.append(r)
-        child = int(first_child[r])
-        while child != NO_ROW:
-            if not doomed[child]:
-                stack.append(child)
-            child = int(next_sibling[child])
-    order.reverse()
-    doomed[order] = True
-    return order
-
-
-def drop_subtrees(index: RadixIndex, roots: list[int], reason: str) -> list[DroppedBlock]:
-    """Drop each alive row of `roots` (in order) with its descendants; see the module docstring."""
-    c = index._c
-    doomed = np.zeros(c._next_row, dtype=np.bool_)
-    tops: list[int] = []  # roots still alive when their turn comes (not below an earlier root)
-    order: list[int] = []
-    for root in roots:
-        if c.alive[root] and not doomed[root]:
-            tops.append(root)
-            order.extend(_postorder(index, root, doomed))
-    if not order:
-        return []
-    rows = np.array(order, dtype=np.int64)
-    slots = c.ns_slot[rows].tolist()
-    ns_ids, hashes = index._ns_ids, c.hashes_of(rows)
-    reps = c.rep_node[rows].tolist()  # -1: no replica left (the orphans themselves)
-    dropped: list[DroppedBlock] = []
-    for row, slot, rep, block_hash in zip(order, slots, reps, hashes, strict=True):
-        dropped.append(DroppedBlock(ns_ids[slot], block_hash, c.replicas(row) if rep >= 0 else (), reason))
+    rows = np.asarray(rows, np.int64)
+    rec = c.gather(rows)
+    extra = {i: c.extra[r] for i, r in enumerate(rows.tolist()) if rec["has_extra"][i]} if c.extra else {}
+    out = DroppedRows(
+        ns_ids=tuple(index._ns_ids),
+        ns_slot=rec["ns_slot"].copy(),
+        hashes=c.h64[rows].copy(),
+        node_ids=c.node_ids,
+        rep_node=rec["rep_node"].copy(),
+        rep_slot=rec["rep_slot"].astype(np.int64),
+        rep_gen=rec["rep_gen"].copy(),
+        rep_local=rec["rep_local"].copy(),
+        extra=extra,
+        reason=reason,
+    )
     index._table.delete_many(rows)
     _release_space(index, rows)
-    for slot, n in zip(*np.unique(c.ns_slot[rows], return_counts=True), strict=True):
+    for slot, n in zip(*np.unique(rec["ns_slot"], return_counts=True), strict=True):
         index._ns_count[int(slot)] -= int(n)
         if index._ns_valid[int(slot)]:
             index._group_add(int(slot), -int(n))
+    parents = rec["parent"].astype(np.int64)
+    dropping = np.zeros(len(rows), np.bool_)
+    outer = parents != NO_ROW
+    if outer.any():  # parents outside the set
+        sorted_rows = np.sort(rows)
+        at = np.minimum(np.searchsorted(sorted_rows, parents[outer]), len(rows) - 1)
+        dropping[outer] = sorted_rows[at] == parents[outer]
+    outer &= ~dropping
+    tops = rows[outer]
+    top_parents = parents[outer]
+    if doomed_parents is not None and tops.size:
+        doomed = doomed_parents(top_parents)
+        cleared = np.unique(top_parents[doomed])
+        c.first_child[cleared] = NO_ROW
+        c.num_children[cleared] = 0
+        tops = tops[~doomed]
     c.free_many(rows)
-    for top in tops:  # as each subtree's last drop did: its parent may become an evictable leaf
+    for top in tops.tolist():
         parent = int(c.parent[top])
         c.unlink_child(top)
-        if parent != NO_ROW and c.alive[parent]:
+        if c.alive[parent]:
             index._push(parent)
-    return dropped
+    return out
 
 
 def _release_space(index: RadixIndex, rows: np.ndarray) -> None:
@@ -90,19 +93,19 @@ def _release_space(index: RadixIndex, rows: np.ndarray) -> None:
 
 
 def remove_node(index: RadixIndex, node_id: str) -> list[DroppedBlock]:
-    """See `RadixIndex.remove_node`."""
-    c, space = index._c, index._space
-    if not space.has(node_id):
+    """See `RadixIndex.remove_node`: every step of a node removal at once."""
+    removal = index.begin_remove_node(node_id)
+    if removal is None:
         return []
-    k = c.node_index(node_id)
-    first_here = c.rep_node[: c._next_row] == k
-    single = np.flatnonzero(first_here & ~c.has_extra[: c._next_row])
-    c.rep_node[single] = -1  # their only replica was there: orphans
-    orphans = [single]
-    multi = [r for r, locs in c.extra.items() if first_here[r] or any(x.node_id == node_id for x in locs)]
-    for row in multi:  # replica_num > 1: keep the others, in order
-        c.set_replicas(row, tuple(x for x in c.replicas(row) if x.node_id != node_id))
-        if not c.locations[row]:
-            orphans.append(np.array([row], dtype=np.int64))
-    space.forget(node_id)  # (its slots and bytes: every replica counted there is gone)
-    return drop_subtrees(index, np.sort(np.concatenate(orphans)).tolist(), "orphan")
+    dropped: list[DroppedBlock] = []
+    while not removal.done:  # (earlier removals first, one at a time: their drops are returned too)
+        rows, _ = index.remove_node_step()
+        if rows is not None:  # (a dying node's replicas are gone with it: no slot to free there)
+            gone = set(index.node_removals_ids()) | {node_id}
+            dropped.extend(
+                DroppedBlock(
+                    d.ns, d.block_hash, tuple(x for x in d.locations if x.node_id not in gone), d.reason
+                )
+                for d in rows.blocks()
+            )
+    return dropped

@@ -121,15 +121,15 @@ def _evict_leaves(
 def _drop_spare_replicas(index: RadixIndex, budget: int, node_id: str) -> list[DroppedBlock]:
     """Drop up to `budget` of `node_id`'s replicas of unprotected blocks of active namespaces that
     keep a pool replica on another node, least recently used first (then by row). Only rows with
-    several replicas can qualify: they are picked by one vectorised pass over the columns, sorted, and
-    checked one by one in that order until the budget is spent (no Python work per single-replica row)."""
+    several replicas can qualify: they are the keys of the `extra` map (the work grows with the blocks
+    that have a second replica, never with the index), filtered and sorted in numpy, then checked one
+    by one in that order until the budget is spent."""
     c = index._c
     if budget <= 0 or not c.extra or not index._space.has(node_id):
         return []  # (no row has a second replica: nothing to scan)
-    n = c._next_row
     valid = np.array(index._ns_valid, dtype=np.bool_)
-    mask = c.has_extra[:n] & (c.lock_ref[:n] == 0) & (c.num_leases[:n] == 0)
-    rows = np.flatnonzero(mask)
+    rows = np.fromiter(c.extra.keys(), dtype=np.int64, count=len(c.extra))
+    rows = rows[(c.lock_ref[rows] == 0) & (c.num_leases[rows] == 0)]
     rows = rows[valid[c.ns_slot[rows]]]
     if not rows.size:
         return []

@@ -24,7 +24,7 @@ import numpy as np
 from kvpool.errors import InvalidArgument
 from kvpool.index.columns import HIT_COUNT_MAX, NO_ROW, Columns
 from kvpool.index.results import MatchResult
-from kvpool.types import BlockHash, NamespaceId
+from kvpool.types import BlockHash, Location, NamespaceId
 
 if TYPE_CHECKING:
     from kvpool.index.radix import RadixIndex
@@ -83,6 +83,21 @@ def match_prefix(
             return MatchResult()
         last = int(sel[-1])
     k = len(rec)
+    live: dict[int, tuple[Location, ...]] = {}
+    if index._dying:  # a node removal runs: offer none of its replicas, stop before what it drops
+        rows_of = range(sel.start, sel.stop) if isinstance(sel, slice) else sel.tolist()
+        cut, live = _skip_dying(index, rec, rows_of)
+        if cut == 0:
+            return MatchResult()
+        if cut < k:
+            sel = slice(sel.start, sel.start + cut) if isinstance(sel, slice) else sel[:cut]
+            rec, k = rec[:cut], cut
+            last = int(rows_of[cut - 1])
+        for i, locs in live.items():
+            first = locs[0]
+            rec["rep_node"][i], rec["rep_slot"][i] = c.node_index(first.node_id), first.slot
+            rec["rep_gen"][i], rec["rep_local"][i] = first.generation, first.local
+            rec["has_extra"][i] = len(locs) > 1
     lease_id, expiry_ms = None, 0
     if count_hit or lease_ttl_ms > 0:
         now = index._clock.now_ms()
@@ -112,8 +127,31 @@ def match_prefix(
     extra = None
     if c.extra:
         rows_of = range(sel.start, sel.stop) if isinstance(sel, slice) else sel.tolist()
-        extra = {i: c.extra[rows_of[i]] for i in np.flatnonzero(rec["has_extra"]).tolist()}
+        extra = {
+            i: live[i][1:] if i in live else c.extra[rows_of[i]]
+            for i in np.flatnonzero(rec["has_extra"]).tolist()
+        }
     return MatchResult(k, lease_id, expiry_ms, node_ids=c.node_ids, records=rec, extra=extra)
+
+
+def _skip_dying(
+    index: RadixIndex, rec: np.ndarray, rows_of: Sequence[int]
+) -> tuple[int, dict[int, tuple[Location, ...]]]:
+    """(how many leading rows keep a replica off the dying nodes, {i: those replicas} for the leading
+    multi-replica rows that lost one there). O(k) numpy plus Python per multi-replica row."""
+    mask = index.dying_mask()
+    multi = rec["has_extra"]
+    bad = np.flatnonzero(mask[rec["rep_node"]] & ~multi)
+    cut = int(bad[0]) if bad.size else len(rec)
+    live: dict[int, tuple[Location, ...]] = {}
+    for i in np.flatnonzero(multi[:cut]).tolist():
+        locs = index._c.replicas(int(rows_of[i]))
+        kept = tuple(x for x in locs if not index.is_dying(x.node_id))
+        if not kept:
+            return i, live
+        if len(kept) != len(locs):
+            live[i] = kept
+    return cut, live
 
 
 def _runs(c: Columns, joined: bytes, k: int, last: int) -> slice | np.ndarray | None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool.errors import InvalidArgument, NotFound
+from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvpool.index import validate as v
 from kvpool.index.results import BulkInsertResult
 from kvpool.types import BlockHash, NamespaceId
@@ -23,6 +23,7 @@ from kvpool.types import BlockHash, NamespaceId
 if TYPE_CHECKING:
     from kvpool.index.columns import Columns
     from kvpool.index.hashtable import HashTable
+    from kvpool.index.node_removal import NodeRemoval
 
 _MAX_TARGET = 255
 _ENTRY_BYTES = 200
@@ -37,6 +38,7 @@ class BlockMetaMixin:
     _ns_active: dict[NamespaceId, int]
     _ns_ids: list[NamespaceId]
     _heap: list[tuple[float, int, int, int]]
+    node_removals: list[NodeRemoval]
 
     def set_block_meta(
         self,
@@ -126,9 +128,12 @@ class BlockMetaMixin:
         target_replicas: int,
     ) -> BulkInsertResult:
         """Adopt n blocks of one store node in columns; see `bulk_insert.insert_bulk` for the shapes,
-        the outcome of each block and the errors."""
+        the outcome of each block and the errors. `FailedPrecondition` while a node removal runs
+        (`begin_remove_node`): nothing is inserted, the caller retries once it has ended."""
         from kvpool.index.bulk_insert import insert_bulk
 
+        if self.node_removals:  # (a child could land below a block it drops after its closure was taken)
+            raise FailedPrecondition("a node removal runs: adopt once it has ended")
         return insert_bulk(
             self,  # type: ignore[arg-type]
             ns,

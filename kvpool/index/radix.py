@@ -15,27 +15,38 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvpool.errors import InvalidArgument, NotFound
 from kvpool.index import validate as v
 from kvpool.index.columns import DEFAULT_CAPACITY, NO_ROW, Columns, seq_tag
+from kvpool.index.dying import NodeRemovalMixin
 from kvpool.index.hashtable import HashTable
 from kvpool.index.leases import LeaseLockMixin, LeaseTable
 from kvpool.index.matching import match_prefix as _match_prefix
 from kvpool.index.meta import BlockMetaMixin
 from kvpool.index.ns_slots import NamespaceSlotsMixin
 from kvpool.index.policies import DEFAULT_POLICY, BlockStats, EvictionPolicy, make_policy
-from kvpool.index.results import BlockInfo, DroppedBlock, EvictResult, InsertResult, MatchResult
+from kvpool.index.results import (
+    BlockInfo,
+    DroppedBlock,
+    EvictResult,
+    InsertResult,
+    MatchResult,
+)
 from kvpool.index.space import NodeSpace
 from kvpool.types import BlockHash, Clock, Location, NamespaceId
+
+if TYPE_CHECKING:
+    from kvpool.index.node_removal import NodeRemoval
 
 _REBASE_EXPONENT = 512.0
 """Decayed-hit weights are 2**((t - epoch)/half_life); past this exponent the epoch moves to now."""
 
 
-class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
+class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin, NodeRemovalMixin):
     """See the module docstring and docs/design.md "The radix index"; leases and locks are in
     `leases.py` (`LeaseLockMixin`), namespace slots in `ns_slots.py` (`NamespaceSlotsMixin`), block
     metadata, bulk insert and memory accounting in `meta.py` (`BlockMetaMixin`).
@@ -59,6 +70,11 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
         self._space = NodeSpace(self._c)
         self._init_slots()
         self._heap: list[tuple[float, int, int, int]] = []
+        self.node_removals: list[NodeRemoval] = []
+        """Dying nodes whose replicas are being removed, one at a time, first first (`node_removal.py`)."""
+        self._dying: dict[int, NodeRemoval] = {}  # node index -> its removal
+        self._dying_mask = np.zeros(0, np.bool_)
+        self._doomed_tag = np.zeros(0, np.uint32)  # while a removal runs: gen + 1 of the rows it will drop
         self._seq = 0
         self._decay_epoch_ms = clock.now_ms()
         self.num_evictions = 0
@@ -144,6 +160,13 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
             if c.parent[row] != expected:
                 raise InvalidArgument(f"block_hashes[{num_existing}] is already present under another parent")
             expected, num_existing = row, num_existing + 1
+        if self._dying:  # a node removal runs: nothing joins or extends what it drops (node_removal.py)
+            if prev != NO_ROW and self._hidden(prev):
+                raise NotFound(f"parent block {bytes(parent or b'').hex()} is being dropped (its store died)")
+            if any(self._hidden(found[i]) for i in range(num_existing)):
+                raise NotFound("a block of the chain is being dropped (its store died)")
+            for i in range(n):
+                self._check_not_dying(locs[i], f"locations[{i}]")
         for i in range(num_existing, n):
             if found[i] >= 0:
                 raise InvalidArgument(f"block_hashes[{i}] is already present under another parent")
@@ -202,7 +225,7 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
         """A snapshot of one block of an active namespace, or None."""
         slot = self._ns_active.get(ns)
         row = -1 if slot is None or not _is_hash(block_hash) else self._table.find(slot, block_hash)
-        if row < 0:
+        if row < 0 or self._hidden(row):
             return None
         c = self._c
         parent = int(c.parent[row])
@@ -210,7 +233,7 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
             ns=ns,
             block_hash=block_hash,
             parent=None if parent == NO_ROW else c.hash_of(parent),
-            locations=c.locations[row],
+            locations=self._live_locations(row),
             size_bytes=int(c.size_bytes[row]),
             recompute_cost_s=float(c.recompute_cost_s[row]),
             hit_count=int(c.hit_count[row]),
@@ -223,7 +246,11 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
     # ---- replicas ---------------------------------------------------------------------------------
     def add_location(self, ns: NamespaceId, block_hash: BlockHash, location: Location) -> None:
         """Record one more replica (idempotent). Raises `NotFound` for an absent block."""
-        self._add_location_row(self._row(ns, block_hash), v.check_location(location, "location"))
+        row, loc = self._row(ns, block_hash), v.check_location(location, "location")
+        if self._hidden(row):
+            raise NotFound(f"block {bytes(block_hash).hex()} is being dropped (its store died)")
+        self._check_not_dying([loc], "location")
+        self._add_location_row(row, loc)
 
     def remove_location(
         self, ns: NamespaceId, block_hash: BlockHash, location: Location
@@ -238,15 +265,6 @@ class RadixIndex(NamespaceSlotsMixin, LeaseLockMixin, BlockMetaMixin):
         if self._c.locations[row]:
             return []
         return self._drop_subtree(row, "orphan")
-
-    def remove_node(self, node_id: str) -> list[DroppedBlock]:
-        """A store node died: forget all its replicas; blocks left without any are dropped with their
-        descendants (reason "orphan", with the replicas elsewhere that must be freed). Rows whose only
-        replica was there are cleared with one vectorised pass over the replica column; Python work
-        per row is left for rows with several replicas and for the dropped blocks themselves."""
-        from kvpool.index.bulk_drop import remove_node
-
-        return remove_node(self, node_id)
 
     def num_blocks_on_node(self, node_id: str) -> int:
         """Slots (replicas) the index places on `node_id`."""

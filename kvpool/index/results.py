@@ -123,6 +123,100 @@ class DroppedBlock:
     reason: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DroppedRows:
+    """Blocks that left the index together, as columns (n blocks): what a node removal's step returns.
+
+    `ns_slot` ((n,) int32) indexes `ns_ids` (the namespace of each slot when they were dropped);
+    `hashes` ((n, 2) uint64) are the block hashes as two little-endian halves; the first replica of each
+    block is (`rep_node` ((n,) int32, index into `node_ids`, -1: none), `rep_slot` ((n,) int64),
+    `rep_gen` ((n,) uint64), `rep_local` ((n,) bool)) and `extra[i]` holds block i's further replicas, in
+    order (rare). Replicas on a dying node are included: the caller sends no free order to a dead node.
+    No Python object is built per block (`blocks()` builds `DroppedBlock`s on demand, for tests and
+    small callers)."""
+
+    ns_ids: tuple[NamespaceId, ...]
+    ns_slot: np.ndarray
+    hashes: np.ndarray
+    node_ids: Sequence[str]
+    rep_node: np.ndarray
+    rep_slot: np.ndarray
+    rep_gen: np.ndarray
+    rep_local: np.ndarray
+    extra: dict[int, tuple[Location, ...]]
+    reason: str
+
+    def __len__(self) -> int:
+        return len(self.ns_slot)
+
+    def store_frees(self) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """(node id, slots (m,) int64, generations (m,) uint64) of every non-local replica, by node."""
+        out: list[tuple[str, np.ndarray, np.ndarray]] = []
+        has = (self.rep_node >= 0) & ~self.rep_local
+        nodes = self.rep_node[has]
+        slots, gens = self.rep_slot[has], self.rep_gen[has]
+        order = np.argsort(nodes, kind="stable")
+        nodes, slots, gens = nodes[order], slots[order], gens[order]
+        cuts = np.flatnonzero(np.diff(nodes)) + 1
+        for part_n, part_s, part_g in zip(
+            np.split(nodes, cuts), np.split(slots, cuts), np.split(gens, cuts), strict=True
+        ):
+            if part_n.size:
+                out.append((self.node_ids[int(part_n[0])], part_s, part_g))
+        for locs in self.extra.values():
+            for x in locs:
+                if not x.local:
+                    out.append((x.node_id, np.array([x.slot], np.int64), np.array([x.generation], np.uint64)))
+        return out
+
+    def blocks(self) -> list[DroppedBlock]:
+        """One `DroppedBlock` per block (O(n) Python objects: for tests and small drops)."""
+        raw = self.hashes.astype("<u8").tobytes()
+        out = []
+        for i in range(len(self)):
+            k = int(self.rep_node[i])
+            first = (
+                (
+                    Location(
+                        self.node_ids[k], int(self.rep_slot[i]), int(self.rep_gen[i]), bool(self.rep_local[i])
+                    ),
+                )
+                if k >= 0
+                else ()
+            )
+            locs = (*first, *self.extra.get(i, ()))
+            out.append(
+                DroppedBlock(
+                    self.ns_ids[int(self.ns_slot[i])], BlockHash(raw[16 * i : 16 * i + 16]), locs, self.reason
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Survivors:
+    """Blocks that lost a replica on a dying node but keep another (to re-replicate), as columns:
+    `ns_slot` ((n,) int32) indexing `ns_ids`, `hashes` ((n, 2) uint64)."""
+
+    ns_ids: tuple[NamespaceId, ...]
+    ns_slot: np.ndarray
+    hashes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ns_slot)
+
+    def keys(self) -> list[tuple[bytes, bytes]]:
+        """(namespace, block hash) per block (O(n) tuples: take a bounded slice first)."""
+        raw = self.hashes.astype("<u8").tobytes()
+        return [
+            (bytes(self.ns_ids[int(s)]), raw[16 * i : 16 * i + 16])
+            for i, s in enumerate(self.ns_slot.tolist())
+        ]
+
+    def __getitem__(self, sel: slice) -> Survivors:
+        return Survivors(self.ns_ids, self.ns_slot[sel], self.hashes[sel])
+
+
 @dataclass(frozen=True, slots=True)
 class EvictResult:
     """`dropped`: what left, with the slots to free. `num_freed_on_node`: slots freed on the node asked

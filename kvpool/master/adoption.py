@@ -109,6 +109,7 @@ def _rows(b: InventoryBatch, lo: int, hi: int) -> InventoryBatch:
         b.checksums[lo:hi],
         b.size_bytes[lo:hi],
         b.next_slot,
+        None if b.medium is None else b.medium[lo:hi],
     )
 
 
@@ -295,8 +296,8 @@ class Adoption:
 
     def _take(self, node_id: str, r: _Reading, batch: InventoryBatch, now_ms: int) -> None:
         """Under the lock: mark the batch's slots used, index what can be, keep the rest waiting."""
-        ok = batch.slots < len(r.used)
-        if not ok.all():
+        ok = batch.in_memory() & (batch.slots < len(r.used))  # disk rows: adopted by the disk-aware master
+        if not (ok | ~batch.in_memory()).all():
             log.warning("inventory of %s lists %d slots out of range: ignored", node_id, int((~ok).sum()))
         r.used[batch.slots[ok].astype(np.int64)] = True
         r.num_blocks += int(ok.sum())

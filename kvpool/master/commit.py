@@ -20,6 +20,7 @@ from kvpool.errors import (
     PermissionDenied,
     VersionFenced,
 )
+from kvpool.master import dataplane
 from kvpool.master.placement import CommitBlock, Reservation, new_replicas
 from kvpool.types import BlockHash, Location, NamespaceId
 
@@ -105,14 +106,18 @@ class CommitPhase:
                     by_node.setdefault(loc.node_id, []).append(loc)
             addresses = {n: m.st.nodes[n].grpc_address for n in by_node if n in m.st.nodes}
         ok: set[Location] = set()
+        ok_per_node: dict[str, int] = {}  # written and committed, per node (gray failures: dataplane)
         for node_id, node_locs in by_node.items():
             try:
                 errs = m.stores.commit(addresses[node_id], node_locs)
             except (KVPoolError, KeyError) as exc:
                 m.mark_unreachable(node_id, exc)
                 continue
+            before = len(ok)
             ok.update(loc for loc in node_locs if not errs.get((loc.slot, loc.generation)))
+            ok_per_node[node_id] = len(ok) - before
         with m.lock:
+            dataplane.note_commit(m, r.per_node, ok_per_node)
             return self._finish(r, written, ok)
 
     def _finish(
@@ -136,10 +141,14 @@ class CommitPhase:
             chain.append(BlockHash(h))
             chain_locs.append(got)
         used = {loc for locs in chain_locs for loc in locs}
+        # maintenance is woken only for work this commit left it (frees to send, replicas to add): a wake
+        # per commit would run a tick per commit under a busy publish (its next tick sees the rest)
+        wake = False
         for locs in r.locations:
             for loc in locs:
                 if loc not in used:
                     m.queue_free(loc)
+                    wake = True
         if not chain:
             result = (0, 0)
         else:
@@ -164,11 +173,13 @@ class CommitPhase:
                     info = m.index.lookup(ns, h)
                     if info is not None and len(info.locations) < r.target:
                         m.st.under_replicated.add((r.ns, bytes(h)))
+                        wake = True
             result = (res.num_inserted, res.num_existing)
         self.done[r.rid] = result
         while len(self.done) > _DONE_KEEP:
             self.done.popitem(last=False)
-        m.wake.set()
+        if wake:
+            m.wake.set()
         return result
 
     def _drop_quiet(self, r: Reservation) -> None:

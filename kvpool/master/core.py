@@ -17,10 +17,11 @@ from kvpool.capability import Capabilities, process_capabilities
 from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from kvpool.index.columns import rows_for_bytes
 from kvpool.index.radix import RadixIndex
-from kvpool.index.results import DroppedBlock, MatchResult
-from kvpool.master import bounds, dataplane
+from kvpool.index.results import DroppedBlock, MatchResult, Survivors
+from kvpool.master import bounds, dataplane, node_death
 from kvpool.master.admission import Admission
 from kvpool.master.adoption import AdoptionStats
+from kvpool.master.free_slots import FreeOrders
 from kvpool.master.members import Membership
 from kvpool.master.namespaces import NamespaceRegistry
 from kvpool.master.nodes import NodeRecord
@@ -61,9 +62,11 @@ class MasterState:
     """Mutable bookkeeping beside the index (all under `Master.lock`)."""
 
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
-    free_q: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # node -> (slot, gen) to free
+    free_q: dict[str, FreeOrders] = field(default_factory=dict)  # node -> slots to order freed (columns)
     to_adopt: set[str] = field(default_factory=set)  # store nodes whose inventory must be read
     under_replicated: set[BlockKey] = field(default_factory=set)
+    under_replicated_cols: list[Survivors] = field(default_factory=list)
+    """Blocks that lost a replica to a node death, as columns (`node_death.take_under_replicated`)."""
 
 
 def check_hash(value: bytes, what: str) -> bytes:
@@ -128,19 +131,26 @@ class Master(NodeRegistry):
         from kvpool.master.publish import Publisher
 
         self.publisher = Publisher(self)
+        self.lock_holds = node_death.LockHolds()
+        """Longest holds of `lock` by a node death and by a maintenance tick (`node_death`, metrics)."""
 
     def _forget_node(self, rec: NodeRecord) -> None:
-        """Drop everything a node had in the index (dead, or restarted under a new epoch)."""
+        """Drop everything a node had in the index (dead, or restarted under a new epoch). Under the lock,
+        O(1) in the node's blocks: its replicas are hidden at once and leave in steps run with the lock
+        released between them (`node_death`). A node registering again while its removal runs gets no
+        replica in the index until the removal ends (the index refuses them; the maintenance tick ends
+        removals before it adopts inventories)."""
+        t0 = time.perf_counter()
         rec.alive = False
-        survivors = self.index.keys_on_node(rec.node_id, multi_replica_only=True)  # they lose a replica
-        self.on_dropped(self.index.remove_node(rec.node_id))
+        self.index.begin_remove_node(rec.node_id)  # (already dying: its running removal goes on)
         self.st.free_q.pop(rec.node_id, None)
-        self.st.under_replicated.update(
-            (bytes(ns), bytes(h)) for ns, h in survivors if self.index.block_meta(ns, h) is not None
-        )
         self.st.to_adopt.discard(rec.node_id)
         if rec.is_store:
             self.publisher.forget_node(rec.node_id)
+        self.lock_holds.death_hold(time.perf_counter() - t0)
+        if not self.index.node_removals:  # nothing of it in the index: the death is over already
+            self.lock_holds.death_done()
+        self.wake.set()
 
     def declare_dead(self, rec: NodeRecord) -> None:
         log.warning("node %s missed heartbeats: dead, its replicas leave the index", rec.node_id)
@@ -159,7 +169,14 @@ class Master(NodeRegistry):
     def queue_free(self, loc: Location) -> None:
         rec = self.st.nodes.get(loc.node_id)
         if rec is not None and rec.alive and rec.is_store:
-            self.st.free_q.setdefault(loc.node_id, []).append((loc.slot, loc.generation))
+            self.free_orders(loc.node_id).add_one(loc.slot, loc.generation)
+
+    def free_orders(self, node_id: str) -> FreeOrders:
+        """Under the lock: the free orders queued for `node_id` (created empty)."""
+        q = self.st.free_q.get(node_id)
+        if q is None:
+            q = self.st.free_q[node_id] = FreeOrders()
+        return q
 
     def flush_frees(self, only: str | None = None) -> int:
         """Send queued free orders (outside the lock); acknowledged slots return to the free lists."""
@@ -167,18 +184,27 @@ class Master(NodeRegistry):
             if only is None:
                 work, self.st.free_q = self.st.free_q, {}
             else:
-                work = {only: self.st.free_q.pop(only, [])}
+                work = {only: self.st.free_q.pop(only, FreeOrders())}
             for n in [n for n in work if work[n] and not self.reachable(self.st.nodes[n])]:
-                self.st.free_q.setdefault(n, []).extend(work.pop(n))  # kept for when it answers again
+                self.free_orders(n).extend(work.pop(n))  # kept for when it answers again
             targets = {n: (self.st.nodes[n].grpc_address, self.st.nodes[n].epoch) for n in work if work[n]}
         done = 0
         for node_id, (address, epoch) in targets.items():
-            slots = work[node_id]
+            slots_col, gens_col = work[node_id].columns()
             try:
                 answers = [
                     a
-                    for lo in range(0, len(slots), FREE_BATCH_SLOTS)
-                    for a in self.stores.free(address, slots[lo : lo + FREE_BATCH_SLOTS])
+                    for lo in range(0, len(slots_col), FREE_BATCH_SLOTS)
+                    for a in self.stores.free(
+                        address,
+                        list(
+                            zip(
+                                slots_col[lo : lo + FREE_BATCH_SLOTS].tolist(),
+                                gens_col[lo : lo + FREE_BATCH_SLOTS].tolist(),
+                                strict=True,
+                            )
+                        ),
+                    )
                 ]
                 failed = False
             except Exception as exc:  # noqa: BLE001 - a store down: retried while it lives
@@ -189,7 +215,7 @@ class Master(NodeRegistry):
                 if rec is None or rec.epoch != epoch or not rec.alive:
                     continue
                 if failed:
-                    self.st.free_q.setdefault(node_id, []).extend(slots)
+                    self.free_orders(node_id).extend(work[node_id])
                     continue
                 for slot, new_gen, deferred in answers:
                     if deferred:

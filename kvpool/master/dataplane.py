@@ -11,6 +11,11 @@ store record (a new epoch starts healthy):
   once (`ReportBadReplica`) and a read never returns bad bytes (readers verify), so one corrupted block
   (a RAM fault in one slot) costs that block, not every block of the store; a store that keeps returning
   bad bytes fails.
+- (writes counted at commit, not a data-plane state: a store that left reserved slots unwritten at
+  `fail_after` commits in a row is *gray*, `note_commit`: placed on only when the healthy stores have no
+  room, for `backoff_ms` or until a commit finds all its slots written)
+- (silence, not a data-plane state: a store with no heartbeat for `stale_after_ms` is not offered to
+  readers either, `silent`, and is again from its next heartbeat)
 - `failed`: no new blocks are placed on it and matches do not offer its replicas (a block whose only
   replicas are there ends the match: the rest is recomputed), for a back-off (`backoff_ms`, doubling on
   each failed probe or failure on trial, up to `max_backoff_ms`).
@@ -82,6 +87,10 @@ class DataPlaneHealth:
     num_probes: int = 0
     num_probes_failed: int = 0
     last_error: str = ""
+    write_streak: int = 0  # commits in a row that left some of its reserved slots unwritten (`note_commit`)
+    num_unwritten_slots: int = 0  # reserved for a writer, not written (or not committed) at commit
+    gray_until_ms: int = 0  # writes keep failing: placed on only when the healthy stores have no room
+    num_grayed: int = 0
 
     def record(self, kind: str, detail: str, now_ms: int, policy: DataPlanePolicy) -> bool:
         """One reported failure; True when it made the store `failed` (it was not already)."""
@@ -136,6 +145,38 @@ class DataPlaneHealth:
         """Worth placing on and reading from now."""
         return self.refresh(now_ms, policy) not in ("failed", "probe")
 
+    def record_commit(self, reserved: int, written: int, now_ms: int, policy: DataPlanePolicy) -> bool:
+        """A commit found `written` of the `reserved` slots a reservation placed here written and committed;
+        counted in failures, not seconds: `fail_after` commits in a row with an unwritten slot make it gray
+        (True when this one did) for `backoff_ms`: no new reservation while a healthy store has room. A
+        commit with every slot written ends the streak, so one transient error takes no store out."""
+        if written >= reserved:
+            self.write_streak, self.gray_until_ms = 0, 0
+            return False
+        self.num_unwritten_slots += reserved - written
+        self.write_streak += 1
+        if self.write_streak < policy.fail_after or self.gray_until_ms > now_ms:
+            return False
+        self.gray_until_ms = now_ms + policy.backoff_ms  # after it, one more failing commit: gray again
+        self.num_grayed += 1
+        return True
+
+
+def note_commit(m: Master, reserved: dict[str, int], written: dict[str, int]) -> None:
+    """Under the lock: one reservation's commit, per store it placed on (`reserved`: slots per node id;
+    `written`: those written and committed). O(stores of the reservation)."""
+    now_ms = m.clock.now_ms()
+    for node_id, n in reserved.items():
+        rec = m.st.nodes.get(node_id)
+        if rec is None or not rec.is_store:
+            continue
+        if rec.dataplane.record_commit(n, written.get(node_id, 0), now_ms, m.dataplane_policy):
+            log.warning(
+                "store %s left reserved slots unwritten at %d commits in a row: no new reservations "
+                "there while other stores have room, for %d ms",
+                *(node_id, rec.dataplane.write_streak, m.dataplane_policy.backoff_ms),
+            )
+
 
 def report_failure(m: Master, node_id: str, epoch: int, kind: str, detail: str) -> None:
     """A member saw the data plane of store `node_id` fail (`epoch` 0: whichever process holds the id now;
@@ -164,10 +205,18 @@ def usable(m: Master, rec: NodeRecord) -> bool:
     return rec.dataplane.usable(m.clock.now_ms(), m.dataplane_policy)
 
 
+def silent(m: Master, rec: NodeRecord, now_ms: int) -> bool:
+    """`rec` sent no heartbeat for over `stale_after_ms` (paused, cut off, or dying): readers are not sent
+    to it (a pull from a paused store would stall until its timeout); its next heartbeat brings it back."""
+    return now_ms - rec.last_seen_ms > m.settings.stale_after_ms
+
+
 def offered(m: Master, res: MatchResult, nodes: list[NodeRecord]) -> MatchResult:
-    """Under the lock: `res` without the replicas on stores whose data plane failed (`nodes`: the records
-    its replicas name); the match ends at the first block left without a replica."""
-    bad = {n.node_id for n in nodes if n.is_store and not usable(m, n)}
+    """Under the lock: `res` without the replicas on stores whose data plane failed or that fell silent
+    (`silent`; `nodes`: the records its replicas name: the cost is per node named, whatever the index's
+    size); the match ends at the first block left without a replica (the rest is recomputed)."""
+    now_ms = m.clock.now_ms()
+    bad = {n.node_id for n in nodes if n.is_store and (silent(m, n, now_ms) or not usable(m, n))}
     if not bad:
         return res
     kept: list[tuple[Location, ...]] = []

@@ -9,6 +9,8 @@ a deque of tuples, a set and a dict.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 ALLOCATED = 0
@@ -99,3 +101,47 @@ class FreeSlots:
             self._ring[pos] = fresh
             self._count += n
         return n
+
+
+class FreeOrders:
+    """Free orders queued for one store node, as numpy chunks of (slots, generations): no Python object per
+    slot. Iterating yields (slot, generation) pairs (for small callers and tests)."""
+
+    __slots__ = ("_chunks", "_count")
+
+    def __init__(self) -> None:
+        self._chunks: list[tuple[np.ndarray, np.ndarray]] = []
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    def add(self, slots: np.ndarray, generations: np.ndarray) -> None:
+        """Queue `slots` ((m,) int) freed from `generations` ((m,) uint64)."""
+        if len(slots):
+            self._chunks.append((np.asarray(slots, np.int64), np.asarray(generations, np.uint64)))
+            self._count += len(slots)
+
+    def add_one(self, slot: int, generation: int) -> None:
+        self.add(np.array([slot], np.int64), np.array([generation], np.uint64))
+
+    def extend(self, other: FreeOrders) -> None:
+        for slots, gens in other._chunks:
+            self.add(slots, gens)
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """All queued (slots (n,) int64, generations (n,) uint64), in queue order."""
+        if not self._chunks:
+            return np.empty(0, np.int64), np.empty(0, np.uint64)
+        if len(self._chunks) > 1:
+            self._chunks = [
+                (np.concatenate([c[0] for c in self._chunks]), np.concatenate([c[1] for c in self._chunks]))
+            ]
+        return self._chunks[0]
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        slots, gens = self.columns()
+        return iter(zip(slots.tolist(), gens.tolist(), strict=True))

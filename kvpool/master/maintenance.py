@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpool.master import bounds, dataplane, dataplane_probe
+from kvpool.master import bounds, dataplane, dataplane_probe, node_death
 from kvpool.master.adoption import Adoption
 from kvpool.master.core import BlockKey
 from kvpool.master.stores import copy_into
@@ -69,7 +70,10 @@ class Maintenance:
 
     def tick(self) -> None:
         m = self.m
+        node_death.run_node_removals(m)  # a node declared dead since: its rows, in steps
+        held_s = 0.0
         with m.lock:
+            t0 = time.perf_counter()
             now = m.clock.now_ms()
             for rec in list(m.st.nodes.values()):
                 if rec.alive and now - rec.last_seen_ms > m.settings.heartbeat_timeout_ms:
@@ -85,14 +89,18 @@ class Maintenance:
             m.publisher.expire(now)
             adopt = [(n, m.st.nodes[n].grpc_address, m.st.nodes[n].epoch) for n in m.st.to_adopt]
             m.st.to_adopt.clear()
+            held_s = time.perf_counter() - t0
+        node_death.run_node_removals(m)  # (one declared dead just now: before adopting a restarted store)
         for node_id, address, epoch in adopt:
             self.adoption.adopt(node_id, address, epoch)
         with m.lock:
+            t0 = time.perf_counter()
             self.adoption.claim(m.clock.now_ms())
             self._watermarks()
             m.on_dropped(m.index.reclaim_invalidated(m.settings.reclaim_batch_blocks))
             bounds.expire_namespaces(m)  # idle namespaces: namespace_idle_expiry_s
             probes = dataplane_probe.due(m)  # stores whose data-plane back-off is over
+            m.lock_holds.tick_s = max(held_s, time.perf_counter() - t0)
         for probe in probes:
             dataplane_probe.run(m, probe)
         m.flush_frees()
@@ -115,7 +123,7 @@ class Maintenance:
         m = self.m
         jobs: list[_CopyJob] = []
         with m.lock:
-            keys = list(m.st.under_replicated)[: m.settings.rereplicate_batch_blocks]
+            keys = node_death.take_under_replicated(m, m.settings.rereplicate_batch_blocks)
             for key in keys:
                 job, keep = self._plan(key)
                 if not keep:

@@ -81,6 +81,24 @@ class MasterCollector(Collector):
             "Wall clock of the last complete inventory adoption (first read to last block indexed).",
             value=ad.last_adoption_s,
         )
+        holds = m.lock_holds
+        yield GaugeMetricFamily(
+            P + "node_death_lock_ms",
+            "The longest single hold of the master's lock during the last node death (its replicas leave "
+            "the index in steps, the lock released between them), ms.",
+            value=holds.node_death_s * 1e3,
+        )
+        yield GaugeMetricFamily(
+            P + "watermark_tick_ms",
+            "The longest single hold of the master's lock in the last maintenance tick (watermark "
+            "evictions, reclamation, expiries; node-death steps not included), ms.",
+            value=holds.tick_s * 1e3,
+        )
+        yield CounterMetricFamily(
+            P + "node_deaths",
+            "Node removals finished (dead, deregistered or re-registered nodes).",
+            value=holds.num_node_deaths,
+        )
         with m.lock:
             index_bytes = a.index_bytes()
         yield GaugeMetricFamily(
@@ -119,6 +137,17 @@ class MasterCollector(Collector):
             "Data-plane probes of a failed store (a block copied through its data plane), by result.",
             labels=["node", "result"],
         )
+        unwritten = CounterMetricFamily(
+            P + "store_unwritten_slots",
+            "Slots reserved on a store for a writer and not written (or not committed) at commit.",
+            labels=["node"],
+        )
+        grayed = CounterMetricFamily(
+            P + "store_write_grayed",
+            "Times a store's writes failed at `dataplane_fail_after` commits in a row (it then gets no new "
+            "reservation while a healthy store has room).",
+            labels=["node"],
+        )
         with m.lock:
             num_blocks = m.index.num_blocks
             num_leases = m.index.num_live_leases
@@ -143,9 +172,12 @@ class MasterCollector(Collector):
                 num_failed = rec.dataplane.num_probes_failed
                 dp_probes.add_metric([rec.node_id, "passed"], rec.dataplane.num_probes - num_failed)
                 dp_probes.add_metric([rec.node_id, "failed"], num_failed)
+                unwritten.add_metric([rec.node_id], rec.dataplane.num_unwritten_slots)
+                grayed.add_metric([rec.node_id], rec.dataplane.num_grayed)
         for role, n in sorted(by_role.items()):
             alive.add_metric([role], n)
         yield from (used_slots, cap_slots, used_bytes, cap_bytes, alive, dp_failed, dp_failures, dp_probes)
+        yield from (unwritten, grayed)
         yield GaugeMetricFamily(P + "index_blocks", "Blocks in the index (resident).", value=num_blocks)
         yield GaugeMetricFamily(
             P + "index_bytes", "Bytes of block replicas on live store nodes.", value=total_bytes
@@ -181,6 +213,12 @@ def _ha_metrics(m: Master) -> Iterator[Metric]:
         P + "failovers",
         "Changes of leader this master saw (a new leader after another one).",
         value=view.failovers if view is not None else 0,
+    )
+    yield CounterMetricFamily(
+        P + "orders_withheld",
+        "Store orders this master did not send because it no longer surely led (its lease not renewed in "
+        "time): a deposed leader's late orders.",
+        value=m.stores.num_withheld,
     )
 
 

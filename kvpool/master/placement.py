@@ -27,6 +27,7 @@ class Reservation:
     owner: str = ""  # secured master: the join token name that made it (only it commits or aborts it)
     quota_tenant: str | None = None  # the tenant whose pool quota counts its new blocks (None: none)
     quota_blocks: int = 0  # its new blocks counted in that tenant's reserved blocks
+    per_node: dict[str, int] = field(default_factory=dict)  # new slots reserved per node id (`place_runs`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,24 +56,44 @@ class CommitBlock:
 
 
 def place_runs(
-    present: Sequence[bool], nodes: Sequence[NodeRecord], k: int, run: int
+    present: Sequence[bool],
+    nodes: Sequence[NodeRecord],
+    k: int,
+    run: int,
+    *,
+    now_ms: int = 0,
+    per_node: dict[str, int] | None = None,
 ) -> list[list[Location]]:
     """One list of `k` slots on distinct nodes per new block ([] for a block already present). Runs of
     `run` consecutive new blocks share their nodes, which hand out slots from their free lists in order, so a
     pull reads a run as one message (`transfer.coalesce`); each run goes to the nodes with the most free
-    slots. The caller checked there is room (`Publisher._reserve_locked`)."""
+    slots, a gray node (its writes keep failing at `now_ms`: `kvpool.master.dataplane.note_commit`) only
+    when the others have no room. Adds the slots taken per node id to `per_node`. The caller checked
+    there is room (`Publisher._reserve_locked`)."""
     locations: list[list[Location]] = []
     chosen: list[NodeRecord] = []
-    left = 0
+    left = taken = 0
+    counts = per_node if per_node is not None else {}
     for is_present in present:
         if is_present:
             locations.append([])
             continue
         if left == 0 or any(not n.free for n in chosen):
-            chosen, left = sorted(nodes, key=lambda n: -len(n.free))[:k], run
+            _count(counts, chosen, taken)
+            ranked = sorted(
+                nodes, key=lambda n: (n.dataplane.gray_until_ms > now_ms or not n.free, -len(n.free))
+            )
+            chosen, left, taken = ranked[:k], run, 0
         locations.append([n.take(1)[0] for n in chosen])
         left -= 1
+        taken += 1
+    _count(counts, chosen, taken)
     return locations
+
+
+def _count(counts: dict[str, int], chosen: Sequence[NodeRecord], taken: int) -> None:
+    for n in chosen:
+        counts[n.node_id] = counts.get(n.node_id, 0) + taken
 
 
 def new_replicas(have: Sequence[Location], got: list[Location], target: int) -> list[Location]:

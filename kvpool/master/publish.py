@@ -184,8 +184,10 @@ class Publisher(CommitPhase):
             return ReserveOutcome(0, list(hashes), present, [[] for _ in hashes], write_lease_ms, [], 0)
         nodes = [n for n in m.st.nodes.values() if n.placeable and dataplane.usable(m, n)]
         k = min(num_replicas, len(nodes))
-        fresh = [n for n in nodes if m.reachable(n)]
-        if len(fresh) >= max(k, 1):  # a node cut off (silent, or its last call failed) only as a last resort
+        # a node cut off (silent, or its last call failed) or gray (writes failing) only as a last resort
+        now_ms = m.clock.now_ms()
+        fresh = [n for n in nodes if m.reachable(n) and n.dataplane.gray_until_ms <= now_ms]
+        if len(fresh) >= max(k, 1):
             nodes = fresh
         if k == 0:
             raise ResourceExhausted("no store node can take blocks")
@@ -248,7 +250,11 @@ class Publisher(CommitPhase):
         write_lease_ms: int,
         target: int,
     ) -> Reservation:
-        locations = place_runs(present, nodes, k, self.m.settings.placement_run_blocks)
+        per_node: dict[str, int] = {}
+        now_ms = self.m.clock.now_ms()
+        locations = place_runs(
+            present, nodes, k, self.m.settings.placement_run_blocks, now_ms=now_ms, per_node=per_node
+        )
         rid = self.next_rid
         self.next_rid += 1
         r = Reservation(
@@ -259,7 +265,8 @@ class Publisher(CommitPhase):
             locations,
             list(costs) or [0.0] * len(hashes),
             target,
-            self.m.clock.now_ms() + write_lease_ms,
+            now_ms + write_lease_ms,
+            per_node=per_node,
         )
         self.reservations[rid] = r
         return r

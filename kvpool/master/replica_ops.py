@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.errors import FailedPrecondition, NotFound
 from kvpool.index.results import DroppedBlock
-from kvpool.master import dataplane
+from kvpool.master import dataplane, node_death
 from kvpool.master.core import check_hash
 from kvpool.types import BlockHash, Location, NamespaceId
 
@@ -89,8 +89,8 @@ def report_local(
             raise FailedPrecondition(f"node {node_id} epoch {epoch} is not current: re-register")
         if rec.is_store:
             raise FailedPrecondition("store nodes have no local tier")
-        if cleared:
-            m.on_dropped(m.index.remove_node(node_id))
+        if cleared and m.index.begin_remove_node(node_id) is not None:
+            node_death.finish_node_removals(m)  # (every step now, under the lock: a local tier is small)
         loc = Location(node_id, 0, 0, local=True)
         for h in removed:
             try:

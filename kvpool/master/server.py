@@ -132,7 +132,9 @@ def _elect(master: Master, settings: MasterSettings) -> grpc.aio.ServerIntercept
             settings.etcd_key_file,
         ),
     )
-    return LeaderGate(master.election)
+    election = master.election
+    master.stores.leading = lambda: election.is_leader  # no store order from a master not surely leading
+    return LeaderGate(election)
 
 
 def forget_previous_term(master: Master, previous: int, epoch: int) -> None:

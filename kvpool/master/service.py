@@ -116,7 +116,13 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
             layout_fingerprint=self.m.layout.fingerprint(),
             secured=members.secured,
             session=session,
+            leader_epoch=self.m.leader_epoch,
+            leader_proof=self._leader_proof(),
         )
+
+    def _leader_proof(self) -> str:
+        """The leader's proof of its epoch for a member's fence ("" without HA or a cluster secret)."""
+        return self.m.stores.leader_proof if self.m.leader_epoch else ""
 
     @rpc_errors
     def Masters(self, request: pb.MastersRequest, context: grpc.ServicerContext) -> pb.MastersResponse:
@@ -151,7 +157,11 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
         self.m.check_session(request.node_id, request.epoch, request.session)
         known = self.m.heartbeat(request.node_id, request.epoch, freed, request.num_used_slots, load)
         return pb.HeartbeatResponse(
-            known=known, master_epoch=self.m.master_epoch, flush_epoch=self.m.namespaces.flush_epoch
+            known=known,
+            master_epoch=self.m.master_epoch,
+            flush_epoch=self.m.namespaces.flush_epoch,
+            leader_epoch=self.m.leader_epoch,
+            leader_proof=self._leader_proof(),
         )
 
     @rpc_errors
@@ -211,9 +221,11 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
                 request.lease_ttl_ms,
                 self.m.leader_epoch,
             )
-        return match_response(
+        resp = match_response(
             res, nodes, request.request_id, request.lease_ttl_ms, request.packed_replicas, grants
         )
+        resp.leader_epoch = self.m.leader_epoch
+        return resp
 
     @rpc_errors
     def MatchPrefix(
@@ -287,6 +299,7 @@ class MasterServicer(AdapterRpcs, pb_grpc.MasterServicer):
             write_lease_ms=out.write_lease_ms,
             nodes=[endpoint(n) for n in out.nodes],
             num_replicas_placed=out.num_replicas_placed,
+            leader_epoch=self.m.leader_epoch,
         )
 
     @rpc_errors

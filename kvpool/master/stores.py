@@ -7,12 +7,14 @@ Each call has a deadline; gRPC failures become `kvpool.errors` (`Unavailable`, `
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from kvpool.capability import Capabilities, WallClock
 from kvpool.client.store_client import CallSigner, StoreClient, node_identity
-from kvpool.errors import KVPoolError
+from kvpool.errors import DeadlineExceeded, KVPoolError, Unavailable
 from kvpool.master.grants import read_grant
+from kvpool.master.store_batch import Coalescer
 from kvpool.membership import (
     LEADER_PROOF_METADATA,
     MASTER_CALL_METADATA,
@@ -22,6 +24,16 @@ from kvpool.membership import (
 from kvpool.types import InventoryBatch, Location, SlotOrder
 
 __all__ = ["SlotOrder", "StoreCalls", "copy_into"]
+
+_MAX_COALESCED = 4096
+"""Most slots in one coalesced reserve or commit call."""
+
+
+def _not_the_store(exc: BaseException) -> bool:
+    """A combined reserve that failed for another reason than the store (a refused slot) is sent again per
+    publish."""
+    return not isinstance(exc, (Unavailable, DeadlineExceeded))
+
 
 _COPY_TIMEOUTS = 2
 """A copy moves blocks between two stores: its deadline is this many call timeouts."""
@@ -33,7 +45,11 @@ class StoreCalls:
     cluster), every call carries the master's credential (`kvpool.membership.master_call_credential`). Every
     order (reserve, commit, free, copy) carries `leader_epoch`: 0 for a single master, else the epoch this
     master won its leadership with (`kvpool.master.ha`, set by `lead`); stores refuse one older than the
-    newest they have seen, and a newer one without the leader's proof."""
+    newest they have seen, and a newer one without the leader's proof.
+
+    `leading()` (set with etcd: the election's `is_leader`, a clock comparison) is asked before every order:
+    a master that is not surely leading (its lease not renewed in time, or paused past it) sends none, so a
+    deposed leader's late orders never leave it (`num_withheld` counts them; each raises `Unavailable`)."""
 
     def __init__(
         self, timeout_s: float, capabilities: Capabilities | None = None, *, inventory_batch_blocks: int = 0
@@ -44,7 +60,24 @@ class StoreCalls:
         self.leader_proof = ""
         """In HA with a cluster secret: `kvpool.membership.leader_proof` of `leader_epoch`, sent with every
         call (a store takes a higher epoch only with it)."""
+        self.leading: Callable[[], bool] = lambda: True
+        self.num_withheld = 0
+        """Orders not sent because this master was not surely leading when it was about to send them."""
         self._client = StoreClient(sign=self._signer(capabilities) if capabilities is not None else None)
+        # concurrent publishes' orders to one store go as one call (kvpool.master.store_batch); below the
+        # stores' default max_batch_slots (8192)
+        self._reserves: Coalescer[SlotOrder, None] = Coalescer(
+            self._send_reserve, alone=_not_the_store, max_items=_MAX_COALESCED
+        )
+        self._commits: Coalescer[Location, dict[tuple[int, int], str]] = Coalescer(
+            self._send_commit, max_items=_MAX_COALESCED
+        )
+
+    def _may_order(self, what: str, address: str) -> None:
+        """Raise `Unavailable` (and count it) unless this master surely leads now."""
+        if not self.leading():
+            self.num_withheld += 1
+            raise Unavailable(f"{what} to store {address} withheld: this master no longer surely leads")
 
     def lead(self, caps: Capabilities | None, address: str, epoch: int) -> None:
         """Order the stores as the leader at `address` of `epoch` from now on (with its proof)."""
@@ -80,6 +113,12 @@ class StoreCalls:
         return None if info is None else (info.node_id, info.epoch)
 
     def reserve(self, address: str, orders: Sequence[SlotOrder], write_lease_ms: int) -> None:
+        """Reserve slots (all or none), coalesced with concurrent reserves on the same store."""
+        self._reserves.call((address, write_lease_ms), orders)
+
+    def _send_reserve(self, key: Any, orders: list[SlotOrder]) -> None:
+        address, write_lease_ms = key
+        self._may_order("reserve", address)
         self._client.reserve_slots(
             address,
             orders,
@@ -89,13 +128,27 @@ class StoreCalls:
         )
 
     def commit(self, address: str, slots: Sequence[Location]) -> dict[tuple[int, int], str]:
-        """Commit slots; returns {(slot, generation): error} for the ones that failed ("" = ok)."""
+        """Commit slots; returns {(slot, generation): error} for the ones that failed ("" = ok) (it may name
+        slots of concurrent commits on the same store too: coalesced)."""
+        return self._commits.call(address, slots)
+
+    def _send_commit(self, address: Any, slots: list[Location]) -> dict[tuple[int, int], str]:
+        self._may_order("commit", address)
         return self._client.commit_slots(
             address, slots, leader_epoch=self.leader_epoch, timeout_s=self.timeout_s
         )
 
+    @property
+    def coalesced_calls(self) -> tuple[int, int]:
+        """(reserve and commit calls sent, of which carried several publishes' orders)."""
+        return (
+            self._reserves.calls + self._commits.calls,
+            self._reserves.batched_calls + self._commits.batched_calls,
+        )
+
     def free(self, address: str, slots: Sequence[tuple[int, int]]) -> list[tuple[int, int, bool]]:
         """Order slots freed; returns (slot, new_generation, deferred) per slot the store answered."""
+        self._may_order("free", address)
         return self._client.free_slots(
             address, slots, leader_epoch=self.leader_epoch, timeout_s=self.timeout_s
         )
@@ -115,6 +168,7 @@ class StoreCalls:
     ) -> dict[tuple[int, int], str]:
         """Have the store at `address` pull (src, dst, checksum) blocks (with the read capability `src`
         carries); {(dst slot, gen): error}."""
+        self._may_order("copy", address)
         return self._client.copy_blocks(
             address,
             src_data_address,

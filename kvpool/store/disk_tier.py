@@ -142,6 +142,9 @@ class DiskTier:
             raise DiskTierError(
                 f"disk tier {path}: reading back its blocks failed: {describe(exc)}"
             ) from None
+        self.first_generation = dj.boot_generation(self._journal.boot)
+        """Every slot's generation when this boot began (above every generation of an earlier boot)."""
+        self.num_recovered = len(self._recovered)
         self._flusher = threading.Thread(target=self._flush_loop, name="kvpool-disk-sync", daemon=True)
         self._flusher.start()
 
@@ -284,6 +287,28 @@ class DiskTier:
         if len(idx) and (idx.min() < 0 or idx.max() >= self.num_slots):
             raise InvalidArgument("not a slot of this disk tier")
         return self.gen[idx].copy()
+
+    def advance(self, slots: np.ndarray, generations: np.ndarray) -> None:
+        """Raise each free slot's generation to `generations[i]` where that is higher (a master that names a
+        generation above the current one, as for memory slots). Not recorded: the next boot's generations are
+        above every generation of this one. Committed slots and lower generations are left alone."""
+        idx = ints(slots, len(slots)) - self.first_slot
+        g = ints(generations, len(slots)).astype(np.uint64)
+        with self._mutex:
+            free = (self.flags[idx] & _COMMITTED) == 0
+            self.gen[idx[free]] = np.maximum(self.gen[idx[free]], g[free])
+
+    def block_of(self, slot: int) -> tuple[bytes, bytes, bytes]:
+        """(namespace, block hash, parent hash or b"") the disk slot records; b"" parts when it never held a
+        block. The caller checked the range."""
+        i = slot - self.first_slot
+        ns, h = self.cols.block_of(i)
+        parent = self.cols.parent_hash[i].tobytes() if self.flags[i] & _HAS_PARENT else b""
+        return ns, h, parent
+
+    def is_committed(self, slot: int) -> bool:
+        """Whether the disk slot holds a committed block (the caller checked the range)."""
+        return bool(self.flags[slot - self.first_slot] & _COMMITTED)
 
     def recovered(self) -> InventoryBatch:
         """The verified blocks found at start-up, with their new generations (`next_slot` -1)."""

@@ -18,15 +18,67 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvpool.store.slots import SlotTable
+from kvpool.store.tier_moves import TierMoves
 
 P = "kvpool_store_"
 
 
 class StoreCollector(Collector):
-    """Slot-table gauges, read at scrape time."""
+    """Slot-table gauges, read at scrape time (with a disk tier: per medium, and the tier's counters)."""
 
-    def __init__(self, table: SlotTable) -> None:
+    def __init__(self, table: SlotTable, moves: TierMoves | None = None) -> None:
         self.table = table
+        self.moves = moves
+
+    def _disk(self) -> Iterator[Metric]:
+        t, disk = self.table, self.table.disk
+        if disk is None:
+            return
+        c = disk.tier.counters
+        blocks = GaugeMetricFamily(
+            P + "medium_blocks", "Blocks held (memory: used slots).", labels=["medium"]
+        )
+        blocks.add_metric(["memory"], t.num_used)
+        blocks.add_metric(["disk"], c.resident_blocks)
+        yield blocks
+        nbytes = GaugeMetricFamily(P + "medium_bytes", "Bytes of blocks held.", labels=["medium"])
+        nbytes.add_metric(["memory"], t.num_used * t.block_nbytes)
+        nbytes.add_metric(["disk"], c.resident_bytes)
+        yield nbytes
+        yield GaugeMetricFamily(P + "disk_slots", "Slots of the disk tier.", value=disk.num_slots)
+        yield GaugeMetricFamily(
+            P + "disk_degraded",
+            "1 when the disk tier refuses writes (a disk fault).",
+            value=int(bool(disk.tier.degraded)),
+        )
+        yield GaugeMetricFamily(
+            P + "disk_buffer_bytes", "Disk bounce buffers in use.", value=disk.buffer_bytes
+        )
+        for name, value, text in (
+            ("disk_read_blocks", c.read_blocks, "Blocks read from disk and verified."),
+            ("disk_written_blocks", c.written_blocks, "Blocks written to disk and recorded."),
+            (
+                "disk_dropped_blocks",
+                c.dropped_blocks,
+                "Disk blocks dropped: their bytes failed their checksum.",
+            ),
+            ("disk_errors", c.io_errors, "Failed disk system calls (ENOSPC, EIO, EROFS...)."),
+            ("disk_refused_reads", disk.refused_reads, "Disk reads refused (damaged bytes, a failed disk)."),
+        ):
+            yield CounterMetricFamily(P + name, text, value=value)
+        if self.moves is not None:
+            m = self.moves.counters
+            for name, value, text in (
+                ("demotions", m.demoted_blocks, "Blocks moved from memory to disk on the master's order."),
+                ("promotions", m.promoted_blocks, "Blocks moved from disk to memory on the master's order."),
+                ("stale_moves", m.stale_moves, "Tier moves discarded: a generation moved or a free came."),
+                ("failed_moves", m.failed_moves, "Tier moves that failed (destination, disk or checksum)."),
+                ("refused_move_orders", m.refused_orders, "Tier move orders refused: the queue was full."),
+            ):
+                yield CounterMetricFamily(P + name, text, value=value)
+            yield GaugeMetricFamily(
+                P + "queued_move_blocks", "Tier moves queued.", value=self.moves.queued_blocks
+            )
 
     def collect(self) -> Iterator[Metric]:
         t = self.table
@@ -59,15 +111,24 @@ class StoreCollector(Collector):
             "forged order or etcd key; secured stores only).",
             value=t.fence.num_unproven,
         )
+        accepted = CounterMetricFamily(
+            P + "orders_accepted",
+            "Orders (reserve, commit, free, copy) taken, per leader epoch of the master that sent them.",
+            labels=["epoch"],
+        )
+        for epoch, n in sorted(t.fence.accepted_by_epoch().items()):
+            accepted.add_metric([str(epoch)], n)
+        yield accepted
+        yield from self._disk()
 
 
 class StoreMetrics:
     """One registry per store node: the slot-table collector plus data-plane counters."""
 
-    def __init__(self, table: SlotTable) -> None:
+    def __init__(self, table: SlotTable, moves: TierMoves | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        r.register(StoreCollector(table))
+        r.register(StoreCollector(table, moves))
         self.blocks = Counter(
             P + "blocks_served",
             "Blocks read (granted to a reader) or written (landed intact) through the data plane server "

@@ -1,5 +1,6 @@
-"""A running store node: segment + slot table, the disk tier (`--disk-path`; opened and held, not yet served), the UCX block server, the gRPC `Store` service, the
-write-lease reaper and the master link. `StoreNode(settings).start()` (it returns once the master answered
+"""A running store node: segment + slot table, the disk tier (`--disk-path`: its slots served beside the
+memory ones, tier moves, docs/disk_tier.md), the UCX block server, the gRPC `Store` service, the write-lease
+reaper and the master link. `StoreNode(settings).start()` (it returns once the master answered
 the first registration, or could not be reached; it raises the master's refusal); `.stop()` ends everything."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvpool.store.segment import Segment
 from kvpool.store.service import StoreServicer
 from kvpool.store.settings import StoreSettings
 from kvpool.store.slots import SlotTable
+from kvpool.store.tier_moves import TierMoves
 from kvpool.types import Clock, NodeInfo
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
@@ -47,10 +49,23 @@ class StoreNode:
             settings.segment_bytes,
             self.layout.block_nbytes,
             pin_memory=settings.pin_memory,
-            share=settings.share_segment,
+            share=settings.share_segment and not settings.metadata_only,
         )
-        self.table = SlotTable(self.segment, clock, capabilities=process_capabilities(), node_id=self.node_id)
-        self.metrics = StoreMetrics(self.table)
+        self.table = SlotTable(
+            self.segment,
+            clock,
+            capabilities=process_capabilities(),
+            node_id=self.node_id,
+            metadata_only=settings.metadata_only,
+            disk=self.disk,
+            disk_buffer_bytes=settings.disk_buffer_bytes,
+        )
+        self.moves: TierMoves | None = None
+        if self.disk is not None:
+            self.moves = TierMoves(self.table, max_queued_blocks=settings.disk_move_queue_blocks)
+            alpha, beta = self.disk.measure()
+            log.info("disk tier %s: alpha %.6f s, beta %.3g s/B", self.disk.path, alpha, beta)
+        self.metrics = StoreMetrics(self.table, self.moves)
         self._metrics_server: MetricsServer | None = None
         self.host = settings.advertise_host or settings.bind_host
         self._data: Any = None
@@ -73,6 +88,7 @@ class StoreNode:
                 on_unsent=lambda report: self.table.requeue_freed(report.freed_slots),
                 on_fatal=self._on_fatal,
                 heartbeat_interval_ms=settings.heartbeat_interval_ms,
+                on_leader=self.table.fence.observe,
             )
 
     @property
@@ -112,7 +128,12 @@ class StoreNode:
 
     def _report(self) -> HeartbeatReport:
         """A heartbeat's frees since the last one (put back when it fails) and the used-slot count."""
-        return HeartbeatReport(freed_slots=self.table.drain_freed(), num_used_slots=self.table.num_used)
+        disk = self.table.disk
+        return HeartbeatReport(
+            freed_slots=self.table.drain_freed(),
+            num_used_slots=self.table.num_used,
+            disk=None if disk is None else disk.report(),
+        )
 
     def start(self) -> None:
         from transfer import UcxBlockServer
@@ -134,6 +155,7 @@ class StoreNode:
             copy=self.copy_blocks,
             max_batch_slots=self.settings.max_batch_slots,
             inflight=lambda: self.table.num_inflight,
+            moves=self.moves,
         )
         self._grpc = start_server(
             [(pb_grpc.add_StoreServicer_to_server, servicer, "kvpool.v1.Store")],
@@ -176,6 +198,7 @@ class StoreNode:
             "block_nbytes": self.table.block_nbytes,
             "layout": self.layout.fingerprint(),
             "pid": os.getpid(),
+            "metadata_only": self.table.metadata_only,
             "disk": None
             if self.disk is None
             else {
@@ -193,6 +216,9 @@ class StoreNode:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.moves is not None:
+            self.moves.close()
+            self.moves = None
         if self.disk is not None:
             self.disk.close()
             self.disk = None
@@ -275,8 +301,7 @@ DISK_FIRST_SLOT = 1 << 31
 
 def open_disk_tier(settings: StoreSettings, num_memory_slots: int, block_nbytes: int) -> DiskTier | None:
     """The store's disk tier when `--disk-path` is set (None otherwise). It is opened at start-up, so a bad
-    path is refused before the store serves, and kept on the node as `disk`; the master does not place
-    blocks on it yet and the `Store` service does not read it (the master's side comes next).
+    path is refused before the store serves, and served by the slot table (`kvpool.store.disk_serving`).
     Raises `DiskTierError` (one line with the path)."""
     if not settings.disk_path:
         return None

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import psutil
 
-from kvpool.client.convert import inventory_batch_pb
-from kvpool.errors import InvalidArgument, ResourceExhausted
+from kvpool.client.convert import disk_tier_pb, inventory_batch_pb
+from kvpool.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvpool.membership import LEADER_PROOF_METADATA
 from kvpool.rpc.status import rpc_errors
 from kvpool.store.slots import Reservation, SlotTable
+from kvpool.store.tier_moves import TierMoves
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
@@ -46,6 +48,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         copy: CopyFn,
         max_batch_slots: int,
         inflight: Callable[[], int],
+        moves: TierMoves | None = None,
     ) -> None:
         self._table = table
         self._endpoint = endpoint
@@ -56,6 +59,16 @@ class StoreServicer(pb_grpc.StoreServicer):
         self._inflight = inflight
         self._proc = psutil.Process()
         self.fence = table.fence
+        self._moves = moves
+
+    def _in_range(self, slot: int) -> bool:
+        disk = self._table.disk
+        return slot < self._table.num_slots or (disk is not None and disk.owns(slot))
+
+    def _range_error(self, slot: int) -> InvalidArgument:
+        disk = self._table.disk
+        extra = "" if disk is None else f" or [{disk.first_slot}, {disk.first_slot + disk.num_slots})"
+        return InvalidArgument(f"slot {slot} out of range [0, {self._table.num_slots}){extra}")
 
     def _check_batch(self, n: int) -> None:
         if n > self._max:
@@ -73,6 +86,7 @@ class StoreServicer(pb_grpc.StoreServicer):
             num_used_slots=t.num_used,
             num_inflight_transfers=self._inflight(),
             rss_bytes=self._proc.memory_info().rss,
+            disk=disk_tier_pb(None if t.disk is None else t.disk.report()),
         )
 
     @rpc_errors
@@ -105,8 +119,8 @@ class StoreServicer(pb_grpc.StoreServicer):
     def FreeSlots(self, request: pb.FreeSlotsRequest, context: grpc.ServicerContext) -> pb.FreeSlotsResponse:
         self._check_batch(len(request.slots))
         for s in request.slots:  # all-or-nothing on malformed input
-            if s.slot >= self._table.num_slots:
-                raise InvalidArgument(f"slot {s.slot} out of range [0, {self._table.num_slots})")
+            if not self._in_range(s.slot):
+                raise self._range_error(s.slot)
         self.fence.check(request.leader_epoch, _leader_proof(context))
         freed = self._table.free((s.slot, s.generation) for s in request.slots)
         return pb.FreeSlotsResponse(
@@ -137,10 +151,8 @@ class StoreServicer(pb_grpc.StoreServicer):
         if not sep or not host or not port.isdigit():
             raise InvalidArgument(f"src_data_address must be HOST:PORT, got {request.src_data_address!r}")
         for b in request.blocks:
-            if b.dst.slot >= self._table.num_slots:
-                raise InvalidArgument(
-                    f"destination slot {b.dst.slot} out of range [0, {self._table.num_slots})"
-                )
+            if not self._in_range(b.dst.slot):
+                raise self._range_error(b.dst.slot)
         self.fence.check(request.leader_epoch, _leader_proof(context))
         results = self._copy(
             request.src_data_address,
@@ -159,4 +171,43 @@ class StoreServicer(pb_grpc.StoreServicer):
         )
         return pb.CopyBlocksResponse(
             results=[pb.SlotResult(slot=s, generation=g, ok=not e, error=e) for s, g, e in results]
+        )
+
+    @rpc_errors
+    def DemoteBlocks(self, request: pb.TierMoveRequest, context: grpc.ServicerContext) -> pb.TierMoveResponse:
+        return self._move(request, context, demote=True)
+
+    @rpc_errors
+    def PromoteBlocks(
+        self, request: pb.TierMoveRequest, context: grpc.ServicerContext
+    ) -> pb.TierMoveResponse:
+        return self._move(request, context, demote=False)
+
+    def _move(
+        self, request: pb.TierMoveRequest, context: grpc.ServicerContext, *, demote: bool
+    ) -> pb.TierMoveResponse:
+        """A tier move order (`kvpool.store.tier_moves`): queued (refused when the queue is full), answered
+        once done. An order still queued when the call's deadline passes is not begun."""
+        if self._moves is None:
+            raise FailedPrecondition("this store has no disk tier (--disk-path)")
+        self._check_batch(len(request.moves))
+        self.fence.check(request.leader_epoch, _leader_proof(context))
+        left = context.time_remaining()
+        deadline = None if left is None else time.monotonic() + left
+        fut = self._moves.submit(
+            demote=demote,
+            moves=[(m.src.slot, m.src.generation, m.dst.slot, m.dst.generation) for m in request.moves],
+            deadline_s=deadline,
+        )
+        results = fut.result()
+        return pb.TierMoveResponse(
+            results=[
+                pb.TierMoveResult(
+                    src=pb.SlotRef(slot=r.src_slot, generation=r.src_generation),
+                    dst=pb.SlotRef(slot=r.dst_slot, generation=r.dst_generation),
+                    status=int(r.status),  # type: ignore[arg-type]
+                    error=r.error,
+                )
+                for r in results
+            ]
         )

@@ -51,6 +51,9 @@ class StoreSettings(KVPoolSettings):
     metrics_port: int = Field(default=0, ge=0, le=65535)  # on bind_host; 0 = ephemeral
     disk_path: str = ""  # a directory for the disk tier (kvpool.store.disk_tier); empty: no disk tier
     disk_size: str = ""  # bytes of the disk tier, e.g. 64GiB (required with disk_path)
+    metadata_only: bool = False  # benchmarks only: commits need no bytes, every read and write is refused
+    disk_buffer_size: str = "256MiB"  # bounce buffers of disk reads and writes in flight (more: refused)
+    disk_move_queue_blocks: int = Field(default=8192, ge=1)  # tier moves queued (more: refused)
 
     @field_validator("master")
     @classmethod
@@ -74,7 +77,7 @@ class StoreSettings(KVPoolSettings):
             raise ValueError(f"segment_size {value} is more than this host's memory ({total >> 20} MiB)")
         return value
 
-    @field_validator("disk_size")
+    @field_validator("disk_size", "disk_buffer_size")
     @classmethod
     def _disk_size(cls, value: str) -> str:
         if value:
@@ -85,6 +88,8 @@ class StoreSettings(KVPoolSettings):
     def _disk(self) -> StoreSettings:
         if self.disk_path and not self.disk_size:
             raise ValueError("--disk-path needs --disk-size (e.g. --disk-size 64GiB)")
+        if self.metadata_only and self.disk_path:
+            raise ValueError("--metadata-only holds no bytes: it takes no --disk-path")
         return self
 
     @field_validator("pin_memory")
@@ -97,6 +102,10 @@ class StoreSettings(KVPoolSettings):
     @property
     def segment_bytes(self) -> int:
         return parse_size(self.segment_size)
+
+    @property
+    def disk_buffer_bytes(self) -> int:
+        return parse_size(self.disk_buffer_size)
 
     @property
     def disk_bytes(self) -> int:

@@ -22,6 +22,7 @@ from kvpool.errors import (
     LeaseExpired,
     StaleGeneration,
 )
+from kvpool.store.disk_serving import DiskSlots
 from kvpool.store.segment import Segment
 from kvpool.store.slot_types import _COMMITTED, _FREEING, _RESERVED, _WRITING, _WRITTEN, SlotState
 from kvpool.types import Clock
@@ -36,6 +37,7 @@ class SlotDataPlane:
     num_slots: int
     block_nbytes: int
     num_inflight: int
+    metadata_only: bool
     _clock: Clock
     _lock: threading.Lock
     _gen: np.ndarray
@@ -44,6 +46,7 @@ class SlotDataPlane:
     _readers: np.ndarray
     _flags: np.ndarray
     _flag_bytes: bytearray
+    disk: DiskSlots | None
 
     if TYPE_CHECKING:  # the table's checks (lock held)
 
@@ -63,9 +66,22 @@ class SlotDataPlane:
 
         def _lease_expiry_ms(self, slot: int) -> int: ...
 
+    def _refuse_bytes(self) -> None:
+        if self.metadata_only:
+            raise FailedPrecondition(
+                "this store is metadata-only (kvpool store --metadata-only, for benchmarks): it holds no "
+                "block bytes and refuses every read and write"
+            )
+
     def begin_read(
         self, slot: int, generation: int, nbytes: int, capability: bytes = b"", expiry_ms: int = 0
     ) -> tuple[memoryview, int]:
+        self._refuse_bytes()
+        if self.disk is not None and type(slot) is int and slot >= self.disk.first_slot:
+            got = self.disk.begin_reads([(slot, generation, nbytes, capability, expiry_ms)])[0]
+            if isinstance(got, Exception):
+                raise got
+            return got
         with self._lock:
             return self._begin_read(slot, generation, nbytes, capability, expiry_ms)
 
@@ -74,8 +90,19 @@ class SlotDataPlane:
     ) -> list[tuple[memoryview, int] | Exception]:
         """`begin_read` of each (slot, generation, nbytes, capability, expiry_ms) under one lock: per read,
         its (bytes, stored checksum) or the exception `begin_read` would raise. Each success needs its
-        `end_read` (or one `end_reads`)."""
+        `end_read` (or one `end_reads`). Disk slots are read from disk (blocking: `blocking_slots_from`)."""
+        if self.disk is not None and any(r[0] >= self.disk.first_slot for r in reads if type(r[0]) is int):
+            first = self.disk.first_slot
+            on_disk = [i for i, r in enumerate(reads) if type(r[0]) is int and r[0] >= first]
+            disk = dict(zip(on_disk, self.disk.begin_reads([reads[i] for i in on_disk]), strict=True))
+            mem = iter(self.begin_reads([r for i, r in enumerate(reads) if i not in disk]))
+            return [disk[i] if i in disk else next(mem) for i in range(len(reads))]
         out: list[tuple[memoryview, int] | Exception] = []
+        if self.metadata_only:
+            try:
+                self._refuse_bytes()
+            except FailedPrecondition as exc:
+                return [exc for _ in reads]
         with self._lock:
             if (fast := self._begin_reads_at_once(reads)) is not None:
                 return fast
@@ -112,7 +139,13 @@ class SlotDataPlane:
         return [(buf[s : s + nb], c) for s, c in zip(got[1].tolist(), got[2].tolist(), strict=True)]
 
     def _begin_reads_array(self, req: np.ndarray) -> tuple[memoryview, np.ndarray, np.ndarray] | None:
-        if self.capabilities is not None or req.dtype.kind not in "iu" or req.ndim != 2 or req.shape[1] != 3:
+        if (
+            self.metadata_only
+            or self.capabilities is not None
+            or req.dtype.kind not in "iu"
+            or req.ndim != 2
+            or req.shape[1] != 3
+        ):
             return None
         if not len(req) or req.min() < 0:
             return None
@@ -153,6 +186,12 @@ class SlotDataPlane:
 
     def end_reads(self, slots: Iterable[int]) -> None:
         """`end_read` of each slot, under one lock."""
+        if self.disk is not None:
+            first = self.disk.first_slot
+            slots = list(slots)
+            if any(s >= first for s in slots):
+                self.disk.end_reads([s for s in slots if s >= first])
+                slots = [s for s in slots if s < first]
         with self._lock:
             for slot in slots:
                 if self._readers[slot] <= 0:
@@ -174,6 +213,9 @@ class SlotDataPlane:
     def _begin_write(
         self, slot: int, generation: int, nbytes: int, grant: tuple[bytes, int] | None
     ) -> memoryview:
+        self._refuse_bytes()
+        if self.disk is not None and type(slot) is int and slot >= self.disk.first_slot:
+            return self.disk.begin_write(slot, generation, nbytes, grant)
         with self._lock:
             self._check_slot(slot)
             self._check_nbytes(nbytes)
@@ -198,6 +240,9 @@ class SlotDataPlane:
     def end_write(
         self, slot: int, generation: int, checksum: int, ok: bool, landed_checksum: int | None = None
     ) -> None:
+        if self.disk is not None and slot >= self.disk.first_slot:
+            self.disk.end_write(slot, generation, checksum, ok, landed_checksum)
+            return
         if not ok:
             got = 0
         elif landed_checksum is not None:  # hashed by the transport once the bytes landed

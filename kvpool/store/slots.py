@@ -26,22 +26,26 @@ in kvpool/store/slot_columns.py); `reap_expired` and `inventory_batch` are array
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from kvpool.capability import Capabilities
+from kvpool.capability import CAPABILITY_NBYTES, Capabilities, capability_epoch
 from kvpool.errors import (
     FailedPrecondition,
     InvalidArgument,
     StaleGeneration,
 )
+from kvpool.store.disk_serving import DiskSlots
+from kvpool.store.disk_tier import DiskTier
 from kvpool.store.fence import EpochFence
 from kvpool.store.segment import Segment
 from kvpool.store.slot_columns import MAX_WRITE_LEASE_MS, SlotColumns
 from kvpool.store.slot_io import SlotDataPlane
+from kvpool.store.slot_moves import MoveSlots
 from kvpool.store.slot_types import (  # noqa: F401 - FIRST_GENERATION, Reservation: this module's API
     _COMMITTED,
     _FREE,
@@ -54,7 +58,16 @@ from kvpool.store.slot_types import (  # noqa: F401 - FIRST_GENERATION, Reservat
     Reservation,
     SlotState,
 )
-from kvpool.types import HASH_NBYTES, Clock, InventoryBatch, InventoryItem, MonotonicClock
+from kvpool.types import (
+    HASH_NBYTES,
+    MEDIUM_DISK,
+    MEDIUM_MEMORY,
+    Clock,
+    InventoryBatch,
+    InventoryItem,
+    MonotonicClock,
+    with_medium,
+)
 from transfer.slot_state import SharedSlotState
 
 log = logging.getLogger(__name__)
@@ -76,7 +89,7 @@ def _shared_state(segment: Segment, capabilities: Capabilities | None) -> Shared
         return None
 
 
-class SlotTable(SlotDataPlane):
+class SlotTable(SlotDataPlane, MoveSlots):
     """The store's slots over one `Segment`; `clock` decides write-lease expiry; `capabilities` (None:
     off) check the capability of every read and write for store node `node_id`."""
 
@@ -87,8 +100,14 @@ class SlotTable(SlotDataPlane):
         *,
         capabilities: Capabilities | None = None,
         node_id: str = "",
+        metadata_only: bool = False,
+        disk: DiskTier | None = None,
+        disk_buffer_bytes: int = 256 << 20,
     ) -> None:
         self.segment = segment
+        self.metadata_only = metadata_only
+        """A benchmark's table (`kvpool store --metadata-only`): a commit needs no write, and every read and
+        write of bytes is refused (`FailedPrecondition`), so no reader ever gets bytes nobody wrote."""
         self.capabilities = capabilities
         self.fence = EpochFence(capabilities)
         """The newest master leader epoch seen (`kvpool.store.fence`): older orders and capabilities fail."""
@@ -98,7 +117,7 @@ class SlotTable(SlotDataPlane):
         self._clock = clock or MonotonicClock()
         self._lock = threading.Lock()
         n = self.num_slots
-        self.shared_state = _shared_state(segment, capabilities)
+        self.shared_state = None if metadata_only else _shared_state(segment, capabilities)
         if self.shared_state is not None:  # same-host readers see these three (transfer/slot_state.py)
             st = self.shared_state
             self._gen, self._checksum, self._readable = st.generation, st.checksum, st.readable
@@ -120,8 +139,33 @@ class SlotTable(SlotDataPlane):
         self._freed: list[tuple[int, int]] = []  # (slot, new generation) not yet reported
         self._num_used = 0
         self.num_inflight = 0
+        self.disk: DiskSlots | None = None
+        """The disk tier's slots (`kvpool.store.disk_serving`): every slot number from its `first_slot` on."""
+        self.blocking_slots_from: int | None = None
+        """Reads of slots from this one on block on disk I/O (`transfer.BlockHandler`): begun off the loop."""
+        if disk is not None:
+            self.disk = DiskSlots(
+                disk,
+                self._clock,
+                capabilities=capabilities,
+                node_id=node_id,
+                fence=self.fence,
+                max_buffer_bytes=disk_buffer_bytes,
+            )
+            self.blocking_slots_from = disk.first_slot
 
     # ---------------------------------------------------------------- helpers (lock held)
+
+    def _on_disk(self, slot: int) -> bool:
+        return self.disk is not None and type(slot) is int and slot >= self.disk.first_slot
+
+    def _split(self, refs: Iterable[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int]]:
+        """`refs` as a list and the positions of its disk slots."""
+        refs = list(refs)
+        if self.disk is None:
+            return refs, []
+        first = self.disk.first_slot
+        return refs, [i for i, (s, _) in enumerate(refs) if type(s) is int and s >= first]
 
     def _check_slot(self, slot: int) -> None:
         if type(slot) is not int or not 0 <= slot < self.num_slots:  # not a bool, not a numpy scalar
@@ -157,6 +201,8 @@ class SlotTable(SlotDataPlane):
             capability,
             self.fence.highest,
         )
+        if len(capability) > CAPABILITY_NBYTES:  # valid, so minted by a leader at its epoch: a proof of it
+            self.fence.observe(capability_epoch(capability), proven=True)
 
     def _in_flight(self, slot: int) -> bool:
         return bool(self._flag_bytes[slot] & _WRITING or self._readers[slot] > 0)
@@ -197,8 +243,12 @@ class SlotTable(SlotDataPlane):
         if not 0 < write_lease_ms <= MAX_WRITE_LEASE_MS:
             raise InvalidArgument(f"write_lease_ms must be in (0, {MAX_WRITE_LEASE_MS}]")
         seen: set[int] = set()
+        on_disk: list[Reservation] = []
         for r in reservations:
-            self._check_slot(r.slot)
+            if self._on_disk(r.slot):
+                on_disk.append(r)
+            else:
+                self._check_slot(r.slot)
             if r.slot in seen:
                 raise InvalidArgument(f"slot {r.slot} named twice")
             seen.add(r.slot)
@@ -208,6 +258,10 @@ class SlotTable(SlotDataPlane):
                 raise InvalidArgument(f"namespace and block hash must be {HASH_NBYTES} bytes (slot {r.slot})")
             if len(r.parent_hash) not in (0, HASH_NBYTES):
                 raise InvalidArgument(f"parent hash must be empty or {HASH_NBYTES} bytes (slot {r.slot})")
+        if on_disk:  # all-or-none per medium: the disk's first (a master orders one medium per call)
+            assert self.disk is not None
+            self.disk.reserve(on_disk, write_lease_ms)
+            reservations = [r for r in reservations if not self._on_disk(r.slot)]
         if not reservations:
             return
         with self._lock:
@@ -243,7 +297,16 @@ class SlotTable(SlotDataPlane):
             self._next_expiry_ms = min(self._next_expiry_ms, now + write_lease_ms)
 
     def commit(self, refs: Iterable[tuple[int, int]]) -> list[tuple[int, int, str]]:
-        """Make WRITTEN slots COMMITTED. Per slot: (slot, generation, error or "")."""
+        """Make WRITTEN slots COMMITTED (disk slots: written to disk and recorded first; metadata-only:
+        RESERVED ones too, with no bytes). Per slot: (slot, generation, error or "")."""
+        refs, on_disk = self._split(refs)
+        if on_disk:
+            assert self.disk is not None
+            disk = self.disk.commit([refs[i] for i in on_disk])
+            mem = self.commit([r for i, r in enumerate(refs) if i not in set(on_disk)])
+            merged = dict(zip(on_disk, disk, strict=True))
+            it = iter(mem)
+            return [merged[i] if i in merged else next(it) for i in range(len(refs))]
         out = []
         with self._lock:
             for slot, gen in refs:
@@ -253,7 +316,9 @@ class SlotTable(SlotDataPlane):
                     state = int(self._state[slot])
                     if self._freeing(slot):
                         raise FailedPrecondition(f"slot {slot} is being freed")
-                    if state == _WRITTEN:
+                    if state == _WRITTEN or (
+                        self.metadata_only and state == _RESERVED and not self._flag_bytes[slot] & _WRITING
+                    ):
                         self._state[slot] = _COMMITTED
                         self._readable[slot] = 1
                     elif state != _COMMITTED:  # committed already: idempotent
@@ -266,6 +331,14 @@ class SlotTable(SlotDataPlane):
     def free(self, refs: Iterable[tuple[int, int]]) -> list[FreeResult]:
         """Free slots (deferred while a transfer is in flight). Idempotent: a slot no longer at the named
         generation is left alone and its current generation returned."""
+        refs, on_disk = self._split(refs)
+        if on_disk:
+            assert self.disk is not None
+            disk_out = self.disk.free([refs[i] for i in on_disk])
+            mem_out = self.free([r for i, r in enumerate(refs) if i not in set(on_disk)])
+            merged = dict(zip(on_disk, disk_out, strict=True))
+            it = iter(mem_out)
+            return [merged[i] if i in merged else next(it) for i in range(len(refs))]
         out = []
         with self._lock:
             for slot, gen in refs:
@@ -284,7 +357,10 @@ class SlotTable(SlotDataPlane):
     def reap_expired(self) -> int:
         """Reclaim reservations (RESERVED or WRITTEN) whose write lease passed; one with a transfer in flight
         is freed when the transfer ends. Returns how many were reclaimed now. Array operations over all
-        slots, and only once a lease may have ended (the earliest expiry is kept)."""
+        slots, and only once a lease may have ended (the earliest expiry is kept); then the disk slots'."""
+        return self._reap_memory() + (self.disk.reap_expired() if self.disk is not None else 0)
+
+    def _reap_memory(self) -> int:
         with self._lock:
             now = self._clock.now_ms()
             if now < self._next_expiry_ms:
@@ -306,7 +382,7 @@ class SlotTable(SlotDataPlane):
         """(slot, new generation) of deferred frees and reclaimed reservations since the last call."""
         with self._lock:
             out, self._freed = self._freed, []
-        return out
+        return out + (self.disk.drain_freed() if self.disk is not None else [])
 
     def requeue_freed(self, freed: Sequence[tuple[int, int]]) -> None:
         """Put back what `drain_freed` returned when it could not be reported."""
@@ -316,13 +392,20 @@ class SlotTable(SlotDataPlane):
     def inventory_batch(self, after_slot: int, limit: int) -> InventoryBatch:
         """The committed blocks (no free pending) in slots ≥ `after_slot`, in slot order, at most `limit`
         (> 0) of them, as columns; `next_slot` is the slot after the last one returned, or -1 when no
-        committed block follows. Raises `InvalidArgument` on a negative `after_slot` or a `limit` < 1."""
+        committed block follows. With a disk tier, memory slots come first, then (from the tier's
+        `first_slot`, a batch never mixing the two) its committed, verified blocks; `medium` says which. Raises `InvalidArgument` on a negative `after_slot` or a `limit` < 1."""
         if type(after_slot) is not int or after_slot < 0:
             raise InvalidArgument(f"after_slot must be a non-negative int, not {after_slot!r}")
         if type(limit) is not int or limit < 1:
             raise InvalidArgument(f"limit must be a positive int, not {limit!r}")
+        disk = self.disk
+        if disk is not None and after_slot >= disk.first_slot:
+            return with_medium(disk.tier.inventory_batch(after_slot, limit), MEDIUM_DISK)
         with self._lock:
-            return self._inventory_batch(after_slot, limit)
+            batch = self._inventory_batch(after_slot, limit)
+        if disk is not None and batch.next_slot < 0:  # the disk's blocks follow
+            batch = dataclasses.replace(batch, next_slot=disk.first_slot)
+        return with_medium(batch, MEDIUM_MEMORY)
 
     def _inventory_batch(self, after_slot: int, limit: int) -> InventoryBatch:
         # readable == COMMITTED with no free pending (`commit` sets it, a free or release clears it)

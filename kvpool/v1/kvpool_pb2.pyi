@@ -1,10 +1,22 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class TierMoveStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_MOVE_STATUS_UNSPECIFIED: _ClassVar[TierMoveStatus]
+    TIER_MOVE_OK: _ClassVar[TierMoveStatus]
+    TIER_MOVE_FAILED: _ClassVar[TierMoveStatus]
+    TIER_MOVE_STALE: _ClassVar[TierMoveStatus]
+TIER_MOVE_STATUS_UNSPECIFIED: TierMoveStatus
+TIER_MOVE_OK: TierMoveStatus
+TIER_MOVE_FAILED: TierMoveStatus
+TIER_MOVE_STALE: TierMoveStatus
 
 class BlockLocation(_message.Message):
     __slots__ = ("node_id", "slot", "generation", "local", "capability", "capability_expiry_ms")
@@ -103,18 +115,22 @@ class RegisterNodeRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., protocol_version: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., num_slots: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., challenge: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "master_epoch", "layout_fingerprint", "secured", "session")
+    __slots__ = ("heartbeat_interval_ms", "master_epoch", "layout_fingerprint", "secured", "session", "leader_epoch", "leader_proof")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SECURED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_PROOF_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     master_epoch: int
     layout_fingerprint: str
     secured: bool
     session: bytes
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., master_epoch: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., secured: _Optional[bool] = ..., session: _Optional[bytes] = ...) -> None: ...
+    leader_epoch: int
+    leader_proof: str
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., master_epoch: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., secured: _Optional[bool] = ..., session: _Optional[bytes] = ..., leader_epoch: _Optional[int] = ..., leader_proof: _Optional[str] = ...) -> None: ...
 
 class JoinChallengeRequest(_message.Message):
     __slots__ = ("node_id",)
@@ -131,30 +147,36 @@ class JoinChallengeResponse(_message.Message):
     def __init__(self, challenge: _Optional[bytes] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "epoch", "freed_slots", "num_used_slots", "load", "session")
+    __slots__ = ("node_id", "epoch", "freed_slots", "num_used_slots", "load", "session", "disk")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FREED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     freed_slots: _containers.RepeatedCompositeFieldContainer[SlotRef]
     num_used_slots: int
     load: NodeLoad
     session: bytes
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., freed_slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., num_used_slots: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., session: _Optional[bytes] = ...) -> None: ...
+    disk: DiskTierInfo
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., freed_slots: _Optional[_Iterable[_Union[SlotRef, _Mapping]]] = ..., num_used_slots: _Optional[int] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., session: _Optional[bytes] = ..., disk: _Optional[_Union[DiskTierInfo, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known", "master_epoch", "flush_epoch")
+    __slots__ = ("known", "master_epoch", "flush_epoch", "leader_epoch", "leader_proof")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FLUSH_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_PROOF_FIELD_NUMBER: _ClassVar[int]
     known: bool
     master_epoch: int
     flush_epoch: int
-    def __init__(self, known: _Optional[bool] = ..., master_epoch: _Optional[int] = ..., flush_epoch: _Optional[int] = ...) -> None: ...
+    leader_epoch: int
+    leader_proof: str
+    def __init__(self, known: _Optional[bool] = ..., master_epoch: _Optional[int] = ..., flush_epoch: _Optional[int] = ..., leader_epoch: _Optional[int] = ..., leader_proof: _Optional[str] = ...) -> None: ...
 
 class DeregisterNodeRequest(_message.Message):
     __slots__ = ("node_id", "epoch", "session")
@@ -242,7 +264,7 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., count_hit: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., packed_replicas: _Optional[bool] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
-    __slots__ = ("num_matched", "replicas", "lease_id", "lease_ttl_ms", "nodes", "request_id", "replica_node_ids", "replica_node", "replica_slot", "replica_generation", "replica_count", "replica_local", "replica_capability", "capability_expiry_ms")
+    __slots__ = ("num_matched", "replicas", "lease_id", "lease_ttl_ms", "nodes", "request_id", "replica_node_ids", "replica_node", "replica_slot", "replica_generation", "replica_count", "replica_local", "replica_capability", "capability_expiry_ms", "leader_epoch", "leader_proof")
     NUM_MATCHED_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +279,8 @@ class MatchPrefixResponse(_message.Message):
     REPLICA_LOCAL_FIELD_NUMBER: _ClassVar[int]
     REPLICA_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_PROOF_FIELD_NUMBER: _ClassVar[int]
     num_matched: int
     replicas: _containers.RepeatedCompositeFieldContainer[BlockReplicas]
     lease_id: int
@@ -271,7 +295,9 @@ class MatchPrefixResponse(_message.Message):
     replica_local: _containers.RepeatedScalarFieldContainer[int]
     replica_capability: _containers.RepeatedScalarFieldContainer[bytes]
     capability_expiry_ms: int
-    def __init__(self, num_matched: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[BlockReplicas, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., request_id: _Optional[str] = ..., replica_node_ids: _Optional[_Iterable[str]] = ..., replica_node: _Optional[_Iterable[int]] = ..., replica_slot: _Optional[_Iterable[int]] = ..., replica_generation: _Optional[_Iterable[int]] = ..., replica_count: _Optional[_Iterable[int]] = ..., replica_local: _Optional[_Iterable[int]] = ..., replica_capability: _Optional[_Iterable[bytes]] = ..., capability_expiry_ms: _Optional[int] = ...) -> None: ...
+    leader_epoch: int
+    leader_proof: str
+    def __init__(self, num_matched: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[BlockReplicas, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., request_id: _Optional[str] = ..., replica_node_ids: _Optional[_Iterable[str]] = ..., replica_node: _Optional[_Iterable[int]] = ..., replica_slot: _Optional[_Iterable[int]] = ..., replica_generation: _Optional[_Iterable[int]] = ..., replica_count: _Optional[_Iterable[int]] = ..., replica_local: _Optional[_Iterable[int]] = ..., replica_capability: _Optional[_Iterable[bytes]] = ..., capability_expiry_ms: _Optional[int] = ..., leader_epoch: _Optional[int] = ..., leader_proof: _Optional[str] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "ttl_ms")
@@ -346,18 +372,22 @@ class ReservedBlock(_message.Message):
     def __init__(self, block_hash: _Optional[bytes] = ..., already_present: _Optional[bool] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "blocks", "write_lease_ms", "nodes", "num_replicas_placed")
+    __slots__ = ("reservation_id", "blocks", "write_lease_ms", "nodes", "num_replicas_placed", "leader_epoch", "leader_proof")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WRITE_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLICAS_PLACED_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_PROOF_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     blocks: _containers.RepeatedCompositeFieldContainer[ReservedBlock]
     write_lease_ms: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeEndpoint]
     num_replicas_placed: int
-    def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[ReservedBlock, _Mapping]]] = ..., write_lease_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., num_replicas_placed: _Optional[int] = ...) -> None: ...
+    leader_epoch: int
+    leader_proof: str
+    def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[ReservedBlock, _Mapping]]] = ..., write_lease_ms: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeEndpoint, _Mapping]]] = ..., num_replicas_placed: _Optional[int] = ..., leader_epoch: _Optional[int] = ..., leader_proof: _Optional[str] = ...) -> None: ...
 
 class CommittedBlock(_message.Message):
     __slots__ = ("block_hash", "checksum", "written")
@@ -704,7 +734,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("node", "layout_fingerprint", "num_slots", "block_nbytes", "segment_bytes", "num_used_slots", "num_inflight_transfers", "rss_bytes")
+    __slots__ = ("node", "layout_fingerprint", "num_slots", "block_nbytes", "segment_bytes", "num_used_slots", "num_inflight_transfers", "rss_bytes", "disk")
     NODE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -713,6 +743,7 @@ class GetInfoResponse(_message.Message):
     NUM_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     node: NodeEndpoint
     layout_fingerprint: str
     num_slots: int
@@ -721,7 +752,34 @@ class GetInfoResponse(_message.Message):
     num_used_slots: int
     num_inflight_transfers: int
     rss_bytes: int
-    def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., num_slots: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_inflight_transfers: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
+    disk: DiskTierInfo
+    def __init__(self, node: _Optional[_Union[NodeEndpoint, _Mapping]] = ..., layout_fingerprint: _Optional[str] = ..., num_slots: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_inflight_transfers: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., disk: _Optional[_Union[DiskTierInfo, _Mapping]] = ...) -> None: ...
+
+class DiskTierInfo(_message.Message):
+    __slots__ = ("first_slot", "num_slots", "block_nbytes", "num_used_slots", "num_reserved_slots", "first_generation", "alpha_s", "beta_s_per_byte", "degraded", "direct", "recovered_blocks")
+    FIRST_SLOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_S_FIELD_NUMBER: _ClassVar[int]
+    BETA_S_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    first_slot: int
+    num_slots: int
+    block_nbytes: int
+    num_used_slots: int
+    num_reserved_slots: int
+    first_generation: int
+    alpha_s: float
+    beta_s_per_byte: float
+    degraded: str
+    direct: bool
+    recovered_blocks: int
+    def __init__(self, first_slot: _Optional[int] = ..., num_slots: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., num_reserved_slots: _Optional[int] = ..., first_generation: _Optional[int] = ..., alpha_s: _Optional[float] = ..., beta_s_per_byte: _Optional[float] = ..., degraded: _Optional[str] = ..., direct: _Optional[bool] = ..., recovered_blocks: _Optional[int] = ...) -> None: ...
 
 class SlotReservation(_message.Message):
     __slots__ = ("slot", "generation", "namespace", "block_hash", "parent_hash")
@@ -810,7 +868,7 @@ class InventoryRequest(_message.Message):
     def __init__(self, after_slot: _Optional[int] = ..., max_entries: _Optional[int] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
-    __slots__ = ("epoch", "num_entries", "namespaces", "ns_index", "block_hashes", "parent_hashes", "has_parent", "slots", "generations", "checksums", "size_bytes", "next_slot")
+    __slots__ = ("epoch", "num_entries", "namespaces", "ns_index", "block_hashes", "parent_hashes", "has_parent", "slots", "generations", "checksums", "size_bytes", "next_slot", "medium")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
@@ -823,6 +881,7 @@ class InventoryResponse(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NEXT_SLOT_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     num_entries: int
     namespaces: _containers.RepeatedScalarFieldContainer[bytes]
@@ -835,7 +894,8 @@ class InventoryResponse(_message.Message):
     checksums: bytes
     size_bytes: bytes
     next_slot: int
-    def __init__(self, epoch: _Optional[int] = ..., num_entries: _Optional[int] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., ns_index: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., parent_hashes: _Optional[bytes] = ..., has_parent: _Optional[bytes] = ..., slots: _Optional[bytes] = ..., generations: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., size_bytes: _Optional[bytes] = ..., next_slot: _Optional[int] = ...) -> None: ...
+    medium: bytes
+    def __init__(self, epoch: _Optional[int] = ..., num_entries: _Optional[int] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., ns_index: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., parent_hashes: _Optional[bytes] = ..., has_parent: _Optional[bytes] = ..., slots: _Optional[bytes] = ..., generations: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., size_bytes: _Optional[bytes] = ..., next_slot: _Optional[int] = ..., medium: _Optional[bytes] = ...) -> None: ...
 
 class CopyBlock(_message.Message):
     __slots__ = ("src", "dst", "checksum", "src_capability", "src_capability_expiry_ms")
@@ -866,6 +926,40 @@ class CopyBlocksResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SlotResult]
     def __init__(self, results: _Optional[_Iterable[_Union[SlotResult, _Mapping]]] = ...) -> None: ...
+
+class TierMove(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: SlotRef
+    dst: SlotRef
+    def __init__(self, src: _Optional[_Union[SlotRef, _Mapping]] = ..., dst: _Optional[_Union[SlotRef, _Mapping]] = ...) -> None: ...
+
+class TierMoveRequest(_message.Message):
+    __slots__ = ("moves", "leader_epoch")
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    moves: _containers.RepeatedCompositeFieldContainer[TierMove]
+    leader_epoch: int
+    def __init__(self, moves: _Optional[_Iterable[_Union[TierMove, _Mapping]]] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
+
+class TierMoveResult(_message.Message):
+    __slots__ = ("src", "dst", "status", "error")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    src: SlotRef
+    dst: SlotRef
+    status: TierMoveStatus
+    error: str
+    def __init__(self, src: _Optional[_Union[SlotRef, _Mapping]] = ..., dst: _Optional[_Union[SlotRef, _Mapping]] = ..., status: _Optional[_Union[TierMoveStatus, str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class TierMoveResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TierMoveResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[TierMoveResult, _Mapping]]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "has_seed", "max_tokens", "stop_token_ids")

@@ -1300,6 +1300,16 @@ class StoreStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.CopyBlocksRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CopyBlocksResponse.FromString,
                 _registered_method=True)
+        self.DemoteBlocks = channel.unary_unary(
+                '/kvpool.v1.Store/DemoteBlocks',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.TierMoveRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.TierMoveResponse.FromString,
+                _registered_method=True)
+        self.PromoteBlocks = channel.unary_unary(
+                '/kvpool.v1.Store/PromoteBlocks',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.TierMoveRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.TierMoveResponse.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -1341,6 +1351,20 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DemoteBlocks(self, request, context):
+        """Refused at once with RESOURCE_EXHAUSTED when the store's move queue is full; FAILED_PRECONDITION
+        without a disk tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PromoteBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1373,6 +1397,16 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.CopyBlocks,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CopyBlocksRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.CopyBlocksResponse.SerializeToString,
+            ),
+            'DemoteBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.DemoteBlocks,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.TierMoveRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.TierMoveResponse.SerializeToString,
+            ),
+            'PromoteBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromoteBlocks,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.TierMoveRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.TierMoveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1537,6 +1571,60 @@ class Store:
             '/kvpool.v1.Store/CopyBlocks',
             kvpool_dot_v1_dot_kvpool__pb2.CopyBlocksRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.CopyBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DemoteBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Store/DemoteBlocks',
+            kvpool_dot_v1_dot_kvpool__pb2.TierMoveRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.TierMoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromoteBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Store/PromoteBlocks',
+            kvpool_dot_v1_dot_kvpool__pb2.TierMoveRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.TierMoveResponse.FromString,
             options,
             channel_credentials,
             insecure,
