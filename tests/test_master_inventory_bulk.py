@@ -105,8 +105,13 @@ def _fill(table: SlotTable, rng: np.random.Generator, ns: bytes) -> list[list[by
 
 def test_an_inventory_of_many_messages_and_slices_is_indexed_whole() -> None:
     settings = MasterSettings(
-        port=0, layout=TINY, metrics=False, inventory_batch_blocks=5000, heartbeat_timeout_ms=600_000
-    )  # (this store sends no heartbeats)
+        port=0,
+        layout=TINY,
+        metrics=False,
+        inventory_batch_blocks=5000,
+        heartbeat_timeout_ms=600_000,
+        stale_after_ms=600_000,
+    )  # (this store sends no heartbeats: neither dead nor stale while the test runs)
     server = serve(settings)
     m = server.master  # type: ignore[attr-defined]
     n = NUM_CHAINS * CHAIN
