@@ -1,4 +1,4 @@
-"""Gray-failure figures of issue #39 (docs/bench_faults.md): a store that fails every write, at a steady
+"""Gray-failure figures (docs/bench_faults.md): a store that fails every write, at a steady
 publish rate. `python -m kvpool.bench.faults [--json PATH]`.
 
 The real master (`kvpool.master.core.Master`: placement, reservations, commits, data-plane health) runs in
@@ -11,7 +11,7 @@ does). Figures:
 - `blocks_after_first_failure`: blocks placed on `bad` in reservations the master made after it received
   the first failure report (the first commit or report naming `bad`), for `seconds` of publishing;
 - the same without counting at commit (`commit_counting=False`: only the seconds-coalesced failure reports,
-  the code before issue #39), for comparison;
+  as the master did before it counted writes at commit), for comparison;
 - `transient_store_failed`: stores taken out (gray or failed) by one failed write on a healthy store.
 """
 

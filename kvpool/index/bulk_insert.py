@@ -101,16 +101,25 @@ def insert_bulk(
     c, table = index._c, index._table
 
     # repeats within the batch: the first occurrence counts, later ones are refused
-    by_key = np.lexsort((keys[:, 1], keys[:, 0]))  # stable: equal keys in batch order
+    by_key = np.argsort(keys[:, 0], kind="stable")  # equal keys in batch order
     sorted_keys = keys[by_key]
+    if (sorted_keys[1:, 0] == sorted_keys[:-1, 0]).any():  # shared low halves: by the high half too
+        by_key = np.lexsort((keys[:, 1], keys[:, 0]))
+        sorted_keys = keys[by_key]
     same = np.zeros(n, dtype=np.bool_)
     same[1:] = (sorted_keys[1:] == sorted_keys[:-1]).all(axis=1)
     dup = np.zeros(n, dtype=np.bool_)
     dup[by_key[same]] = True
 
     existing = table.find_many(slot, keys)
+    # each parent: a block of the batch (its first occurrence; its row if present), else the table's
+    p_at = np.full(n, -1, dtype=np.int64)
+    p_at[has_parent] = _in_batch(sorted_keys, by_key, pkeys[has_parent])
     p_row = np.full(n, NO_ROW, dtype=np.int64)
-    p_row[has_parent] = table.find_many(slot, pkeys[has_parent])
+    inside = p_at >= 0
+    p_row[inside] = existing[p_at[inside]]
+    outside = has_parent & ~inside
+    p_row[outside] = table.find_many(slot, pkeys[outside])
     p_known = ~has_parent | (p_row >= 0)  # the root, or a row of the index
     present = (existing >= 0) & ~dup
     same_parent = np.zeros(n, dtype=np.bool_)
@@ -123,8 +132,11 @@ def insert_bulk(
     ptr = np.arange(n)  # fixed points are terminals (anchored or dead ends)
     dead = np.zeros(n, dtype=np.bool_)
     lookup = np.flatnonzero(cand & ~p_known)
-    if lookup.size:
-        found, absent = _find_in_batch(keys, by_key, cand, pkeys[lookup])
+    if (
+        lookup.size
+    ):  # a parent absent from the index: a candidate of the batch (its first occurrence), or none
+        found = p_at[lookup]
+        absent = found < 0
         ptr[lookup] = np.where(absent, lookup, found)
         dead[lookup] = absent
     parent_idx = ptr.copy()
@@ -159,16 +171,13 @@ def insert_bulk(
     return out
 
 
-def _find_in_batch(
-    keys: np.ndarray, by_key: np.ndarray, cand: np.ndarray, wanted: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """For each of `wanted` ((m, 2) uint64 keys): the batch index of the candidate block with that
-    key (-1: none), and whether there is none. `by_key` is the batch sorted by key (low half first)."""
-    order = by_key[cand[by_key]]  # candidates, sorted (distinct keys: repeats are not candidates)
-    lo, hi = keys[order, 0], keys[order, 1]
+def _in_batch(sorted_keys: np.ndarray, by_key: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """For each of `wanted` ((m, 2) uint64 keys): the batch index of the first block with that key, or
+    -1. `sorted_keys` is the batch's keys in `by_key` order (sorted by low half, then high, stable)."""
+    lo, hi = sorted_keys[:, 0], sorted_keys[:, 1]
     at = np.searchsorted(lo, wanted[:, 0])
     found = np.full(len(wanted), -1, dtype=np.int64)
-    # equal low halves are adjacent; walk each run (random hashes: almost always one step)
+    # equal low halves are adjacent, sorted by high half: walk each run (random hashes: one step)
     step = 0
     todo = np.flatnonzero(at < len(lo))
     while todo.size:
@@ -178,10 +187,10 @@ def _find_in_batch(
         same_lo = lo[i] == wanted[todo, 0]
         todo, i = todo[same_lo], i[same_lo]
         hit = hi[i] == wanted[todo, 1]
-        found[todo[hit]] = order[i[hit]]
+        found[todo[hit]] = by_key[i[hit]]
         todo = todo[~hit]
         step += 1
-    return found, found < 0
+    return found
 
 
 def _insert_new(

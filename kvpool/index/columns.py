@@ -36,6 +36,8 @@ sizes `capacity`, the master from its memory budget, so this is a fallback).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from kvpool.index.replica_cols import ReplicaColumnsMixin
@@ -113,6 +115,17 @@ HIT_COUNT_MAX = np.iinfo(np.uint32).max
 DEFAULT_CAPACITY = 1 << 20
 """Rows reserved (not committed) when the index is not told its maximum."""
 PAGE_BYTES = 4096
+MAX_RESERVED_ROWS = 1 << 30
+"""The most rows `rows_for_bytes` reserves (rows are int32 in the hash table and the links)."""
+
+
+def rows_for_bytes(limit_bytes: int) -> int:
+    """Rows to reserve for an index limited to `limit_bytes` of its own accounting (at least
+    `DEFAULT_CAPACITY`): the arrays are reserved, not committed (pages are touched as rows are handed
+    out), so an index that stays within its limit never grows its arrays (an O(rows) copy)."""
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2  # (one reservation under RAM)
+    rows = min(int(limit_bytes), host) // (_ROW.itemsize + 16)
+    return max(DEFAULT_CAPACITY, min(rows, MAX_RESERVED_ROWS))
 
 
 class _LocationsView:

@@ -11,10 +11,19 @@ linearly. Only the low 64 bits of the scalar path's Python ints matter, so it ne
 
 Deletion leaves a tombstone (vectorised: a batch of rows is deleted in one pass per probe round);
 inserts reuse tombstones on their probe path. When entries plus tombstones pass `_MAX_LOAD` of the
-capacity the table is rebuilt from the live rows (vectorised), doubling only when the live entries
-alone pass `_GROW_LOAD`: so the table's load stays in (0.3, 0.7] once it is larger than the minimum,
-4 / load bytes per block (6 to 13 B). A rebuild is O(entries) numpy work (about 1 s per 10 M entries on
-this machine's cores), paid once per doubling or per `capacity * (_MAX_LOAD - _GROW_LOAD)` deletions.
+capacity a clean table takes over, twice as large when the live entries alone pass `_GROW_LOAD`: so the
+table's load stays in (0.3, 0.7] once it is larger than the minimum, 4 / load bytes per block (6 to 13 B).
+
+Growth is incremental (no O(entries) pass in one call): the old table stays readable while its entries
+move to the new one, `migrate_positions` old positions per step at least (each `insert_many` takes one,
+sized so the old table is empty before the inserts left until the next growth run out: about 1.3
+positions per entry inserted after a doubling, up to 10 after a clean-up of tombstones at the same
+capacity; `step` takes one more, e.g. from a maintenance tick). A step
+moves whole probe runs: it ends at an `EMPTY` position of the old table, so every entry left in the old
+table sits past the moved prefix, which is `EMPTY`, and its probe path never crosses it (a path never
+crosses an `EMPTY` position). Lookups and deletes ask the new table, then the old one while it lasts;
+inserts go to the new one. The old table is gone before the new one can need to grow again (if it ever
+did, the rest would be moved first).
 
 Lookups: `find(slot, hash)` is a scalar Python probe (the match path's binary search asks one hash at a
 time: a memoryview read per probe, no numpy call); `find_many(slots, hashes)` resolves a batch with one
@@ -37,17 +46,54 @@ _SCALAR_TAIL = 24
 """`find_many` finishes this many or fewer keys with scalar probes (numpy calls cost more per round)."""
 _MAX_LOAD = 0.7
 _GROW_LOAD = 0.6
+MIGRATE_POSITIONS = 16384
+"""Old-table positions moved per migration step by default (about 1 ms of numpy work)."""
+
+
+def _probe_one(
+    tmv: memoryview,
+    mask: int,
+    shift: int,
+    qmv: memoryview,
+    nmv: memoryview,
+    step: int,
+    off: int,
+    slot: int,
+    x: int,
+) -> int:
+    """The row of (`slot`, hash int `x`) in the table `tmv`, or -1 (`HashTable.find`'s loop)."""
+    pos = (((x ^ (x >> 64) ^ (slot * _MIX)) * _FIB) & _M64) >> shift
+    lo, hi = x & _M64, x >> 64
+    while True:
+        row = tmv[pos]
+        if row == EMPTY:
+            return -1
+        if row >= 0 and qmv[2 * row] == lo and qmv[2 * row + 1] == hi and nmv[row * step + off] == slot:
+            return row
+        pos = (pos + 1) & mask
 
 
 class HashTable:
     """Maps (slot, hash) to a row; reads keys through `h64` ((rows, 2) uint64: each hash's two
-    little-endian halves) and `ns_slot` ((rows,) int32), the index's columns (rebound by `bind`)."""
+    little-endian halves) and `ns_slot` ((rows,) int32), the index's columns (rebound by `bind`).
+    `migrate_positions`: old-table positions moved per migration step (tests use small ones)."""
 
-    def __init__(self, h64: np.ndarray, ns_slot: np.ndarray, capacity: int = _MIN_CAPACITY) -> None:
+    def __init__(
+        self,
+        h64: np.ndarray,
+        ns_slot: np.ndarray,
+        capacity: int = _MIN_CAPACITY,
+        migrate_positions: int = MIGRATE_POSITIONS,
+    ) -> None:
+        self._old: np.ndarray | None = None
+        """The table being emptied into `table` (None: no migration); positions < `_moved` are moved."""
+        self._moved = 0
+        self.migrate_positions = migrate_positions
         self.bind(h64, ns_slot)
         self.count = 0
-        """Live entries."""
+        """Live entries (in both tables while migrating)."""
         self.tombs = 0
+        """Tombstones in `table` (the old table's are dropped as it is moved)."""
         self._alloc(max(_MIN_CAPACITY, 1 << (max(1, capacity) - 1).bit_length()))
 
     def bind(self, h64: np.ndarray, ns_slot: np.ndarray) -> None:
@@ -74,9 +120,13 @@ class HashTable:
                 self._ns_step,
                 self._ns_off,
             )
+            if self._old is None:
+                self.__dict__.pop("find", None)  # the class's `find`: the match path's probe, unchanged
+            else:
+                self.find = self._find_both  # type: ignore[method-assign]
 
     def __getstate__(self) -> dict[str, object]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_qmv", "_tmv", "_nmv", "_probe")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_qmv", "_tmv", "_nmv", "_probe", "find")}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
@@ -93,15 +143,33 @@ class HashTable:
 
     @property
     def nbytes(self) -> int:
-        return int(self.table.nbytes)
+        return int(self.table.nbytes) + (0 if self._old is None else int(self._old.nbytes))
+
+    @property
+    def migrating(self) -> bool:
+        """True while an old table is being moved into `table`."""
+        return self._old is not None
+
+    def rows(self) -> np.ndarray:
+        """Every live row ((count,) int32, in no useful order), from both tables while migrating."""
+        live = self.table[self.table >= 0]
+        if self._old is not None:
+            live = np.concatenate([live, self._old[self._old >= 0]])
+        return live
 
     # ---- positions ---------------------------------------------------------------------------------
-    def _homes(self, slots: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        """Home positions ((n,) int64) of `keys` ((n, 2) uint64) under `slots` ((n,) ints)."""
+    def _homes(self, slots: np.ndarray, keys: np.ndarray, shift: int | None = None) -> np.ndarray:
+        """Home positions ((n,) int64) of `keys` ((n, 2) uint64) under `slots` ((n,) ints), in the
+        table of `shift` (default: the current one)."""
         x = keys[:, 0] ^ keys[:, 1]
         x ^= slots.astype(np.uint64) * np.uint64(_MIX)
         x *= np.uint64(_FIB)
-        return (x >> np.uint64(self.shift)).astype(np.int64)
+        return (x >> np.uint64(self.shift if shift is None else shift)).astype(np.int64)
+
+    def _old_params(self) -> tuple[np.ndarray, int, int]:
+        old = self._old
+        assert old is not None
+        return old, len(old) - 1, 64 - (len(old).bit_length() - 1)
 
     # ---- lookups -----------------------------------------------------------------------------------
     def find(self, slot: int, block_hash: bytes) -> int:
@@ -126,34 +194,62 @@ class HashTable:
             if row == EMPTY:
                 return -1
 
+    def _find_both(self, slot: int, block_hash: bytes) -> int:
+        """`find` while growing (bound over it as an instance attribute): the new table, then the old."""
+        row = HashTable.find(self, slot, block_hash)
+        if row >= 0:
+            return row
+        old, mask, shift = self._old_params()
+        x = int.from_bytes(block_hash, "little")
+        return _probe_one(old.data, mask, shift, self._qmv, self._nmv, self._ns_step, self._ns_off, slot, x)
+
+    def _find_one(self, table: np.ndarray, slot: int, key: bytes) -> int:
+        mask, shift = len(table) - 1, 64 - (len(table).bit_length() - 1)
+        x = int.from_bytes(key, "little")
+        return _probe_one(table.data, mask, shift, self._qmv, self._nmv, self._ns_step, self._ns_off, slot, x)
+
     def find_many(self, slots: np.ndarray | int, keys: np.ndarray) -> np.ndarray:
         """Rows ((n,) int64, -1 where absent) of the keys `keys` ((n, 2) uint64 hash halves) under
         `slots` ((n,) ints, or one int for all)."""
         n = len(keys)
-        out = np.full(n, -1, dtype=np.int64)
         if n == 0:
-            return out
+            return np.full(0, -1, dtype=np.int64)
         one_slot = not isinstance(slots, np.ndarray)
         slots_arr = np.broadcast_to(np.asarray(slots, dtype=np.int64), (n,))
+        out = self._find_many_in(self.table, slots_arr, keys, one_slot)
+        if self._old is not None:
+            miss = np.flatnonzero(out < 0)
+            if miss.size:
+                out[miss] = self._find_many_in(self._old, slots_arr[miss], keys[miss], one_slot)
+        return out
+
+    def _find_many_in(
+        self, table: np.ndarray, slots_arr: np.ndarray, keys: np.ndarray, one_slot: bool
+    ) -> np.ndarray:
+        n = len(keys)
+        out = np.full(n, -1, dtype=np.int64)
         if n <= _SCALAR_TAIL:
             raw = np.ascontiguousarray(keys).tobytes()
             for i in range(n):
-                out[i] = self.find(int(slots_arr[i]), raw[16 * i : 16 * i + 16])
+                out[i] = self._find_one(table, int(slots_arr[i]), raw[16 * i : 16 * i + 16])
             return out
-        pos = self._homes(slots_arr, keys)
+        mask, shift = len(table) - 1, 64 - (len(table).bit_length() - 1)
+        pos = self._homes(slots_arr, keys, shift)
         todo = np.arange(n)
         k0, k1 = keys[:, 0].copy(), keys[:, 1].copy()
         want = None if one_slot else slots_arr.copy()
-        table, h0, h1, ns, mask = self.table, self._h64[:, 0], self._h64[:, 1], self._ns, self.mask
+        h0, h1, ns = self._h64[:, 0], self._h64[:, 1], self._ns
         while todo.size:
             if todo.size <= _SCALAR_TAIL:  # a few keys left (the long probes): one by one is cheaper
                 for i in todo.tolist():
-                    out[i] = self.find(int(slots_arr[i]), keys[i].tobytes())
+                    out[i] = self._find_one(table, int(slots_arr[i]), keys[i].tobytes())
                 break
             rows = table[pos]
             live = np.flatnonzero(rows >= 0)
             r = rows[live]
-            match = (h0[r] == k0[live]) & (h1[r] == k1[live])
+            first = h0[r] == k0[live]  # the low half first: the other columns only for its matches
+            live, r = live[first], r[first]
+            match = h1[r] == k1[live]
             match &= ns[r] == (int(slots_arr[0]) if want is None else want[live])
             hit = live[match]
             out[todo[hit]] = r[match]
@@ -164,35 +260,75 @@ class HashTable:
                 want = want[cont]
         return out
 
-    def positions_of(self, rows: np.ndarray) -> np.ndarray:
-        """Table positions holding the (present) `rows` ((n,) ints), one numpy pass per probe round."""
-        n = len(rows)
-        out = np.empty(n, dtype=np.int64)
-        if n == 0:
-            return out
+    def positions_of(self, rows: np.ndarray, table: np.ndarray | None = None) -> np.ndarray:
+        """Positions in `table` (default: the current one) of `rows` ((n,) ints; -1 for a row not in
+        it), one numpy pass per probe round."""
+        table = self.table if table is None else table
         rows = np.asarray(rows, dtype=np.int64)
-        pos = self._homes(self._ns[rows], self._h64[rows])
-        todo = np.arange(n)
-        table, mask = self.table, self.mask
-        guard = 0
+        out = np.full(len(rows), -1, dtype=np.int64)
+        if not len(rows):
+            return out
+        mask, shift = len(table) - 1, 64 - (len(table).bit_length() - 1)
+        pos = self._homes(self._ns[rows], self._h64[rows], shift)
+        todo = np.arange(len(rows))
         while todo.size:
-            hit = table[pos] == rows[todo]
+            at = table[pos]
+            hit = at == rows[todo]
             out[todo[hit]] = pos[hit]
-            todo, pos = todo[~hit], (pos[~hit] + 1) & mask
-            guard += 1
-            if guard > self.capacity:
-                raise RuntimeError("hash table: a row to delete is not in the table")
+            more = ~hit & (at != EMPTY)
+            todo, pos = todo[more], (pos[more] + 1) & mask
         return out
 
     # ---- changes -----------------------------------------------------------------------------------
     def insert_many(self, rows: np.ndarray) -> None:
-        """Enter `rows` ((n,) ints) whose keys (read from the columns) are absent and distinct."""
+        """Enter `rows` ((n,) ints) whose keys (read from the columns) are absent and distinct. Takes a
+        migration step first while one is under way (O(n) positions, `migrate_positions` at least)."""
         n = len(rows)
         if n == 0:
             return
+        if self._old is not None:  # in step with the inserts left before the next growth can be needed
+            left = len(self._old) - self._moved
+            room = max(_MAX_LOAD * self.capacity - self.count - self.tombs, n)
+            self.step(max(self.migrate_positions, int(left * n / room) + 1))
         if self.count + self.tombs + n > _MAX_LOAD * self.capacity:
-            self._rebuild(self.count + n)
+            if self._old is not None:  # (not reached with the budget above; kept for safety)
+                self.step(len(self._old))
+            self._start_migration(self.count + n)
         self._place(np.asarray(rows, dtype=np.int64))
+
+    def _start_migration(self, need: int) -> None:
+        """A clean table sized for `need` entries takes over; the current one becomes the old one."""
+        capacity = self.capacity
+        while need > _GROW_LOAD * capacity:
+            capacity *= 2
+        self._old, self._moved = self.table, 0
+        self.tombs = 0
+        self._alloc(capacity)
+        self.step(self.migrate_positions)
+
+    def step(self, positions: int = MIGRATE_POSITIONS) -> bool:
+        """Move the entries of the next `positions` old positions (extended to the end of a probe run)
+        into the current table; True while some are left. O(positions) numpy work."""
+        old = self._old
+        if old is None:
+            return False
+        start, size = self._moved, len(old)
+        end = min(start + max(1, positions), size)
+        while end < size and old[end] != EMPTY:  # to the end of the probe run (an EMPTY position)
+            ahead = old[end : end + 1024]
+            gap = np.flatnonzero(ahead == EMPTY)
+            end = end + int(gap[0]) if gap.size else min(end + len(ahead), size)
+        seg = old[start:end]
+        moving = seg[seg >= 0].astype(np.int64)
+        seg[:] = EMPTY
+        self._moved = end
+        self.count -= len(moving)  # (`_place` counts them again)
+        self._place(moving)
+        if end >= size:
+            self._old, self._moved = None, 0
+            self._set_probe()
+            return False
+        return True
 
     def _slot_of(self, row: int) -> int:
         return int(self._nmv[row * self._ns_step + self._ns_off])
@@ -239,30 +375,37 @@ class HashTable:
             self.count += 1
 
     def delete_many(self, rows: np.ndarray) -> None:
-        """Remove the (present, distinct) `rows` ((n,) ints); their keys are still in the columns."""
+        """Remove the (present, distinct) `rows` ((n,) ints); their keys are still in the columns.
+        Raises `RuntimeError` (nothing changes) if one is in neither table."""
+        rows = np.asarray(rows, dtype=np.int64)
         n = len(rows)
         if n == 0:
             return
         if n <= _SCALAR_TAIL:
-            tmv, mask = self._tmv, self.mask
-            for row in rows.tolist():
-                pos = self._home(self._slot_of(row), self._key_of(row))
-                while tmv[pos] != row:
-                    if tmv[pos] == EMPTY:
-                        raise RuntimeError("hash table: a row to delete is not in the table")
-                    pos = (pos + 1) & mask
-                tmv[pos] = TOMB
+            pos = np.array(
+                [self._position_scalar(self._tmv, self.mask, self.shift, r) for r in rows.tolist()]
+            )
         else:
-            self.table[self.positions_of(rows)] = TOMB
+            pos = self.positions_of(rows)
+        old_pos = np.full(0, -1, dtype=np.int64)
+        missing = np.flatnonzero(pos < 0)
+        if missing.size:
+            if self._old is None:
+                raise RuntimeError("hash table: a row to delete is not in the table")
+            old_pos = self.positions_of(rows[missing], self._old)
+            if (old_pos < 0).any():
+                raise RuntimeError("hash table: a row to delete is not in the table")
+            self._old[old_pos] = TOMB
+        here = pos[pos >= 0]
+        self.table[here] = TOMB
         self.count -= n
-        self.tombs += n
+        self.tombs += len(here)
 
-    def _rebuild(self, need: int) -> None:
-        """Re-enter the live rows into a clean table sized for `need` entries."""
-        live = self.table[self.table >= 0].astype(np.int64)
-        capacity = self.capacity
-        while need > _GROW_LOAD * capacity:
-            capacity *= 2
-        self._alloc(capacity)
-        self.count = self.tombs = 0
-        self._place(live)
+    def _position_scalar(self, tmv: memoryview, mask: int, shift: int, row: int) -> int:
+        x = self._key_of(row)
+        pos = (((x ^ (x >> 64) ^ (self._slot_of(row) * _MIX)) * _FIB) & _M64) >> shift
+        while tmv[pos] != row:
+            if tmv[pos] == EMPTY:
+                return -1
+            pos = (pos + 1) & mask
+        return pos

@@ -119,7 +119,7 @@ def _check_table(index: RadixIndex, alive: list[int]) -> None:
     """Every alive row is found under its own (slot, hash) and the table holds nothing else."""
     c, table = index._c, index._table
     rows = np.array(alive, dtype=np.int64)
-    entries = table.table[table.table >= 0]
+    entries = table.rows()
     if table.count != len(entries) or len(entries) != len(rows):
         _fail(f"hash table holds {len(entries)} entries (counts {table.count}) for {len(rows)} rows")
     if table.tombs != int(np.count_nonzero(table.table == -2)):

@@ -160,6 +160,11 @@ class BlockMetaMixin:
             target_replicas,
         )
 
+    def grow_step(self, positions: int = 16384) -> bool:
+        """Move up to `positions` (and the rest of a probe run) of the hash table's old table into its
+        new one, while it is growing (`kvpool.index.hashtable`); True while some are left. O(positions)."""
+        return self._table.step(positions)
+
     def memory_bytes(self) -> int:
         """The index's resident memory in bytes, by its own accounting: the touched rows of the row
         arrays (whole pages), the hash table, the free list, the eviction heap and the extra replicas

@@ -14,7 +14,10 @@ every slot it did not list is free and the store is placeable.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,7 +32,68 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOCK_SLICE_BLOCKS = 4096
-"""Inventory blocks indexed per hold of the master's lock (matches wait at most one slice's bulk insert)."""
+"""Inventory blocks indexed in the first hold of the master's lock; later slices are sized so that a hold
+takes about `LOCK_HOLD_TARGET_S` (matches wait at most one slice's bulk insert)."""
+LOCK_HOLD_TARGET_S = 0.012
+MIN_SLICE_BLOCKS, MAX_SLICE_BLOCKS = 2048, 65536
+_READ_AHEAD = 2
+"""Inventory messages the reader thread decodes ahead of the one being indexed."""
+
+
+def _next_slice(size: int, held_s: float) -> int:
+    """The next slice's size after one of `size` blocks held the lock `held_s` seconds: towards the target
+    hold, at most doubled or halved per step, within [MIN_SLICE_BLOCKS, MAX_SLICE_BLOCKS]."""
+    want = size * LOCK_HOLD_TARGET_S / max(held_s, 1e-6)
+    return int(min(max(want, size / 2, MIN_SLICE_BLOCKS), 2 * size, MAX_SLICE_BLOCKS))
+
+
+class _ReadAhead:
+    """Iterates `batches` (an inventory stream) in a thread of its own, `_READ_AHEAD` messages ahead, so
+    the next message is received and decoded while the current one is indexed. Errors are raised to the
+    consumer where they happened in the stream; `close` stops the thread (and so the stream)."""
+
+    _END = object()
+
+    def __init__(self, batches: Iterator[InventoryBatch], name: str) -> None:
+        self._q: queue.Queue[object] = queue.Queue(maxsize=_READ_AHEAD)
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(batches,), name=name, daemon=True)
+        self._t.start()
+
+    def _put(self, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, batches: Iterator[InventoryBatch]) -> None:
+        try:
+            for b in batches:
+                if not self._put(b):
+                    return
+            self._put(self._END)
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._put(exc)
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # a stream stopped early is cancelled (its generator's finally)
+
+    def __iter__(self) -> Iterator[InventoryBatch]:
+        while True:
+            item = self._q.get()
+            if item is self._END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item  # type: ignore[misc]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(timeout=0.5)  # (a thread waiting on the store ends with its next message)
 
 
 def _rows(b: InventoryBatch, lo: int, hi: int) -> InventoryBatch:
@@ -65,7 +129,7 @@ class Blocks:
         return len(self.slots)
 
     @classmethod
-    def of(cls, b: InventoryBatch, rows: np.ndarray) -> Blocks:
+    def of(cls, b: InventoryBatch, rows: np.ndarray | slice) -> Blocks:
         return cls(
             b.block_hashes[rows],
             b.parent_hashes[rows],
@@ -162,22 +226,35 @@ class Adoption:
                 self.stats.num_inventory_resumes += 1
                 self.stats.resumed_from = [*self.stats.resumed_from[-63:], r.cursor]
                 log.info("inventory of %s resumed from slot %d", node_id, r.cursor)
+        done = r.cursor < 0
+        reader = (
+            None
+            if done
+            else _ReadAhead(m.stores.inventory(address, after_slot=r.cursor), f"inventory-{node_id}")
+        )
+        size = LOCK_SLICE_BLOCKS
         try:
-            done = r.cursor < 0
-            for batch in [] if done else m.stores.inventory(address, after_slot=r.cursor):
-                for lo in range(0, max(len(batch), 1), LOCK_SLICE_BLOCKS):  # the lock per slice
+            for batch in [] if reader is None else reader:
+                lo = 0
+                while True:  # the lock per slice
+                    hi = lo + size
                     t0 = time.monotonic()
                     with m.lock:
                         rec = m.st.nodes.get(node_id)
                         if rec is None or rec.epoch != epoch or not rec.alive:
                             self.reading.pop(node_id, None)
                             return
-                        self._take(node_id, r, _rows(batch, lo, lo + LOCK_SLICE_BLOCKS), m.clock.now_ms())
-                        if lo + LOCK_SLICE_BLOCKS >= len(batch):
+                        self._take(node_id, r, _rows(batch, lo, hi), m.clock.now_ms())
+                        if hi >= len(batch):
                             r.cursor = batch.next_slot
                     held = time.monotonic() - t0
                     self.stats.lock_holds_s.append(held)
                     self.stats.max_lock_hold_s = max(self.stats.max_lock_hold_s, held)
+                    if hi - lo >= MIN_SLICE_BLOCKS:  # (a short tail says little about the rate)
+                        size = _next_slice(size, held)
+                    lo = hi
+                    if lo >= len(batch):
+                        break
                 if batch.next_slot < 0:
                     done = True
                     break
@@ -191,6 +268,9 @@ class Adoption:
                     rec.adopt_failures += 1
                     m.st.to_adopt.add(node_id)
             return
+        finally:
+            if reader is not None:
+                reader.close()
         with m.lock:
             rec = m.st.nodes.get(node_id)
             self.reading.pop(node_id, None)
@@ -200,6 +280,12 @@ class Adoption:
             rec.ready = True
             took = time.monotonic() - r.started_s
             self.stats.last_adoption_s, self.stats.last_adoption_blocks = took, r.num_blocks
+        while (
+            True
+        ):  # a hash table growth the adoption began: finished now (its old table freed), a step a hold
+            with m.lock:
+                if not m.index.grow_step(65536):
+                    break
         log.info(
             "store %s adopted: %d blocks in its inventory in %.3f s (%d resumes)",
             node_id,
@@ -222,7 +308,7 @@ class Adoption:
                 continue
             key = (bytes(ns), node_id)
             self.since_ms.setdefault(key, now_ms)
-            new = Blocks.of(batch, rows)
+            new = Blocks.of(batch, slice(None) if len(rows) == len(batch) else rows)
             if self.m.namespaces.is_active(key[0]):  # this slice's blocks only: the waiting ones at the end
                 left = self._insert(key, new)
                 if left is None or not len(left):

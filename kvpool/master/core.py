@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.capability import Capabilities, process_capabilities
 from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvpool.index.columns import rows_for_bytes
 from kvpool.index.radix import RadixIndex
 from kvpool.index.results import DroppedBlock, MatchResult, Survivors
 from kvpool.master import bounds, dataplane, node_death
@@ -99,7 +100,10 @@ class Master(NodeRegistry):
         )
         """Who may join (`kvpool.master.members`): secured exactly when capabilities are on."""
         self.lock = threading.RLock()
-        self.index = RadixIndex(clock=self.clock, policy=settings.policy)
+        # rows reserved up to the memory limit (not committed): adopting or publishing never copies them
+        self.index = RadixIndex(
+            clock=self.clock, policy=settings.policy, max_blocks=rows_for_bytes(settings.max_index_bytes)
+        )
         self.namespaces = NamespaceRegistry(self.layout, bounds.namespace_limits(settings))
         self.quotas = TenantQuotas.from_file(settings.tenants, settings.tenant_salt_key_file)
         self.st = MasterState()

@@ -35,7 +35,8 @@ EXPECTED = {
                "MatchPrefix", "MatchPrefixStream", "RenewLease", "ReleaseLease", "ReleaseLeases", "Reserve", "Commit", "ReserveBatch", "CommitBatch", "Abort",
                "RemoveBlocks", "ReportBadReplica", "ReportDataPlaneFailure", "ReportLocal", "Stats", "ListNodes", "Drain", "Evict",
                "InvalidateNamespace", "RegisterAdapter", "ReloadAdapter", "UnloadAdapter", "ListAdapters", "Masters"},
-    "Store": {"GetInfo", "ReserveSlots", "CommitSlots", "FreeSlots", "Inventory", "CopyBlocks"},
+    "Store": {"GetInfo", "ReserveSlots", "CommitSlots", "FreeSlots", "Inventory", "CopyBlocks",
+              "DemoteBlocks", "PromoteBlocks"},
     "Prefill": {"Prefill", "GetInfo"},
     "Decode": {"Decode", "GetInfo"},
 }  # fmt: skip
@@ -111,6 +112,7 @@ def hints(layout: str, num_slots: int, data_address: str) -> Hints:
         m + "CopyBlocksRequest.blocks": st.lists(st.builds(
             pb.CopyBlock, src=st.builds(pb.SlotRef, slot=st.integers(0, 20), generation=gen), dst=slot_ref,
             checksum=st.integers(0, 2**64 - 1)), max_size=3),
+        m + "TierMoveRequest.moves": st.lists(st.builds(pb.TierMove, src=slot_ref, dst=slot_ref), max_size=3),
         m + "CopyBlocksRequest.src_data_address": st.sampled_from([data_address, "127.0.0.1:1", "nohost", ":"]),
         # the model's work per call stays tiny: short prompts, at most a few new tokens
         p + "token_ids": TINY_PROMPT,
