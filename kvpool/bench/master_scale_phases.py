@@ -20,7 +20,9 @@ from kvpool.client import MasterClient
 from kvpool.errors import KVPoolError
 
 PUBLISH_SALT = "publish"
-_LOCK_NAME = re.compile(r"(^|_)lock(_|$)|watermark_tick")
+_DEATHS = "kvpool_master_node_deaths_total"
+"""Node removals the master finished (the lock metrics are read once it counts the victim's)."""
+_LOCK_NAME = re.compile(r"(^|_)lock(_|$)|watermark_tick|node_deaths")
 
 
 def publish_rates(cluster: ScaleCluster, *, clients: int, chains: int, chain_blocks: int) -> dict[str, Any]:
@@ -28,8 +30,10 @@ def publish_rates(cluster: ScaleCluster, *, clients: int, chains: int, chain_blo
     `chain_blocks` blocks through the master's gRPC service on the cluster's `--metadata-only` stores (a
     commit needs no bytes there: every block becomes resident), one replica per block, `BATCH_CHAINS`
     chains per ReserveBatch + CommitBatch; `publish_single_blocks_per_s`: the same with one Reserve + Commit
-    per chain; then batched again at two replicas per block: `bytes_per_extra_replica` = (the master's RSS
-    growth at two replicas − at one) / blocks. `publish_e2e_blocks_per_s`: `chains` chains through
+    per chain; then batched again at two replicas per block: `bytes_per_extra_replica` = (the growth of
+    the index's own memory accounting, `kvpool_master_index_memory_bytes`, at two replicas − at one) /
+    blocks; `bytes_per_extra_replica_rss` the same from the master's RSS (allocator steps make it noisy
+    at this size). `publish_e2e_blocks_per_s`: `chains` chains through
     `PoolClient.put_blocks` (Reserve → UCX write → Commit, one client) on a separate small cluster of one
     normal store."""
     from kvpool.bench.master_publish import BATCH_CHAINS, ChainWork, publish
@@ -41,7 +45,7 @@ def publish_rates(cluster: ScaleCluster, *, clients: int, chains: int, chain_blo
         chain_blocks=chain_blocks,
     )
     time.sleep(1.0)
-    rss0 = cluster.master_rss_bytes()
+    rss0, acct0 = cluster.master_rss_bytes(), _index_memory_bytes(cluster)
     one = publish(
         cluster.address,
         [ChainWork(ns, 1 + k, chains) for k in range(clients)],
@@ -49,7 +53,7 @@ def publish_rates(cluster: ScaleCluster, *, clients: int, chains: int, chain_blo
         batch_chains=BATCH_CHAINS,
     )
     time.sleep(1.0)
-    rss1 = cluster.master_rss_bytes()
+    rss1, acct1 = cluster.master_rss_bytes(), _index_memory_bytes(cluster)
     two = publish(
         cluster.address,
         [ChainWork(ns, 1 + clients + k, chains) for k in range(clients)],
@@ -58,7 +62,7 @@ def publish_rates(cluster: ScaleCluster, *, clients: int, chains: int, chain_blo
         batch_chains=BATCH_CHAINS,
     )
     time.sleep(1.0)
-    rss2 = cluster.master_rss_bytes()
+    rss2, acct2 = cluster.master_rss_bytes(), _index_memory_bytes(cluster)
     n = clients * chains * chain_blocks
     if one.blocks != n or two.blocks != n or single.blocks != n:
         raise RuntimeError(
@@ -71,7 +75,8 @@ def publish_rates(cluster: ScaleCluster, *, clients: int, chains: int, chain_blo
         "publish_single_blocks_per_s": single.blocks_per_s,
         "publish_single_calls_per_s": round(single.calls / max(single.seconds, 1e-9), 1),
         "publish_two_replicas_blocks_per_s": two.blocks_per_s,
-        "bytes_per_extra_replica": round(((rss2 - rss1) - (rss1 - rss0)) / n, 1),
+        "bytes_per_extra_replica": round(((acct2 - acct1) - (acct1 - acct0)) / n, 1),
+        "bytes_per_extra_replica_rss": round(((rss2 - rss1) - (rss1 - rss0)) / n, 1),
         "publish_e2e_blocks_per_s": publish_e2e(chains, chain_blocks),
         "publish_chain_blocks": chain_blocks,
         "publish_chains": clients * chains,
@@ -180,8 +185,15 @@ class _Probe:
         )
 
 
-def lock_metrics(cluster: ScaleCluster) -> dict[str, float]:
-    """Every sample of the master's /metrics whose name mentions a lock (none on main today)."""
+def _index_memory_bytes(cluster: ScaleCluster) -> float:
+    """The master's `kvpool_master_index_memory_bytes` (the index's own accounting), 0 without metrics."""
+    return _metrics(cluster, re.compile(r"^kvpool_master_index_memory_bytes$")).get(
+        "kvpool_master_index_memory_bytes", 0.0
+    )
+
+
+def _metrics(cluster: ScaleCluster, pattern: re.Pattern[str]) -> dict[str, float]:
+    """Every sample of the master's /metrics whose name `pattern` finds (empty without metrics)."""
     assert cluster.master is not None
     addr = cluster.master.ready.get("metrics_address")
     if not addr:
@@ -190,11 +202,16 @@ def lock_metrics(cluster: ScaleCluster) -> dict[str, float]:
         text = r.read().decode()
     out = {}
     for line in text.splitlines():
-        if line.startswith("#") or not _LOCK_NAME.search(line.split("{")[0].split(" ")[0]):
+        if line.startswith("#") or not pattern.search(line.split("{")[0].split(" ")[0]):
             continue
         name, _, value = line.rpartition(" ")
         out[name] = float(value)
     return out
+
+
+def lock_metrics(cluster: ScaleCluster) -> dict[str, float]:
+    """The master's lock-held samples (node death, maintenance tick, adoption holds) and node deaths."""
+    return _metrics(cluster, _LOCK_NAME)
 
 
 def lock_held(
@@ -203,7 +220,7 @@ def lock_held(
     """Stalls a concurrent match sees (the master answers matches under the same lock):
     `evict_stall_ms` while the admin Evict RPC evicts `evict_blocks` blocks of store 0 (what a watermark
     tick does under the lock, called on demand), `node_death_stall_ms` from a kill -9 of the last store
-    until the master lists it dead and 3 s more (its rows dropped). Plus the master's own lock metrics."""
+    until the master has finished removing it (its node-death count rises) and 1 s more. Plus the master's own lock metrics."""
     out: dict[str, Any] = {"lock_metrics_before": lock_metrics(cluster)}
     p = _Probe(cluster.address, probe[0], probe[1])
     try:
@@ -226,7 +243,12 @@ def lock_held(
             while any(n.alive for n in c.list_nodes() if n.node.node_id == vid):
                 time.sleep(0.05)
             t1 = time.perf_counter()
-            time.sleep(3.0)
+            deaths = lock_metrics(cluster).get(_DEATHS, 0.0)
+            deadline = t1 + 120.0  # its rows leave in steps from the next maintenance tick on
+            while time.perf_counter() < deadline and lock_metrics(cluster).get(_DEATHS, 0.0) <= deaths:
+                time.sleep(0.1)
+            time.sleep(1.0)
+            out["node_death_removed_s"] = round(time.perf_counter() - 1.0 - t1, 2)
             out["node_death_blocks"] = before
             out["node_death_detect_s"] = round(t1 - t0, 2)
             out["node_death_stall_ms"] = p.worst_ms(t0, time.perf_counter())
