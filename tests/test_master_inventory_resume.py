@@ -85,7 +85,15 @@ def test_adoption_resumes_a_broken_inventory_and_answers_matches_meanwhile(
 
         monkeypatch.setattr(StoreCalls, "inventory", first_message_then_stall)
         server = serve(
-            _settings(port, inventory_batch_blocks=16, store_timeout_s=1.0, heartbeat_timeout_ms=60_000)
+            # the stopped store stays offered to readers (a silent store's replicas leave the matches after
+            # stale_after_ms: not what this test is about)
+            _settings(
+                port,
+                inventory_batch_blocks=16,
+                store_timeout_s=1.0,
+                heartbeat_timeout_ms=60_000,
+                stale_after_ms=60_000,
+            )
         )
         m = server.master
         adoption = server.maintenance.adoption
