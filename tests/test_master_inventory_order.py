@@ -160,3 +160,70 @@ def _register(c: MasterClient, port: int, epoch: int) -> None:
         num_slots=NUM_SLOTS,
         block_nbytes=LAY.block_nbytes,
     )
+
+
+class _SlowInventory(StoreServicer):
+    """A store whose inventory stream starts `delay_s` late (a large store whose listing takes a while)."""
+
+    def __init__(self, *args: object, delay_s: float, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.delay_s = delay_s
+
+    def Inventory(self, request: pb.InventoryRequest, context: object) -> Iterator[object]:  # noqa: N802
+        time.sleep(self.delay_s)
+        yield from super().Inventory(request, context)  # type: ignore[arg-type]
+
+
+def test_a_child_waits_for_a_parent_in_a_store_adopted_after_the_grace() -> None:
+    """Store s0 lists a child whose parent only s1 holds; s1 registers just after s0 was adopted and its
+    inventory takes longer than `rebuild_grace_ms`: the parent's arrival makes the child worth another try
+    before its grace is judged, so both are indexed and nothing is freed."""
+    server = serve(
+        MasterSettings(port=0, layout=TINY, metrics=False, rebuild_grace_ms=1_000, stale_after_ms=60_000)
+    )
+    m = server.master  # type: ignore[attr-defined]
+    with MasterClient(server.address) as c:  # type: ignore[attr-defined]
+        ns, _ = c.register_namespace("graced", "v1", TINY)
+    child = SlotTable(Segment(NUM_SLOTS * LAY.block_nbytes, LAY.block_nbytes, pin_memory="off"), FakeClock(1))
+    _commit(child, [(3, ns, _h(2), _h(1))])
+    parent = SlotTable(
+        Segment(NUM_SLOTS * LAY.block_nbytes, LAY.block_nbytes, pin_memory="off"), FakeClock(1)
+    )
+    _commit(parent, [(4, ns, _h(1), b"")])
+    slow = _SlowInventory(
+        parent,
+        endpoint=lambda: pb.NodeEndpoint(),
+        layout_fingerprint=LAY.fingerprint(),
+        epoch=7,
+        copy=lambda src, blocks: [],
+        max_batch_slots=64,
+        inflight=lambda: 0,
+        delay_s=2.5,
+    )
+    stores = [
+        _serve(child, 5),
+        start_server(
+            [(pb_grpc.add_StoreServicer_to_server, slow, "kvpool.v1.Store")], host="127.0.0.1", port=0
+        ),
+    ]
+    try:
+        with MasterClient(server.address) as c:  # type: ignore[attr-defined]
+            for node_id, store, epoch in (("s0", stores[0], 5), ("s1", stores[1], 7)):
+                if node_id == "s1":
+                    _wait(lambda: m.st.nodes["s0"].ready, 30, "s0 adopted (its child waiting)")
+                c.register_node(
+                    NodeInfo(node_id, "store", f"127.0.0.1:{store.port}", "127.0.0.1:1", epoch),  # type: ignore[attr-defined]
+                    protocol_version=PROTOCOL_VERSION,
+                    layout_fingerprint=LAY.fingerprint(),
+                    num_slots=NUM_SLOTS,
+                    block_nbytes=LAY.block_nbytes,
+                )
+            _wait(lambda: m.st.nodes["s1"].ready, 30, "the slow inventory adopted")
+            _wait(
+                lambda: c.match(ns, [_h(1), _h(2)]).num_matched == 2, 10, "the child indexed below its parent"
+            )
+            assert m.st.nodes["s0"].num_allocated == 1  # its slot still held, never freed
+    finally:
+        for s in stores:
+            s.stop(0)  # type: ignore[attr-defined]
+        server.stop()

@@ -195,9 +195,6 @@ class Adoption:
     def __init__(self, master: Master) -> None:
         self.m = master
         self.reading: dict[str, _Reading] = {}
-        self.read_end_ms = 0
-        """When a store's inventory read last ended: a waiting block's grace counts from the later of this and
-        when it began waiting (its parent may be in a store read after its own, however long that takes)."""
         self.waiting: dict[tuple[bytes, str], Blocks] = {}  # (namespace, store) -> blocks not indexed yet
         self.since_ms: dict[tuple[bytes, str], int] = {}  # when each began waiting
         self.dirty: set[tuple[bytes, str]] = set()  # waiting blocks worth another try (something changed)
@@ -246,7 +243,6 @@ class Adoption:
                         rec = m.st.nodes.get(node_id)
                         if rec is None or rec.epoch != epoch or not rec.alive:
                             self.reading.pop(node_id, None)
-                            self.read_end_ms = m.clock.now_ms()
                             return
                         self._take(node_id, r, _rows(batch, lo, hi), m.clock.now_ms())
                         if hi >= len(batch):
@@ -278,7 +274,6 @@ class Adoption:
         with m.lock:
             rec = m.st.nodes.get(node_id)
             self.reading.pop(node_id, None)
-            self.read_end_ms = m.clock.now_ms()
             if rec is None or rec.epoch != epoch or not rec.alive:
                 return
             rec.free.release_unused(r.used, m.fresh_generation)
@@ -327,10 +322,8 @@ class Adoption:
 
     def claim(self, now_ms: int) -> None:
         """Under the lock: index waiting blocks of namespaces active now; free those of namespaces known
-        inactive, of dead stores, or waiting past `rebuild_grace_ms` after the last inventory read ended (never
-        while a store's inventory is being read or waits to be)."""
+        inactive, of dead stores, or waiting past `rebuild_grace_ms`."""
         m = self.m
-        busy = bool(self.reading) or bool(m.st.to_adopt)
         for key in list(self.waiting):
             ns, node_id = key
             rec = m.st.nodes.get(node_id)
@@ -341,10 +334,9 @@ class Adoption:
                 self._index(key)  # once per change: new blocks, or a parent indexed meanwhile
             if key not in self.waiting:
                 continue
-            since_ms = max(self.since_ms.get(key, now_ms), self.read_end_ms)
-            expired = not busy and now_ms - since_ms > m.settings.rebuild_grace_ms
+            expired = now_ms - self.since_ms.get(key, now_ms) > m.settings.rebuild_grace_ms
             known_inactive = m.namespaces.is_known(ns) and not m.namespaces.is_active(ns)
-            if expired or known_inactive:
+            if (expired and node_id not in self.reading) or known_inactive:
                 blocks = self.waiting[key]
                 log.info(
                     "freeing %d unclaimed inventory blocks of namespace %s on %s",
