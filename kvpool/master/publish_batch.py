@@ -155,7 +155,11 @@ def send_reservations(pub: Publisher, rs: Sequence[tuple[Reservation, int]]) -> 
     failed: set[tuple[int, str]] = set()  # (rid, node) whose slots the store did not take
     for (node_id, lease_ms), by_rid in per_node.items():
         with m.lock:
-            address = m.st.nodes[node_id].grpc_address
+            rec = m.st.nodes.get(node_id)
+        if rec is None:  # it left the pool since its slots were placed
+            failed.update((rid, node_id) for rid in by_rid)
+            continue
+        address = rec.grpc_address
         try:
             m.stores.reserve(address, [o for orders in by_rid.values() for o in orders], lease_ms)
         except (Unavailable, DeadlineExceeded) as exc:  # it did not answer: no placements there a while
